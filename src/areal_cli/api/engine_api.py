@@ -1,0 +1,89 @@
+"""The training-engine contract. One API over FSDP2, Megatron, Archon and DeepSpeed.
+
+Batches are dicts of right-padded tensors with a leading batch dim ``[B, L]``:
+
+- ``input_ids`` (long), ``attention_mask`` (bool; True on real tokens)
+- ``loss_mask`` (float/bool; 1 where token ``i`` is a generated token to train on)
+- optional per-token: ``logprobs`` (behaviour), ``prox_logp``, ``ref_logp``, ``advantages``,
+  ``values``, ``returns``, ``versions`` (-1 on prompt tokens)
+- optional per-sequence ``[B]``: ``rewards``, ``seq_no_eos_mask``
+
+Position convention: per-token tensors are aligned with ``input_ids``; entry ``i`` concerns the
+prediction of token ``i`` from tokens ``< i`` (entry 0 is always 0 / masked).
+
+``loss_fn(outputs, mb) -> (loss, stats)`` receives, for one micro-batch, ``outputs`` with
+``logprobs`` and ``entropy`` (actor) or ``values`` (critic), shaped like ``mb["input_ids"]``, and
+returns a scalar loss that is a *mean over that micro-batch's units* (tokens or sequences) plus a
+dict of float stats. ``loss_weight_fn(mb)`` returns the number of units in ``mb``. The engine
+rescales each micro-batch loss by ``weight / global_weight`` (summed over all micro-batches and
+data-parallel ranks), so gradients do not depend on how the batch was split or on the DP size.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Callable
+
+from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.inference_api import InferenceEngine
+
+Batch = dict[str, "torch.Tensor"]
+LossFn = Callable[[dict[str, "torch.Tensor"], Batch], "tuple[torch.Tensor, dict[str, float]]"]
+LossWeightFn = Callable[[Batch], float]
+
+
+class TrainEngine(abc.ABC):
+    """A model being trained, sharded over some parallel strategy."""
+
+    @abc.abstractmethod
+    def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
+        """Load the model from a local HF dir and apply the parallel strategy."""
+
+    @abc.abstractmethod
+    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step over ``batch`` (split into micro-batches internally)."""
+
+    @abc.abstractmethod
+    def forward(self, batch: Batch, output: str = "logprobs", temperature: float = 1.0) -> "dict[str, torch.Tensor]":
+        """No-grad forward. ``output="logprobs"`` → {"logprobs", "entropy"}; ``"values"`` → {"values"}."""
+
+    @abc.abstractmethod
+    def save(self, meta: SaveLoadMeta) -> None: ...
+
+    @abc.abstractmethod
+    def load(self, meta: SaveLoadMeta) -> None: ...
+
+    @abc.abstractmethod
+    def update_weights(self, meta: WeightUpdateMeta, engines: "list[InferenceEngine]") -> None:
+        """Push current weights to inference servers (pause → sync → continue) and bump versions."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int: ...
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def dp_group(self) -> "dist.ProcessGroup | None": ...
+
+    @property
+    @abc.abstractmethod
+    def dp_rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def dp_world_size(self) -> int: ...
+
+    @property
+    def is_dp_head(self) -> bool:
+        """True on the one rank per data-parallel replica that runs rollout."""
+        return True
+
+    def destroy(self) -> None:
+        """Free process groups and memory."""

@@ -1,0 +1,142 @@
+"""Plain data structures shared by the inference, training and rollout layers.
+
+Import-light on purpose: nothing here imports torch at module import time, so the CLI can use
+these types while staying instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+StopReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling settings for one request (one sample; ``n`` is expanded by the caller/workflow).
+
+    Logprob convention (shared by every server and the trainer): ``output_logprobs[i]`` is
+    ``log softmax(logits / temperature)[token_i]`` *before* top-p/top-k truncation, i.e. the
+    log-probability under the distribution the trainer recomputes with the same temperature.
+    With ``greedy=True`` temperature is treated as 1.0 for logprobs.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    greedy: bool = False
+
+    def new(self, **kwargs: Any) -> "GenerationConfig":
+        return dataclasses.replace(self, **kwargs)
+
+
+@dataclass
+class ModelRequest:
+    """One generation request: a prompt as token ids plus sampling settings."""
+
+    input_ids: list[int]
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelResponse:
+    """Result of one request. Lists are aligned per generated token.
+
+    ``output_versions[i]`` is the policy (weight) version that produced token ``i``; a response
+    that was aborted by a weight update and resumed therefore spans versions.
+    """
+
+    input_tokens: list[int]
+    output_tokens: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    stop_reason: StopReason
+    latency: float = 0.0  # seconds, submit → final token
+    ttft: float = 0.0  # seconds to first token
+    n_resumes: int = 0  # abort→resume cycles the client performed
+    server: str = ""  # address that produced the final segment
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens)
+
+
+@dataclass
+class ParallelStrategy:
+    """Sizes of each parallel dimension for one training component.
+
+    ``dp`` data, ``tp`` tensor, ``pp`` pipeline, ``cp`` context (Ulysses sequence parallel), ``ep``
+    expert (does not add devices). World size = dp*tp*pp*cp.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class WeightUpdateMeta:
+    """How the trainer pushes weights to inference servers.
+
+    ``type="disk"``: the trainer writes a HF-layout safetensors dir at ``path`` and servers load it.
+    ``type="distributed"``: trainer rank 0 (group rank 0) and every server (ranks 1..N, in server
+    order) join a dedicated process group at ``master_address:master_port`` and tensors are
+    broadcast in buckets of at most ``bucket_bytes`` (SGLang's ``init_weights_update_group`` /
+    ``update_weights_from_distributed`` protocol).
+    """
+
+    type: Literal["disk", "distributed"] = "disk"
+    version: int = 0
+    path: str | None = None
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    group_name: str = "areal_weight_update"
+    backend: Literal["gloo", "nccl"] = "gloo"
+    world_size: int = 0  # 1 (trainer) + number of server ranks
+    bucket_bytes: int = 256 * 1024 * 1024
+    dtype: str = "float32"  # dtype on the wire for distributed updates ("bfloat16" halves traffic)
+    timeout_s: float = 120.0
+
+
+@dataclass
+class ParamSpec:
+    """Name, dtype and shape of one tensor in a distributed weight-update bucket."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+@dataclass
+class SaveLoadMeta:
+    """Where and what to save/load.
+
+    ``weight_format="hf"`` writes an HF-loadable dir (safetensors + config + tokenizer);
+    ``"dcp"`` writes resumable sharded state (model, optimizer, scheduler, RNG, step, version).
+    """
+
+    path: str
+    weight_format: Literal["hf", "dcp"] = "hf"
+    with_optim: bool = False
+    tokenizer_path: str | None = None
+    extra_state: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,67 @@
+"""The rollout-workflow contract and the trajectory container it returns."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from areal_cli.api.inference_api import InferenceEngine
+
+
+@dataclass
+class Trajectory:
+    """A batch of sequences as one dict of tensors with a leading batch dim.
+
+    Required keys: ``input_ids`` [B, L], ``attention_mask`` [B, L], ``loss_mask`` [B, L],
+    ``logprobs`` [B, L], ``versions`` [B, L] (-1 on prompt tokens), ``rewards`` [B].
+    Workflows may add more (e.g. ``seq_no_eos_mask``, ``group_id``). Per-token tensors follow the
+    position convention in :mod:`areal_cli.api.engine_api`.
+    """
+
+    data: "dict[str, torch.Tensor]"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.data["input_ids"].shape[0])
+
+    @staticmethod
+    def concat(items: "list[Trajectory]", pad_id: int = 0) -> "Trajectory":
+        """Concatenate along the batch dim, right-padding per-token tensors to the longest L."""
+        import torch
+
+        if not items:
+            raise ValueError("Trajectory.concat needs at least one trajectory")
+        max_len = max(t.data["input_ids"].shape[1] for t in items)
+        out: dict[str, torch.Tensor] = {}
+        for key in items[0].data:
+            parts = []
+            for t in items:
+                x = t.data[key]
+                if x.dim() >= 2 and x.shape[1] != max_len and key_is_per_token(key, t):
+                    fill = pad_id if key == "input_ids" else (-1 if key == "versions" else 0)
+                    pad = x.new_full((x.shape[0], max_len - x.shape[1], *x.shape[2:]), fill)
+                    x = torch.cat([x, pad], dim=1)
+                parts.append(x)
+            out[key] = torch.cat(parts, dim=0)
+        meta: dict[str, Any] = {}
+        for t in items:
+            for k, v in t.meta.items():
+                meta.setdefault(k, []).append(v)
+        return Trajectory(out, meta)
+
+
+def key_is_per_token(key: str, t: Trajectory) -> bool:
+    x = t.data[key]
+    return x.dim() >= 2 and x.shape[1] == t.data["input_ids"].shape[1]
+
+
+class RolloutWorkflow(abc.ABC):
+    """Turns one dataset item into a scored trajectory batch (e.g. a GRPO group)."""
+
+    @abc.abstractmethod
+    async def arun_episode(self, engine: "InferenceEngine", data: dict[str, Any]) -> Trajectory | None:
+        """Return the episode's trajectory, or ``None`` to reject it (it is not counted)."""

@@ -1,0 +1,44 @@
+"""``launcher`` group: where processes run (local, SLURM through submitit, SkyPilot)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SlurmConfig:
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int = 60
+    cpus_per_task: int = 2
+    mem_gb: int = 16
+    gpus_per_node: int | None = None  # None → cluster.n_gpus_per_node
+    requeue: bool = True
+    max_requeues: int = 3
+    extra_sbatch: dict[str, str] = field(default_factory=dict)
+    setup: list[str] = field(default_factory=list)  # shell lines run before the job
+
+
+@dataclass
+class SkyPilotConfig:
+    cloud: str | None = None
+    accelerators: str | None = None  # None → derived from the plan (e.g. "H100:8")
+    region: str | None = None
+    use_spot: bool = False
+    cluster_name: str | None = None
+    setup: str = "pip install torch==2.13.0 && pip install -e ."
+    workdir: str = "."
+    file_mounts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local | slurm | skypilot
+    server_startup_timeout_s: float = 300.0
+    restart_dead_servers: bool = True
+    max_server_restarts: int = 3
+    trainer_env: dict[str, str] = field(default_factory=dict)
+    server_env: dict[str, str] = field(default_factory=dict)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    skypilot: SkyPilotConfig = field(default_factory=SkyPilotConfig)

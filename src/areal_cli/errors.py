@@ -1,0 +1,73 @@
+"""Typed user-facing errors.
+
+Every mistake a user can make surfaces as an :class:`ArealError`. The CLI turns it into one red line
+and exit code 1 (``UsageError``: 2). Internal invariants may still ``assert``; user input never does.
+"""
+
+from __future__ import annotations
+
+
+class ArealError(Exception):
+    """Base of all errors that are the user's to fix. ``str()`` is the one line the CLI prints."""
+
+    exit_code = 1
+
+
+class ConfigError(ArealError):
+    """A configuration value is wrong.
+
+    ``path`` is the dotted config path (``rollout.group_size``), ``reason`` says what is wrong,
+    ``hint`` says what to set instead. ``text``/``column`` optionally locate a bad character
+    inside a string value so the CLI can draw a caret under it.
+    """
+
+    def __init__(self, path: str, reason: str, hint: str = "", *, text: str | None = None,
+                 column: int | None = None):
+        self.path = path
+        self.reason = reason
+        self.hint = hint
+        self.text = text
+        self.column = column
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        msg = f"{self.path}: {self.reason}"
+        if self.hint:
+            msg += f" — fix: {self.hint}"
+        return msg
+
+    def caret_lines(self) -> list[str]:
+        """Two lines showing the offending value with a caret under the bad character, or []."""
+        if self.text is None or self.column is None:
+            return []
+        return [f"  {self.text}", "  " + " " * max(0, self.column) + "^"]
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "reason": self.reason, "hint": self.hint,
+                "text": self.text, "column": self.column}
+
+
+class UsageError(ArealError):
+    """The command line itself is malformed (exit code 2)."""
+
+    exit_code = 2
+
+
+class StorageError(ArealError):
+    """A storage check failed in a way that must stop a launch."""
+
+
+class LaunchError(ArealError):
+    """A process could not be started or died; the message names it and shows its log tail."""
+
+
+class InferenceError(ArealError):
+    """An inference server rejected a request or could not be reached."""
+
+
+class WeightSyncError(ArealError):
+    """A weight update failed or timed out; the message names the peer."""
+
+
+class DataError(ArealError):
+    """A dataset is missing or unreadable."""

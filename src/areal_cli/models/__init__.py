@@ -1,0 +1,1 @@
+"""Tiny models and locally trained tokenizers (no hub access, ever)."""

@@ -1,0 +1,28 @@
+"""Shared fixtures. Tiny models are built from configs at test time; nothing comes from a hub."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A randomly initialised tiny Qwen2 (≈0.1M params) with a locally trained tokenizer."""
+    from areal_cli.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory, tiny_model_dir) -> str:
+    """Same architecture and tokenizer as ``tiny_model_dir`` but different weights (seed 1)."""
+    from areal_cli.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_model_b"), tokenizer_dir=tiny_model_dir, seed=1)
