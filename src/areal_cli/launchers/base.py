@@ -1,0 +1,169 @@
+"""What every launcher (local, SLURM, SkyPilot) agrees on.
+
+A launcher turns a validated plan into running processes. The plan is first flattened into a
+:class:`JobLayout` (plain, JSON-serialisable): which inference servers run on which node with which
+devices, and how many trainer ranks each node hosts. Launchers differ only in *how* they get a
+process onto a node; what runs on one node is always :func:`areal_cli.launchers.local.run_node`.
+
+Server addresses travel through the run dir (``<run_dir>/servers/<index>.json``, one record per
+live server). It lives on the shared fileroot, so multi-node jobs see one address book, and the
+trainer re-reads it to learn about restarted servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class ServerSpec:
+    """One inference server = one data-parallel instance of the inference allocation."""
+
+    index: int
+    backend: str = "hf"  # hf | vllm | sglang
+    tp: int = 1
+    pp: int = 1
+    node: int = 0
+    devices: list[int] = field(default_factory=list)  # device ids on its node (GPU ids; CPU: slots)
+
+    @property
+    def name(self) -> str:
+        return f"server{self.index}"
+
+
+@dataclass
+class TrainerSpec:
+    """The trainer job: ``world_size`` ranks over ``nnodes`` nodes (torchrun/srun)."""
+
+    backend: str = "fsdp"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    first_node: int = 0  # trainer nodes are first_node .. first_node + nnodes - 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def node_ranks(self) -> list[int]:
+        return list(range(self.first_node, self.first_node + self.nnodes))
+
+
+@dataclass
+class JobLayout:
+    """The placement of one experiment onto ``n_nodes`` nodes."""
+
+    n_nodes: int = 1
+    device: str = "cpu"
+    servers: list[ServerSpec] = field(default_factory=list)
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    colocated: bool = False  # inference and training share devices (``|`` in allocation_mode)
+
+    def servers_on(self, node: int) -> list[ServerSpec]:
+        return [s for s in self.servers if s.node == node]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "JobLayout":
+        return JobLayout(
+            n_nodes=int(d.get("n_nodes", 1)), device=str(d.get("device", "cpu")),
+            servers=[ServerSpec(**s) for s in d.get("servers", [])],
+            trainer=TrainerSpec(**d.get("trainer", {})), colocated=bool(d.get("colocated", False)),
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "JobLayout":
+        return JobLayout.from_dict(json.loads(Path(path).read_text()))
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Starts one experiment's processes and supervises them until they end.
+
+    ``launch`` returns the process exit code to propagate (0 on success) and raises
+    :class:`areal_cli.errors.LaunchError` naming the failed process and its log tail.
+    """
+
+    name: str
+
+    def launch(self, cfg: Any, layout: JobLayout, run_dir: str) -> int: ...
+
+
+def get_launcher(name: str) -> Launcher:
+    """The launcher registered under ``launcher.name``."""
+    from areal_cli.errors import ConfigError
+
+    if name == "local":
+        from areal_cli.launchers.local import LocalLauncher
+
+        return LocalLauncher()
+    if name == "slurm":
+        try:
+            from areal_cli.launchers.slurm import SlurmLauncher
+        except ImportError as e:
+            raise ConfigError("launcher.name", f"the slurm launcher cannot be imported ({e})",
+                              "install submitit or use launcher=local") from e
+        return SlurmLauncher()
+    if name == "skypilot":
+        try:
+            from areal_cli.launchers.skypilot import SkyPilotLauncher
+        except ImportError as e:
+            raise ConfigError("launcher.name", f"the skypilot launcher cannot be imported ({e})",
+                              "pip install 'areal-cli[skypilot]' or use launcher=local") from e
+        return SkyPilotLauncher()
+    raise ConfigError("launcher.name", f"unknown launcher {name!r}", "use one of: local, slurm, skypilot")
+
+
+# ---------------------------------------------------------------- the server address book
+
+def servers_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "servers"
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, p)
+
+
+def publish_server(run_dir: str | os.PathLike, index: int, address: str, epoch: int, pid: int | None,
+                   backend: str) -> None:
+    """Record that server ``index`` serves at ``address``; ``epoch`` counts its restarts."""
+    write_json_atomic(servers_dir(run_dir) / f"{index}.json",
+                      {"index": index, "address": address, "epoch": epoch, "pid": pid, "backend": backend})
+
+
+def retract_server(run_dir: str | os.PathLike, index: int) -> None:
+    try:
+        (servers_dir(run_dir) / f"{index}.json").unlink()
+    except FileNotFoundError:
+        pass
+
+
+def read_servers(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Live server records, ordered by index."""
+    out = []
+    d = servers_dir(run_dir)
+    if not d.is_dir():
+        return out
+    for p in d.glob("*.json"):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue  # a record being replaced; the next read sees it
+    return sorted(out, key=lambda r: r["index"])

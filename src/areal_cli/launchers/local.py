@@ -1,0 +1,321 @@
+"""The local launcher and the per-node runner every launcher uses.
+
+:func:`run_node` runs one node's share of a :class:`JobLayout`: it starts the inference servers
+placed on that node, waits until every server of the job is published, starts this node's trainer
+ranks through torchrun, and supervises:
+
+- a dead inference server is restarted on a fresh port and re-published (its in-flight requests
+  fail over inside the client, which re-reads the address book);
+- a dead trainer stops everything and the :class:`LaunchError` names the rank and its log tail;
+- SIGINT/SIGTERM stop every child process group (trainer first, then servers), so no orphan
+  keeps a port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from areal_cli.errors import LaunchError
+from areal_cli.launchers.base import (
+    JobLayout,
+    ServerSpec,
+    publish_server,
+    read_servers,
+    retract_server,
+    write_json_atomic,
+)
+from areal_cli.utils.procs import ManagedProcess, describe_exit, tail_file
+
+STATUS_FILE = "status.json"
+
+
+def logs_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "logs"
+
+
+def base_env(device: str) -> dict[str, str]:
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if device == "cpu":
+        # Two cores are shared by a server and a trainer: one intra-op thread each avoids
+        # oversubscription, which costs far more than it gains on tiny models.
+        env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    return env
+
+
+def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: str) -> list[str]:
+    """The command line of one inference server (hf / vllm / sglang)."""
+    from areal_cli.inference import launch as inf_launch
+
+    return list(inf_launch.build_server_cmd(
+        backend=spec.backend, model_path=model_path, host=host, port=port, tp_size=spec.tp,
+        dtype=cfg.engine.dtype, device=cfg.cluster.device, seed=cfg.seed + spec.index))
+
+
+def trainer_argv(layout: JobLayout, config_path: str, node_rank: int, master_addr: str,
+                 master_port: int) -> list[str]:
+    t = layout.trainer
+    return [sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(t.nnodes), "--nproc-per-node", str(t.nproc_per_node),
+            "--node-rank", str(node_rank - t.first_node), "--master-addr", master_addr,
+            "--master-port", str(master_port), "--max-restarts", "0",
+            "--module", "areal_cli.trainer.entry", "--config", config_path]
+
+
+class NodeRunner:
+    """Runs and supervises one node's processes. See the module docstring."""
+
+    def __init__(self, cfg: Any, layout: JobLayout, run_dir: str, *, node_rank: int = 0,
+                 model_path: str | None = None, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, server_host: str = "127.0.0.1",
+                 config_path: str | None = None, on_tick: Callable[[], None] | None = None,
+                 poll_s: float = 0.5):
+        self.cfg, self.layout, self.run_dir = cfg, layout, str(run_dir)
+        self.node_rank = node_rank
+        self.model_path = model_path or cfg.model.path
+        self.master_addr, self.master_port = master_addr, master_port
+        self.server_host = server_host
+        self.config_path = config_path or os.path.join(self.run_dir, "config.yaml")
+        self.on_tick, self.poll_s = on_tick, poll_s
+        self.servers: dict[int, ManagedProcess] = {}
+        self.epochs: dict[int, int] = {}
+        self.restarts = 0
+        self.trainer: ManagedProcess | None = None
+        self._signal: int | None = None
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------ servers
+    def _start_server(self, spec: ServerSpec) -> tuple[ManagedProcess, str]:
+        from areal_cli.utils.network import find_free_port
+
+        port = find_free_port(self.server_host)
+        env = base_env(self.layout.device)
+        if self.layout.device == "cuda" and spec.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
+        env.update({k: str(v) for k, v in self.cfg.launcher.server_env.items()})
+        epoch = self.epochs.get(spec.index, -1) + 1
+        self.epochs[spec.index] = epoch
+        proc = ManagedProcess(name=spec.name, log_path=str(logs_dir(self.run_dir) / f"{spec.name}.log"),
+                              argv=server_argv(self.cfg, spec, port, self.model_path, self.server_host),
+                              env=env).start()
+        self.servers[spec.index] = proc
+        return proc, f"{self.server_host}:{port}"
+
+    def _wait_ready(self, spec: ServerSpec, proc: ManagedProcess, address: str) -> None:
+        import httpx
+
+        deadline = time.time() + float(self.cfg.launcher.server_startup_timeout_s)
+        while time.time() < deadline:
+            self._check_signal()
+            if not proc.alive():
+                raise LaunchError(self._died_msg(proc, "inference server", hint=_server_hint(proc.tail(60))))
+            try:
+                if httpx.get(f"http://{address}/health", timeout=2.0).status_code == 200:
+                    publish_server(self.run_dir, spec.index, address, self.epochs[spec.index], proc.pid,
+                                   spec.backend)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise LaunchError(f"{spec.name} did not become ready within "
+                          f"{self.cfg.launcher.server_startup_timeout_s:.0f}s "
+                          f"(launcher.server_startup_timeout_s). Last log lines of {proc.log_path}:\n"
+                          f"{proc.tail(30)}")
+
+    def start_servers(self) -> None:
+        mine = self.layout.servers_on(self.node_rank)
+        started = [(s, *self._start_server(s)) for s in mine]
+        for spec, proc, addr in started:
+            self._wait_ready(spec, proc, addr)
+
+    def _restart_server(self, spec: ServerSpec) -> None:
+        old = self.servers[spec.index]
+        retract_server(self.run_dir, spec.index)
+        old.stop(timeout=5)
+        limit = int(self.cfg.launcher.max_server_restarts)
+        if not self.cfg.launcher.restart_dead_servers or self.restarts >= limit:
+            raise LaunchError(self._died_msg(old, "inference server",
+                                             hint=f"restarts used: {self.restarts}/{limit} "
+                                                  "(launcher.max_server_restarts)"))
+        self.restarts += 1
+        print(f"[areal] {spec.name} died ({describe_exit(old.poll())}); restarting "
+              f"({self.restarts}/{limit}). Log: {old.log_path}", file=sys.stderr, flush=True)
+        proc, addr = self._start_server(spec)
+        self._wait_ready(spec, proc, addr)
+
+    def _wait_all_published(self) -> None:
+        want = len(self.layout.servers)
+        deadline = time.time() + float(self.cfg.launcher.server_startup_timeout_s)
+        while len(read_servers(self.run_dir)) < want:
+            self._check_signal()
+            self._supervise_servers()
+            if time.time() > deadline:
+                have = sorted(r["index"] for r in read_servers(self.run_dir))
+                raise LaunchError(f"only servers {have} of {want} published their address in "
+                                  f"{self.run_dir}/servers; check the other nodes' logs")
+            time.sleep(0.25)
+
+    def _supervise_servers(self) -> None:
+        for spec in self.layout.servers_on(self.node_rank):
+            proc = self.servers.get(spec.index)
+            if proc is not None and not proc.alive():
+                self._restart_server(spec)
+
+    # ------------------------------------------------------------------ trainer
+    def start_trainer(self) -> None:
+        from areal_cli.utils.network import find_free_port
+
+        t = self.layout.trainer
+        if self.master_port is None:
+            self.master_port = find_free_port()
+        env = base_env(self.layout.device)
+        env.update({"AREAL_RUN_DIR": self.run_dir, "AREAL_NODE_RANK": str(self.node_rank)})
+        env.update({k: str(v) for k, v in self.cfg.launcher.trainer_env.items()})
+        self.trainer = ManagedProcess(
+            name="trainer", log_path=str(logs_dir(self.run_dir) / f"trainer_node{self.node_rank}.log"),
+            argv=trainer_argv(self.layout, self.config_path, self.node_rank, self.master_addr,
+                              self.master_port), env=env).start()
+        del t
+
+    def _trainer_failure(self, code: int | None) -> LaunchError:
+        """Name the rank that failed first and show its traceback tail."""
+        assert self.trainer is not None
+        culprit, tail = _find_failed_rank(self.run_dir)
+        if culprit is None:
+            culprit, tail = "trainer (torchrun)", self.trainer.tail(40)
+        return LaunchError(f"{culprit} failed ({describe_exit(code)}); everything was stopped. "
+                           f"Last log lines:\n{tail}")
+
+    # ------------------------------------------------------------------ main loop
+    def _check_signal(self) -> None:
+        if self._signal is not None:
+            raise KeyboardInterrupt(signal.Signals(self._signal).name)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self._signal = signum
+
+    def run(self) -> int:
+        """Start, supervise, stop. Returns 0 on success, 128+signal after Ctrl-C/SIGTERM."""
+        installed = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                installed.append((sig, signal.signal(sig, self._handle)))
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            print("\n[areal] interrupted: stopping trainer and servers", file=sys.stderr, flush=True)
+            self._write_status("interrupted")
+            return 128 + (self._signal or signal.SIGINT)
+        finally:
+            self.stop_all()
+            for sig, old in installed:
+                signal.signal(sig, old)
+
+    def _run(self) -> int:
+        has_trainer = self.node_rank in self.layout.trainer.node_ranks()
+        self.start_servers()
+        if not has_trainer:
+            return self._serve_until_done()
+        self._wait_all_published()
+        self.start_trainer()
+        assert self.trainer is not None
+        while True:
+            self._check_signal()
+            code = self.trainer.poll()
+            if code is not None:
+                if code == 0:
+                    self._write_status("done")
+                    return 0
+                self._write_status("failed")
+                raise self._trainer_failure(code)
+            self._supervise_servers()
+            if self.on_tick is not None:
+                self.on_tick()
+            time.sleep(self.poll_s)
+
+    def _serve_until_done(self) -> int:
+        status = Path(self.run_dir) / STATUS_FILE
+        while True:
+            self._check_signal()
+            if status.exists():
+                state = json.loads(status.read_text()).get("state")
+                if state in ("done", "failed", "interrupted"):
+                    return 0 if state == "done" else 1
+            self._supervise_servers()
+            time.sleep(self.poll_s)
+
+    def _write_status(self, state: str) -> None:
+        if self.node_rank in self.layout.trainer.node_ranks():
+            write_json_atomic(Path(self.run_dir) / STATUS_FILE, {"state": state, "time": time.time()})
+
+    def stop_all(self) -> None:
+        """Trainer first (it may be mid-request), then servers; each as a whole process group."""
+        if self.trainer is not None and self.trainer.alive():
+            self.trainer.stop(timeout=15)
+        for idx, proc in list(self.servers.items()):
+            retract_server(self.run_dir, idx)
+            if proc.alive():
+                proc.stop(timeout=10)
+
+    def _died_msg(self, proc: ManagedProcess, what: str, hint: str = "") -> str:
+        msg = f"{what} {proc.name} died ({describe_exit(proc.poll())}). Log {proc.log_path}:\n{proc.tail(30)}"
+        return msg + (f"\nhint: {hint}" if hint else "")
+
+
+def _find_failed_rank(run_dir: str) -> tuple[str | None, str]:
+    """The first rank log holding a traceback, with its tail."""
+    best: tuple[float, str, str] | None = None
+    for p in sorted(logs_dir(run_dir).glob("trainer_rank*.log")):
+        tail = tail_file(p, 40)
+        if "Traceback" in tail or "Error" in tail:
+            m = re.search(r"trainer_rank(\d+)", p.name)
+            key = p.stat().st_mtime
+            name = f"trainer rank {m.group(1) if m else '?'} ({p})"
+            if best is None or key < best[0]:
+                best = (key, name, tail)
+    return (best[1], best[2]) if best else (None, "")
+
+
+def _server_hint(tail: str) -> str:
+    if "Address already in use" in tail:
+        return "the port was taken; another process started on it meanwhile. Re-run."
+    if "No such file or directory" in tail or "does not appear to have a file" in tail:
+        return "the model path is missing or not an HF dir (model.path)"
+    if "No module named" in tail:
+        return "the inference backend is not installed (see README: extras vllm / sglang)"
+    if "out of memory" in tail.lower():
+        return "the server ran out of memory: lower the model size or raise the TP degree"
+    return ""
+
+
+class LocalLauncher:
+    """Everything on this machine: one node, servers + torchrun ranks."""
+
+    name = "local"
+
+    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+               on_tick: Callable[[], None] | None = None) -> int:
+        if layout.n_nodes != 1:
+            raise LaunchError(f"launcher=local runs on one node, but the plan needs {layout.n_nodes} "
+                              "(cluster.n_nodes); use launcher=slurm or launcher=skypilot")
+        runner = NodeRunner(cfg, layout, run_dir, node_rank=0, model_path=model_path, on_tick=on_tick)
+        return runner.run()
+
+
+def run_node(cfg: Any, layout: JobLayout, run_dir: str, node_rank: int, *, master_addr: str,
+             master_port: int, model_path: str | None = None, server_host: str = "127.0.0.1") -> int:
+    """Run node ``node_rank``'s share of ``layout`` and supervise it (for SLURM/SkyPilot launchers).
+
+    Multi-node jobs must pass ``server_host`` = this node's reachable address.
+    """
+    return NodeRunner(cfg, layout, run_dir, node_rank=node_rank, model_path=model_path,
+                      master_addr=master_addr, master_port=master_port, server_host=server_host).run()

@@ -1,0 +1,1 @@
+"""``areal sweep``: Hydra's sweep grammar over any config group, run locally or as a SLURM array."""

@@ -1,0 +1,221 @@
+"""CLI-side observability: the rich live view (tailing metrics.jsonl), the final summary table and
+the learning-curve PNG. Import-light: no torch; matplotlib only inside :func:`plot_learning_curve`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_cli.trainer.stats import METRICS_FILE, read_metrics
+
+
+class MetricsTail:
+    """Incrementally reads new complete lines of a growing ``metrics.jsonl``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.offset = 0
+        self.buf = ""
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path) as f:
+                f.seek(self.offset)
+                chunk = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return []
+        if not chunk:
+            return []
+        self.buf += chunk
+        *lines, self.buf = self.buf.split("\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, (int, float)):
+        return format(v, spec)
+    return str(v)
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "-"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class LiveView:
+    """A rich Live panel: step, reward, accuracy, staleness, gen/train tok/s, weight-sync time, ETA."""
+
+    def __init__(self, run_dir: str, total_steps: int, *, title: str = "areal train", enabled: bool = True):
+        self.tail = MetricsTail(Path(run_dir) / METRICS_FILE)
+        self.total_steps = total_steps
+        self.title = title
+        self.enabled = enabled
+        self.last: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        self.first_eval: dict[str, Any] = {}
+        self.sft: dict[str, Any] = {}
+        self.step_times: list[tuple[float, int]] = []
+        self.started = time.time()
+        self._live = None
+
+    def __enter__(self) -> "LiveView":
+        if self.enabled:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = Console(stderr=True)
+            self._live = Live(self.render(), console=console, refresh_per_second=2, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self.update()
+            self._live.__exit__(*exc)
+            self._live = None
+
+    def ingest(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            kind = r.get("kind")
+            if kind == "train":
+                self.last = r
+                self.step_times.append((r.get("time", time.time()), int(r.get("step", 0))))
+            elif kind == "eval":
+                if not self.first_eval:
+                    self.first_eval = r
+                self.last_eval = r
+            elif kind == "sft":
+                self.sft = r
+
+    def eta_s(self) -> float | None:
+        if len(self.step_times) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.step_times[max(0, len(self.step_times) - 10)], self.step_times[-1]
+        if s1 <= s0:
+            return None
+        return (t1 - t0) / (s1 - s0) * max(0, self.total_steps - s1)
+
+    def update(self) -> None:
+        self.ingest(self.tail.read_new())
+        if self._live is not None:
+            self._live.update(self.render())
+
+    def render(self) -> Any:
+        from rich.table import Table
+
+        t = Table(title=f"{self.title} — {_eta(time.time() - self.started)} elapsed", show_header=True,
+                  header_style="bold cyan", expand=False)
+        cols = ["step", "reward", "accuracy", "staleness", "gen tok/s", "train tok/s", "weight sync s",
+                "ETA"]
+        for c in cols:
+            t.add_column(c, justify="right")
+        r, e = self.last, self.last_eval
+        step = f"{r.get('step', 0)}/{self.total_steps}" if r else (
+            f"sft {self.sft.get('step', 0)}" if self.sft else "starting")
+        acc = e.get("eval/pass@1")
+        acc_s = "-" if acc is None else f"{acc:.1%}"
+        if self.first_eval and e is not self.first_eval and acc is not None:
+            acc_s += f" (from {self.first_eval.get('eval/pass@1', 0):.1%})"
+        t.add_row(step, _fmt(r.get("reward/mean")), acc_s,
+                  _fmt(r.get("staleness/mean"), ".2f"), _fmt(r.get("perf/gen_tokens_per_s"), ".0f"),
+                  _fmt(r.get("perf/train_tokens_per_s"), ".0f"), _fmt(r.get("perf/weight_sync_s"), ".3f"),
+                  _eta(self.eta_s()))
+        return t
+
+
+def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Headline numbers of a run from its metrics.jsonl."""
+    recs = read_metrics(run_dir)
+    train = [r for r in recs if r.get("kind") == "train"]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    sft = [r for r in recs if r.get("kind") == "sft"]
+    out: dict[str, Any] = {"steps": train[-1]["step"] if train else 0, "sft_steps": sft[-1]["step"] if sft else 0}
+    if evals:
+        out["accuracy_before"] = evals[0].get("eval/pass@1")
+        out["accuracy_after"] = evals[-1].get("eval/pass@1")
+        for k in evals[-1]:
+            if k.startswith("eval/pass@") and k != "eval/pass@1":
+                out[k.split("/", 1)[1] + "_after"] = evals[-1][k]
+    if train:
+        out["reward_first"] = train[0].get("reward/mean")
+        out["reward_last"] = train[-1].get("reward/mean")
+        for key in ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s",
+                    "staleness/mean", "perf/samples_per_s"):
+            vals = [r[key] for r in train if isinstance(r.get(key), (int, float))]
+            if vals:
+                out[key.split("/", 1)[1] + "_mean"] = sum(vals) / len(vals)
+    starts = [r for r in recs if r.get("kind") == "event" and r.get("event") == "start"]
+    ends = [r for r in recs if r.get("kind") == "event" and r.get("event") == "end"]
+    if starts and ends:
+        out["trainer_wall_s"] = ends[-1]["time"] - starts[0]["time"]
+    return out
+
+
+def summary_table(summary: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="run summary", header_style="bold cyan")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k, v in summary.items():
+        if isinstance(v, float) and k.startswith(("accuracy", "pass@")):
+            t.add_row(k, f"{v:.1%}")
+        else:
+            t.add_row(k, _fmt(v))
+    return t
+
+
+def plot_learning_curve(run_dir: str | os.PathLike, out_name: str = "learning_curve.png") -> str | None:
+    """Reward per step and held-out accuracy per eval, one PNG in the run dir. None if no data."""
+    recs = read_metrics(run_dir)
+    train = [r for r in recs if r.get("kind") == "train" and r.get("reward/mean") is not None]
+    evals = [r for r in recs if r.get("kind") == "eval" and r.get("eval/pass@1") is not None]
+    sft = [r for r in recs if r.get("kind") == "sft" and r.get("sft/loss") is not None]
+    if not train and not evals and not sft:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = 2 if sft else 1
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4), squeeze=False)
+    ax = axes[0][0]
+    if train:
+        ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward", color="C0")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], "o-", label="held-out pass@1",
+                color="C1")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("GRPO learning curve")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    if sft:
+        ax2 = axes[0][1]
+        ax2.plot([r["step"] for r in sft], [r["sft/loss"] for r in sft], color="C2")
+        ax2.set_xlabel("SFT step")
+        ax2.set_ylabel("loss")
+        ax2.set_title("SFT warm start")
+        ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(run_dir) / out_name
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return str(out)
