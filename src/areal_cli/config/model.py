@@ -18,6 +18,7 @@ class ModelConfig:
     num_key_value_heads: int = 2
     num_hidden_layers: int = 2
     hidden_size: int = 64
+    head_dim: int = 0  # 0 → hidden_size // num_attention_heads (Qwen3 sets it explicitly)
     intermediate_size: int = 256
     vocab_size: int = 512
     num_experts: int = 0  # 0 = dense

@@ -1,0 +1,194 @@
+"""Actor glue: logprobs, reference logprobs and advantages, then PPO mini-batch updates.
+
+The trainer calls, per step (critic only for ``use_critic``)::
+
+    batch = critic.compute_values(batch)          # PPOCritic, adds "values"
+    batch = actor.compute_advantages(batch)       # adds prox_logp/ref_logp/advantages/returns
+    stats = actor.ppo_update(batch)               # ppo_n_minibatches optimiser steps
+    stats |= critic.ppo_update(batch)
+
+For ``algo=sft`` it calls :func:`sft_step` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from areal_cli.algorithms.advantages import compute_advantages as _estimate
+from areal_cli.algorithms.advantages import overlong_penalty
+from areal_cli.algorithms.kl import kl_reward
+from areal_cli.algorithms.losses import ActorLossParams, actor_loss, sft_policy_loss
+from areal_cli.algorithms.normalisation import aggregate_loss, count_units, masked_mean, masked_whiten
+from areal_cli.config.algo import AlgoConfig, validate_algo_config
+from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from areal_cli.api.engine_api import TrainEngine
+
+Batch = dict[str, torch.Tensor]
+
+
+def split_minibatches(batch: Batch, n: int) -> list[Batch]:
+    """Split every ``[B, ...]`` tensor into ``n`` contiguous, near-equal chunks along dim 0."""
+    B = int(batch["input_ids"].shape[0])
+    if n > B:
+        raise ConfigError("algo.ppo_n_minibatches", f"{n} mini-batches for a batch of {B} sequences",
+                          f"set algo.ppo_n_minibatches <= {B}")
+    idx = torch.tensor_split(torch.arange(B), n)
+    out = []
+    for chunk in idx:
+        lo, hi = int(chunk[0]), int(chunk[-1]) + 1
+        out.append({k: (v[lo:hi] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v)
+                    for k, v in batch.items()})
+    return out
+
+
+def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for s in all_stats for k in s}
+    return {k: float(sum(s[k] for s in all_stats if k in s) / sum(1 for s in all_stats if k in s))
+            for k in sorted(keys)}
+
+
+def overlong_buffer(cfg: AlgoConfig, max_new_tokens: int | None) -> int:
+    """The DAPO buffer in tokens (0 = off), from ``overlong_buffer_len`` or the ratio."""
+    if cfg.overlong_buffer_len <= 0 and cfg.overlong_buffer_ratio <= 0:
+        return 0
+    if max_new_tokens is None:
+        raise ConfigError("algo.overlong_buffer_len", "the overlong penalty needs the generation budget",
+                          "pass max_new_tokens=rollout.gconfig.max_new_tokens to PPOActor")
+    buf = cfg.overlong_buffer_len or max(1, int(round(cfg.overlong_buffer_ratio * max_new_tokens)))
+    if buf > max_new_tokens:
+        raise ConfigError("algo.overlong_buffer_len", f"buffer of {buf} tokens exceeds "
+                          f"rollout.gconfig.max_new_tokens={max_new_tokens}",
+                          "use a smaller buffer or algo.overlong_buffer_ratio=0.2")
+    return buf
+
+
+class PPOActor:
+    """Drives a policy ``TrainEngine`` through one PPO-family training step."""
+
+    def __init__(self, cfg: AlgoConfig, engine: "TrainEngine", ref_engine: "TrainEngine | None" = None,
+                 group_size: int = 1, max_new_tokens: int | None = None):
+        validate_algo_config(cfg)
+        if cfg.kl_coef > 0 and ref_engine is None:
+            raise ConfigError("algo.kl_coef", f"kl_coef={cfg.kl_coef} needs a reference model",
+                              "build a ref engine (the trainer does when kl_coef > 0) or set algo.kl_coef=0")
+        self.cfg = cfg
+        self.engine = engine
+        self.ref_engine = ref_engine
+        self.group_size = int(group_size)
+        self.max_new_tokens = max_new_tokens
+        self.overlong_buffer = overlong_buffer(cfg, max_new_tokens)
+
+    @property
+    def recomputes_logp(self) -> bool:
+        c = self.cfg
+        return (c.use_decoupled_loss and c.prox_logp_method == "recompute") or c.recompute_logprob
+
+    @torch.no_grad()
+    def compute_logp(self, batch: Batch, engine: "TrainEngine | None" = None) -> torch.Tensor:
+        out = (engine or self.engine).forward(batch, output="logprobs", temperature=self.cfg.temperature)
+        return out["logprobs"].float() * batch["loss_mask"].float()
+
+    def _shaped_rewards(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        c = self.cfg
+        r = batch["rewards"].float()
+        stats: dict[str, float] = {}
+        if self.overlong_buffer > 0:
+            assert self.max_new_tokens is not None
+            lens = batch["loss_mask"].float().sum(-1)
+            pen = overlong_penalty(lens, self.max_new_tokens, self.overlong_buffer, c.overlong_penalty_factor)
+            r = r + pen
+            stats["overlong_penalty"] = float(pen.mean().item())
+        r = ((r + c.reward_bias) * c.reward_scaling).clamp(-c.reward_clip, c.reward_clip)
+        return r, stats
+
+    @torch.no_grad()
+    def compute_advantages(self, batch: Batch) -> Batch:
+        """Return a copy of ``batch`` with ``advantages`` (and ``prox_logp``, ``ref_logp``,
+        ``returns``, ``shaped_rewards`` where they apply). Stats land in ``self.adv_stats``."""
+        c = self.cfg
+        batch = dict(batch)
+        mask = batch["loss_mask"].float()
+        if self.recomputes_logp:
+            batch["prox_logp"] = self.compute_logp(batch)
+        if c.kl_coef > 0:
+            batch["ref_logp"] = self.compute_logp(batch, engine=self.ref_engine)
+        rewards, stats = self._shaped_rewards(batch)
+        token_rewards = None
+        if c.kl_coef > 0 and c.kl_in_reward:
+            old = batch.get("prox_logp", batch["logprobs"])
+            token_rewards = kl_reward(old, batch["ref_logp"], mask, c.kl_coef, c.kl_estimator, c.kl_clamp)
+            stats["kl_reward"] = float((token_rewards.sum(-1)).mean().item())
+        if c.adv_estimator == "gae" and "values" not in batch:
+            raise ValueError("adv_estimator=gae: call PPOCritic.compute_values(batch) before compute_advantages")
+        adv, returns = _estimate(c.adv_estimator, rewards=rewards, loss_mask=mask, group_size=self.group_size,
+                                 token_rewards=token_rewards, values=batch.get("values"), gamma=c.gamma,
+                                 lam=c.lam, mean_level=c.mean_level, std_level=c.std_level,
+                                 std_unbiased=c.std_unbiased, eps=c.adv_std_eps)
+        if c.adv_norm:
+            adv = masked_whiten(adv, mask)
+        batch["advantages"] = adv
+        batch["shaped_rewards"] = rewards
+        if returns is not None:
+            batch["returns"] = returns
+        stats.update(reward_mean=float(batch["rewards"].float().mean().item()),
+                     shaped_reward_mean=float(rewards.mean().item()),
+                     adv_mean=float(masked_mean(adv, mask).item()),
+                     adv_abs_mean=float(masked_mean(adv.abs(), mask).item()),
+                     response_len=float(mask.sum(-1).mean().item()))
+        self.adv_stats = stats
+        return batch
+
+    def loss_params(self) -> ActorLossParams:
+        c = self.cfg
+        fields = {k: v for k, v in asdict(c).items() if k in ActorLossParams.__dataclass_fields__}
+        return ActorLossParams(**fields, current_version=self.engine.get_version())
+
+    def loss_fn(self, params: ActorLossParams):
+        def fn(outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            return actor_loss(outputs["logprobs"], outputs.get("entropy"), mb, params)
+        return fn
+
+    def loss_weight_fn(self, mb: Batch) -> float:
+        return count_units(mb["loss_mask"], self.cfg.loss_agg)
+
+    def ppo_update(self, batch: Batch) -> dict[str, float]:
+        """``ppo_n_minibatches`` optimiser steps over contiguous slices of ``batch``."""
+        if "advantages" not in batch:
+            raise ValueError("ppo_update needs 'advantages': call compute_advantages(batch) first")
+        loss_fn = self.loss_fn(self.loss_params())
+        per_mb: list[dict[str, float]] = []
+        for mb in split_minibatches(batch, self.cfg.ppo_n_minibatches):
+            per_mb.append(dict(self.engine.train_batch(mb, loss_fn, self.loss_weight_fn)))
+        stats = mean_stats(per_mb)
+        stats.update(getattr(self, "adv_stats", {}))
+        stats["n_minibatches"] = float(len(per_mb))
+        return stats
+
+
+class SFTLoss:
+    """Token NLL with the aggregation the engine's global normalisation expects."""
+
+    def __init__(self, loss_agg: str = "token-mean"):
+        self.loss_agg = loss_agg
+
+    def loss_fn(self, outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb["loss_mask"].to(torch.bool)
+        nll, _ = sft_policy_loss(outputs["logprobs"], None, None, mask)
+        loss = aggregate_loss(nll, mask, self.loss_agg)
+        tok_nll = float(masked_mean(nll.detach(), mask).item())
+        return loss, {"nll": tok_nll, "ppl": float(torch.exp(torch.tensor(min(tok_nll, 50.0))).item()),
+                      "n_tokens": float(mask.sum().item())}
+
+    def loss_weight_fn(self, mb: Batch) -> float:
+        return count_units(mb["loss_mask"], self.loss_agg)
+
+
+def sft_step(engine: "TrainEngine", batch: Batch, loss_agg: str = "token-mean") -> dict[str, Any]:
+    """One optimiser step of supervised fine-tuning on ``batch`` (``loss_mask`` marks targets)."""
+    loss = SFTLoss(loss_agg)
+    return dict(engine.train_batch(batch, loss.loss_fn, loss.loss_weight_fn))

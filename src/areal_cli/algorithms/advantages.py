@@ -1,0 +1,205 @@
+"""Advantage estimators, keyed by ``algo.adv_estimator``. Pure tensor functions.
+
+Inputs follow the engine's batch format: ``rewards`` [B] (one scalar per sequence), ``loss_mask``
+[B, L] (1 on generated tokens that are trained), optional ``token_rewards`` [B, L] (per-token
+shaping such as the KL-in-reward penalty, already zero off the mask) and ``values`` [B, L]. Groups
+are ``group_size`` consecutive rows (the samples of one prompt). Every estimator returns
+``(advantages [B, L], returns [B, L] | None)`` with zeros off the mask.
+
+Outcome estimators (grpo, drgrpo, rloo, reinforce_pp_baseline, none) score a sequence by
+``rewards + sum_t token_rewards`` (verl sums token-level rewards the same way); token-level ones
+(reinforce_pp, gae) place ``rewards`` on the last trained token of each sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from areal_cli.algorithms.normalisation import group_view, masked_whiten
+
+AdvOut = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def sequence_scores(rewards: torch.Tensor, loss_mask: torch.Tensor,
+                    token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    scores = rewards.float()
+    if token_rewards is not None:
+        scores = scores + (token_rewards.float() * loss_mask.float()).sum(-1)
+    return scores
+
+
+def last_token_index(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last trained token per row (0 for rows without any)."""
+    L = loss_mask.shape[-1]
+    has = loss_mask.to(torch.bool).any(dim=-1)
+    flipped = loss_mask.to(torch.bool).flip(-1).to(torch.int8)
+    idx = L - 1 - flipped.argmax(dim=-1)
+    return torch.where(has, idx, torch.zeros_like(idx))
+
+
+def token_level_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor,
+                        token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """``token_rewards`` plus each sequence's scalar reward on its last trained token."""
+    mask = loss_mask.float()
+    out = torch.zeros_like(mask) if token_rewards is None else token_rewards.float() * mask
+    has = mask.sum(-1) > 0
+    idx = last_token_index(loss_mask)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    out[rows[has], idx[has]] += rewards.float()[has]
+    return out
+
+
+def _level_mean(x: torch.Tensor, level: str, group_size: int) -> torch.Tensor:
+    if level == "group":
+        return group_view(x, group_size).mean(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+    if level == "batch":
+        return x.mean().expand_as(x)
+    if level == "none":
+        return torch.zeros_like(x)
+    raise KeyError(f"unknown mean_level {level!r}; known: group, batch, none")
+
+
+def _std(x: torch.Tensor, unbiased: bool, dim: int | None = None) -> torch.Tensor:
+    corr = 1 if unbiased else 0
+    if dim is None:
+        return x.std(correction=corr) if x.numel() >= 2 else x.new_zeros(())
+    if x.shape[dim] < 2:  # a single sample has no spread
+        return x.new_zeros(x.mean(dim=dim, keepdim=True).shape)
+    return x.std(dim=dim, correction=corr, keepdim=True)
+
+
+def _level_std(x: torch.Tensor, level: str, group_size: int, unbiased: bool) -> torch.Tensor | None:
+    if level == "group":
+        return _std(group_view(x, group_size), unbiased, dim=1).expand(-1, group_size).reshape(-1)
+    if level == "batch":
+        return _std(x, unbiased).expand_as(x)
+    if level == "none":
+        return None
+    raise KeyError(f"unknown std_level {level!r}; known: group, batch, none")
+
+
+def grpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
+                    token_rewards: torch.Tensor | None = None, mean_level: str = "group",
+                    std_level: str = "group", std_unbiased: bool = True, eps: float = 1e-6, **_) -> AdvOut:
+    """GRPO (Shao et al. 2024): ``(r - mean) / (std + eps)`` with each statistic at its level."""
+    r = sequence_scores(rewards, loss_mask, token_rewards)
+    adv = r - _level_mean(r, mean_level, group_size)
+    std = _level_std(r, std_level, group_size, std_unbiased)
+    if std is not None:
+        adv = adv / (std + eps)
+    return adv[:, None] * loss_mask.float(), None
+
+
+def drgrpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
+                      token_rewards: torch.Tensor | None = None, **_) -> AdvOut:
+    """Dr.GRPO (Liu et al. 2025): group mean baseline, no std division."""
+    return grpo_advantages(rewards=rewards, loss_mask=loss_mask, group_size=group_size,
+                           token_rewards=token_rewards, mean_level="group", std_level="none")
+
+
+def rloo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
+                    token_rewards: torch.Tensor | None = None, **_) -> AdvOut:
+    """RLOO (Ahmadian et al. 2024): baseline is the mean of the *other* samples of the prompt."""
+    if group_size < 2:
+        raise ValueError("rloo needs rollout.group_size >= 2 (the baseline leaves one sample out)")
+    r = group_view(sequence_scores(rewards, loss_mask, token_rewards), group_size)
+    loo_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - loo_mean).reshape(-1)[:, None] * loss_mask.float(), None
+
+
+def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_next`` over trained tokens; untrained tokens are skipped (carried)."""
+    mask = loss_mask.float()
+    B, L = mask.shape
+    running = torch.zeros(B, dtype=torch.float32, device=mask.device)
+    out = torch.zeros_like(mask)
+    for t in reversed(range(L)):
+        m = mask[:, t]
+        new = token_rewards[:, t].float() + gamma * running
+        running = m * new + (1 - m) * running
+        out[:, t] = m * new
+    return out
+
+
+def reinforce_pp_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor,
+                            token_rewards: torch.Tensor | None = None, gamma: float = 1.0, **_) -> AdvOut:
+    """REINFORCE++ (Hu 2025): token-level discounted returns (KL in the reward), whitened over the batch."""
+    returns = discounted_returns(token_level_rewards(rewards, loss_mask, token_rewards), loss_mask, gamma)
+    return masked_whiten(returns, loss_mask), returns
+
+
+def reinforce_pp_baseline_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
+                                     token_rewards: torch.Tensor | None = None, **_) -> AdvOut:
+    """REINFORCE++-baseline: subtract the group mean, then whiten over the batch's tokens."""
+    r = sequence_scores(rewards, loss_mask, token_rewards)
+    r = r - _level_mean(r, "group", group_size)
+    return masked_whiten(r[:, None] * loss_mask.float(), loss_mask), None
+
+
+def gae_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, values: torch.Tensor | None = None,
+                   token_rewards: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0,
+                   **_) -> AdvOut:
+    """GAE (Schulman et al. 2016) over trained tokens; the state after the last token has value 0.
+
+    ``values[:, t]`` is V of the state before token ``t`` (the position convention), so
+    ``delta_t = r_t + gamma * V_next - V_t`` where ``V_next`` is the value at the next trained token.
+    """
+    if values is None:
+        raise ValueError("adv_estimator=gae needs 'values' in the batch (run PPOCritic.compute_values first)")
+    mask = loss_mask.float()
+    r = token_level_rewards(rewards, loss_mask, token_rewards)
+    v = values.float()
+    B, L = mask.shape
+    next_v = torch.zeros(B, dtype=torch.float32, device=mask.device)
+    last_gae = torch.zeros_like(next_v)
+    adv = torch.zeros_like(mask)
+    for t in reversed(range(L)):
+        m = mask[:, t]
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        new_gae = delta + gamma * lam * last_gae
+        last_gae = m * new_gae + (1 - m) * last_gae
+        next_v = m * v[:, t] + (1 - m) * next_v
+        adv[:, t] = m * new_gae
+    return adv, (adv + v) * mask
+
+
+def no_baseline_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor,
+                           token_rewards: torch.Tensor | None = None, **_) -> AdvOut:
+    """Plain REINFORCE: the sequence score itself, on every trained token."""
+    return sequence_scores(rewards, loss_mask, token_rewards)[:, None] * loss_mask.float(), None
+
+
+ADV_ESTIMATORS: dict[str, Callable[..., AdvOut]] = {
+    "grpo": grpo_advantages,
+    "drgrpo": drgrpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "gae": gae_advantages,
+    "none": no_baseline_advantages,
+}
+
+
+def compute_advantages(estimator: str, **kwargs) -> AdvOut:
+    try:
+        fn = ADV_ESTIMATORS[estimator]
+    except KeyError:
+        raise KeyError(f"unknown adv_estimator {estimator!r}; known: {sorted(ADV_ESTIMATORS)}") from None
+    with torch.no_grad():
+        return fn(**kwargs)
+
+
+def overlong_penalty(response_lens: torch.Tensor, max_new_tokens: int, buffer_len: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward.
+
+    0 up to ``max_new_tokens - buffer_len`` tokens, then linear down to ``-factor`` at
+    ``max_new_tokens``; ``-factor`` beyond.
+    """
+    if buffer_len <= 0 or buffer_len > max_new_tokens:
+        raise ValueError(f"overlong buffer ({buffer_len}) must be in [1, max_new_tokens={max_new_tokens}]")
+    expected = max_new_tokens - buffer_len
+    exceed = response_lens.float() - expected
+    return (-exceed / buffer_len * factor).clamp(min=-factor, max=0.0)

@@ -1,0 +1,104 @@
+"""Masked statistics, group views and loss aggregation. Pure tensor functions (no distributed).
+
+Loss aggregation must agree with the engine's global normalisation: a micro-batch loss is a mean
+over that micro-batch's *units* and :func:`count_units` returns the same number of units, which the
+engine uses as ``loss_weight_fn``. Summing ``loss * units / global_units`` over micro-batches then
+equals the aggregation over the whole batch, however it was split.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() if dim is None else (x * m).sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over ``mask``; 0 where nothing is masked in (instead of NaN)."""
+    m = mask.to(x.dtype)
+    denom = m.sum() if dim is None else m.sum(dim=dim)
+    return masked_sum(x, m, dim) / denom.clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked entries (Bessel-corrected like verl's ``masked_var``)."""
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = masked_mean(x, m)
+    var = masked_mean((x - mean) ** 2, m)
+    if unbiased and n > 1:
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, unbiased: bool = True,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over masked entries; masked-out entries become 0."""
+    m = mask.to(x.dtype)
+    mean = masked_mean(x, m)
+    var = masked_var(x, m, unbiased=unbiased)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[B]`` → ``[B // group_size, group_size]``; consecutive rows form a group."""
+    if group_size < 1 or x.shape[0] % group_size != 0:
+        raise ValueError(f"batch of {x.shape[0]} sequences is not a whole number of groups of "
+                         f"{group_size} (rollout.group_size); groups must stay together in a batch")
+    return x.view(-1, group_size, *x.shape[1:])
+
+
+def seq_has_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: sequences with at least one trained token (the unit of the seq-mean modes)."""
+    return loss_mask.to(torch.bool).any(dim=-1)
+
+
+# --- loss aggregation --------------------------------------------------------------------------
+
+def _token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_sum(loss, mask) / mask.to(loss.dtype).sum().clamp(min=1.0)
+
+
+def _seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    per_seq = masked_sum(loss, mask, dim=-1)
+    n_seq = seq_has_tokens(mask).to(loss.dtype).sum().clamp(min=1.0)
+    return per_seq.sum() / n_seq
+
+
+def _seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    per_seq = masked_mean(loss, mask, dim=-1)  # 0 for sequences without tokens
+    n_seq = seq_has_tokens(mask).to(loss.dtype).sum().clamp(min=1.0)
+    return per_seq.sum() / n_seq
+
+
+LOSS_AGG: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+}
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a per-token ``[B, L]`` loss to a scalar: a mean over this batch's units."""
+    try:
+        fn = LOSS_AGG[mode]
+    except KeyError:
+        raise KeyError(f"unknown loss_agg {mode!r}; known: {sorted(LOSS_AGG)}") from None
+    return fn(loss, mask)
+
+
+def count_units(mask: torch.Tensor, mode: str) -> float:
+    """Number of units the aggregation averages over: tokens for token-mean, sequences otherwise."""
+    if mode not in LOSS_AGG:
+        raise KeyError(f"unknown loss_agg {mode!r}; known: {sorted(LOSS_AGG)}")
+    if mode == "token-mean":
+        return float(mask.to(torch.bool).sum().item())
+    return float(seq_has_tokens(mask).sum().item())

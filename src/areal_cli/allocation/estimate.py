@@ -1,0 +1,159 @@
+"""Memory estimates per device, from architecture facts only (no torch, no weights).
+
+Training: weights + gradients + Adam states under the engine's sharding, plus activations for one
+micro-batch (Korthikanti et al. 2022: ~34·s·h bytes per layer in 16-bit without recomputation,
+inputs only with recomputation) and fp32 logits. Inference: weights plus the KV-cache budget
+left under the server's memory fraction. These are planning estimates, good to ~20%.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+GiB = 1024 ** 3
+# Fraction of device memory the server claims (sglang mem_fraction_static≈0.88, vLLM
+# gpu_memory_utilization=0.9); the built-in hf server allocates on demand.
+SERVER_MEM_FRACTION = {"sglang": 0.88, "vllm": 0.9, "hf": 1.0}
+
+
+@dataclass
+class ModelFacts:
+    heads: int
+    kv_heads: int
+    layers: int
+    hidden: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    experts: int
+    moe_intermediate: int
+    tied: bool
+    lora_rank: int = 0
+
+    @classmethod
+    def from_config(cls, m) -> "ModelFacts":
+        hd = m.head_dim or (m.hidden_size // max(1, m.num_attention_heads))
+        return cls(m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers, m.hidden_size,
+                   hd, m.intermediate_size, m.vocab_size, m.num_experts,
+                   m.moe_intermediate_size or m.intermediate_size, m.tie_word_embeddings, m.lora_rank)
+
+    def attn_params(self) -> int:
+        q = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return self.hidden * q + 2 * self.hidden * kv + q * self.hidden
+
+    def expert_params(self) -> int:
+        """Parameters in experts over all layers (0 for dense models)."""
+        if self.experts <= 0:
+            return 0
+        return self.layers * self.experts * 3 * self.hidden * self.moe_intermediate
+
+    def dense_params(self) -> int:
+        """Everything that is not an expert: attention, dense MLP or router, norms, embeddings."""
+        mlp = self.hidden * self.experts if self.experts > 0 else 3 * self.hidden * self.intermediate
+        per_layer = self.attn_params() + mlp + 2 * self.hidden
+        emb = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * per_layer + emb + self.hidden
+
+    def total_params(self) -> int:
+        return self.dense_params() + self.expert_params()
+
+    def lora_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = (self.hidden + q) * 2 + (self.hidden + kv) * 2 + 3 * (self.hidden + self.intermediate)
+        return self.layers * self.lora_rank * per_layer
+
+
+@dataclass
+class TrainMemory:
+    params_per_device: int
+    weights_gb: float
+    grads_gb: float
+    optim_gb: float
+    activations_gb: float
+    total_gb: float
+    device_gb: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class InferenceMemory:
+    weights_gb: float
+    kv_budget_gb: float
+    kv_tokens: int  # tokens of KV cache that fit per instance
+    kv_tokens_needed: int  # concurrent rollouts per instance × max sequence length
+    device_gb: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def device_memory_gb(device: str, gpu_memory_gb: float, devices_per_node: int) -> float:
+    """Memory of one device: the GPU's, or on CPU this host's RAM split over its processes."""
+    if device == "cuda":
+        return float(gpu_memory_gb)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 * GiB
+    return ram / GiB / max(1, devices_per_node)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16", "bf16", "fp16") else 4
+
+
+def train_memory(f: ModelFacts, backend: str, par, ffn_tp: int, dtype: str, zero_stage: int,
+                 mb_tokens: int, n_mb: int, grad_ckpt: bool, device_gb: float) -> TrainMemory:
+    """Per-device training memory for one component with ParallelStrategy ``par``."""
+    pb = dtype_bytes(dtype)
+    dense = f.dense_params() / (par.tp * par.pp)
+    experts = f.expert_params() / (par.ep * ffn_tp * par.pp) if f.experts > 0 else 0.0
+    local = dense + experts
+    shard = par.dp * par.cp
+    if backend in ("fsdp", "archon"):
+        sw = sg = so = shard
+    elif backend == "deepspeed":
+        so = shard if zero_stage >= 1 else 1
+        sg = shard if zero_stage >= 2 else 1
+        sw = shard if zero_stage >= 3 else 1
+    else:  # megatron: replicated weights/grads inside DP, distributed optimizer
+        sw, sg, so = 1, 1, shard
+    trainable = f.lora_params() / (par.tp * par.pp) if f.lora_rank > 0 else local
+    weights = local * pb / sw
+    if backend in ("fsdp", "archon") or (backend == "deepspeed" and zero_stage >= 3):
+        # One or two layers are gathered unsharded at a time (prefetch).
+        weights += 2 * (local / max(1, f.layers // par.pp)) * pb
+    grads = trainable * pb / sg
+    adam = 8 + (4 if pb == 2 else 0)  # fp32 m, v (+ fp32 master weights for 16-bit params)
+    optim = trainable * adam / so
+    layers_stage = math.ceil(f.layers / par.pp)
+    in_flight = min(par.pp, max(1, n_mb))
+    tokens = mb_tokens / par.cp
+    if grad_ckpt:
+        per_layer = tokens * f.hidden * pb
+        act = per_layer * layers_stage * in_flight + tokens * f.hidden * 34 * pb / 2 / par.tp
+    else:
+        act = tokens * f.hidden * 34 * (pb / 2) / par.tp * layers_stage * in_flight
+    act += 2 * tokens * f.vocab * 4 / par.tp  # fp32 logits and their gradient (last stage)
+    total = weights + grads + optim + act
+    return TrainMemory(int(local), weights / GiB, grads / GiB, optim / GiB, act / GiB, total / GiB,
+                       device_gb)
+
+
+def inference_memory(f: ModelFacts, backend: str, tp: int, pp: int, ep: int, device: str,
+                     device_gb: float, concurrent: int, seq_len: int) -> InferenceMemory:
+    pb = 2 if device == "cuda" else 4  # servers run bf16 on GPUs, fp32 on CPU
+    dense = f.dense_params() / (tp * pp)
+    experts = f.expert_params() / (tp * pp * max(1, ep)) if f.experts > 0 else 0.0
+    weights = (dense + experts) * pb
+    budget = device_gb * GiB * SERVER_MEM_FRACTION.get(backend, 0.9) - weights
+    kv_heads_local = max(1, f.kv_heads // tp)
+    per_token = 2 * math.ceil(f.layers / pp) * kv_heads_local * f.head_dim * pb
+    kv_tokens = max(0, int(budget // per_token)) if per_token else 0
+    return InferenceMemory(weights / GiB, max(0.0, budget) / GiB, kv_tokens, concurrent * seq_len,
+                           device_gb)

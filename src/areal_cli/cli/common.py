@@ -1,0 +1,29 @@
+"""Helpers shared by command modules: override arguments, JSON output, error wrapping."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+OVERRIDES_HELP = ("Hydra overrides: group=option (algo=dapo), key.path=value (rollout.group_size=8), "
+                  "allocation_mode=<preset or spec>")
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def error_json(exc: BaseException) -> dict:
+    to_dict = getattr(exc, "to_dict", None)
+    return {"valid": False, "error": to_dict() if callable(to_dict) else {"reason": str(exc)},
+            "message": str(exc)}
+
+
+def compose_and_validate(overrides: list[str]):
+    """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake."""
+    from areal_cli.config.compose import load_config
+    from areal_cli.config.validate import validate
+
+    cfg = load_config(overrides)
+    return cfg, validate(cfg)

@@ -1,0 +1,149 @@
+"""``areal`` entry point: a typer app whose commands live one per module in this package.
+
+Command modules expose ``register(app)`` (or a function named like the module plus ``HELP``). Adding a command is one line in ``COMMANDS``; a listed
+module that is not installed yet is skipped. Nothing here imports torch, Hydra or rich at import
+time: ``areal --help`` stays instant. User errors (``ArealError``) become one red line on stderr
+(plus caret lines for spec parse errors) and exit 1; usage errors exit 2; never a traceback
+(set ``AREAL_DEBUG=1`` to see one for internal errors, which exit 3).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+
+COMMANDS = [
+    "validate_config",
+    "train",
+    "check_storage",
+    "sweep",
+]
+INTERNAL_ERROR_EXIT = 3
+
+
+@functools.lru_cache(maxsize=1)
+def groups_epilog() -> str:
+    """Plain-text list of config groups and their options (a directory scan, no Hydra)."""
+    from areal_cli.config.compose import group_options
+
+    lines = ["\b", "Config groups (override with group=option, values with key.path=value):"]
+    for group, opts in group_options().items():
+        lines.append(f"  {group:<16} {', '.join(opts)}")
+    lines.append("")
+    lines.append("\b")
+    lines.append("allocation_mode also takes a raw spec, e.g. allocation_mode=sglang:d4+megatron:d2t2p2")
+    return "\n".join(lines)
+
+
+def build_app(only: str | None = None):
+    """The typer app. ``only``: register just that command (when argv names it), which keeps
+    ``areal validate-config`` from importing every other command module."""
+    import typer
+
+    app = typer.Typer(
+        name="areal",
+        help="Asynchronous RL for language models: compose, validate, launch.",
+        no_args_is_help=True,
+        add_completion=False,
+        rich_markup_mode=None,
+        pretty_exceptions_enable=False,
+        epilog=groups_epilog(),
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    @app.callback()
+    def _root() -> None:
+        """Asynchronous RL for language models: compose, validate, launch."""
+
+    names = COMMANDS
+    if only is not None and only.replace("-", "_") in COMMANDS:
+        names = [only.replace("-", "_")]
+    for name in names:
+        modname = f"areal_cli.cli.{name}"
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as exc:
+            if exc.name == modname:
+                continue  # command not written yet
+            raise
+        register = getattr(mod, "register", None)
+        if callable(register):
+            register(app)
+        elif callable(getattr(mod, name, None)):
+            # Convention 2: a function named like the module, with an optional HELP string.
+            app.command(name.replace("_", "-"), help=getattr(mod, "HELP", None),
+                        epilog=groups_epilog())(getattr(mod, name))
+    return app
+
+
+def print_error(exc: BaseException) -> None:
+    """One red line (plain when stderr is not a terminal) plus caret lines, on stderr."""
+    msg = str(exc).replace("\n", " ")
+    line = f"error: {msg}"
+    if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
+        line = f"\x1b[31m{line}\x1b[0m"
+    print(line, file=sys.stderr)
+    caret = getattr(exc, "caret_lines", None)
+    if callable(caret):
+        for ln in caret():
+            print(ln, file=sys.stderr)
+
+
+def _click_exceptions():
+    """Exception types of the click that typer uses (typer ≥0.2x vendors it as ``typer._click``)."""
+    from types import SimpleNamespace
+
+    try:
+        from typer._click import exceptions as cx
+    except ImportError:
+        from click import exceptions as cx
+    try:
+        from typer import exceptions as tx
+    except ImportError:
+        tx = cx
+    return SimpleNamespace(ClickException=cx.ClickException, UsageError=cx.UsageError,
+                           Exit=getattr(tx, "Exit", getattr(cx, "Exit", SystemExit)),
+                           Abort=getattr(tx, "Abort", getattr(cx, "Abort", KeyboardInterrupt)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns (and, as a console script, exits with) the exit code."""
+    from areal_cli.errors import ArealError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        import typer.main
+
+        cx = _click_exceptions()
+
+        first = next((a for a in args if not a.startswith("-")), None)
+        command = typer.main.get_command(build_app(only=first))
+        rv = command.main(args=args, prog_name="areal", standalone_mode=False)
+        code = rv if isinstance(rv, int) else 0
+    except ArealError as exc:
+        print_error(exc)
+        code = exc.exit_code
+    except cx.ClickException as exc:
+        exc.show(file=sys.stderr)
+        code = 2 if isinstance(exc, cx.UsageError) else exc.exit_code
+    except cx.Exit as exc:
+        code = exc.exit_code
+    except (cx.Abort, KeyboardInterrupt):
+        print("aborted", file=sys.stderr)
+        code = 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
+        if os.environ.get("AREAL_DEBUG"):
+            raise
+        print_error(RuntimeError(f"internal error ({type(exc).__name__}: {exc}); rerun with "
+                                 "AREAL_DEBUG=1 for a traceback and report it"))
+        code = INTERNAL_ERROR_EXIT
+    if argv is None:
+        sys.stdout.flush()
+        raise SystemExit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

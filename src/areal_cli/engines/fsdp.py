@@ -1,0 +1,506 @@
+"""FSDP2 training engine: ``fully_shard`` over a ``(dp, cp)`` mesh, Ulysses for ``cp``.
+
+Runs the same code on CPU (gloo) and CUDA (nccl). Batch format, position convention and loss
+normalisation are defined in :mod:`areal_cli.api.engine_api`. Data layout across ranks:
+
+- ``train_batch``/``forward`` take the *rank-local* batch of this data-parallel replica (use
+  :func:`areal_cli.data.packing.split_batch_for_dp` to cut a global batch). Inside a Ulysses group
+  only the head (``is_dp_head``) needs to pass a batch; the others may pass ``None``.
+- Every rank returns the same stats; ``forward`` returns outputs for the replica's batch.
+
+Critic (``critic=True``): the LM head is replaced by a ``Linear(hidden, 1)`` value head.
+``values[i]`` is the value of the state *before* token ``i`` (the head applied to the hidden state
+of token ``i-1``), matching the position convention. HF export writes the backbone to
+``model.safetensors`` and the head to ``value_head.safetensors`` (keys ``weight``, ``bias``);
+initializing a critic from a dir that has ``value_head.safetensors`` restores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn, TrainEngine
+from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
+from areal_cli.data import packing
+from areal_cli.engines import parallelize as par
+from areal_cli.engines import ulysses
+from areal_cli.errors import ConfigError, WeightSyncError
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class FSDPEngine(TrainEngine):
+    def __init__(self, engine_cfg, optim_cfg=None, *, total_steps: int = 1, seed: int = 0, critic: bool = False):
+        self.cfg = engine_cfg
+        self.optim_cfg = optim_cfg
+        self.total_steps = total_steps
+        self.seed = seed
+        self.critic = critic
+        self.model = None
+        self.optimizer = None
+        self.scheduler = None
+        self.step = 0
+        self._version = 0
+        self._meshes: par.Meshes | None = None
+        self._senders: dict[str, Any] = {}
+        self._runner = None
+        self.model_path = ""
+        self.pad_token_id = 0
+
+    # ------------------------------------------------------------------ setup
+    def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from areal_cli.engines.dist import default_device, init_distributed
+
+        init_distributed()
+        self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
+        self.parallel = parallel
+        self.model_path = model_path
+        if not (Path(model_path) / "config.json").is_file():
+            raise ConfigError("model.path", f"{model_path} is not an HF model dir (no config.json)",
+                              "point model.path at a local dir with config.json and safetensors")
+        self._meshes = par.build_meshes(parallel, self.device.type)
+        ulysses.set_ulysses_group(self._meshes.cp_group if parallel.cp > 1 else None)
+        if parallel.cp > 1:
+            hf_cfg = AutoConfig.from_pretrained(model_path)
+            if hf_cfg.num_attention_heads % parallel.cp:
+                raise ConfigError("allocation_mode", f"c{parallel.cp} does not divide num_attention_heads="
+                                  f"{hf_cfg.num_attention_heads}", "pick c that divides the head count")
+        attn = ulysses.register()
+        dtype = par.torch_dtype(self.cfg.dtype)
+        torch.manual_seed(self.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
+        self.pad_token_id = model.config.pad_token_id or 0
+        self.arch = list(model.config.architectures or [type(model).__name__])
+        self.generation_config = getattr(model, "generation_config", None)
+        if self.critic:
+            self._attach_value_head(model, model_path, dtype)
+        model.to(self.device)
+        if self.cfg.gradient_checkpointing:
+            par.enable_gradient_checkpointing(model)
+        mp = self.cfg.mixed_precision and dtype == torch.float32
+        par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=torch.bfloat16 if mp else None,
+                       reduce_dtype=torch.float32 if mp else None)
+        self.model = model
+        if self.optim_cfg is not None:
+            from areal_cli.utils.optim import build_optimizer
+
+            self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.optim_cfg, self.total_steps)
+        else:
+            model.eval()
+        self.hf_config = model.config
+
+    def _attach_value_head(self, model, model_path: str, dtype) -> None:
+        hidden = model.config.hidden_size
+        head = torch.nn.Linear(hidden, 1, bias=True, dtype=dtype)
+        src = Path(model_path) / VALUE_HEAD_FILE
+        if src.is_file():
+            from safetensors.torch import load_file
+
+            head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(src)).items()})
+        else:
+            torch.nn.init.normal_(head.weight, std=1.0 / (hidden + 1) ** 0.5)
+            torch.nn.init.zeros_(head.bias)
+        # The tie is broken on purpose: the embedding stays, the vocab projection goes.
+        model.config.tie_word_embeddings = False
+        model.lm_head = head
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def dp_group(self):
+        return self._meshes.dp_group if self._meshes else None
+
+    @property
+    def cp_group(self):
+        return self._meshes.cp_group if self._meshes else None
+
+    @property
+    def dp_rank(self) -> int:
+        return self._meshes.dp_rank if self._meshes else 0
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.parallel.dp if self._meshes else 1
+
+    @property
+    def is_dp_head(self) -> bool:
+        return self._meshes is None or self._meshes.cp_rank == 0
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+
+    # ------------------------------------------------------------------ micro-batches
+    def _share_batch(self, batch: Batch | None) -> Batch:
+        """Give every rank of a Ulysses group the head's batch."""
+        if self.parallel.cp > 1:
+            obj = [None if batch is None else {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                               for k, v in batch.items()}]
+            src = dist.get_global_rank(self.cp_group, 0)
+            dist.broadcast_object_list(obj, src=src, group=self.cp_group)
+            batch = obj[0]
+        if batch is None:
+            raise ValueError("train_batch/forward: the data-parallel head must pass a batch")
+        return batch
+
+    def _split(self, batch: Batch) -> tuple[list[list[int]], int]:
+        lens = packing.seq_lens(batch)
+        bins = packing.ffd_bins(lens, self.cfg.max_tokens_per_mb)
+        n = torch.tensor([len(bins)], dtype=torch.long)
+        if self.dp_world_size > 1:
+            n = self._all_reduce(n, dist.ReduceOp.MAX)
+        n_mb = int(n.item())
+        return packing.equalize_bins(bins, lens, n_mb), n_mb
+
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.dp_world_size == 1:
+            return t
+        t = t.to(self._comm_device())
+        dist.all_reduce(t, op=op, group=self.dp_group)
+        return t.cpu()
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _dummy_mb(self) -> Batch:
+        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+                "loss_mask": torch.zeros_like(ids, dtype=torch.float32)}
+
+    # ------------------------------------------------------------------ model forward
+    def _forward_mb(self, mb: Batch, output: str, temperature: float) -> dict[str, torch.Tensor]:
+        """Outputs for one micro-batch, shaped ``[b, l]`` like ``mb["input_ids"]``."""
+        max_len = mb["input_ids"].shape[1]
+        cp = self.parallel.cp
+        if self.cfg.padding_free or cp > 1:
+            mult = max(1, self.cfg.pad_to_multiple_of) * cp
+            pk = packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id)
+            mask = packing.packed_causal_mask(pk.seq_ids).to(self.device)
+            group = self.cp_group if cp > 1 else None
+            ids = ulysses.slice_for_rank(pk.input_ids, group, dim=1).to(self.device)
+            pos = ulysses.slice_for_rank(pk.position_ids, group, dim=1).to(self.device)
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
+            if output == "values":
+                vals = ulysses.gather_seq(logits[:, 0].float(), group)
+                return {"values": packing.unpack_shifted(vals, pk, max_len).cpu()}
+            tgt = ulysses.slice_for_rank(packing.next_token_targets(pk), group, dim=0).to(self.device)
+            lp, ent = _logprobs_entropy(logits, tgt, temperature)
+            lp = packing.unpack_shifted(ulysses.gather_seq(lp, group), pk, max_len)
+            ent = packing.unpack_shifted(ulysses.gather_seq(ent, group), pk, max_len)
+            return {"logprobs": lp.cpu(), "entropy": ent.cpu()}
+        am = mb["attention_mask"].to(self.device)
+        ids = mb["input_ids"].to(self.device)
+        mask = packing.padded_causal_mask(am)
+        pos = torch.arange(max_len, device=self.device)[None].expand_as(ids)
+        logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                            attention_mask={"full_attention": mask, "sliding_attention": mask}).logits
+        if output == "values":
+            return {"values": (packing.shift_padded(logits[..., 0].float()) * am).cpu()}
+        tgt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        lp, ent = _logprobs_entropy(logits, tgt, temperature)
+        return {"logprobs": (packing.shift_padded(lp) * am).cpu(), "entropy": (packing.shift_padded(ent) * am).cpu()}
+
+    # ------------------------------------------------------------------ train / forward
+    def train_batch(self, batch: Batch | None, loss_fn: LossFn, loss_weight_fn: LossWeightFn,
+                    temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step. ``temperature`` scales logits before the logprobs (must match rollout)."""
+        if self.optimizer is None:
+            raise RuntimeError("train_batch on an inference-only engine (constructed with optim_cfg=None)")
+        loss_sum, stat_sums, denom, n_mb = self._accumulate_grads(batch, loss_fn, loss_weight_fn, temperature)
+        grad_norm = self._clip_grads()
+        if torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        self.step += 1
+        return self._reduce_stats(loss_sum, stat_sums, denom, grad_norm, lr, n_mb)
+
+    def _accumulate_grads(self, batch, loss_fn, loss_weight_fn, temperature):
+        """Forward/backward every micro-batch; gradients end up summed over ranks (see apply_fsdp)."""
+        self.model.train()
+        batch = self._share_batch(batch)
+        bins, n_mb = self._split(batch)
+        mbs = [packing.select_rows(batch, b) for b in bins]
+        weights = [float(loss_weight_fn(mb)) for mb in mbs]
+        total_w = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64)).item())
+        denom = total_w if total_w > 0 else 1.0
+        output = "values" if self.critic else "logprobs"
+        stat_sums: dict[str, float] = {}
+        loss_sum = 0.0
+        for i in range(n_mb):
+            par.set_grad_sync(self.model, i == n_mb - 1)
+            if i < len(mbs):
+                out = self._forward_mb(mbs[i], output, temperature)
+                loss, stats = loss_fn(out, mbs[i])
+                scaled = loss * (weights[i] / denom)
+                loss_sum += float(scaled.detach())
+                for k, v in stats.items():
+                    stat_sums[k] = stat_sums.get(k, 0.0) + float(v) * weights[i]
+            else:  # this rank ran out of sequences: a zero-weight forward keeps the collectives aligned
+                out = self._forward_mb(self._dummy_mb(), output, temperature)
+                scaled = sum(v.sum() for v in out.values()) * 0.0
+            scaled.backward()
+        return loss_sum, stat_sums, denom, n_mb
+
+    def _clip_grads(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=False)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _reduce_stats(self, loss_sum, stat_sums, denom, grad_norm, lr, n_mb) -> dict[str, float]:
+        keys = sorted(stat_sums)
+        if self.dp_world_size > 1:
+            all_keys: list = [None] * self.dp_world_size
+            dist.all_gather_object(all_keys, keys, group=self.dp_group)
+            keys = sorted(set().union(*all_keys))
+        vec = torch.tensor([loss_sum] + [stat_sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        vec = self._all_reduce(vec)
+        out = {"loss": float(vec[0]), "grad_norm": grad_norm, "lr": float(lr), "n_micro_batches": float(n_mb),
+               "loss_weight": float(denom)}
+        out.update({k: float(vec[j + 1]) / denom for j, k in enumerate(keys)})
+        return out
+
+    @torch.no_grad()
+    def forward(self, batch: Batch | None, output: str = "logprobs", temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        if output not in ("logprobs", "values"):
+            raise ValueError(f"output must be 'logprobs' or 'values', got {output!r}")
+        if output == "values" and not self.critic:
+            raise ValueError("forward(output='values') needs an engine built with critic=True")
+        was_training = self.model.training
+        self.model.eval()
+        batch = self._share_batch(batch)
+        bins, n_mb = self._split(batch)
+        B, L = batch["input_ids"].shape
+        keys = ("values",) if output == "values" else ("logprobs", "entropy")
+        res = {k: torch.zeros(B, L, dtype=torch.float32) for k in keys}
+        for i in range(n_mb):
+            if i < len(bins):
+                mb = packing.select_rows(batch, bins[i])
+                out = self._forward_mb(mb, output, temperature)
+                idx = torch.tensor(bins[i])
+                for k in keys:
+                    res[k][idx, : out[k].shape[1]] = out[k].float()
+            else:
+                self._forward_mb(self._dummy_mb(), output, temperature)
+        self.model.train(was_training)
+        return res
+
+    # ------------------------------------------------------------------ full weights
+    def _named_full_tensors(self, include_value_head: bool = True):
+        """Yield ``(name, full_tensor)`` on global rank 0 and ``(name, None)`` elsewhere, in the
+        same order on every rank (gathering a shard is a collective). Tied weights appear once."""
+        seen: set[int] = set()
+        src = dist.get_rank() == 0
+        for name, p in self.model.state_dict().items():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if self.critic and name.startswith("lm_head.") and not include_value_head:
+                continue
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            yield name, (full.detach().cpu() if src else None)
+
+    def _write_hf(self, path: str, tensors: dict) -> None:
+        from areal_cli.weight_sync.hf_io import write_hf_dir
+
+        head = {}
+        if self.critic:
+            head = {k.split(".", 1)[1]: tensors.pop(k) for k in list(tensors) if k.startswith("lm_head.")}
+        cfg = self.hf_config
+        if self.critic:
+            cfg = cfg.__class__.from_dict(cfg.to_dict())
+            cfg.tie_word_embeddings = _orig_tie(self.model_path)
+        write_hf_dir(path, tensors, cfg, architectures=self.arch, tokenizer_src=self.model_path,
+                     generation_config=self.generation_config, dtype=par.torch_dtype(self.cfg.dtype))
+        if head:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in head.items()}, str(Path(path) / VALUE_HEAD_FILE))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format == "hf":
+            tensors = {n: t for n, t in self._named_full_tensors() if t is not None}
+            if dist.get_rank() == 0:
+                self._write_hf(meta.path, tensors)
+                if meta.tokenizer_path:
+                    from areal_cli.weight_sync.hf_io import copy_tokenizer
+
+                    copy_tokenizer(meta.tokenizer_path, meta.path)
+            dist.barrier()
+        elif meta.weight_format == "dcp":
+            self._save_dcp(meta)
+        else:
+            raise ConfigError("save.weight_format", f"unknown format {meta.weight_format!r}", "use hf or dcp")
+
+    def _save_dcp(self, meta: SaveLoadMeta) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        Path(meta.path).mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        if self.optimizer is not None:
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            state = {"model": msd, "optim": osd}
+        else:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            state = {"model": get_model_state_dict(self.model)}
+        dcp.save(state, checkpoint_id=meta.path)
+        extra = {"step": self.step, "version": self._version, "rng": _rng_state(),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                 "extra_state": meta.extra_state}
+        torch.save(extra, Path(meta.path) / f"extra_rank{dist.get_rank()}.pt")
+        dist.barrier()
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        """``dcp``: restore model, optimizer, scheduler, RNG, step and version; the saved
+        ``extra_state`` is merged into ``meta.extra_state``. ``hf``: load full weights only."""
+        if meta.weight_format == "hf":
+            self._load_hf(meta.path)
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        extra_file = Path(meta.path) / f"extra_rank{dist.get_rank()}.pt"
+        if not extra_file.is_file():
+            raise ConfigError("recover.path", f"{meta.path} has no {extra_file.name}",
+                              "point at a dir written by save(weight_format='dcp') with the same world size")
+        if self.optimizer is not None:
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=meta.path)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        else:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=meta.path)
+            set_model_state_dict(self.model, state["model"])
+        extra = torch.load(extra_file, weights_only=False)
+        self.step = extra["step"]
+        self._version = extra["version"]
+        if self.scheduler is not None and extra["scheduler"] is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        _set_rng_state(extra["rng"])
+        meta.extra_state.update(extra.get("extra_state") or {})
+
+    def _load_hf(self, path: str) -> None:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(path).glob("model*.safetensors")):
+            full.update(load_file(str(f)))
+        if self.critic and (Path(path) / VALUE_HEAD_FILE).is_file():
+            full.update({f"lm_head.{k}": v for k, v in load_file(str(Path(path) / VALUE_HEAD_FILE)).items()})
+        if "lm_head.weight" not in full and "model.embed_tokens.weight" in full and not self.critic:
+            full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    # ------------------------------------------------------------------ weight sync
+    def update_weights(self, meta: WeightUpdateMeta, engines: list, loop=None) -> None:
+        """Push weights to ``engines`` (pause → sync → continue) and set the version on both sides.
+
+        The pushed version is ``meta.version`` when it is > 0, else ``get_version() + 1``. Only global
+        rank 0 talks to servers; every trainer rank must call this (gathering shards is collective).
+        ``loop``: the event loop that owns the clients (default: a private one).
+        """
+        from areal_cli.weight_sync.common import LoopRunner
+        from areal_cli.weight_sync.senders import DiskSender, DistributedSender
+
+        if self.critic:
+            raise WeightSyncError("weight sync: a critic engine has no policy weights to push")
+        version = meta.version if meta.version > 0 else self._version + 1
+        n_servers = sum(len(getattr(c, "addresses", [])) for c in engines) or len(engines)
+        meta = dataclasses.replace(meta, version=version, world_size=meta.world_size or 1 + n_servers)
+        is_src = dist.get_rank() == 0
+        if is_src and self._runner is None:
+            self._runner = LoopRunner(loop)
+        err: WeightSyncError | None = None
+        if meta.type == "disk":
+            sender = self._senders.setdefault("disk", DiskSender(self._runner))
+            err = sender.send(meta, engines, self._named_full_tensors(), is_src=is_src, write_dir=self._write_hf)
+        elif meta.type == "distributed":
+            sender = self._senders.setdefault("distributed", DistributedSender(self._runner, str(self._comm_device())))
+            err = sender.send(meta, engines, self._named_full_tensors(), is_src=is_src)
+        else:
+            raise ConfigError("weight_sync.type", f"unknown type {meta.type!r}", "use disk or distributed")
+        msg = [str(err) if err is not None else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(msg, src=0)
+        if msg[0] is not None:
+            raise err if err is not None else WeightSyncError(msg[0])
+        self._version = version
+        for c in engines:
+            c.set_version(version)
+
+    @property
+    def last_sync_seconds(self) -> dict[str, float]:
+        """Phase timings of the last weight sync on rank 0 (for benchmarks and logs)."""
+        out: dict[str, float] = {}
+        for s in self._senders.values():
+            out.update(s.last_seconds)
+        return out
+
+    def destroy(self) -> None:
+        for s in self._senders.values():
+            if hasattr(s, "close"):
+                s.close()
+        self._senders.clear()
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        ulysses.set_ulysses_group(None)
+
+
+def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """Per-position log p(target) and entropy of ``softmax(logits / temperature)`` in fp32."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent
+
+
+def _orig_tie(model_path: str) -> bool:
+    import json
+
+    try:
+        return bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings", False))
+    except (OSError, ValueError):
+        return False
+
+
+def _rng_state() -> dict:
+    import numpy as np
+
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])

@@ -1,0 +1,104 @@
+"""Device mesh and FSDP2 sharding, kept apart from the model code (torchtitan style).
+
+Mesh layout: ``("dp", "cp")`` with shape ``(dp, cp)``. Parameters are sharded over the flattened
+``dp×cp`` ranks (Ulysses ranks hold the same weights, so sharding over them too saves memory), the
+data-parallel group is the ``dp`` dim and the Ulysses group is the ``cp`` dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from areal_cli.api.io_struct import ParallelStrategy
+from areal_cli.errors import ConfigError
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def torch_dtype(name: str, path: str = "engine.dtype"):
+    import torch
+
+    key = _DTYPES.get(str(name).lower())
+    if key is None:
+        raise ConfigError(path, f"unknown dtype {name!r}", "use float32 or bfloat16")
+    return getattr(torch, key)
+
+
+@dataclass
+class Meshes:
+    """The world mesh and the groups cut from it."""
+
+    mesh: Any  # DeviceMesh ("dp", "cp")
+    fsdp_mesh: Any  # 1-D DeviceMesh over dp×cp
+    dp_group: Any
+    cp_group: Any
+    dp_rank: int
+    cp_rank: int
+
+
+def check_strategy(parallel: ParallelStrategy, world_size: int) -> None:
+    if parallel.tp != 1 or parallel.pp != 1:
+        raise ConfigError("allocation_mode", f"the fsdp engine supports d and c dims only, got t={parallel.tp} "
+                          f"p={parallel.pp}", "drop t/p from the fsdp part or use engine=megatron")
+    if parallel.dp * parallel.cp != world_size:
+        raise ConfigError("allocation_mode", f"fsdp d{parallel.dp}c{parallel.cp} needs {parallel.dp * parallel.cp} "
+                          f"processes but the trainer has {world_size}",
+                          "make d×c equal to the number of trainer processes")
+
+
+def build_meshes(parallel: ParallelStrategy, device_type: str) -> Meshes:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    check_strategy(parallel, dist.get_world_size())
+    mesh = init_device_mesh(device_type, (parallel.dp, parallel.cp), mesh_dim_names=("dp", "cp"))
+    fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    return Meshes(mesh=mesh, fsdp_mesh=fsdp_mesh, dp_group=mesh.get_group("dp"), cp_group=mesh.get_group("cp"),
+                  dp_rank=mesh.get_local_rank("dp"), cp_rank=mesh.get_local_rank("cp"))
+
+
+def decoder_layers(model) -> list:
+    """The transformer blocks of an HF causal LM (``model.model.layers`` for Qwen2/Llama)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ConfigError("model.path", f"{type(model).__name__} has no .model.layers",
+                          "use a Qwen2/Llama-family decoder model")
+    return list(layers)
+
+
+def apply_fsdp(model, fsdp_mesh, *, param_dtype=None, reduce_dtype=None, extra_modules: tuple = ()) -> None:
+    """``fully_shard`` every decoder layer, then the root (embeddings, norm, tied head, extras).
+
+    Gradients are *summed* over ranks (divide factor 1): the engine already scales every rank's
+    loss by its share of the global loss weight, so a mean would divide twice.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    for m in extra_modules:
+        fully_shard(m, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives: gloo has neither AVG nor PREMUL_SUM.
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def set_grad_sync(model, enabled: bool) -> None:
+    """Skip (False) or do (True) the gradient reduce-scatter on the next backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def enable_gradient_checkpointing(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "config"):
+        model.config.use_cache = False

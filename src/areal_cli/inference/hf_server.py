@@ -1,0 +1,112 @@
+"""Entry point of the built-in ``hf`` server (flag names follow ``sglang.launch_server``).
+
+    python -m areal_cli.inference.hf_server --model-path DIR --host 127.0.0.1 --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m areal_cli.inference.hf_server",
+                                description="Built-in HF inference server speaking SGLang's HTTP protocol.")
+    p.add_argument("--model-path", required=True, help="local HF causal-LM directory")
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = float32 on CPU, the checkpoint's dtype on CUDA")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--weight-version", default="0", help="initial policy version (integer)")
+    p.add_argument("--allowed-weight-roots", nargs="*", default=None,
+                   help="dirs /update_weights_from_disk may read (default: the model dir's parent and "
+                        "the system temp dir)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"error: --host {args.host} is not a loopback address; binding it exposes weight-update "
+              "endpoints to the network. Pass --api-key KEY (clients send 'Authorization: Bearer KEY').",
+              file=sys.stderr)
+        return 2
+    if args.tp_size != 1:
+        print("error: the hf server runs one process per model replica (--tp-size 1); use sglang or vllm "
+              "for tensor parallelism.", file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.model_path):
+        print(f"error: --model-path {args.model_path} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        version = int(args.weight_version)
+    except ValueError:
+        print(f"error: --weight-version must be an integer, got {args.weight_version!r}", file=sys.stderr)
+        return 2
+
+    import torch
+    import uvicorn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_cli.inference.server.app import ServerState, build_app
+    from areal_cli.inference.server.engine import GenerationEngine
+    from areal_cli.inference.server.weights import default_allowed_roots
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype == "auto":
+        dtype = torch.float32 if device == "cpu" else "auto"
+    else:
+        dtype = getattr(torch, args.dtype)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(device).eval()
+    cfg = model.config
+    ctx = args.context_length or getattr(cfg, "max_position_embeddings", None) or 4096
+    engine = GenerationEngine(model, tok, device=device, max_running=args.max_running_requests,
+                              max_prefill_tokens=args.max_prefill_tokens, context_length=int(ctx),
+                              version=version, seed=args.random_seed)
+    state = ServerState(
+        engine=engine, tokenizer=tok, model_path=os.path.abspath(args.model_path),
+        served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model_path)),
+        context_length=int(ctx), vocab_size=int(cfg.vocab_size),
+        allowed_roots=args.allowed_weight_roots or default_allowed_roots(args.model_path),
+        api_key=args.api_key)
+    app = build_app(state)
+    engine.start()
+    logging.getLogger("areal_cli.hf_server").info(
+        "serving %s on %s:%d (device=%s dtype=%s ctx=%d version=%d)", args.model_path, args.host, args.port,
+        device, model.dtype, ctx, version)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

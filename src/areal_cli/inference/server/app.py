@@ -1,0 +1,393 @@
+"""HTTP layer of the ``hf`` server: SGLang's native endpoints plus OpenAI-compatible completions."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from areal_cli.inference.server import weights as W
+from areal_cli.inference.server.engine import GenerationEngine, Sequence
+from areal_cli.inference.server.sampling import SamplingParams
+from areal_cli.inference.server.schema import (BadRequest, check_context, openai_sampling, parse_sampling,
+                                               parse_token_ids)
+
+log = logging.getLogger("areal_cli.hf_server")
+
+ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/update_weights_from_disk",
+               "/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache",
+               "/update_weight_version", "/destroy_weights_update_group"}
+OPEN_PATHS = {"/health", "/health_generate"}
+
+
+@dataclass
+class ServerState:
+    engine: GenerationEngine
+    tokenizer: Any
+    model_path: str
+    served_model_name: str
+    context_length: int
+    vocab_size: int
+    allowed_roots: list[str]
+    api_key: str | None = None
+    receiver: W.DistributedReceiver | None = None
+    weight_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _err(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}, "success": False, "message": message},
+                        status_code=status)
+
+
+async def _json(request: Request) -> dict:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="areal-cli hf server")
+    app.state.s = state
+    eng = state.engine
+
+    @app.middleware("http")
+    async def auth_and_errors(request: Request, call_next):
+        path = request.url.path
+        if state.api_key and path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                kind = "admin endpoint" if path in ADMIN_PATHS else "endpoint"
+                return _err(401, f"{kind} {path} requires 'Authorization: Bearer <api-key>'")
+        return await call_next(request)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_request: Request, exc: BadRequest):
+        return _err(400, str(exc))
+
+    # ------------------------------------------------------------------ generation
+    async def run(ids: list[int], sp: SamplingParams, rid: str | None = None) -> Sequence:
+        check_context(len(ids), sp.max_new_tokens, state.context_length)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def done(seq: Sequence) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(seq))
+
+        seq = Sequence(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=sp, on_done=done)
+        if sp.max_new_tokens == 0:
+            seq.finish = {"type": "length", "length": 0}
+            return seq
+        eng.submit(seq)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            eng.cancel(seq.rid)
+            raise
+
+    def text_of(seq: Sequence) -> str:
+        text = state.tokenizer.decode(seq.out_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        m = (seq.finish or {}).get("matched")
+        if isinstance(m, str) and m in text:
+            text = text[: text.index(m)]
+        return text
+
+    def sglang_out(seq: Sequence, return_logprob: bool) -> dict:
+        meta = {
+            "id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt_ids),
+            "completion_tokens": len(seq.out_ids), "cached_tokens": 0,
+            "weight_version": str(seq.out_versions[-1] if seq.out_versions else eng.version),
+            "output_token_weight_versions": list(seq.out_versions),
+            "e2e_latency": (seq.finished_at or time.monotonic()) - seq.created,
+            "ttft": (seq.first_token_at - seq.created) if seq.first_token_at else 0.0,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.out_logprobs, seq.out_ids)]
+        return {"text": text_of(seq), "output_ids": list(seq.out_ids), "meta_info": meta}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await _json(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the hf server; send stream=false")
+        if body.get("top_logprobs_num"):
+            raise BadRequest("top_logprobs_num is not supported by the hf server")
+        ret_lp = body.get("return_logprob", False)
+        if not isinstance(ret_lp, bool):
+            raise BadRequest(f"return_logprob must be a boolean, got {ret_lp!r}")
+        sp = parse_sampling(body.get("sampling_params"))
+        if body.get("input_ids") is not None:
+            ids = body["input_ids"]
+            batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+            prompts = [parse_token_ids("input_ids", x, state.vocab_size) for x in (ids if batch else [ids])]
+        elif body.get("text") is not None:
+            text = body["text"]
+            batch = isinstance(text, list)
+            texts = text if batch else [text]
+            if not texts or not all(isinstance(t, str) and t for t in texts):
+                raise BadRequest("text must be a non-empty string or a list of them")
+            prompts = [state.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        else:
+            raise BadRequest("either input_ids or text is required")
+        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        for p in prompts:
+            check_context(len(p), sp.max_new_tokens, state.context_length)
+        seqs = await asyncio.gather(*[run(p, sp, rid if not batch else None) for p in prompts])
+        outs = [sglang_out(s, ret_lp) for s in seqs]
+        return JSONResponse(outs if batch else outs[0])
+
+    # ------------------------------------------------------------------ OpenAI
+    def usage(seqs: list[Sequence]) -> dict:
+        p = len(seqs[0].prompt_ids) if seqs else 0
+        c = sum(len(s.out_ids) for s in seqs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def oa_finish(seq: Sequence) -> str:
+        return "length" if (seq.finish or {}).get("type") == "length" else "stop"
+
+    def tok_str(t: int) -> str:
+        return state.tokenizer.decode([t], skip_special_tokens=False)
+
+    def oa_common(body: dict) -> int:
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the hf server")
+        n = body.get("n", 1) or 1
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise BadRequest(f"n must be a positive integer, got {n!r}")
+        return n
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _json(request)
+        n = oa_common(body)
+        if body.get("echo"):
+            raise BadRequest("echo=true is not supported by the hf server")
+        sp = openai_sampling(body, max_tokens_key=("max_tokens",))
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            ids = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+            ids = parse_token_ids("prompt", prompt, state.vocab_size)
+        else:
+            raise BadRequest("prompt must be a non-empty string or a list of token ids")
+        want_lp = body.get("logprobs")
+        if want_lp is not None and (not isinstance(want_lp, int) or isinstance(want_lp, bool) or want_lp < 0):
+            raise BadRequest(f"logprobs must be a non-negative integer, got {want_lp!r}")
+        check_context(len(ids), sp.max_new_tokens, state.context_length)
+        seqs = await asyncio.gather(*[run(ids, sp) for _ in range(n)])
+        choices = []
+        for i, s in enumerate(seqs):
+            c: dict[str, Any] = {"index": i, "text": text_of(s), "finish_reason": oa_finish(s), "logprobs": None}
+            if want_lp is not None:
+                toks = [tok_str(t) for t in s.out_ids]
+                offs, acc = [], 0
+                for t in toks:
+                    offs.append(acc)
+                    acc += len(t)
+                c["logprobs"] = {"tokens": toks, "token_logprobs": list(s.out_logprobs),
+                                 "top_logprobs": [{t: lp} for t, lp in zip(toks, s.out_logprobs)],
+                                 "text_offset": offs}
+            choices.append(c)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": state.served_model_name, "choices": choices, "usage": usage(seqs),
+                "system_fingerprint": f"weight_version={eng.version}"}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _json(request)
+        n = oa_common(body)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise BadRequest("messages must be a non-empty list of {role: str, content: str} objects")
+        if body.get("top_logprobs"):
+            raise BadRequest("top_logprobs is not supported by the hf server")
+        sp = openai_sampling(body, max_tokens_key=("max_completion_tokens", "max_tokens"))
+        enc = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        check_context(len(ids), sp.max_new_tokens, state.context_length)
+        seqs = await asyncio.gather(*[run(ids, sp) for _ in range(n)])
+        choices = []
+        for i, s in enumerate(seqs):
+            lp = None
+            if body.get("logprobs"):
+                lp = {"content": [{"token": tok_str(t), "logprob": v, "bytes": list(tok_str(t).encode()),
+                                   "top_logprobs": []} for t, v in zip(s.out_ids, s.out_logprobs)]}
+            choices.append({"index": i, "message": {"role": "assistant", "content": text_of(s)},
+                            "finish_reason": oa_finish(s), "logprobs": lp})
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": state.served_model_name, "choices": choices, "usage": usage(seqs),
+                "system_fingerprint": f"weight_version={eng.version}"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.served_model_name, "object": "model",
+                                            "created": 0, "owned_by": "areal-cli",
+                                            "max_model_len": state.context_length}]}
+
+    # ------------------------------------------------------------------ info
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
+                "served_model_name": state.served_model_name, "context_length": state.context_length,
+                "weight_version": str(eng.version), "vocab_size": state.vocab_size}
+
+    @app.get("/get_weight_version")
+    async def weight_version():
+        return {"weight_version": str(eng.version)}
+
+    @app.get("/get_load")
+    async def get_load():
+        return {**eng.load(), "paused": eng.paused, "stats": dict(eng.stats)}
+
+    # ------------------------------------------------------------------ admin
+    @app.post("/pause_generation")
+    async def pause(request: Request):
+        body = await _json(request)
+        mode = body.get("mode", "abort")
+        if mode != "abort":
+            raise BadRequest(f"pause mode {mode!r} is not supported; the hf server implements 'abort'")
+        n = await asyncio.wrap_future(eng.pause())
+        return {"success": True, "message": f"paused; {n} running request(s) aborted", "num_aborted": n}
+
+    @app.post("/continue_generation")
+    async def cont(request: Request):
+        await _json(request)
+        await asyncio.wrap_future(eng.resume())
+        return {"success": True, "message": "generation continued"}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        # There is no prefix cache to drop; KV rows of running requests are per-request and freed on exit.
+        return {"success": True, "message": "no prefix cache to flush"}
+
+    def parse_version(body: dict, key: str = "weight_version") -> int | None:
+        v = body.get(key)
+        if v is None:
+            return None
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            raise BadRequest(f"{key} must be an integer (or its string form), got {v!r}") from None
+
+    def set_version(v: int | None):
+        if v is not None:
+            eng.version = v
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await _json(request)
+        v = parse_version(body, "new_version")
+        if v is None:
+            raise BadRequest("new_version is required")
+        await asyncio.wrap_future(eng.call(lambda: set_version(v)))
+        return {"success": True, "new_version": str(v)}
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(request: Request):
+        body = await _json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("model_path (a directory of HF safetensors) is required")
+        fmt = body.get("load_format")
+        if fmt not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format {fmt!r} is not supported; use 'safetensors'")
+        version = parse_version(body)
+        async with state.weight_lock:
+            try:
+                tensors = await asyncio.to_thread(W.load_from_disk, eng.model, path, state.allowed_roots)
+            except PermissionError as e:
+                return _err(403, str(e))
+            except FileNotFoundError as e:
+                return _err(404, str(e))
+            except W.WeightUpdateRejected as e:
+                return _err(400, str(e))
+            except Exception as e:  # unreadable file: the model is untouched
+                return _err(400, f"could not read weights from {path}: {e}")
+            n = await asyncio.wrap_future(eng.call(lambda: (W.apply(eng.model, tensors), set_version(version))[0]))
+        return {"success": True, "message": f"loaded {n} tensors from {path}", "num_paused_requests": 0,
+                "weight_version": str(eng.version)}
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request):
+        body = await _json(request)
+        need = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
+                "group_name": str}
+        for k, t in need.items():
+            if not isinstance(body.get(k), t) or isinstance(body.get(k), bool):
+                raise BadRequest(f"{k} ({t.__name__}) is required")
+        backend = body.get("backend", "gloo")
+        if state.receiver is not None:
+            state.receiver.close()
+            state.receiver = None
+        try:
+            state.receiver = await asyncio.to_thread(
+                W.DistributedReceiver.join, body["master_address"], body["master_port"], body["rank_offset"],
+                body["world_size"], body["group_name"], backend, float(body.get("timeout_s", 120.0)))
+        except W.WeightUpdateRejected as e:
+            return _err(400, str(e))
+        except Exception as e:
+            return _err(500, f"could not join weight-update group {body['group_name']} at "
+                             f"{body['master_address']}:{body['master_port']}: {e}")
+        return {"success": True, "message": f"joined {body['group_name']} as rank {body['rank_offset']}"}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(request: Request):
+        await _json(request)
+        if state.receiver is not None:
+            state.receiver.close()
+            state.receiver = None
+        return {"success": True, "message": "weight-update group destroyed"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(request: Request):
+        body = await _json(request)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise BadRequest("names, dtypes and shapes (lists) are required")
+        rec = state.receiver
+        if rec is None:
+            return _err(400, "no weight-update group: call /init_weights_update_group first")
+        gname = body.get("group_name")
+        if gname is not None and gname != rec.group_name:
+            return _err(400, f"group_name {gname!r} does not match the joined group {rec.group_name!r}")
+        version = parse_version(body)
+        problem = W.check_update_request(eng.model, names, dtypes, shapes)
+        drainable = len(names) == len(dtypes) == len(shapes) and all(
+            isinstance(s, list) for s in shapes)
+        async with state.weight_lock:
+            if problem is not None:
+                if drainable:
+                    try:  # keep the collective in step with the trainer, then reject
+                        await asyncio.to_thread(rec.receive, names, dtypes, shapes)
+                    except Exception:
+                        pass
+                return _err(400, f"rejected weight update (nothing applied): {problem}")
+            try:
+                tensors = await asyncio.to_thread(rec.receive, names, dtypes, shapes)
+            except Exception as e:
+                return _err(500, f"broadcast receive failed in group {rec.group_name}: {e}")
+            n = await asyncio.wrap_future(eng.call(lambda: (W.apply(eng.model, tensors), set_version(version))[0]))
+        return {"success": True, "message": f"updated {n} tensors", "weight_version": str(eng.version)}
+
+    return app

@@ -1,0 +1,339 @@
+"""Continuous-batching generation engine of the built-in ``hf`` server.
+
+One background thread owns the model and a batched, left-padded KV cache (HF ``DynamicCache``).
+Each loop iteration is one token boundary:
+
+1. run queued commands (weight swaps, pause, flush) — so weights change atomically between steps;
+2. admit waiting requests: one batched prefill for all of them, then merge their cache rows into
+   the running cache (left-padding whichever side is shorter);
+3. one decode forward for the whole running batch;
+4. sample, append, and retire finished rows (``batch_select_indices``), trimming all-pad columns.
+
+Requests join and leave at every boundary, so a long generation never blocks short ones.
+Logprob convention: ``log_softmax(logits / T)[token]`` before top-k/top-p truncation (``T = 1``
+for greedy rows), matching :class:`areal_cli.api.io_struct.GenerationConfig`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from areal_cli.inference.server.sampling import SamplingParams, sample_next
+
+log = logging.getLogger("areal_cli.hf_server")
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[["Sequence"], None]
+    out_ids: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    cancelled: bool = False
+    real_len: int = 0  # prompt + generated tokens already in the KV cache
+    text_tail: str = ""  # decoded output (only maintained for stop-string requests)
+
+
+class GenerationEngine:
+    """Owns the model; serves requests in a background thread (see module docstring)."""
+
+    def __init__(self, model, tokenizer, *, device: str, max_running: int = 256,
+                 max_prefill_tokens: int = 8192, context_length: int, version: int = 0, seed: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.context_length = context_length
+        self.version = version
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque())
+        self._cv = threading.Condition()
+        self._paused = False
+        self._stopping = False
+        self._running: list[Sequence] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # [B, L] 1 = real token
+        self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0}
+        self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
+
+    # ----------------------------------------------------------------- public (any thread)
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    def submit(self, seq: Sequence) -> None:
+        with self._cv:
+            self._waiting.append(seq)
+            self._cv.notify_all()
+
+    def cancel(self, rid: str) -> None:
+        """Drop a request whose caller went away (finished at the next boundary)."""
+        with self._cv:
+            for s in list(self._waiting) + self._running:
+                if s.rid == rid:
+                    s.cancelled = True
+            self._cv.notify_all()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` in the engine thread at the next token boundary."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    def pause(self) -> concurrent.futures.Future:
+        """Abort every running request (partial tokens returned) and hold new ones."""
+
+        def _do() -> int:
+            self._paused = True
+            n = len(self._running)
+            for s in self._running:
+                s.finish = {"type": "abort", "message": "generation paused for a weight update"}
+            self._retire(list(range(len(self._running))))
+            return n
+
+        return self.call(_do)
+
+    def resume(self) -> concurrent.futures.Future:
+        def _do() -> None:
+            self._paused = False
+
+        return self.call(_do)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def load(self) -> dict[str, int]:
+        with self._cv:
+            return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    # ----------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while (not self._stopping and not self._commands
+                       and not self._running and (self._paused or not self._waiting)):
+                    self._cv.wait(timeout=0.5)
+                if self._stopping:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, fut in commands:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # reported to the HTTP caller, engine keeps going
+                    fut.set_exception(e)
+            try:
+                self._drop_cancelled()
+                if not self._paused:
+                    self._admit()
+                if self._running:
+                    self._decode_step()
+            except Exception as e:  # never let one bad batch kill the server
+                log.exception("engine step failed")
+                for s in self._running:
+                    s.finish = {"type": "abort", "message": f"engine error: {e}"}
+                self._retire(list(range(len(self._running))))
+        for s in self._running + list(self._waiting):
+            s.finish = {"type": "abort", "message": "server shutting down"}
+            self._finish(s)
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            keep = collections.deque(s for s in self._waiting if not s.cancelled)
+            self._waiting = keep
+        gone = [i for i, s in enumerate(self._running) if s.cancelled]
+        for i in gone:
+            self._running[i].finish = {"type": "abort", "message": "client disconnected"}
+        if gone:
+            self._retire(gone)
+
+    def _admit(self) -> None:
+        batch: list[Sequence] = []
+        budget = self.max_prefill_tokens
+        with self._cv:
+            while self._waiting and len(self._running) + len(batch) < self.max_running:
+                s = self._waiting[0]
+                n = len(s.prompt_ids) + len(s.out_ids)
+                if batch and n * (len(batch) + 1) > budget:
+                    break
+                batch.append(self._waiting.popleft())
+        if batch:
+            self._prefill(batch)
+
+    def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
+        kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                      past_key_values=cache, use_cache=True)
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        try:
+            out = self.model(**kwargs)
+        except TypeError:  # architectures without logits_to_keep
+            kwargs.pop("logits_to_keep", None)
+            out = self.model(**kwargs)
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    def _prefill(self, batch: list[Sequence]) -> None:
+        from transformers import DynamicCache
+
+        # A resumed request's earlier output is part of its prompt here (it is in the KV cache).
+        seqs = [s.prompt_ids + s.out_ids for s in batch]
+        n_max = max(len(x) for x in seqs)
+        ids = torch.full((len(batch), n_max), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), n_max), dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, n_max - len(x):] = torch.tensor(x, dtype=torch.long)
+            mask[i, n_max - len(x):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits, cache = self._forward(ids.to(self.device), mask.to(self.device), pos.to(self.device),
+                                      cache, last_only=True)
+        for s, x in zip(batch, seqs):
+            s.real_len = len(x)
+        self.stats["prefill_tokens"] += sum(len(x) for x in seqs)
+        self._merge(batch, cache, mask.to(self.device))
+        self._sample_and_append(logits, rows=list(range(len(self._running) - len(batch),
+                                                         len(self._running))))
+
+    def _merge(self, batch: list[Sequence], cache, mask: torch.Tensor) -> None:
+        if not self._running:
+            self._running, self._cache, self._mask = list(batch), cache, mask
+            return
+        from transformers import DynamicCache
+
+        la, lb = self._mask.shape[1], mask.shape[1]
+        length = max(la, lb)
+        merged = DynamicCache(config=self.model.config)
+        for li, (layer_a, layer_b) in enumerate(zip(self._cache.layers, cache.layers)):
+            k = torch.cat([_lpad(layer_a.keys, length), _lpad(layer_b.keys, length)], dim=0)
+            v = torch.cat([_lpad(layer_a.values, length), _lpad(layer_b.values, length)], dim=0)
+            merged.update(k, v, li)
+        self._mask = torch.cat([_lpad(self._mask, length, dim=1), _lpad(mask, length, dim=1)], dim=0)
+        self._cache = merged
+        self._running.extend(batch)
+
+    def _decode_step(self) -> None:
+        last = torch.tensor([[s.out_ids[-1]] for s in self._running], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[s.real_len] for s in self._running], dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, torch.ones((len(self._running), 1), dtype=self._mask.dtype,
+                                                       device=self.device)], dim=1)
+        logits, self._cache = self._forward(last, self._mask, pos, self._cache, last_only=False)
+        for s in self._running:
+            s.real_len += 1
+        self.stats["steps"] += 1
+        self._sample_and_append(logits, rows=list(range(len(self._running))))
+
+    def _sample_and_append(self, logits: torch.Tensor, rows: list[int]) -> None:
+        seqs = [self._running[i] for i in rows]
+        next_ids, logps = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
+                                      self.eos_ids, self.generator)
+        now = time.monotonic()
+        done: list[int] = []
+        for row, s, tok, lp in zip(rows, seqs, next_ids.tolist(), logps.tolist()):
+            if not s.out_ids and not s.first_token_at:
+                s.first_token_at = now
+            s.out_ids.append(tok)
+            s.out_logprobs.append(lp)
+            s.out_versions.append(self.version)
+            if self._check_finished(s, tok):
+                done.append(row)
+        self.stats["generated_tokens"] += len(rows)
+        if done:
+            self._retire(done)
+
+    def _check_finished(self, s: Sequence, tok: int) -> bool:
+        p = s.params
+        n = len(s.out_ids)
+        if n >= p.min_new_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+                s.finish = {"type": "stop", "matched": tok}
+                return True
+            if p.stop:
+                s.text_tail = self.tokenizer.decode(s.out_ids[-64:], skip_special_tokens=False)
+                for st in p.stop:
+                    if st and st in s.text_tail:
+                        s.finish = {"type": "stop", "matched": st}
+                        return True
+        if n >= p.max_new_tokens or s.real_len + 1 >= self.context_length:
+            s.finish = {"type": "length", "length": n}
+            return True
+        return False
+
+    def _retire(self, rows: list[int]) -> None:
+        drop = set(rows)
+        for i in sorted(drop):
+            self._finish(self._running[i])
+        keep = [i for i in range(len(self._running)) if i not in drop]
+        if not keep:
+            self._running, self._cache, self._mask = [], None, None
+            return
+        self._running = [self._running[i] for i in keep]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._mask = self._mask.index_select(0, idx)
+        # Columns that are padding in every remaining row only cost attention time: cut them.
+        first_real = int((self._mask.sum(0) > 0).nonzero()[0].item())
+        self._mask = self._mask[:, first_real:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, first_real:, :]
+            layer.values = layer.values.index_select(0, idx)[:, :, first_real:, :]
+
+    def _finish(self, s: Sequence) -> None:
+        s.finished_at = time.monotonic()
+        self.stats["finished"] += 1
+        try:
+            s.on_done(s)
+        except Exception:  # a closed event loop must not stop the engine
+            log.exception("completion callback failed for %s", s.rid)
+
+
+def _lpad(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
+    """Left-pad ``t`` with zeros along ``dim`` to ``length``."""
+    extra = length - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

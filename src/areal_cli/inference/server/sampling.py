@@ -1,0 +1,76 @@
+"""Vectorised sampling for a whole batch in one pass (no per-row Python work on the tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's ``sampling_params`` subset the ``hf`` server implements."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 → greedy (SGLang convention)
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated: list[int],
+                eos_ids: set[int], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. Returns ``(token_ids [B], logprobs [B])``.
+
+    Logprobs are ``log_softmax(logits / T)`` at the chosen token, before top-k/top-p truncation
+    (``T = 1`` for greedy rows). ``min_new_tokens`` masks stop tokens for sampling only.
+    """
+    logits = logits.float()
+    bsz, vocab = logits.shape
+    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+    scaled = logits / temps.unsqueeze(1)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+
+    work = scaled
+    blocked = [i for i, (p, n) in enumerate(zip(params, n_generated)) if n < p.min_new_tokens]
+    if blocked:
+        work = work.clone()
+        for i in blocked:
+            stop_ids = [t for t in (set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else eos_ids))
+                        if t < vocab]
+            if stop_ids:
+                work[i, stop_ids] = float("-inf")
+
+    next_ids = work.argmax(dim=-1)
+    if not bool(greedy.all()):
+        top_k = torch.tensor([p.top_k if p.top_k and p.top_k > 0 else vocab for p in params])
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+            work = _truncate(work, top_k.clamp(max=vocab), top_p)
+        probs = torch.softmax(work, dim=-1)
+        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        next_ids = torch.where(greedy, next_ids, sampled)
+    chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+    return next_ids, chosen
+
+
+def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus (the top token always survives)."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[1]).unsqueeze(0)
+    remove = ranks >= top_k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before this token
+    remove |= before >= top_p.unsqueeze(1)
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)

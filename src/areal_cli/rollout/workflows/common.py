@@ -1,0 +1,211 @@
+"""Pieces shared by the built-in workflows: prompt building, reward calls, trajectory rows.
+
+The data item a workflow receives is a dict (docs/rollout.md, "Data items"):
+
+- the prompt, one of (first match wins):
+  ``"prompt_ids"`` — token ids, used verbatim;
+  ``"messages"`` — a chat (``[{"role": "user", "content": ...}, ...]``) rendered with the tokenizer's
+  chat template and a generation prompt;
+  ``"prompt"`` — a string, wrapped as one user message and rendered with the chat template
+  (or tokenized verbatim when the workflow has ``use_chat_template=False``);
+- ``"answer"`` — the reference handed verbatim to the reward function (may be absent → ``None``);
+- anything else is carried along untouched (``"id"`` is copied into the trajectory's meta).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from areal_cli.api.io_struct import GenerationConfig
+from areal_cli.errors import DataError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from areal_cli.api.workflow_api import Trajectory
+
+RewardFn = Callable[[str, str, Any], "Awaitable[float] | float"]
+
+_GROUP_IDS = itertools.count()
+
+
+def next_group_id() -> int:
+    """Process-unique id for one prompt's group of samples."""
+    return next(_GROUP_IDS)
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """Accept a tokenizer object or a local path to one."""
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if tokenizer is None:
+        raise TypeError("a tokenizer (object or local path) is required")
+    return tokenizer
+
+
+def to_generation_config(settings: Any, **overrides: Any) -> GenerationConfig:
+    """Build a :class:`GenerationConfig` from ``rollout.gconfig`` (or any object with the same fields)."""
+    if isinstance(settings, GenerationConfig):
+        return settings.new(**overrides)
+    fields = ("temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop", "greedy")
+    kw = {f: getattr(settings, f) for f in fields if hasattr(settings, f)}
+    if "stop" in kw:
+        kw["stop"] = list(kw["stop"])
+    kw.update(overrides)
+    return GenerationConfig(**kw)
+
+
+def with_eos_stop(gconfig: GenerationConfig, tokenizer: Any) -> GenerationConfig:
+    """Single-sample copy of ``gconfig`` that also stops on the tokenizer's eos token."""
+    stops = list(gconfig.stop_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and eos not in stops:
+        stops.append(int(eos))
+    return gconfig.new(n=1, stop_token_ids=stops)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    if not isinstance(text, str):  # some templates return a list for batched input
+        raise DataError("the tokenizer's chat template did not render to a string")
+    return text
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=False)
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str  # what the reward function sees as ``prompt``
+    messages: list[dict[str, str]] | None  # the chat, when the prompt came as messages/prompt+template
+
+
+def build_prompt(tokenizer: Any, data: dict[str, Any], use_chat_template: bool = True) -> Prompt:
+    """Resolve a data item's prompt (see the module docstring for the keys)."""
+    if "prompt_ids" in data and data["prompt_ids"] is not None:
+        ids = [int(t) for t in data["prompt_ids"]]
+        if not ids:
+            raise DataError("data item has an empty 'prompt_ids'")
+        text = data["prompt"] if isinstance(data.get("prompt"), str) else decode(tokenizer, ids)
+        return Prompt(ids, text, data.get("messages"))
+    messages = data.get("messages")
+    if messages is None and isinstance(data.get("prompt"), str):
+        if not use_chat_template:
+            return Prompt(encode(tokenizer, data["prompt"]), data["prompt"], None)
+        messages = [{"role": "user", "content": data["prompt"]}]
+    if not messages:
+        raise DataError(f"data item has none of 'prompt_ids', 'messages', 'prompt' (keys: {sorted(data)}); "
+                        "see docs/rollout.md, 'Data items'")
+    messages = [dict(m) for m in messages]
+    text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    user_text = "\n".join(m["content"] for m in messages if m.get("role") == "user")
+    return Prompt(encode(tokenizer, text), user_text or text, messages)
+
+
+def is_async_callable(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def call_reward(fn: RewardFn, prompt: str, completion: str, answer: Any) -> float:
+    """Await an async reward callable; run a sync one in a worker thread so the loop keeps going."""
+    if is_async_callable(fn):
+        res = await fn(prompt, completion, answer)  # type: ignore[misc]
+    else:
+        res = await asyncio.to_thread(fn, prompt, completion, answer)
+        if inspect.isawaitable(res):
+            res = await res
+    return float(res)
+
+
+@dataclass
+class Segment:
+    """A run of tokens in a sequence; ``logprobs``/``versions`` only on generated segments."""
+
+    ids: list[int]
+    logprobs: list[float] | None = None
+    versions: list[int] | None = None
+
+    @property
+    def generated(self) -> bool:
+        return self.logprobs is not None
+
+
+def build_row(segments: list[Segment]) -> "dict[str, torch.Tensor]":
+    """One sequence as 1-D tensors aligned with ``input_ids`` (entry i concerns token i)."""
+    import torch
+
+    ids: list[int] = []
+    lp: list[float] = []
+    ver: list[int] = []
+    mask: list[bool] = []
+    for s in segments:
+        n = len(s.ids)
+        ids.extend(int(t) for t in s.ids)
+        if s.generated:
+            assert s.logprobs is not None and s.versions is not None
+            if len(s.logprobs) != n or len(s.versions) != n:
+                raise ValueError(f"generated segment has {n} tokens but {len(s.logprobs)} logprobs and "
+                                 f"{len(s.versions)} versions")
+            lp.extend(float(x) for x in s.logprobs)
+            ver.extend(int(v) for v in s.versions)
+            mask.extend([True] * n)
+        else:
+            lp.extend([0.0] * n)
+            ver.extend([-1] * n)
+            mask.extend([False] * n)
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "attention_mask": torch.ones(len(ids), dtype=torch.bool),
+        "loss_mask": torch.tensor(mask, dtype=torch.bool),
+        "logprobs": torch.tensor(lp, dtype=torch.float32),
+        "versions": torch.tensor(ver, dtype=torch.long),
+    }
+
+
+def stack_rows(rows: list["dict[str, torch.Tensor]"], rewards: list[float], no_eos: list[bool],
+               group_id: int, pad_id: int, meta: dict[str, Any] | None = None,
+               extra: "dict[str, torch.Tensor] | None" = None) -> "Trajectory":
+    """Right-pad rows into one group :class:`Trajectory` with per-sequence rewards and masks."""
+    import torch
+
+    from areal_cli.api.workflow_api import Trajectory
+
+    width = max(int(r["input_ids"].shape[0]) for r in rows)
+    fills = {"input_ids": pad_id, "versions": -1}
+    data: dict[str, torch.Tensor] = {}
+    for key in rows[0]:
+        parts = []
+        for r in rows:
+            x = r[key]
+            if x.shape[0] < width:
+                x = torch.cat([x, x.new_full((width - x.shape[0],), fills.get(key, 0))])
+            parts.append(x)
+        data[key] = torch.stack(parts)
+    n = len(rows)
+    data["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+    data["seq_no_eos_mask"] = torch.tensor(no_eos, dtype=torch.bool)
+    data["group_id"] = torch.full((n,), group_id, dtype=torch.long)
+    if extra:
+        data.update(extra)
+    return Trajectory(data, dict(meta or {}))
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    pid = getattr(tokenizer, "pad_token_id", None)
+    if pid is None:
+        pid = getattr(tokenizer, "eos_token_id", None)
+    return int(pid) if pid is not None else 0

@@ -1,0 +1,144 @@
+"""Multi-turn RLVR: on a wrong answer, append a feedback user turn and let the model retry."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
+from areal_cli.errors import ConfigError
+from areal_cli.rollout.workflows.common import (
+    Prompt,
+    RewardFn,
+    Segment,
+    build_prompt,
+    build_row,
+    call_reward,
+    decode,
+    encode,
+    load_tokenizer,
+    next_group_id,
+    pad_token_id,
+    render_chat,
+    stack_rows,
+    with_eos_stop,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from areal_cli.api.inference_api import InferenceEngine
+
+
+@dataclass
+class _Dialogue:
+    segments: list[Segment]
+    reward: float = 0.0
+    raw_reward: float = 0.0
+    turns: int = 0
+    no_eos: bool = False
+    n_resumes: int = 0
+    completions: list[str] = field(default_factory=list)
+
+
+class MultiTurnWorkflow(RolloutWorkflow):
+    """Up to ``max_turns`` attempts per sample; after a wrong attempt the chat gets
+    ``{"role": "user", "content": feedback}`` and the model answers again in the same sequence.
+
+    An attempt is correct when its reward is ``>= success_threshold``. The sample's reward is the last
+    attempt's reward times ``turn_discount ** (turns - 1)``. ``loss_mask`` is True only on tokens the model
+    generated; feedback and chat-template tokens are context (version -1, logprob 0). Data items are the
+    same as for :class:`~areal_cli.rollout.workflows.rlvr.RLVRWorkflow`; ``group_size`` dialogues run
+    concurrently per prompt. Extra per-row tensor: ``n_turns`` [G].
+    """
+
+    def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any, group_size: int = 1,
+                 *, max_turns: int = 2, turn_discount: float = 0.9,
+                 feedback: str = "Your answer is wrong. Try again.", success_threshold: float = 1.0,
+                 max_context_len: int | None = None, use_chat_template: bool = True):
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ConfigError("workflow.max_turns", f"must be an integer >= 1, got {max_turns!r}",
+                              "set workflow.max_turns=2")
+        if not 0.0 < float(turn_discount) <= 1.0:
+            raise ConfigError("workflow.turn_discount", f"must be in (0, 1], got {turn_discount!r}",
+                              "set workflow.turn_discount=0.9")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ConfigError("rollout.group_size", f"must be a positive integer, got {group_size!r}",
+                              "set rollout.group_size=8 (samples per prompt)")
+        if not callable(reward_fn):
+            raise ConfigError("workflow.reward", f"reward function {reward_fn!r} is not callable",
+                              "use a built-in reward name or a dotted path to a function")
+        self.reward_fn = reward_fn
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.gconfig = with_eos_stop(gconfig, self.tokenizer)
+        self.group_size = group_size
+        self.max_turns = max_turns
+        self.turn_discount = float(turn_discount)
+        self.feedback = feedback
+        self.success_threshold = float(success_threshold)
+        self.max_context_len = max_context_len
+        self.use_chat_template = use_chat_template
+        self.pad_id = pad_token_id(self.tokenizer)
+
+    async def arun_episode(self, engine: "InferenceEngine", data: dict[str, Any]) -> Trajectory | None:
+        import torch
+
+        prompt = build_prompt(self.tokenizer, data, self.use_chat_template)
+        answer = data.get("answer")
+        dialogues = await asyncio.gather(*[self._dialogue(engine, prompt, answer)
+                                           for _ in range(self.group_size)])
+        rows = [build_row(d.segments) for d in dialogues]
+        extra = {"n_turns": torch.tensor([d.turns for d in dialogues], dtype=torch.long)}
+        meta = {"id": data.get("id"), "prompt_len": len(prompt.ids),
+                "n_resumes": sum(d.n_resumes for d in dialogues),
+                "raw_rewards": [d.raw_reward for d in dialogues]}
+        return stack_rows(rows, [d.reward for d in dialogues], [d.no_eos for d in dialogues],
+                          next_group_id(), self.pad_id, meta, extra)
+
+    async def _dialogue(self, engine: "InferenceEngine", prompt: Prompt, answer: Any) -> _Dialogue:
+        d = _Dialogue(segments=[Segment(list(prompt.ids))])
+        context = list(prompt.ids)
+        messages = list(prompt.messages) if prompt.messages is not None else None
+        for turn in range(self.max_turns):
+            resp = await engine.agenerate(ModelRequest(input_ids=list(context), gconfig=self.gconfig))
+            out = list(resp.output_tokens)
+            d.segments.append(Segment(out, list(resp.output_logprobs), list(resp.output_versions)))
+            context.extend(out)
+            d.turns, d.no_eos, d.n_resumes = turn + 1, resp.stop_reason == "length", d.n_resumes + resp.n_resumes
+            completion = decode(self.tokenizer, out)
+            d.completions.append(completion)
+            d.raw_reward = await call_reward(self.reward_fn, prompt.text, completion, answer)
+            if d.raw_reward >= self.success_threshold or turn + 1 == self.max_turns:
+                break
+            tail = self._feedback_ids(messages, out, completion)
+            if self.max_context_len is not None and \
+                    len(context) + len(tail) + self.gconfig.max_new_tokens > self.max_context_len:
+                break
+            d.segments.append(Segment(tail))
+            context.extend(tail)
+            if messages is not None:
+                messages += [{"role": "assistant", "content": completion},
+                             {"role": "user", "content": self.feedback}]
+        d.reward = d.raw_reward * self.turn_discount ** (d.turns - 1)
+        return d
+
+    def _feedback_ids(self, messages: list[dict[str, str]] | None, out: list[int], completion: str) -> list[int]:
+        """Tokens between the generated answer and the next generation: the end of the assistant turn as
+        the chat template renders it, the feedback user turn and the generation prompt. The generated
+        tokens themselves are never re-tokenized."""
+        tok = self.tokenizer
+        generated_text = decode(tok, out, skip_special_tokens=False)
+        if messages is not None:
+            before = render_chat(tok, messages, add_generation_prompt=True) + generated_text
+            after = render_chat(tok, messages + [{"role": "assistant", "content": completion},
+                                                 {"role": "user", "content": self.feedback}],
+                                add_generation_prompt=True)
+            if after.startswith(before):
+                return encode(tok, after[len(before):])
+        # Template without a clean prefix (or raw-id prompts): close the turn explicitly, then open a
+        # fresh user turn rendered on its own.
+        eos = getattr(tok, "eos_token_id", None)
+        close = [int(eos)] if eos is not None and (not out or out[-1] != eos) else []
+        sep = encode(tok, "\n")
+        user = render_chat(tok, [{"role": "user", "content": self.feedback}], add_generation_prompt=True)
+        return close + sep + encode(tok, user)

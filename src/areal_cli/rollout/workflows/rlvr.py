@@ -1,0 +1,73 @@
+"""RLVR: ``group_size`` samples per prompt, each scored by a verifiable reward."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
+from areal_cli.errors import ConfigError
+from areal_cli.rollout.workflows.common import (
+    RewardFn,
+    Segment,
+    build_prompt,
+    build_row,
+    call_reward,
+    decode,
+    load_tokenizer,
+    next_group_id,
+    pad_token_id,
+    stack_rows,
+    with_eos_stop,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from areal_cli.api.inference_api import InferenceEngine
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """One prompt → ``group_size`` completions generated concurrently → one scored group.
+
+    Data item: ``{"prompt_ids" | "messages" | "prompt": ..., "answer": ..., ...}`` (docs/rollout.md).
+    ``reward_fn(prompt, completion, answer) -> float`` may be async (e.g.
+    ``areal_cli.rewards.AsyncRewardRunner``) or sync (run in a thread); ``prompt`` is the user text and
+    ``completion`` the decoded completion without special tokens.
+
+    The returned group has ``group_size`` rows: ``input_ids``, ``attention_mask``, ``loss_mask`` (True on
+    generated tokens), ``logprobs`` and ``versions`` (per token, as produced by the server; 0 / -1 on the
+    prompt), ``rewards`` [G], ``seq_no_eos_mask`` [G] (True when generation hit the length limit) and
+    ``group_id`` [G].
+    """
+
+    def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any, group_size: int = 1,
+                 *, use_chat_template: bool = True):
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ConfigError("rollout.group_size", f"must be a positive integer, got {group_size!r}",
+                              "set rollout.group_size=8 (samples per prompt)")
+        if not callable(reward_fn):
+            raise ConfigError("workflow.reward", f"reward function {reward_fn!r} is not callable",
+                              "use a built-in reward name or a dotted path to a function")
+        self.reward_fn = reward_fn
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.gconfig = with_eos_stop(gconfig, self.tokenizer)
+        self.group_size = group_size
+        self.use_chat_template = use_chat_template
+        self.pad_id = pad_token_id(self.tokenizer)
+
+    async def arun_episode(self, engine: "InferenceEngine", data: dict[str, Any]) -> Trajectory | None:
+        prompt = build_prompt(self.tokenizer, data, self.use_chat_template)
+        answer = data.get("answer")
+        resps = await asyncio.gather(*[
+            engine.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig))
+            for _ in range(self.group_size)])
+        completions = [decode(self.tokenizer, r.output_tokens) for r in resps]
+        rewards = await asyncio.gather(*[call_reward(self.reward_fn, prompt.text, c, answer)
+                                         for c in completions])
+        rows = [build_row([Segment(prompt.ids),
+                           Segment(list(r.output_tokens), list(r.output_logprobs), list(r.output_versions))])
+                for r in resps]
+        meta = {"id": data.get("id"), "prompt_len": len(prompt.ids),
+                "n_resumes": sum(r.n_resumes for r in resps)}
+        return stack_rows(rows, list(rewards), [r.stop_reason == "length" for r in resps], next_group_id(),
+                          self.pad_id, meta)

@@ -1,0 +1,158 @@
+"""Small wiring functions: each turns one config group into one live object.
+
+The loops in rl.py / sft.py only call these, so swapping a part (another engine, workflow or
+launcher) never touches a loop. Heavy imports stay inside the functions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from areal_cli.errors import ConfigError, DataError
+from areal_cli.launchers.base import JobLayout, ServerSpec, TrainerSpec
+
+
+# ---------------------------------------------------------------- CLI-process side (no torch)
+
+def resolve_model_path(cfg: Any) -> str:
+    """``builtin:tiny`` → the cached built-in model dir (built on first use); else a local HF dir."""
+    path = cfg.model.path
+    if isinstance(path, str) and path.startswith("builtin:"):
+        from areal_cli.data.builtin_model import ensure_builtin_model
+
+        return str(ensure_builtin_model(os.path.expanduser(cfg.cluster.fileroot)))
+    p = Path(os.path.expanduser(path))
+    if not (p / "config.json").is_file():
+        raise ConfigError("model.path", f"{path} is not a local HF model dir (no config.json)",
+                          "point model.path at a directory written by save_pretrained, or use builtin:tiny")
+    return str(p.resolve())
+
+
+def layout_from_plan(cfg: Any, plan: Any | None) -> JobLayout:
+    """Flatten the validated plan (``config.validate.validate``) into a :class:`JobLayout`.
+
+    Each inference part becomes ``dp`` servers on consecutive ``tp×pp`` device blocks of its
+    placement; the train part becomes one torchrun job over the nodes of its placement.
+    """
+    if plan is None:
+        from areal_cli.config.validate import validate
+
+        plan = validate(cfg)
+    servers: list[ServerSpec] = []
+    for part in plan.inferences:
+        flat = [(node, d) for node, devs in part.placement for d in devs]
+        width = part.tp * part.pp
+        for i in range(part.dp):
+            block = flat[i * width:(i + 1) * width]
+            servers.append(ServerSpec(index=len(servers), backend=part.backend, tp=part.tp, pp=part.pp,
+                                      node=block[0][0], devices=[d for _, d in block]))
+    train = plan.train
+    par = train.parallel
+    nodes = [node for node, _ in train.placement]
+    per_node = max(len(devs) for _, devs in train.placement)
+    if nodes != list(range(nodes[0], nodes[0] + len(nodes))):
+        raise ConfigError("allocation_mode.spec", f"the trainer is placed on non-consecutive nodes {nodes}",
+                          "reorder the spec so the train component gets a contiguous node range")
+    trainer = TrainerSpec(backend=train.backend, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep,
+                          nnodes=len(nodes), nproc_per_node=per_node, first_node=nodes[0])
+    return JobLayout(n_nodes=plan.n_nodes, device=plan.device, servers=servers, trainer=trainer,
+                     colocated=plan.colocated)
+
+
+# ---------------------------------------------------------------- trainer side
+
+def build_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | None = None,
+                 total_steps: int | None = None, critic: bool = False) -> Any:
+    """The training engine named by ``engine.name``, initialised on the plan's parallel strategy."""
+    from areal_cli.api.io_struct import ParallelStrategy
+
+    from areal_cli.engines import get_engine_cls
+
+    t = layout.trainer
+    cls = get_engine_cls(cfg.engine.name)
+    kwargs: dict[str, Any] = {"total_steps": total_steps or cfg.trainer.total_steps, "seed": cfg.seed}
+    if critic:
+        kwargs["critic"] = True
+    engine = cls(cfg.engine, optim if optim is not None else cfg.algo.optim, **kwargs)
+    engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep), model_path)
+    return engine
+
+
+def build_client(cfg: Any, addresses: list[str], backend: str) -> Any:
+    from areal_cli.inference.client import RemoteInferenceEngine
+
+    return RemoteInferenceEngine(addresses, backend=backend, timeout_s=cfg.rollout.request_timeout_s,
+                                 retries=cfg.rollout.request_retries, routing=cfg.rollout.routing)
+
+
+def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:
+    from areal_cli.api.io_struct import GenerationConfig
+
+    g = GenerationConfig(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                         max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens,
+                         stop=list(settings.stop), greedy=settings.greedy,
+                         stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    return g.new(**override) if override else g
+
+
+def build_reward_fn(cfg: Any) -> Any:
+    from areal_cli.rewards import get_reward_fn
+
+    return get_reward_fn(cfg.workflow.reward)
+
+
+def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any, reward_fn: Any | None = None) -> Any:
+    from areal_cli.rollout.workflows import build_workflow as _build
+
+    w = cfg.workflow
+    return _build(w.name, reward_fn=reward_fn if reward_fn is not None else build_reward_fn(cfg),
+                  gconfig=gconfig, tokenizer=tokenizer, group_size=cfg.rollout.group_size,
+                  max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback, **dict(w.kwargs))
+
+
+def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict]]:
+    """(train items, test items); items carry prompt_ids/messages/answer. A missing file is a DataError."""
+    from areal_cli.data import loading
+
+    train = loading.load_items(cfg.dataset, tokenizer, split="train", seed=cfg.seed)
+    test = loading.load_items(cfg.dataset, tokenizer, split="test", seed=cfg.seed)
+    if not train:
+        raise DataError(f"dataset.train_path={cfg.dataset.train_path} yielded no usable rows")
+    return train, test
+
+
+def build_dataloader(cfg: Any, items: list[dict], batch_size: int, *, seed_offset: int = 0) -> Any:
+    from areal_cli.data.loader import ResumableDataLoader
+
+    return ResumableDataLoader(items, batch_size=batch_size, shuffle=cfg.dataset.shuffle,
+                               seed=cfg.seed + seed_offset, drop_last=cfg.dataset.drop_last)
+
+
+def build_actor(cfg: Any, engine: Any, ref_engine: Any | None) -> Any:
+    from areal_cli.algorithms.actor import PPOActor
+
+    return PPOActor(cfg.algo, engine, ref_engine=ref_engine, group_size=cfg.rollout.group_size,
+                    max_new_tokens=cfg.rollout.gconfig.max_new_tokens)
+
+
+def build_critic(cfg: Any, engine: Any) -> Any:
+    from areal_cli.algorithms.critic import PPOCritic
+
+    return PPOCritic(cfg.algo, engine)
+
+
+def build_executor(cfg: Any, client: Any, workflow: Any, batch_size: int) -> Any:
+    from areal_cli.rollout.executor import RolloutExecutor
+
+    return RolloutExecutor(client, workflow, batch_size=batch_size,
+                           max_concurrent=cfg.rollout.max_concurrent_rollouts,
+                           max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+                           queue_size=cfg.rollout.queue_size)

@@ -1,0 +1,152 @@
+"""Checkpoints: HF exports every N steps, and recover states every M steps for ``resume=auto``.
+
+A recover state is a directory ``<run_dir>/recover/step_<N>/``:
+
+- ``engine/``        the engine's resumable state (model, optimizer, scheduler) via ``engine.save(dcp)``
+- ``rank<R>.pt``     per-rank RNG states (python, torch, cuda)
+- ``trainer.json``   rank 0's loop state: step, policy version, dataloader position, rollout
+                     executor counters (accepted / staleness), SFT progress, wall time so far
+
+It is written to ``step_<N>.partial`` and renamed when every rank finished, then
+``recover/latest.json`` is replaced atomically, so a run killed mid-save resumes from the previous
+complete state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+from areal_cli.errors import ConfigError
+
+
+def rng_state() -> dict[str, Any]:
+    import torch
+
+    st: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        st["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(st["python"])
+    torch.set_rng_state(st["torch"])
+    if "numpy" in st:
+        import numpy as np
+
+        np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class CheckpointManager:
+    """HF exports and recover states of one run. Every method is collective over the trainer ranks."""
+
+    def __init__(self, run_dir: str, *, rank: int, keep: int = 2, tokenizer_path: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.keep = max(1, int(keep))
+        self.tokenizer_path = tokenizer_path
+        self.recover_root = self.run_dir / "recover"
+        self.hf_root = self.run_dir / "checkpoints"
+
+    # ------------------------------------------------------------ HF export
+    def export_hf(self, engine: Any, name: str) -> str:
+        from areal_cli.api.io_struct import SaveLoadMeta
+
+        path = self.hf_root / name
+        engine.save(SaveLoadMeta(path=str(path), weight_format="hf", tokenizer_path=self.tokenizer_path))
+        _barrier()
+        if self.rank == 0:
+            (self.hf_root / "latest").unlink(missing_ok=True)
+            os.symlink(name, self.hf_root / "latest")
+            self._prune(self.hf_root, "step_")
+        return str(path)
+
+    # ------------------------------------------------------------ recover
+    def save_recover(self, engine: Any, step: int, trainer_state: dict[str, Any],
+                     others: dict[str, Any] | None = None) -> str:
+        import torch
+
+        from areal_cli.api.io_struct import SaveLoadMeta
+
+        final = self.recover_root / f"step_{step:06d}"
+        tmp = self.recover_root / f"step_{step:06d}.partial"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        engine.save(SaveLoadMeta(path=str(tmp / "engine"), weight_format="dcp", with_optim=True,
+                                 tokenizer_path=self.tokenizer_path))
+        for name, other in (others or {}).items():  # e.g. the critic
+            other.save(SaveLoadMeta(path=str(tmp / name), weight_format="dcp", with_optim=True))
+        torch.save(rng_state(), tmp / f"rank{self.rank}.pt")
+        if self.rank == 0:
+            (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+        _barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            latest = self.recover_root / "latest.json"
+            tmp_latest = self.recover_root / ".latest.json.tmp"
+            tmp_latest.write_text(json.dumps({"step": step, "path": final.name}))
+            os.replace(tmp_latest, latest)
+            self._prune(self.recover_root, "step_")
+        _barrier()
+        return str(final)
+
+    def find_recover(self, resume: str) -> Path | None:
+        """The recover dir to continue from, or None (``resume=none`` or nothing saved yet)."""
+        if resume in ("none", "", None, False):
+            return None
+        if resume == "auto":
+            latest = self.recover_root / "latest.json"
+            if not latest.exists():
+                return None
+            p = self.recover_root / json.loads(latest.read_text())["path"]
+            return p if p.is_dir() else None
+        p = Path(os.path.expanduser(resume))
+        if not (p / "trainer.json").is_file():
+            raise ConfigError("resume", f"{resume} is not a recover state (no trainer.json)",
+                              "use resume=auto or a <run_dir>/recover/step_N dir")
+        return p
+
+    def load_recover(self, engine: Any, path: Path, others: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Restore the engine and this rank's RNG; returns rank 0's trainer state (on every rank)."""
+        import torch
+
+        from areal_cli.api.io_struct import SaveLoadMeta
+
+        engine.load(SaveLoadMeta(path=str(path / "engine"), weight_format="dcp", with_optim=True))
+        for name, other in (others or {}).items():
+            other.load(SaveLoadMeta(path=str(path / name), weight_format="dcp", with_optim=True))
+        rng_file = path / f"rank{self.rank}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return json.loads((path / "trainer.json").read_text())
+
+    def _prune(self, root: Path, prefix: str) -> None:
+        done = sorted(p for p in root.glob(f"{prefix}*") if p.is_dir() and not p.name.endswith(".partial")
+                      and not p.is_symlink())
+        for p in done[:-self.keep]:
+            shutil.rmtree(p, ignore_errors=True)

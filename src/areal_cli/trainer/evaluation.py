@@ -1,0 +1,77 @@
+"""Held-out evaluation through the inference servers (so it measures exactly what they serve).
+
+- ``eval/pass@1``: one greedy completion per test item (``rollout.eval_gconfig``), correct when the
+  reward is > 0.5.
+- with ``trainer.eval_n_samples = n > 1``: ``n`` sampled completions per item at the rollout
+  temperature; ``eval/pass@n`` is the fraction of items with at least one correct sample and
+  ``eval/mean@n`` the mean per-sample accuracy (the unbiased pass@1 estimate under sampling).
+
+Runs on trainer rank 0 with its own client on its own event loop; it does not touch the rollout
+executor's queues beyond pausing admissions, so the staleness accounting is unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+
+async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
+                      reward_fn: Any, concurrency: int) -> dict[str, float]:
+    from areal_cli.api.io_struct import ModelRequest
+    from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
+    from areal_cli.trainer import build
+
+    client = build.build_client(cfg, addresses, backend)
+    greedy = with_eos_stop(build.build_gconfig(cfg.rollout.eval_gconfig, tokenizer, greedy=True), tokenizer)
+    n = int(cfg.trainer.eval_n_samples)
+    sampled = with_eos_stop(build.build_gconfig(cfg.rollout.gconfig, tokenizer, greedy=False), tokenizer)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(item: dict, gconfig: Any) -> tuple[bool, int]:
+        prompt = build_prompt(tokenizer, item, cfg.dataset.use_chat_template)
+        async with sem:
+            resp = await client.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=gconfig))
+        reward = await call_reward(reward_fn, prompt.text, decode(tokenizer, resp.output_tokens),
+                                   item.get("answer"))
+        return float(reward) > 0.5, len(resp.output_tokens)
+
+    try:
+        greedy_res = await asyncio.gather(*[one(it, greedy) for it in items])
+        out = {"eval/pass@1": sum(ok for ok, _ in greedy_res) / len(items),
+               "eval/mean_len": sum(ln for _, ln in greedy_res) / len(items), "eval/n_items": float(len(items))}
+        if n > 1:
+            per_item = await asyncio.gather(*[asyncio.gather(*[one(it, sampled) for _ in range(n)])
+                                              for it in items])
+            out[f"eval/pass@{n}"] = sum(any(ok for ok, _ in r) for r in per_item) / len(items)
+            out[f"eval/mean@{n}"] = sum(ok for r in per_item for ok, _ in r) / (len(items) * n)
+    finally:
+        close = getattr(client, "aclose", None) or getattr(client, "close", None)
+        if close is not None:
+            res = close()
+            if asyncio.iscoroutine(res):
+                await res
+    return out
+
+
+def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
+                        *, executor: Any | None = None, reward_fn: Any | None = None,
+                        concurrency: int = 64) -> dict[str, float]:
+    """Greedy pass@1 (and pass@n) of the servers' current weights on ``items``."""
+    from areal_cli.trainer import build
+
+    if not items:
+        return {}
+    if reward_fn is None:
+        reward_fn = build.build_reward_fn(cfg)
+    t0 = time.perf_counter()
+    if executor is not None:
+        executor.pause()
+    try:
+        out = asyncio.run(_eval_async(cfg, addresses, backend, tokenizer, items, reward_fn, concurrency))
+    finally:
+        if executor is not None:
+            executor.resume()
+    out["eval/time_s"] = time.perf_counter() - t0
+    return out

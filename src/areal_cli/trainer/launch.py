@@ -1,0 +1,162 @@
+"""``areal train`` after validation, in the CLI process: prepare, launch, watch, summarise.
+
+1. prepare the built-in model / check the dataset files (before anything starts);
+2. check the run dir's storage (full probe from areal_cli.storage when available, else writable);
+3. write ``config.yaml`` and ``launch.json`` (layout + model path) into the run dir;
+4. hand the layout to the launcher named by ``launcher.name`` and show the live view while it runs;
+5. print the summary table and write ``learning_curve.png`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_cli.errors import DataError, StorageError
+
+# Files a fresh (resume=none) run replaces; anything else in the run dir is left alone.
+RUN_STATE = ("metrics.jsonl", "status.json", "servers", "recover", "checkpoints", "sft_warmup",
+             "weight_sync", "tensorboard", "logs", "summary.json", "learning_curve.png", "wandb")
+
+
+def check_run_dir_writable(run_dir: str) -> None:
+    p = Path(run_dir)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write_probe.{os.getpid()}"
+        probe.write_bytes(b"areal")
+        os.replace(probe, p / ".write_probe")
+        (p / ".write_probe").unlink()
+    except OSError as e:
+        raise StorageError(f"run dir {run_dir} is not writable ({e.strerror or e}); "
+                           "fix: set cluster.fileroot to a writable directory") from e
+
+
+def check_storage(cfg: Any, run_dir: str) -> None:
+    """The shared-storage probe when the storage package provides it, else a writability check."""
+    check_run_dir_writable(run_dir)
+    if cfg.skip_storage_check:
+        return
+    try:
+        from areal_cli.storage import run_storage_check
+    except ImportError:
+        return
+    run_storage_check(cfg, run_dir)
+
+
+def check_dataset_files(cfg: Any) -> None:
+    """A missing local dataset file is an error before anything launches."""
+    for key in ("train_path", "test_path"):
+        path = getattr(cfg.dataset, key)
+        if not path or str(path).startswith("builtin:"):
+            continue
+        if not Path(os.path.expanduser(path)).exists():
+            raise DataError(f"dataset.{key}: {path} does not exist — fix: point dataset.{key} at a jsonl/parquet "
+                            "file or a saved datasets dir, or use builtin:arith")
+
+
+def prepare_run_dir(cfg: Any, run_dir: str) -> None:
+    p = Path(run_dir)
+    if cfg.resume == "none" and p.exists():
+        stale = [name for name in RUN_STATE if (p / name).exists()]
+        if stale:
+            print(f"[areal] resume=none: starting over in {run_dir} (replacing {', '.join(stale)}); "
+                  "use resume=auto to continue instead", file=sys.stderr)
+            for name in stale:
+                q = p / name
+                shutil.rmtree(q) if q.is_dir() and not q.is_symlink() else q.unlink()
+    else:
+        for name in ("status.json", "servers"):  # leftovers of the killed run are not live
+            q = p / name
+            if q.is_dir():
+                shutil.rmtree(q)
+            elif q.exists():
+                q.unlink()
+    p.mkdir(parents=True, exist_ok=True)
+
+
+def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) -> int:
+    """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C)."""
+    from areal_cli.launchers.base import get_launcher
+    from areal_cli.trainer.build import layout_from_plan, resolve_model_path
+    from areal_cli.trainer.config_io import save_config
+    from areal_cli.trainer.entry import LAUNCH_FILE
+    from areal_cli.trainer.report import LiveView
+
+    t0 = time.time()
+    run_dir = cfg.run_dir()
+    check_dataset_files(cfg)
+    check_storage(cfg, run_dir)
+    prepare_run_dir(cfg, run_dir)
+    model_path = resolve_model_path(cfg)
+    layout = layout_from_plan(cfg, plan)
+    config_path = save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    (Path(run_dir) / LAUNCH_FILE).write_text(json.dumps({"layout": layout.to_dict(), "model_path": model_path,
+                                                         "config": config_path}, indent=1))
+    launcher = get_launcher(cfg.launcher.name)
+    print(f"[areal] run dir {run_dir}; logs in {run_dir}/logs", file=sys.stderr, flush=True)
+    show = cfg.stats.live if live is None else live
+    show = show and sys.stderr.isatty()
+    total = int(cfg.trainer.total_steps)
+    with LiveView(run_dir, total, title=f"areal train {cfg.experiment_name}/{cfg.trial_name}",
+                  enabled=show) as view:
+        kwargs: dict[str, Any] = {}
+        params = inspect.signature(launcher.launch).parameters
+        if "model_path" in params:
+            kwargs["model_path"] = model_path
+        if "on_tick" in params:
+            kwargs["on_tick"] = view.update if show else _progress_printer(run_dir, total)
+        rc = launcher.launch(cfg, layout, run_dir, **kwargs)
+    if rc == 0:
+        finish_report(run_dir, wall_s=time.time() - t0)
+    return rc
+
+
+def _progress_printer(run_dir: str, total: int) -> Any:
+    """Without a terminal: one plain line per logged step (CI logs, pipes)."""
+    from areal_cli.trainer.report import MetricsTail
+
+    tail = MetricsTail(Path(run_dir) / "metrics.jsonl")
+
+    def tick() -> None:
+        for r in tail.read_new():
+            kind = r.get("kind")
+            if kind == "train":
+                print(f"[areal] step {r['step']}/{total} reward {r.get('reward/mean', 0):.3f} "
+                      f"staleness {r.get('staleness/mean', 0) or 0:.2f} "
+                      f"gen {r.get('perf/gen_tokens_per_s', 0):.0f} tok/s "
+                      f"sync {r.get('perf/weight_sync_s', 0):.3f}s", file=sys.stderr, flush=True)
+            elif kind == "eval":
+                print(f"[areal] eval @ step {r['step']} ({r.get('phase', 'rl')}): pass@1 "
+                      f"{r.get('eval/pass@1', 0):.1%}", file=sys.stderr, flush=True)
+            elif kind == "sft" and (r["step"] % 10 == 0 or r["step"] == 1):
+                print(f"[areal] sft step {r['step']} loss {r.get('sft/loss', 0):.3f}", file=sys.stderr, flush=True)
+
+    return tick
+
+
+def finish_report(run_dir: str, wall_s: float) -> dict[str, Any]:
+    """Summary table on stderr, summary.json and learning_curve.png in the run dir."""
+    from rich.console import Console
+
+    from areal_cli.trainer.report import plot_learning_curve, summarize, summary_table
+
+    summary = summarize(run_dir)
+    summary["wall_s"] = round(wall_s, 1)
+    png = plot_learning_curve(run_dir)
+    if png:
+        summary["learning_curve"] = png
+    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    console = Console(stderr=True)
+    console.print(summary_table(summary))
+    before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    if before is not None and after is not None:
+        console.print(f"held-out accuracy: before {before:.1%} → after {after:.1%} "
+                      f"({(after - before) * 100:+.1f} points) in {wall_s / 60:.1f} min")
+    return summary

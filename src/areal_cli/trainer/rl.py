@@ -1,0 +1,479 @@
+"""The asynchronous RL loop (GRPO, PPO, DAPO, ... — whatever ``algo`` configures).
+
+Rank 0 (the data-parallel head) runs the rollout executor against the inference servers; every
+step it takes one batch of finished episodes, splits it by episode across the trainer ranks, and
+all ranks then compute logprobs / advantages and run the PPO update. After the update the version
+is bumped and the weights are pushed to the servers (pause → sync → continue) while the executor
+keeps its in-flight episodes (they resume on the new weights, tokens tagged with their version).
+
+Order inside one step, and why:
+1. batch ← executor (staleness-bounded); the consumed prompt positions are recorded.
+2. logp / ref logp / advantages / update (collective over the ranks).
+3. version += 1; push weights; only then tell the executor the new version, so in synchronous
+   mode (max_head_offpolicyness=0) nothing for the next step is admitted before step 4.
+4. recover state / HF export / eval / log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_cli.launchers.base import JobLayout, read_servers
+from areal_cli.trainer import build
+from areal_cli.trainer.checkpoint import CheckpointManager
+from areal_cli.trainer.data_stream import PromptStream
+from areal_cli.trainer.stats import StatsLogger
+
+
+class _EpisodeRunner:
+    """Wraps the user's workflow: tags each trajectory with its prompt position (``meta['_pos']``)
+    and re-runs an episode whose server died under it.
+
+    A failed episode is discarded whole and run again from its prompt (on whichever server the
+    client routes to), so a server crash loses no prompt and duplicates none; only episodes that
+    keep failing for ``max_attempts`` surface as errors.
+    """
+
+    def __init__(self, inner: Any, max_attempts: int = 30, wait_s: float = 1.0):
+        self.inner = inner
+        self.max_attempts = max_attempts
+        self.wait_s = wait_s
+        self.retried = 0
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+        import asyncio
+
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                traj = await self.inner.arun_episode(engine, data)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - only transport failures are retried
+                if attempt == self.max_attempts or not _is_transport_error(e):
+                    raise
+                self.retried += 1
+                await asyncio.sleep(self.wait_s)
+        if traj is not None:
+            traj.meta["_pos"] = data.get("_pos")
+        return traj
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    """Connection-level failures (a dead or restarting server), not bad requests or bugs."""
+    from areal_cli.errors import InferenceError
+
+    seen = 0
+    while e is not None and seen < 5:
+        if isinstance(e, (ConnectionError, TimeoutError, OSError, InferenceError)):
+            return True
+        name = type(e).__module__ + "." + type(e).__name__
+        if name.startswith(("httpx.", "aiohttp.", "httpcore.")):
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def broadcast_obj(obj: Any, src: int = 0) -> Any:
+    dist = _dist()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 splits ``batch`` (rows grouped by episode) into ``world`` equal runs of episodes."""
+    if world == 1:
+        assert batch is not None
+        return batch
+    dist = _dist()
+    parts: list[Any] | None = None
+    if rank == 0:
+        assert batch is not None
+        rows = int(batch["input_ids"].shape[0])
+        per_ep = rows // n_episodes
+        eps_per_rank = n_episodes // world
+        parts = []
+        for r in range(world):
+            lo, hi = r * eps_per_rank * per_ep, (r + 1) * eps_per_rank * per_ep
+            parts.append({k: v[lo:hi] for k, v in batch.items()})
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, parts, src=0)
+    return out[0]
+
+
+def canonical_order(batch: dict[str, Any], positions: list[Any]) -> dict[str, Any]:
+    """Episodes sorted by prompt position: the executor releases them in completion order, and
+    float sums over a batch depend on order — sorting makes a step reproducible."""
+    import torch
+
+    n = len(positions)
+    if n == 0 or any(p is None for p in positions):
+        return batch
+    rows = int(batch["input_ids"].shape[0])
+    per_ep = rows // n
+    order = sorted(range(n), key=lambda i: positions[i])
+    if order == list(range(n)):
+        return batch
+    idx = torch.tensor([i * per_ep + j for i in order for j in range(per_ep)])
+    return {k: (v.index_select(0, idx) if hasattr(v, "index_select") and v.dim() >= 1 and v.shape[0] == rows
+                else v) for k, v in batch.items()}
+
+
+class RLTrainer:
+    """One trainer rank of an RL run. ``run()`` is collective over all ranks."""
+
+    def __init__(self, cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int):
+        self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
+        self.model_path = model_path
+        self.rank, self.world = rank, world
+        self.total_steps = int(cfg.trainer.total_steps)
+        self.stats = StatsLogger(run_dir, cfg.stats, experiment=cfg.experiment_name, trial=cfg.trial_name,
+                                 enabled=rank == 0)
+        self.ckpt = CheckpointManager(run_dir, rank=rank, keep=cfg.trainer.keep_checkpoints,
+                                      tokenizer_path=model_path)
+        self.weight_mode = cfg.rollout.weight_update
+        self.server_epochs: dict[int, int] = {}
+        self.restarts_synced = 0
+        self.episodes: _EpisodeRunner | None = None
+        self.client = None
+        self.critic = None
+        self.executor = None
+        self.stream: PromptStream | None = None
+        self.weight_sync_s = 0.0
+        self.elapsed_before = 0.0  # wall time of earlier (resumed) segments
+
+    # ------------------------------------------------------------------ setup
+    def _servers(self) -> list[dict[str, Any]]:
+        recs = read_servers(self.run_dir)
+        if not recs:
+            from areal_cli.errors import LaunchError
+
+            raise LaunchError(f"no inference server is published under {self.run_dir}/servers; "
+                              "start runs with `areal train`")
+        return recs
+
+    def _setup_rollout(self, tokenizer: Any, train_items: list[dict]) -> None:
+        recs = self._servers()
+        self.server_epochs = {r["index"]: r["epoch"] for r in recs}
+        backend = recs[0].get("backend", "hf")
+        self.client = build.build_client(self.cfg, [r["address"] for r in recs], backend)
+        gconfig = build.build_gconfig(self.cfg.rollout.gconfig, tokenizer)
+        self.episodes = _EpisodeRunner(build.build_workflow(self.cfg, tokenizer, gconfig))
+        workflow = self.episodes
+        self.executor = build.build_executor(self.cfg, self.client, workflow, self.cfg.algo.batch_size)
+        self.executor.pad_token_id = int(tokenizer.pad_token_id or 0)
+        self.stream = PromptStream(train_items, seed=self.cfg.seed, shuffle=self.cfg.dataset.shuffle)
+
+    def _pending_servers(self) -> list[dict[str, Any]]:
+        """Servers restarted since we last synced them: they hold the base weights."""
+        recs = read_servers(self.run_dir)
+        return [r for r in recs if self.server_epochs.get(r["index"]) != r["epoch"]]
+
+    def _sync_restarted(self, engine: Any, version: int) -> None:
+        """Collective: bring restarted servers to ``version`` from disk, then route to them again.
+
+        The broadcast group of distributed updates lost a member, so later updates go through disk.
+        """
+        from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
+        from areal_cli.trainer.checkpoint import _barrier
+
+        self.weight_mode = "disk"
+        path = os.path.join(self.run_dir, "weight_sync", f"restart_v{version:06d}")
+        engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=self.model_path))
+        if self.rank == 0:
+            for rec in self._pending_servers():
+                one = build.build_client(self.cfg, [rec["address"]], rec.get("backend", "hf"))
+                meta = WeightUpdateMeta(type="disk", version=version, path=path)
+                self.executor.run_coroutine(one.update_weights_from_disk(meta))
+                self.server_epochs[rec["index"]] = rec["epoch"]
+                print(f"[areal] server {rec['index']} came back at {rec['address']}; loaded version {version}",
+                      flush=True)
+            recs = read_servers(self.run_dir)
+            self.client_set_addresses([r["address"] for r in recs if r["index"] in self.server_epochs])
+            self.restarts_synced += 1
+        _barrier()
+
+    def client_set_addresses(self, addresses: list[str]) -> None:
+        setter = getattr(self.client, "set_addresses", None)
+        if setter is None:
+            from areal_cli.errors import LaunchError
+
+            raise LaunchError("the inference client cannot change its server list (no set_addresses); "
+                              "a restarted server cannot be used")
+        setter(addresses)
+
+    def next_batch(self, engine: Any, version: int) -> tuple[dict[str, Any] | None, dict[str, float]]:
+        """Collective wait for the next batch; syncs restarted servers while waiting."""
+        while True:
+            status, batch, stats = "wait", None, {}
+            if self.rank == 0:
+                if self._pending_servers() and len(read_servers(self.run_dir)) >= len(self.layout.servers):
+                    status = "sync"
+                else:
+                    try:
+                        traj = self.executor.prepare_batch(self.stream, timeout=2.0)
+                    except TimeoutError:
+                        traj = None
+                    if traj is not None:
+                        pos = traj.meta.get("_pos", [])
+                        self.stream.mark_consumed([p for p in pos if p is not None])
+                        stats = dict(self.executor.last_batch_stats)
+                        stats["data/positions"] = [int(p) for p in pos if p is not None]
+                        batch, status = canonical_order(traj.data, pos), "ok"
+            status = broadcast_obj(status)
+            if status == "ok":
+                return batch, stats
+            if status == "sync":
+                self._sync_restarted(engine, version)
+
+    # ------------------------------------------------------------------ weights
+    def _weight_meta(self, version: int, mode: str) -> Any:
+        from areal_cli.api.io_struct import WeightUpdateMeta
+
+        if mode == "disk":
+            path = os.path.join(self.run_dir, "weight_sync", f"v{version:06d}")
+            return WeightUpdateMeta(type="disk", version=version, path=path)
+        from areal_cli.utils.network import find_free_port
+
+        return WeightUpdateMeta(type="distributed", version=version, master_address="127.0.0.1",
+                                master_port=find_free_port() if self.rank == 0 else 0,
+                                world_size=1 + len(self.layout.servers),
+                                dtype=self.cfg.rollout.weight_update_dtype,
+                                backend="nccl" if self.layout.device == "cuda" else "gloo")
+
+    def _loop(self) -> Any:
+        """The executor's event loop: it owns the client's HTTP sessions."""
+        return getattr(self.executor, "_loop", None) if self.executor is not None else None
+
+    def push_initial_weights(self, engine: Any, version: int) -> None:
+        """Load the trainer's current weights into every server at ``version`` (through disk).
+
+        Used at start-up (after an SFT warm start, or on resume), before any rollout runs.
+        ``engine.update_weights`` always advances the version, so the version-0 case goes through
+        the client's ``update_weights_from_disk`` directly.
+        """
+        from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
+        from areal_cli.trainer.checkpoint import _barrier
+
+        path = os.path.join(self.run_dir, "weight_sync", f"init_v{version:06d}")
+        engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=self.model_path))
+        if self.rank == 0:
+            meta = WeightUpdateMeta(type="disk", version=version, path=path)
+            self.executor.run_coroutine(self.client.update_weights_from_disk(meta))
+            self.client.set_version(version)
+        _barrier()
+        engine.set_version(version)
+
+    def push_weights(self, engine: Any, version: int, *, force_disk: bool = False) -> float:
+        """Push the current weights to every server at ``version``. Returns seconds spent."""
+        t0 = time.perf_counter()
+        mode = "disk" if force_disk else broadcast_obj(self.weight_mode)
+        meta = broadcast_obj(self._weight_meta(version, mode) if self.rank == 0 else None)
+        if self.executor is not None:
+            self.executor.pause()
+        engine.update_weights(meta, [self.client] if self.rank == 0 and self.client is not None else [],
+                              loop=self._loop())
+        engine.set_version(version)
+        if mode == "disk" and self.rank == 0:
+            _prune_weight_dirs(Path(self.run_dir) / "weight_sync", keep=1)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, tokenizer: Any, test_items: list[dict], step: int, phase: str = "rl") -> dict[str, float]:
+        from areal_cli.trainer.evaluation import evaluate_on_servers
+
+        out: dict[str, float] = {}
+        if self.rank == 0 and test_items:
+            out = evaluate_on_servers(self.cfg, [r["address"] for r in read_servers(self.run_dir)],
+                                      self.layout.servers[0].backend if self.layout.servers else "hf",
+                                      tokenizer, test_items, executor=self.executor)
+            self.stats.log("eval", step, {**out, "phase": phase})
+        return broadcast_obj(out)
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> dict[str, Any]:
+        import torch
+
+        cfg = self.cfg
+        tokenizer = build.build_tokenizer(self.model_path)
+        train_items, test_items = build.build_datasets(cfg, tokenizer)
+        if cfg.dataset.eval_size:
+            test_items = test_items[: cfg.dataset.eval_size]
+        recover = self.ckpt.find_recover(cfg.resume)
+        state = broadcast_obj(_peek_state(recover) if self.rank == 0 else None)
+        self.stats.log("event", 0, {"event": "start", "resumed_from": state["step"] if state else 0})
+
+        policy_path = self.model_path
+        if cfg.trainer.sft_warmup_steps > 0:
+            from areal_cli.trainer.sft import SFT_DIRNAME, sft_warm_start
+
+            if state is None and not (Path(self.run_dir) / SFT_DIRNAME / "done.json").exists():
+                base = self.evaluate(tokenizer, test_items, 0, phase="base")
+                if self.rank == 0 and base:
+                    print(f"[areal] held-out accuracy of the base model: {base.get('eval/pass@1', 0):.1%}",
+                          flush=True)
+
+            policy_path = sft_warm_start(cfg, self.layout, self.run_dir, self.model_path, tokenizer,
+                                         train_items, self.rank, self.world, self.stats)
+        random.seed(cfg.seed + self.rank)
+        torch.manual_seed(cfg.seed + self.rank)
+
+        engine = build.build_engine(cfg, self.layout, policy_path)
+        ref_engine = build.build_engine(cfg, self.layout, policy_path) if cfg.algo.kl_coef > 0 else None
+        actor = build.build_actor(cfg, engine, ref_engine)
+        critic_engine = None
+        if cfg.algo.use_critic:
+            optim = dataclasses.replace(cfg.algo.optim, lr=cfg.algo.critic_lr)
+            critic_engine = build.build_engine(cfg, self.layout, policy_path, optim=optim, critic=True)
+            self.critic = build.build_critic(cfg, critic_engine)
+        start_step = 0
+        if recover is not None:
+            state = self.ckpt.load_recover(engine, recover, self._others(critic_engine))
+            start_step = int(state["step"])
+            self.elapsed_before = float(state.get("elapsed_s", 0.0))
+            self.stats.truncate_after(start_step)
+        engine.set_version(start_step)
+
+        if self.rank == 0:
+            self._setup_rollout(tokenizer, train_items)
+            if state is not None:
+                self.stream.load_state_dict(state["stream"])
+                self.executor.load_state_dict(state["executor"])
+        if start_step > 0 or policy_path != self.model_path:
+            # The servers started from the base weights; bring them to the trainer's policy.
+            self.push_initial_weights(engine, start_step)
+        if self.executor is not None:
+            self.executor.set_version(start_step)
+            self.executor.resume()
+
+        if start_step == 0:
+            before = self.evaluate(tokenizer, test_items, 0, phase="sft" if policy_path != self.model_path else "rl")
+            if self.rank == 0 and before:
+                print(f"[areal] held-out accuracy before RL: {before.get('eval/pass@1', 0):.1%}", flush=True)
+        t_start = time.time()
+        for step in range(start_step + 1, self.total_steps + 1):
+            self.train_step(engine, actor, step, t_start, start_step)
+            self._periodic(engine, tokenizer, test_items, step)
+        final = self.evaluate(tokenizer, test_items, self.total_steps)
+        if self.rank == 0 and final:
+            print(f"[areal] held-out accuracy after RL: {final.get('eval/pass@1', 0):.1%}", flush=True)
+        out = self.ckpt.export_hf(engine, "final")
+        if self.executor is not None:
+            self.executor.destroy()
+        self.stats.log("event", self.total_steps, {"event": "end", "hf_export": out})
+        self.stats.close()
+        engine.destroy()
+        for other in (ref_engine, critic_engine):
+            if other is not None:
+                other.destroy()
+        return {"final_eval": final, "hf_export": out}
+
+    def train_step(self, engine: Any, actor: Any, step: int, t_start: float, start_step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        batch, gen_stats = self.next_batch(engine, step - 1)
+        if self.rank == 0:
+            gen_stats["rollout/episode_retries"] = float(self.episodes.retried)
+            gen_stats["rollout/server_restarts"] = float(self.restarts_synced)
+        t_gen = time.perf_counter() - t0
+        local = scatter_batch(batch, self.cfg.algo.batch_size, self.rank, self.world)
+        t1 = time.perf_counter()
+        train_stats = _ppo_step(actor, self.critic, local)
+        t_train = time.perf_counter() - t1
+        sync_s = self.push_weights(engine, step)
+        if self.executor is not None:
+            self.executor.set_version(step)
+            self.executor.resume()
+        rec: dict[str, Any] = {"version": step, **gen_stats, **{f"train/{k}" if "/" not in k else k: v
+                                                               for k, v in train_stats.items()}}
+        rec.update(_batch_stats(local, self.world))
+        step_s = time.perf_counter() - t0
+        rec["perf/step_s"] = step_s
+        rec["perf/gen_wait_s"] = t_gen
+        rec["perf/train_s"] = t_train
+        rec["perf/weight_sync_s"] = sync_s
+        rec["perf/train_tokens_per_s"] = rec.pop("_tokens", 0.0) / max(t_train, 1e-9)
+        rec["perf/gen_tokens_per_s"] = rec.pop("_gen_tokens", 0.0) / max(step_s, 1e-9)
+        rec["perf/samples_per_s"] = rec.pop("_rows", 0.0) / max(step_s, 1e-9)
+        rec["perf/elapsed_s"] = self.elapsed_before + time.time() - t_start
+        self.stats.log("train", step, rec)
+        return rec
+
+    def _periodic(self, engine: Any, tokenizer: Any, test_items: list[dict], step: int) -> None:
+        tc = self.cfg.trainer
+        if tc.save_every and step % tc.save_every == 0 and step != self.total_steps:
+            self.ckpt.export_hf(engine, f"step_{step:06d}")
+        if tc.recover_every and step % tc.recover_every == 0 and step != self.total_steps:
+            self.ckpt.save_recover(engine, step, self._trainer_state(step) if self.rank == 0 else {},
+                                   self._others(getattr(self.critic, "engine", None)))
+        if tc.eval_every and step % tc.eval_every == 0 and step != self.total_steps:
+            self.evaluate(tokenizer, test_items, step)
+
+    @staticmethod
+    def _others(critic_engine: Any | None) -> dict[str, Any]:
+        return {"critic": critic_engine} if critic_engine is not None else {}
+
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        return {"step": step, "version": step, "stream": self.stream.state_dict(),
+                "executor": self.executor.state_dict(), "weight_mode": self.weight_mode,
+                "elapsed_s": self.elapsed_before, "time": time.time()}
+
+
+def _peek_state(recover: Path | None) -> dict[str, Any] | None:
+    import json
+
+    if recover is None:
+        return None
+    return json.loads((recover / "trainer.json").read_text())
+
+
+def _ppo_step(actor: Any, critic: Any | None, batch: dict[str, Any]) -> dict[str, float]:
+    """values (critic) → logp / ref logp / advantages → PPO mini-batch updates (actor, then critic)."""
+    if critic is not None:
+        batch = critic.compute_values(batch)
+    batch = actor.compute_advantages(batch)
+    stats = dict(actor.ppo_update(batch))
+    if critic is not None:
+        stats.update(critic.ppo_update(batch))
+    return stats
+
+
+def _batch_stats(batch: dict[str, Any], world: int) -> dict[str, float]:
+    """Reward/length stats of the local batch, summed or averaged over ranks."""
+    import torch
+
+    dist = _dist()
+    rew = batch["rewards"].float()
+    gen = batch["loss_mask"].float().sum(dim=1)
+    vec = torch.tensor([rew.sum().item(), float(rew.numel()), gen.sum().item(),
+                        float(batch["attention_mask"].sum().item()), (rew > 0.5).float().sum().item()],
+                       dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(vec)
+    s, n, g, tok, ok = vec.tolist()
+    return {"reward/mean": s / max(n, 1), "reward/accuracy": ok / max(n, 1), "gen/mean_len": g / max(n, 1),
+            "_tokens": tok, "_gen_tokens": g, "_rows": n}
+
+
+def _prune_weight_dirs(root: Path, keep: int) -> None:
+    import shutil
+
+    if not root.is_dir():
+        return
+    dirs = sorted(p for p in root.iterdir() if p.is_dir())
+    for p in dirs[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,190 @@
+"""Supervised fine-tuning on the same engines: ``algo=sft`` runs, and the SFT → GRPO warm start.
+
+An SFT example is ``prompt (chat template) + target + eos``; the loss is the token-mean negative
+log-likelihood of the target and eos tokens (``algorithms.actor.sft_step``), normalised by
+the global token count inside ``engine.train_batch``. Every rank draws the same deterministic
+prompt stream and trains on its own slice of each batch, so no data has to be scattered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_cli.errors import DataError
+from areal_cli.launchers.base import JobLayout
+from areal_cli.trainer import build
+from areal_cli.trainer.data_stream import PromptStream
+
+SFT_DIRNAME = "sft_warmup"
+
+
+def sft_target(item: dict[str, Any]) -> str:
+    """What the model should answer for ``item``: ``target`` if the dataset provides one, else ``answer``."""
+    for key in ("target", "sft_target", "answer"):
+        v = item.get(key)
+        if isinstance(v, str) and v:
+            return v
+    raise DataError(f"SFT needs a 'target' or 'answer' string in every item (keys: {sorted(item)})")
+
+
+def make_sft_batch(items: list[dict[str, Any]], tokenizer: Any, use_chat_template: bool = True) -> dict[str, Any]:
+    """Right-padded ``input_ids``/``attention_mask``/``loss_mask`` for prompt+target+eos examples."""
+    import torch
+
+    from areal_cli.rollout.workflows.common import build_prompt, encode
+
+    rows = []
+    for it in items:
+        prompt = build_prompt(tokenizer, it, use_chat_template)
+        target = encode(tokenizer, sft_target(it))
+        if tokenizer.eos_token_id is not None:
+            target = target + [int(tokenizer.eos_token_id)]
+        rows.append((list(prompt.ids), target))
+    max_len = max(len(p) + len(t) for p, t in rows)
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    ids = torch.full((len(rows), max_len), pad, dtype=torch.long)
+    attn = torch.zeros((len(rows), max_len), dtype=torch.bool)
+    mask = torch.zeros((len(rows), max_len), dtype=torch.float32)
+    for i, (p, t) in enumerate(rows):
+        n = len(p) + len(t)
+        ids[i, :n] = torch.tensor(p + t)
+        attn[i, :n] = True
+        mask[i, len(p):n] = 1.0
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+
+
+def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: int, batch_size: int,
+                  rank: int, world: int, stats: Any, use_chat_template: bool = True,
+                  kind: str = "sft", first_step: int = 1) -> dict[str, float]:
+    """``steps`` optimizer steps; logs ``sft/loss`` per step. Returns the last step's stats."""
+    from areal_cli.algorithms.actor import sft_step
+
+    last: dict[str, float] = {}
+    for step in range(first_step, first_step + steps):
+        t0 = time.perf_counter()
+        items = stream.take(batch_size)
+        stream.mark_consumed([it["_pos"] for it in items])
+        mine = items[rank::world]
+        batch = make_sft_batch(mine, tokenizer, use_chat_template)
+        out = sft_step(engine, batch)
+        dt = time.perf_counter() - t0
+        tokens = float(batch["attention_mask"].sum()) * world
+        last = {"sft/loss": float(out.get("loss", out.get("nll", 0.0))), "sft/lr": out.get("lr"),
+                "sft/grad_norm": out.get("grad_norm"), "perf/train_tokens_per_s": tokens / max(dt, 1e-9),
+                "perf/step_s": dt}
+        stats.log(kind, step, {k: v for k, v in last.items() if v is not None})
+    return last
+
+
+def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, tokenizer: Any,
+                   train_items: list[dict], rank: int, world: int, stats: Any) -> str:
+    """Run ``trainer.sft_warmup_steps`` of SFT and export HF weights; the RL phase starts from them.
+
+    Cached: a finished warm start (``<run_dir>/sft_warmup/done.json``) is reused, so a resumed run
+    does not repeat it. A warm start killed midway is redone from scratch (it is deterministic).
+    """
+    from areal_cli.trainer.checkpoint import _barrier
+
+    out_dir = Path(run_dir) / SFT_DIRNAME / "hf"
+    done = Path(run_dir) / SFT_DIRNAME / "done.json"
+    if done.exists():
+        return str(out_dir)
+    tc = cfg.trainer
+    optim = dataclasses.replace(cfg.algo.optim, lr=tc.sft_lr, lr_scheduler="constant", warmup_steps=0)
+    engine = build.build_engine(cfg, layout, model_path, optim=optim, total_steps=tc.sft_warmup_steps)
+    stream = PromptStream(train_items, seed=cfg.seed + 17, shuffle=cfg.dataset.shuffle)
+    t0 = time.perf_counter()
+    last = run_sft_steps(engine, stream, tokenizer, steps=tc.sft_warmup_steps, batch_size=tc.sft_batch_size,
+                         rank=rank, world=world, stats=stats, use_chat_template=cfg.dataset.use_chat_template)
+    from areal_cli.api.io_struct import SaveLoadMeta
+
+    engine.save(SaveLoadMeta(path=str(out_dir), weight_format="hf", tokenizer_path=model_path))
+    _barrier()
+    if rank == 0:
+        done.write_text(json.dumps({"steps": tc.sft_warmup_steps, "time_s": time.perf_counter() - t0,
+                                    "last": last}))
+        print(f"[areal] SFT warm start: {tc.sft_warmup_steps} steps in {time.perf_counter() - t0:.1f}s, "
+              f"loss {last.get('sft/loss', float('nan')):.3f}", flush=True)
+    _barrier()
+    engine.destroy()
+    return str(out_dir)
+
+
+def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int) -> dict[str, Any]:
+    """``algo=sft``: ``trainer.total_steps`` SFT steps with recover states and HF exports; evaluated
+    through the inference servers (weights pushed from disk) when the allocation has any."""
+    from areal_cli.launchers.base import read_servers
+    from areal_cli.trainer.checkpoint import CheckpointManager
+    from areal_cli.trainer.rl import broadcast_obj
+    from areal_cli.trainer.stats import StatsLogger
+
+    tc = cfg.trainer
+    stats = StatsLogger(run_dir, cfg.stats, experiment=cfg.experiment_name, trial=cfg.trial_name,
+                        enabled=rank == 0)
+    ckpt = CheckpointManager(run_dir, rank=rank, keep=tc.keep_checkpoints, tokenizer_path=model_path)
+    tokenizer = build.build_tokenizer(model_path)
+    train_items, test_items = build.build_datasets(cfg, tokenizer)
+    if cfg.dataset.eval_size:
+        test_items = test_items[: cfg.dataset.eval_size]
+    engine = build.build_engine(cfg, layout, model_path)
+    stream = PromptStream(train_items, seed=cfg.seed, shuffle=cfg.dataset.shuffle)
+    start = 0
+    recover = ckpt.find_recover(cfg.resume)
+    if recover is not None:
+        state = ckpt.load_recover(engine, recover)
+        start = int(state["step"])
+        stream.load_state_dict(state["stream"])
+        stats.truncate_after(start)
+    stats.log("event", start, {"event": "start", "resumed_from": start})
+    has_servers = bool(layout.servers)
+
+    def evaluate(step: int) -> dict[str, float]:
+        if not has_servers or not test_items:
+            return {}
+        from areal_cli.api.io_struct import WeightUpdateMeta
+        from areal_cli.trainer.evaluation import evaluate_on_servers
+
+        recs = read_servers(run_dir) if rank == 0 else []
+        client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"]) if rank == 0 else None
+        meta = WeightUpdateMeta(type="disk", version=step,
+                                path=os.path.join(run_dir, "weight_sync", f"v{step:06d}"))
+        engine.update_weights(meta, [client] if client is not None else [])
+        out = {}
+        if rank == 0:
+            out = evaluate_on_servers(cfg, [r["address"] for r in recs], recs[0]["backend"], tokenizer, test_items)
+            stats.log("eval", step, out)
+        return broadcast_obj(out)
+
+    if start == 0:
+        evaluate(0)
+    step = start
+    while step < tc.total_steps:
+        chunk = tc.total_steps - step
+        for boundary in (tc.recover_every, tc.eval_every, tc.save_every):
+            if boundary:
+                chunk = min(chunk, boundary - step % boundary)
+        run_sft_steps(engine, stream, tokenizer, steps=chunk, batch_size=cfg.algo.batch_size, rank=rank,
+                      world=world, stats=stats, use_chat_template=cfg.dataset.use_chat_template,
+                      first_step=step + 1)
+        step += chunk
+        engine.set_version(step)
+        if step == tc.total_steps:
+            break
+        if tc.save_every and step % tc.save_every == 0:
+            ckpt.export_hf(engine, f"step_{step:06d}")
+        if tc.recover_every and step % tc.recover_every == 0:
+            ckpt.save_recover(engine, step, {"step": step, "version": step, "stream": stream.state_dict()}
+                              if rank == 0 else {})
+        if tc.eval_every and step % tc.eval_every == 0:
+            evaluate(step)
+    final = evaluate(tc.total_steps)
+    out = ckpt.export_hf(engine, "final")
+    stats.log("event", tc.total_steps, {"event": "end", "hf_export": out})
+    stats.close()
+    engine.destroy()
+    return {"final_eval": final, "hf_export": out}

@@ -1,0 +1,41 @@
+"""Learning-rate schedules (constant, linear, cosine; each with linear warmup) and AdamW setup."""
+
+from __future__ import annotations
+
+import math
+
+from areal_cli.errors import ConfigError
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based)."""
+    if kind not in SCHEDULES:
+        raise ConfigError("algo.optim.lr_scheduler", f"unknown schedule {kind!r}", f"use one of {', '.join(SCHEDULES)}")
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / decay_steps))
+    if kind == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(params, optim_cfg, total_steps: int):
+    """AdamW + LambdaLR from an :class:`~areal_cli.config.algo.OptimConfig`."""
+    import torch
+
+    if optim_cfg.lr <= 0:
+        raise ConfigError("algo.optim.lr", f"must be positive, got {optim_cfg.lr}", "set e.g. algo.optim.lr=1e-5")
+    if optim_cfg.warmup_steps < 0:
+        raise ConfigError("algo.optim.warmup_steps", "must be >= 0", "set algo.optim.warmup_steps=0")
+    lr_factor(0, kind=optim_cfg.lr_scheduler, warmup_steps=0, total_steps=1)  # validates the name
+    opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
+                            weight_decay=optim_cfg.weight_decay, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
+        s, kind=optim_cfg.lr_scheduler, warmup_steps=optim_cfg.warmup_steps, total_steps=max(1, total_steps),
+        min_lr_ratio=optim_cfg.min_lr_ratio))
+    return opt, sched

@@ -1,0 +1,142 @@
+"""Worker process for the multi-process FSDP tests (one process per rank, gloo on CPU).
+
+Run as ``python fsdp_worker.py <json spec>`` with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set
+(see :func:`launch`). The spec lists variants; each builds a fresh engine on the same process
+group, runs it, and rank 0 saves results to ``<out>/<variant name>.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def make_batch(seed: int, B: int = 8, L: int = 24, vocab: int = 300):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(6, L + 1, (B,), generator=g)
+    am = torch.arange(L)[None] < lens[:, None]
+    ids = torch.randint(1, vocab, (B, L), generator=g) * am
+    lm = am.float()
+    lm[:, :4] = 0
+    adv = torch.randn(B, L, generator=g)
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "advantages": adv}
+
+
+def loss_fn(out, mb):
+    m = mb["loss_mask"].float()
+    n = m.sum().clamp(min=1)
+    pg = -(out["logprobs"] * mb["advantages"] * m).sum() / n
+    ent = (out["entropy"] * m).sum() / n
+    return pg - 0.01 * ent, {"entropy": float(ent.detach())}
+
+
+def loss_weight_fn(mb):
+    return float(mb["loss_mask"].sum())
+
+
+def full_grads(engine):
+    out = {}
+    for name, p in engine.model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def full_weights(engine):
+    return {n: t.clone() for n, t in engine._named_full_tensors() if t is not None}
+
+
+def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.data.packing import split_batch_for_dp
+    from areal_cli.engines.fsdp import FSDPEngine
+
+    ecfg = EngineConfig(**v.get("engine", {}))
+    ocfg = OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
+    engine = FSDPEngine(ecfg, ocfg, total_steps=v.get("total_steps", 4), seed=0)
+    engine.initialize(ParallelStrategy(**v.get("parallel", {})), model_dir)
+    res: dict = {}
+
+    def local(seed):
+        b = make_batch(seed)
+        if engine.dp_world_size > 1:
+            b = split_batch_for_dp(b, engine.dp_world_size)[engine.dp_rank]
+        return b if engine.is_dp_head else None
+
+    if v.get("load"):
+        engine.load(SaveLoadMeta(path=v["load"], weight_format="dcp"))
+    if v.get("probe", False):
+        res["logprobs"] = engine.forward(make_batch(0) if engine.is_dp_head else None)
+        engine._accumulate_grads(local(0), loss_fn, loss_weight_fn, 1.0)
+        res["grads"] = full_grads(engine)
+        engine.optimizer.zero_grad(set_to_none=True)
+    res["stats"] = []
+    for step in range(v.get("start", 0), v.get("steps", 2)):
+        res["stats"].append(engine.train_batch(local(step), loss_fn, loss_weight_fn))
+    res["weights"] = full_weights(engine)
+    if v.get("save"):
+        engine.save(SaveLoadMeta(path=v["save"], weight_format="dcp"))
+    if dist.get_rank() == 0:
+        torch.save(res, Path(out_dir) / f"{v['name']}.pt")
+    dist.barrier()
+    engine.destroy()
+    if v.get("kill_after"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    spec = json.loads(sys.argv[1])
+    from areal_cli.engines.dist import init_distributed
+
+    init_distributed("gloo")
+    for v in spec["variants"]:
+        run_variant(v, spec["model_dir"], spec["out"])
+
+
+def launch(spec: dict, world_size: int, timeout: float = 300.0, expect_kill: bool = False) -> None:
+    """Start ``world_size`` worker processes and wait; raise with their output on failure."""
+    from areal_cli.utils.network import find_free_port
+
+    port = find_free_port()
+    procs = []
+    for r in range(world_size):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(spec)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.time() + timeout
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    ok = all(c == -signal.SIGKILL for c in codes) if expect_kill else all(c == 0 for c in codes)
+    if not ok:
+        raise RuntimeError(f"workers exited with {codes}:\n" + "\n----\n".join(o[-4000:] for o in outs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Helpers shared by the hf-server integration tests (real subprocess servers, real HTTP)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
+    """log softmax(logits / T) of each output token given everything before it (one full forward)."""
+    ids = torch.tensor([prompt + output])
+    logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+    return lp[pos, torch.tensor(output)].tolist()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=model.generation_config.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        text = f"<|im_start|>user\nWhat is {a} plus {b}?" + " Think." * rng.randint(0, 12)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out

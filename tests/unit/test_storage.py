@@ -1,0 +1,165 @@
+"""Storage probes on real filesystems: a good dir, a read-only mount, a nearly full tmpfs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from areal_cli.config.model import ModelConfig
+from areal_cli.storage import estimate_checkpoint_bytes, param_count, run_storage_check
+from areal_cli.storage.probes import check_filesystem, find_mount
+
+SMALL_TP = 1024 * 1024  # keep throughput probes cheap on the shared 2-core machine
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and os.path.exists("/usr/bin/mount")
+
+
+needs_mount = pytest.mark.skipif(not _can_mount(), reason="needs root to mount tmpfs")
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount a tmpfs (options given by the test) and always unmount it."""
+    mounted = []
+
+    def make(opts: str) -> str:
+        d = tmp_path / f"mnt-{uuid.uuid4().hex[:6]}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "areal-test", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
+        mounted.append(str(d))
+        return str(d)
+
+    yield make
+    for d in reversed(mounted):
+        subprocess.run(["umount", "-l", d], check=False)
+
+
+def _by_check(report):
+    return {r.check: r for r in report.results}
+
+
+def test_good_dir_passes_every_check(tmp_path):
+    path = str(tmp_path / "fileroot" / "new")  # does not exist yet: creatable
+    rep = run_storage_check([path], required_bytes=1024, throughput_bytes=SMALL_TP)
+    checks = _by_check(rep)
+    assert rep.ok, rep.summary()
+    for name in ("filesystem", "exists", "writable", "free space", "fsync latency", "write throughput",
+                 "read throughput", "atomic rename", "file locking"):
+        assert name in checks, name
+        assert checks[name].status in ("pass", "warn"), (name, checks[name])
+    assert checks["exists"].figure == "created"
+    assert checks["free space"].value > 1024
+    assert checks["fsync latency"].value > 0
+    assert rep.exit_code() == 0
+    # Probe files are cleaned up.
+    assert os.listdir(path) == []
+
+
+@needs_mount
+def test_read_only_mount_fails_writable(tmpfs):
+    ro = tmpfs("ro,size=1m")
+    rep = run_storage_check([ro], throughput_bytes=SMALL_TP)
+    checks = _by_check(rep)
+    assert not rep.ok
+    assert checks["writable"].status == "fail"
+    assert "Read-only" in checks["writable"].figure
+    assert "read-only" in checks["writable"].fix
+    assert rep.exit_code() == 1
+    # A path below it cannot even be created.
+    rep2 = run_storage_check([os.path.join(ro, "sub")], throughput_bytes=SMALL_TP)
+    assert _by_check(rep2)["exists"].status == "fail"
+
+
+@needs_mount
+def test_nearly_full_fs_fails_free_space(tmpfs):
+    d = tmpfs("size=4m")
+    with open(os.path.join(d, "filler"), "wb") as f:
+        f.write(b"\0" * (3 * 1024 * 1024))
+    need = estimate_checkpoint_bytes(ModelConfig(), keep=2)  # the tiny default model: a few MiB
+    assert need > 1024 * 1024
+    rep = run_storage_check([d], required_bytes=need, throughput_bytes=SMALL_TP)
+    fs = _by_check(rep)["free space"]
+    assert fs.status == "fail", fs
+    assert fs.value < need
+    assert "keep_checkpoints" in fs.fix
+    # The same fs passes when the run is small enough.
+    rep_small = run_storage_check([d], required_bytes=1024, throughput_bytes=64 * 1024)
+    assert _by_check(rep_small)["free space"].status == "pass"
+
+
+@needs_mount
+def test_filesystem_type_from_proc_mounts(tmpfs):
+    d = tmpfs("size=1m")
+    m = find_mount(os.path.join(d, "not", "yet"))
+    assert m is not None and m.mount_point == d and m.fstype == "tmpfs" and not m.network
+    r = check_filesystem(d, multi_node=True)
+    assert r.status == "warn" and "multi-node" in r.fix and "tmpfs (local)" in r.figure
+    assert check_filesystem(d, multi_node=False).status == "pass"
+
+
+def test_find_mount_parses_network_types(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/vda / ext4 rw,relatime 0 0\n"
+        "nas:/export /shared nfs4 rw,vers=4.2 0 0\n"
+        "JuiceFS:vol /shared/juice fuse.juicefs rw 0 0\n"
+        "lustre@tcp:/fs /scratch\\040space lustre rw 0 0\n")
+    assert find_mount("/shared/areal", str(mounts)).fstype == "nfs4"
+    assert find_mount("/shared/areal", str(mounts)).network
+    juice = find_mount("/shared/juice/x", str(mounts))
+    assert juice.fstype == "fuse.juicefs" and juice.network
+    assert find_mount("/scratch space/run", str(mounts)).fstype == "lustre"
+    assert not find_mount("/home/u", str(mounts)).network
+
+
+def test_param_count_matches_hf_qwen2():
+    import torch  # noqa: F401
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    for kw in (dict(), dict(tie_word_embeddings=False, num_hidden_layers=3, vocab_size=1000),
+               dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=200)):
+        m = ModelConfig(**kw)
+        hf = Qwen2Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                         num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                         num_key_value_heads=m.num_key_value_heads, tie_word_embeddings=m.tie_word_embeddings)
+        model = Qwen2ForCausalLM(hf)
+        want = sum(p.numel() for p in model.parameters())
+        assert param_count(m) == want, kw
+
+
+def test_checkpoint_estimate_scales_with_keep_and_dtype():
+    m = ModelConfig(hidden_size=128, intermediate_size=512)
+    n = param_count(m)
+    assert estimate_checkpoint_bytes(m, 1, dtype="bfloat16", with_optimizer=False) == 2 * n * 2
+    assert estimate_checkpoint_bytes(m, 3, dtype="float32") == (4 * n + 4 * n + 8 * n) * 4
+    # A 7B-class config lands in the right order of magnitude (tens of GB per checkpoint).
+    big = ModelConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+    assert 7.0e9 < param_count(big) < 8.0e9
+
+
+@needs_mount
+def test_cli_json_and_exit_codes(tmpfs, tmp_path):
+    ro = tmpfs("ro,size=1m")
+    good = str(tmp_path / "good")
+    r = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "check-storage", good, ro, "--json",
+                        "--required-gb", "0", "--throughput-mb", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] is False
+    failed = {(x["path"], x["check"]) for x in out["results"] if x["status"] == "fail"}
+    assert (ro, "writable") in failed
+    assert not any(p == good for p, _ in failed)
+    r2 = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "check-storage", good,
+                         "--required-gb", "0", "--throughput-mb", "1"], capture_output=True, text=True, timeout=120)
+    assert r2.returncode == 0, r2.stdout + r2.stderr
+    assert "file locking" in r2.stdout and "pass" in r2.stdout
