@@ -22,6 +22,11 @@ def test_grid_is_cartesian_product_in_order():
     assert trials[-1] == ["algo.optim.lr=3e-06", "seed=3"]
 
 
+def test_unquoted_raw_specs_come_back_quoted_not_escaped():
+    trials = expand_grid(["allocation_mode=hf:d1+fsdp:d1,sglang.d4+megatron.d2t2p2"])
+    assert trials == [["allocation_mode='hf:d1+fsdp:d1'"], ["allocation_mode='sglang.d4+megatron.d2t2p2'"]]
+
+
 def test_choice_and_raw_allocation_specs():
     trials = expand_grid(["allocation_mode='hf:d1+fsdp:d1','sglang.d4+megatron.d2t2p2'", "x=choice(a,b)"])
     # Hydra keeps the quotes, so each trial's override parses again unchanged in `areal train`.

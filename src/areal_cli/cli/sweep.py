@@ -59,6 +59,9 @@ def sweep(
 
     if dry_run:
         validate_all(m, strict)
+        for t in m.trials:
+            if t.status == "pending":
+                t.status = "valid"  # shown only; a dry run saves no manifest
         console.print(results.render_table(m))
         bad = [t for t in m.trials if t.status == "invalid"]
         console.print(f"{len(m.trials)} trial(s), {len(bad)} invalid. Nothing was run (--dry-run).")

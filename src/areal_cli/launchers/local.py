@@ -52,13 +52,22 @@ def base_env(device: str) -> dict[str, str]:
     return env
 
 
-def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: str) -> list[str]:
-    """The command line of one inference server (hf / vllm / sglang)."""
+def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: str,
+                run_dir: str) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` of one inference server (hf / vllm / sglang)."""
     from areal_cli.inference import launch as inf_launch
 
-    return list(inf_launch.build_server_cmd(
-        backend=spec.backend, model_path=model_path, host=host, port=port, tp_size=spec.tp,
-        dtype=cfg.engine.dtype, device=cfg.cluster.device, seed=cfg.seed + spec.index))
+    extra: list[str] = []
+    if spec.backend == "hf":
+        # Weight updates from disk are read from the run dir; one thread leaves the other core to
+        # the trainer on small CPU machines.
+        roots = sorted({os.path.abspath(run_dir), os.path.dirname(os.path.abspath(model_path))})
+        extra = ["--allowed-weight-roots", *roots]
+        if cfg.cluster.device == "cpu":
+            extra += ["--num-threads", os.environ.get("AREAL_SERVER_THREADS", "1")]
+    return inf_launch.build_server_cmd(
+        spec.backend, model_path, host, port, tp=spec.tp, dtype=cfg.engine.dtype, device=cfg.cluster.device,
+        seed=cfg.seed + spec.index, extra=extra)
 
 
 def trainer_argv(layout: JobLayout, config_path: str, node_rank: int, master_addr: str,
@@ -101,12 +110,13 @@ class NodeRunner:
         env = base_env(self.layout.device)
         if self.layout.device == "cuda" and spec.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
-        env.update({k: str(v) for k, v in self.cfg.launcher.server_env.items()})
         epoch = self.epochs.get(spec.index, -1) + 1
         self.epochs[spec.index] = epoch
+        argv, cmd_env = server_argv(self.cfg, spec, port, self.model_path, self.server_host, self.run_dir)
+        env.update(cmd_env)
+        env.update({k: str(v) for k, v in self.cfg.launcher.server_env.items()})
         proc = ManagedProcess(name=spec.name, log_path=str(logs_dir(self.run_dir) / f"{spec.name}.log"),
-                              argv=server_argv(self.cfg, spec, port, self.model_path, self.server_host),
-                              env=env).start()
+                              argv=argv, env=env).start()
         self.servers[spec.index] = proc
         return proc, f"{self.server_host}:{port}"
 

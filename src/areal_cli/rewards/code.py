@@ -77,9 +77,18 @@ def _limits(cpu_s: int, memory_mb: int, fsize_mb: int):
 
 
 def run_sandboxed(code: str, stdin: str = "", timeout_s: float = 5.0, cpu_s: int | None = None,
-                  memory_mb: int = 512, fsize_mb: int = 8, max_output: int = 1 << 20) -> SandboxResult:
-    """Run ``code`` as a Python program under the limits above and return what it did."""
-    prefix, isolation = network_isolation_prefix()
+                  memory_mb: int = 512, fsize_mb: int = 8, max_output: int = 1 << 20,
+                  isolation: str = "auto") -> SandboxResult:
+    """Run ``code`` as a Python program under the limits above and return what it did.
+
+    ``isolation="audit-hook"`` forces the fallback network guard (used where namespaces are missing).
+    """
+    prefix, iso = network_isolation_prefix()
+    if isolation == "audit-hook":
+        prefix, iso = (), "audit-hook"
+    elif isolation != "auto":
+        raise ValueError(f"isolation must be 'auto' or 'audit-hook', got {isolation!r}")
+    isolation = iso
     if isolation == "audit-hook":
         code = _AUDIT_GUARD + code
     cpu = cpu_s if cpu_s is not None else max(1, int(timeout_s + 0.999))

@@ -29,16 +29,8 @@ def check_trial(fixed: list[str], overrides: list[str], name: str, tid: str) -> 
 
 
 def plan_processes(plan) -> int:
-    """Processes a trial starts on this machine: one per inference instance plus the trainer ranks
-    (fewer when inference and training are colocated)."""
-    n_inf = sum(int(getattr(c, "dp", 1)) for c in getattr(plan, "inference", []) or [])
-    train = getattr(plan, "train", None)
-    trains = train if isinstance(train, list) else ([train] if train is not None else [])
-    n_train = sum(int(getattr(c, "n_devices", getattr(getattr(c, "parallel", None), "world_size", 1)))
-                  for c in trains)
-    if getattr(plan, "colocated", False):
-        return max(n_inf, n_train, 1)
-    return max(1, n_inf + n_train)
+    """Processes (CPU "devices") a trial occupies on this machine."""
+    return max(1, int(plan.n_devices_used))
 
 
 def new_manifest(overrides: list[str], *, sweep_dir: str | None, metric: str, mode: str, launcher: str,

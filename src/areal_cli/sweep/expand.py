@@ -73,23 +73,38 @@ def _glob_filter(ov) -> list[str]:
     return ov.value().filter(opts)
 
 
-def expand_grid(swept: list[str]) -> list[list[str]]:
-    """Cartesian product of discrete sweeps, as lists of single-value overrides."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+def format_value(value) -> str:
+    """A value as override text that Hydra parses back to the same value.
 
-    parsed = _parse(swept)
-    resolved = []
-    for raw, ov in zip(swept, parsed):
+    Hydra's own sweep formatting backslash-escapes ``:`` and friends, which reads badly in trial
+    names and tables; quoting anything that is not a plain word keeps it exact and readable.
+    """
+    import re
+
+    from hydra.core.override_parser.types import Override
+
+    if isinstance(value, str):
+        if re.fullmatch(r"[A-Za-z0-9_./-]+", value):
+            return value
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return Override._get_value_element_as_str(value)
+
+
+def expand_grid(swept: list[str]) -> list[list[str]]:
+    """Cartesian product of discrete sweeps (first key slowest, as in Hydra's BasicSweeper)."""
+    import itertools
+
+    axes = []
+    for ov in _parse(swept):
         if ov.is_interval_sweep():
             raise UsageError("interval() sweeps are searched by optuna; pass --n-trials to run a search")
+        key = ov.get_key_element()
         if ov.value_type is not None and ov.value_type.name == "GLOB_CHOICE_SWEEP":
-            resolved.append(f"{ov.get_key_element()}={','.join(_glob_filter(ov))}")
+            values = _glob_filter(ov)
         else:
-            resolved.append(raw)
-    if not resolved:
-        return [[]]
-    batches = BasicSweeper.split_arguments(_parse(resolved), None)
-    return [list(trial) for batch in batches for trial in batch]
+            values = list(ov.sweep_iterator())
+        axes.append([f"{key}={format_value(v)}" for v in values])
+    return [list(combo) for combo in itertools.product(*axes)]
 
 
 def optuna_distributions(swept: list[str]) -> dict:

@@ -47,14 +47,13 @@ def rows(m: Manifest) -> list[dict]:
             if m.metric not in keys:
                 row[col] = pick(t, keys)
         row["wall_s"] = t.wall_time_s
-        row["reason"] = t.reason
         out.append(row)
     return out
 
 
 def write_csv(m: Manifest) -> Path:
     path = Path(m.sweep_dir) / "results.csv"
-    data = rows(m)
+    data = [{**row, "reason": t.reason} for row, t in zip(rows(m), m.trials)]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(data[0].keys()) if data else ["trial"])
         w.writeheader()
@@ -67,7 +66,8 @@ def render_table(m: Manifest):
 
     best = best_trial(m)
     data = rows(m)
-    table = Table(title=f"sweep {m.name}: {m.metric} ({m.mode})")
+    table = Table(title=f"sweep {m.name}: {m.metric} ({m.mode})", caption=_reasons(m) or None,
+                  caption_justify="left")
     for col in (data[0].keys() if data else ["trial"]):
         table.add_column(col, overflow="fold")
     for row, t in zip(data, m.trials):
@@ -77,6 +77,11 @@ def render_table(m: Manifest):
             cells[0] = "★ " + cells[0]
         table.add_row(*cells, style=style)
     return table
+
+
+def _reasons(m: Manifest) -> str:
+    """Why each invalid or failed trial did not run to the end, one line each."""
+    return "\n".join(f"{t.id}: {t.reason}" for t in m.trials if t.status in ("invalid", "failed") and t.reason)
 
 
 def plot(m: Manifest) -> Path | None:

@@ -104,9 +104,15 @@ def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:
 
 
 def build_reward_fn(cfg: Any) -> Any:
-    from areal_cli.rewards import get_reward_fn
+    """Cheap built-in rewards run in-process; others (math-verify, code, user functions) in the
+    time-bounded process pool, so a hanging or crashing reward cannot take the trainer down."""
+    from areal_cli.rewards import AsyncRewardRunner, get_reward_fn
 
-    return get_reward_fn(cfg.workflow.reward)
+    w = cfg.workflow
+    fn = get_reward_fn(w.reward)
+    if w.reward in ("numeric", "exact"):
+        return fn
+    return AsyncRewardRunner(w.reward, max_workers=w.reward_workers, timeout_s=w.reward_timeout_s)
 
 
 def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any, reward_fn: Any | None = None) -> Any:

@@ -112,6 +112,29 @@ def build_workflow(name_or_path: str, *, reward_fn: Any, gconfig: Any, tokenizer
     return load_workflow(name_or_path, **kwargs)
 
 
+def build_reward_fn(workflow_cfg: Any) -> Any:
+    """``workflow.reward`` → an :class:`areal_cli.rewards.AsyncRewardRunner` (process pool, timeouts).
+    Close it (``.close()``) when the run ends."""
+    from areal_cli.rewards import AsyncRewardRunner, get_reward_fn
+
+    get_reward_fn(workflow_cfg.reward)  # fail fast on a bad name, in this process
+    return AsyncRewardRunner(workflow_cfg.reward, max_workers=workflow_cfg.reward_workers,
+                             timeout_s=workflow_cfg.reward_timeout_s)
+
+
+def build_workflow_from_config(workflow_cfg: Any, rollout_cfg: Any, tokenizer: Any,
+                               reward_fn: Any = None) -> RolloutWorkflow:
+    """The trainer's one-liner: ``workflow`` + ``rollout`` config groups → a workflow instance.
+    ``reward_fn`` defaults to :func:`build_reward_fn` (the caller owns closing it)."""
+    from areal_cli.rollout.workflows.common import to_generation_config
+
+    return build_workflow(workflow_cfg.name, reward_fn=reward_fn or build_reward_fn(workflow_cfg),
+                          gconfig=to_generation_config(rollout_cfg.gconfig), tokenizer=tokenizer,
+                          group_size=rollout_cfg.group_size, max_turns=workflow_cfg.max_turns,
+                          turn_discount=workflow_cfg.turn_discount, feedback=workflow_cfg.feedback,
+                          **dict(workflow_cfg.kwargs or {}))
+
+
 def _param_names(factory: Any) -> list[str]:
     try:
         return [p for p in inspect.signature(factory).parameters if p != "self"]
@@ -119,5 +142,5 @@ def _param_names(factory: Any) -> list[str]:
         return []
 
 
-__all__ = ["available_workflows", "build_workflow", "import_object", "load_workflow", "register_workflow",
+__all__ = ["available_workflows", "build_reward_fn", "build_workflow", "build_workflow_from_config", "import_object", "load_workflow", "register_workflow",
            "resolve_workflow"]

@@ -1,0 +1,281 @@
+"""``launcher=slurm``: one submitit job, one task per node, each running its node's share of the plan.
+
+- The plan maps to one allocation: ``nodes`` = layout.n_nodes, one task per node (the task starts
+  that node's inference servers and its torchrun trainer ranks through
+  :func:`areal_cli.launchers.local.run_node`), GPUs per node, CPUs, memory, partition, account,
+  QoS and the time limit from ``launcher.slurm``.
+- Torch rendezvous: MASTER_ADDR is the first host of ``SLURM_JOB_NODELIST`` (``scontrol show
+  hostnames``, through submitit's JobEnvironment); node 0 picks a free port and publishes it through
+  :mod:`areal_cli.utils.name_resolve`; other nodes wait for it. Server addresses travel through
+  the run dir's address book (shared fileroot).
+- The submission environment propagates (sbatch exports it); ``launcher.trainer_env`` /
+  ``server_env`` are applied by the node runner. submitit's logs go to ``<run_dir>/slurm/``.
+- On preemption or timeout submitit signals the job (USR2), calls :meth:`SlurmNodeJob.checkpoint`
+  and requeues it; a requeued job (``SLURM_RESTART_COUNT`` > 0, also after ``scontrol requeue``)
+  runs with ``resume=auto`` and continues from the last recover checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from areal_cli.errors import LaunchError, StorageError
+from areal_cli.launchers.base import JobLayout
+
+SUBMITIT_DIR = "slurm"
+JOB_FILE = "slurm_job.json"
+
+
+def slurm_parameters(cfg: Any, layout: JobLayout) -> dict[str, Any]:
+    """``executor.update_parameters`` kwargs for this plan (AutoExecutor names)."""
+    s = cfg.launcher.slurm
+    params: dict[str, Any] = {
+        "name": f"areal-{cfg.experiment_name}-{cfg.trial_name}",
+        "nodes": int(layout.n_nodes),
+        "tasks_per_node": 1,  # one node runner per node; it spawns servers and torchrun itself
+        "cpus_per_task": int(s.cpus_per_task),
+        "mem_gb": s.mem_gb,
+        "timeout_min": int(s.time_min),
+    }
+    gpus = s.gpus_per_node if s.gpus_per_node is not None else (
+        cfg.cluster.n_gpus_per_node if layout.device == "cuda" else None)
+    if gpus:
+        params["gpus_per_node"] = int(gpus)
+    if s.partition:
+        params["slurm_partition"] = s.partition
+    if s.account:
+        params["slurm_account"] = s.account
+    if s.qos:
+        params["slurm_qos"] = s.qos
+    extra: dict[str, Any] = {}
+    if s.requeue:
+        extra["requeue"] = True
+    extra.update({str(k): v for k, v in dict(s.extra_sbatch).items()})
+    if extra:
+        params["slurm_additional_parameters"] = extra
+    if s.setup:
+        params["slurm_setup"] = list(s.setup)
+    return params
+
+
+def srun_args_for(cfg: Any) -> list[str]:
+    """srun flags that put a pre-launch probe step on the same partition/account."""
+    s = cfg.launcher.slurm
+    out = []
+    if s.partition:
+        out += ["--partition", s.partition]
+    if s.account:
+        out += ["--account", s.account]
+    if s.qos:
+        out += ["--qos", s.qos]
+    out += ["--time", "10", "--cpus-per-task", "1", "--mem", "512M"]
+    return out
+
+
+def make_executor(cfg: Any, layout: JobLayout, run_dir: str):
+    """A submitit AutoExecutor on SLURM with the plan's parameters."""
+    import submitit
+
+    folder = Path(run_dir) / SUBMITIT_DIR / "%j"
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm",
+                               slurm_max_num_timeout=int(cfg.launcher.slurm.max_requeues))
+    ex.update_parameters(**slurm_parameters(cfg, layout))
+    return ex
+
+
+def _load_submitit_checkpointable():
+    import submitit
+
+    return submitit.helpers.Checkpointable
+
+
+class SlurmNodeJob(_load_submitit_checkpointable()):
+    """The callable submitit pickles; runs once per node (one task per node)."""
+
+    def __init__(self, run_dir: str, config_path: str, model_path: str, layout: dict[str, Any],
+                 resume: str = "none"):
+        self.run_dir, self.config_path, self.model_path = run_dir, config_path, model_path
+        self.layout, self.resume = layout, resume
+
+    def __call__(self) -> int:
+        import submitit
+
+        from areal_cli.launchers.local import run_node
+        from areal_cli.trainer.config_io import load_config_file
+
+        env = submitit.JobEnvironment()
+        node_rank, n_nodes = int(env.node), int(env.num_nodes)
+        job_id = str(env.job_id)
+        requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+        resume = "auto" if (self.resume == "auto" or requeued) else None
+        cfg = load_config_file(self.config_path)
+        layout = JobLayout.from_dict(self.layout)
+        master_addr = env.hostnames[0] if n_nodes > 1 else "127.0.0.1"
+        server_host = _reachable_address() if n_nodes > 1 else "127.0.0.1"
+        repo = _repository(cfg)
+        key = f"{cfg.experiment_name}/{cfg.trial_name}/slurm/{job_id}/{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+        if node_rank == 0:
+            if resume == "auto" and cfg.resume != "auto":
+                _switch_to_resume(cfg, self.config_path, self.run_dir)
+            from areal_cli.utils.network import find_free_port
+
+            port = find_free_port("0.0.0.0" if n_nodes > 1 else "127.0.0.1")
+            repo.add(f"{key}/master", json.dumps({"addr": master_addr, "port": port}), keepalive_ttl=30.0,
+                     replace=True)
+        else:
+            port = int(json.loads(repo.wait(f"{key}/master", timeout=600))["port"])
+            cfg = load_config_file(self.config_path)  # node 0 may have switched it to resume=auto
+        print(f"[areal] slurm job {job_id} node {node_rank}/{n_nodes} on {env.hostname}: master "
+              f"{master_addr}:{port}, resume={cfg.resume}", flush=True)
+        try:
+            code = run_node(cfg, layout, self.run_dir, node_rank, master_addr=master_addr, master_port=port,
+                            model_path=self.model_path, server_host=server_host)
+        finally:
+            repo.reset()
+        if code != 0:
+            raise LaunchError(f"node {node_rank} of slurm job {job_id} ended with code {code}; "
+                              f"logs in {self.run_dir}/logs")
+        return code
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        """Called by submitit on preemption/timeout before requeueing: resume from the last recover."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(
+            SlurmNodeJob(self.run_dir, self.config_path, self.model_path, self.layout, resume="auto"))
+
+
+def _repository(cfg: Any):
+    from areal_cli.utils.name_resolve import make_repository
+
+    return make_repository(cfg.cluster)
+
+
+def _reachable_address() -> str:
+    import socket
+
+    from areal_cli.utils.network import local_ip
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return local_ip()
+
+
+def _switch_to_resume(cfg: Any, config_path: str, run_dir: str) -> None:
+    """Rewrite the run's config with resume=auto and drop the dead run's live state."""
+    import shutil
+
+    from areal_cli.trainer.config_io import save_config
+
+    cfg.resume = "auto"
+    save_config(cfg, config_path)
+    for name in ("status.json", "servers"):
+        q = Path(run_dir) / name
+        if q.is_dir():
+            shutil.rmtree(q, ignore_errors=True)
+        elif q.exists():
+            q.unlink()
+
+
+def squeue_state(job_id: str) -> str | None:
+    """The job's state from squeue, or None once it left the queue (sacct may not exist)."""
+    try:
+        r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN"
+    if r.returncode != 0:
+        return None if "Invalid job id" in r.stderr else "UNKNOWN"
+    lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+    return lines[0] if lines else None
+
+
+class SlurmLauncher:
+    """Submit the plan as one SLURM job through submitit and wait for it."""
+
+    name = "slurm"
+
+    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+               on_tick: Callable[[], None] | None = None, poll_s: float = 2.0) -> int:
+        _require_slurm()
+        if layout.n_nodes > 1 and not cfg.skip_storage_check:
+            self._cross_node_storage_check(cfg)
+        config_path = os.path.join(run_dir, "config.yaml")
+        job_fn = SlurmNodeJob(run_dir, config_path, model_path or cfg.model.path, layout.to_dict(),
+                              resume=str(cfg.resume))
+        ex = make_executor(cfg, layout, run_dir)
+        try:
+            job = ex.submit(job_fn)
+        except Exception as e:  # noqa: BLE001 - sbatch rejections come back as submitit errors
+            raise LaunchError(f"sbatch refused the job: {e}".strip() + " — fix: check launcher.slurm "
+                              "(partition, account, cpus_per_task, mem_gb, time_min) against sinfo") from e
+        job_id = str(job.job_id)
+        Path(run_dir, JOB_FILE).write_text(json.dumps({"job_id": job_id, "submitted": time.time(),
+                                                       "params": slurm_parameters(cfg, layout)}, default=str))
+        print(f"[areal] submitted slurm job {job_id} ({layout.n_nodes} node(s)); submitit logs in "
+              f"{run_dir}/{SUBMITIT_DIR}/{job_id}", file=sys.stderr, flush=True)
+        try:
+            return self._wait(job, job_id, run_dir, on_tick, poll_s)
+        except KeyboardInterrupt:
+            subprocess.run(["scancel", job_id], check=False)
+            print(f"\n[areal] interrupted: cancelled slurm job {job_id}", file=sys.stderr, flush=True)
+            return 130
+
+    def _wait(self, job: Any, job_id: str, run_dir: str, on_tick: Callable[[], None] | None,
+              poll_s: float) -> int:
+        while True:
+            state = squeue_state(job_id)
+            if on_tick is not None:
+                on_tick()
+            if state is None:
+                break
+            time.sleep(poll_s)
+        if on_tick is not None:
+            on_tick()
+        status = _run_status(run_dir)
+        try:
+            job.result()
+        except Exception as e:  # noqa: BLE001 - submitit re-raises the node's failure or the cancellation
+            msg = str(e).strip().splitlines()
+            tail = "\n".join(msg[-15:])
+            raise LaunchError(f"slurm job {job_id} failed (run status: {status or 'none'}). "
+                              f"submitit logs: {run_dir}/{SUBMITIT_DIR}/{job_id}\n{tail}") from None
+        if status != "done":
+            raise LaunchError(f"slurm job {job_id} ended but the run status is {status or 'missing'}; "
+                              f"see {run_dir}/logs")
+        return 0
+
+    def _cross_node_storage_check(self, cfg: Any) -> None:
+        from areal_cli.storage import estimate_run_bytes, run_storage_check, storage_paths_for
+
+        rep = run_storage_check(storage_paths_for(cfg), int(cfg.cluster.n_nodes), use_srun=True,
+                                srun_args=srun_args_for(cfg), required_bytes=estimate_run_bytes(cfg),
+                                throughput_bytes=0)
+        if not rep.ok:
+            raise StorageError("the cross-node storage check failed, refusing to submit:\n" + rep.summary()
+                               + "\n(set skip_storage_check=true to submit anyway)")
+
+
+def _run_status(run_dir: str) -> str | None:
+    try:
+        return json.loads((Path(run_dir) / "status.json").read_text()).get("state")
+    except (OSError, ValueError):
+        return None
+
+
+def _require_slurm() -> None:
+    import shutil
+
+    missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
+    if missing:
+        raise LaunchError(f"launcher=slurm needs the SLURM client tools, but {', '.join(missing)} "
+                          "is not on PATH — fix: run on a SLURM login node, or start the local test "
+                          "cluster with `sudo bash slurm/local-cluster.sh`")
