@@ -110,7 +110,8 @@ def main() -> None:
         run_variant(v, spec["model_dir"], spec["out"])
 
 
-def launch(spec: dict, world_size: int, timeout: float = 300.0, expect_kill: bool = False) -> None:
+def launch(spec: dict, world_size: int, timeout: float = 300.0, expect_kill: bool = False,
+           script: str | None = None) -> None:
     """Start ``world_size`` worker processes and wait; raise with their output on failure."""
     from areal_cli.utils.network import find_free_port
 
@@ -119,7 +120,7 @@ def launch(spec: dict, world_size: int, timeout: float = 300.0, expect_kill: boo
     for r in range(world_size):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(spec)], env=env,
+        procs.append(subprocess.Popen([sys.executable, script or __file__, json.dumps(spec)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.time() + timeout
     outs = []

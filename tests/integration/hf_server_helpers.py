@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+torch.set_num_threads(1)  # the servers under test share the cores
+
 
 def load_model(path: str):
     from transformers import AutoModelForCausalLM

@@ -260,3 +260,56 @@ def test_actor_does_not_mutate_input_batch():
 
 def test_optim_config_untouched():
     assert AlgoConfig().optim == OptimConfig()
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_pp", "gspo", "sft"])
+def test_every_preset_runs_a_training_step(name):
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    import areal_cli
+
+    path = Path(areal_cli.__file__).parent / "conf" / "algo" / f"{name}.yaml"
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AlgoConfig), OmegaConf.load(path)))
+    g = torch.Generator().manual_seed(3)
+    seqs = torch.randint(0, V, (16, 5), generator=g).tolist()
+    rewards = (torch.arange(16) % 3 == 0).float().tolist()  # mixed rewards inside every group of 4
+    eng = BigramEngine()
+    before = eng.table.detach().clone()
+    batch = make_batch(eng, rewards, seqs, prompt_len=2)
+    if name == "sft":
+        stats = sft_step(eng, batch)
+    else:
+        ref = BigramEngine(seed=1) if cfg.kl_coef > 0 else None
+        actor = PPOActor(cfg, eng, ref_engine=ref, group_size=4, max_new_tokens=4)
+        if cfg.use_critic:
+            critic = PPOCritic(cfg, BigramEngine("critic"))
+            batch = critic.compute_values(batch)
+        batch = actor.compute_advantages(batch)
+        stats = actor.ppo_update(batch)
+        if cfg.use_critic:
+            stats |= critic.ppo_update(batch)
+        assert stats["n_minibatches"] == cfg.ppo_n_minibatches
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
+    assert not torch.equal(before, eng.table.detach())
+
+
+class TemperatureEngine(BigramEngine):
+    """A contract extension some engines have: ``train_batch(..., temperature=)``."""
+
+    def train_batch(self, batch, loss_fn, loss_weight_fn, temperature: float = 1.0):
+        self.seen_temperature = temperature
+        self.temperature = temperature
+        return super().train_batch(batch, loss_fn, loss_weight_fn)
+
+
+def test_rollout_temperature_reaches_train_batch():
+    eng = TemperatureEngine()
+    cfg = AlgoConfig(temperature=0.7)
+    batch = make_batch(eng, REWARDS, SEQS)
+    actor = PPOActor(cfg, eng, group_size=2)
+    actor.ppo_update(actor.compute_advantages(batch))
+    assert eng.seen_temperature == 0.7
+    with pytest.raises(ConfigError, match="algo.temperature"):
+        PPOActor(cfg, BigramEngine(), group_size=2).ppo_update(actor.compute_advantages(batch))

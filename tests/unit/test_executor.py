@@ -315,3 +315,16 @@ def test_bad_queue_size_is_config_error():
         RolloutExecutor(FakeEngine(), LengthWorkflow(), batch_size=2, max_concurrent=2,
                         max_head_offpolicyness=0, queue_size=0)
     assert ei.value.path == "rollout.queue_size"
+
+
+def test_executor_started_at_a_later_version_is_not_ahead(make_executor):
+    """A new executor on servers already at version 5 admits one batch for k=0, not six."""
+    eng = FakeEngine()
+    eng.version = 5
+    ex, _ = make_executor(engine=eng, batch_size=2, max_head_offpolicyness=0, queue_size=8)
+    for i in range(6):
+        ex.submit(item(i, 2))
+    b = ex.wait(2, timeout=5)
+    time.sleep(0.2)
+    assert ex.get_stats()["rollout/submitted"] == 2
+    assert torch.all(generated_versions(b) == 5)

@@ -99,3 +99,40 @@ def test_code_reward_formats():
     assert fn("q", "def sq(x):\n    return x + x\n", "assert sq(3) == 9") == 0.0
     assert fn("q", "import time\ntime.sleep(30)", "pass", timeout_s=1.0) == 0.0
     assert extract_code("a\n```py\nA\n```\nb\n```python\nB\n```") == "B\n"
+
+
+def sandbox_sleeper(prompt, completion, answer, **kw):
+    return float(run_sandboxed("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n",
+                               timeout_s=100).ok)
+
+
+def _sandbox_children(since: float):
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        try:
+            if (p.info["cmdline"] and p.info["cmdline"][-2:] == ["-I", "main.py"]
+                    and p.info["create_time"] >= since and "areal_sandbox_" in p.cwd()):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def test_sandbox_child_dies_with_a_killed_reward_worker():
+    import asyncio
+
+    from areal_cli.rewards import AsyncRewardRunner
+
+    since = time.time() - 1
+    with AsyncRewardRunner(sandbox_sleeper, max_workers=1, timeout_s=4.0) as runner:
+        assert asyncio.run(runner("q", "c", "a")) == 0.0 and runner.stats.timeout == 1
+    # The worker was SIGKILLed at the timeout; its sandboxed python must not linger for 120 s.
+    deadline = time.monotonic() + 10
+    while _sandbox_children(since) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leftover = _sandbox_children(since)
+    for p in leftover:
+        p.kill()
+    assert not leftover

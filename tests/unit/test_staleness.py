@@ -108,11 +108,25 @@ def test_state_dict_roundtrip_restores_accepted():
     m, fv = make(64, 1, 4, v=3)
     drive(m, accepted=12, running=0, rejected=5)
     state = m.state_dict()
-    assert state == {"submitted": 17, "accepted": 12, "rejected": 5}
+    assert state == {"submitted": 17, "accepted": 12, "rejected": 5, "start_version": 0}
     m2, _ = make(64, 1, 4, v=3)
     m2.load_state_dict(state)
     assert m2.stats.accepted == 12 and m2.stats.running == 0
     assert m2.get_capacity() == m.get_capacity() == (1 + 3 + 1) * 4 - 12
+
+
+def test_start_version_offsets_the_bound():
+    """A manager that starts counting at version 5 behaves like a fresh one at version 0."""
+    fv = FakeVersion(5)
+    m = StalenessManager(64, 1, 4, fv, start_version=5)
+    assert m.get_capacity() == 8
+    drive(m, accepted=8, running=0)
+    assert m.get_capacity() == 0
+    fv.v = 6
+    assert m.get_capacity() == 4
+    m2 = StalenessManager(64, 1, 4, FakeVersion(6))
+    m2.load_state_dict(m.state_dict())
+    assert m2.start_version == 5 and m2.get_capacity() == 4
 
 
 def test_load_state_refused_while_running():

@@ -12,6 +12,7 @@ For ``algo=sft`` it calls :func:`sft_step` instead.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,22 @@ def split_minibatches(batch: Batch, n: int) -> list[Batch]:
         out.append({k: (v[lo:hi] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v)
                     for k, v in batch.items()})
     return out
+
+
+def train_kwargs(engine: "TrainEngine", temperature: float) -> dict[str, Any]:
+    """``temperature=`` for engines whose ``train_batch`` accepts it (an additive extension of the
+    contract, e.g. the FSDP engine), so the trained logprobs use the rollout temperature."""
+    try:
+        params = inspect.signature(engine.train_batch).parameters
+    except (TypeError, ValueError):
+        return {}
+    if "temperature" in params:
+        return {"temperature": temperature}
+    if temperature != 1.0:
+        raise ConfigError("algo.temperature", f"{type(engine).__name__}.train_batch takes no temperature "
+                          f"but algo.temperature={temperature}", "sample with temperature 1.0 or use an "
+                          "engine whose train_batch accepts temperature")
+    return {}
 
 
 def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
@@ -161,9 +178,10 @@ class PPOActor:
         if "advantages" not in batch:
             raise ValueError("ppo_update needs 'advantages': call compute_advantages(batch) first")
         loss_fn = self.loss_fn(self.loss_params())
+        kw = train_kwargs(self.engine, self.cfg.temperature)
         per_mb: list[dict[str, float]] = []
         for mb in split_minibatches(batch, self.cfg.ppo_n_minibatches):
-            per_mb.append(dict(self.engine.train_batch(mb, loss_fn, self.loss_weight_fn)))
+            per_mb.append(dict(self.engine.train_batch(mb, loss_fn, self.loss_weight_fn, **kw)))
         stats = mean_stats(per_mb)
         stats.update(getattr(self, "adv_stats", {}))
         stats["n_minibatches"] = float(len(per_mb))

@@ -49,6 +49,11 @@ def run(overrides: list[str], dry_run: bool, cfg_mode: str | None, as_json: bool
             print_json(error_json(exc))
         raise
     if dry_run:
+        if cfg.launcher.name == "skypilot":  # the SkyPilot task YAML, validated by sky.Task.from_yaml
+            from areal_cli.launchers.skypilot import dry_run as sky_dry_run
+
+            print(sky_dry_run(cfg, plan), end="")
+            return 0
         if as_json:
             print_json(plan.to_dict())
         else:

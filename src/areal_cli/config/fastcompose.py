@@ -128,23 +128,34 @@ def _convert(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
     raise Unsupported(path)
 
 
+@functools.lru_cache(maxsize=None)
+def _info(cls: type) -> dict[str, tuple[Any, Any, bool]]:
+    """field -> (declared type, type without Optional, is a nested dataclass)."""
+    hints = _hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        base = _strip_optional(hints[f.name])
+        out[f.name] = (hints[f.name], base, dataclasses.is_dataclass(base))
+    return out
+
+
 def _merge(tree: dict, cls: type, data: Any, prefix: str) -> None:
     """Deep-merge YAML ``data`` into the plain-dict ``tree`` of dataclass ``cls``."""
     if data is None:
         return
     if not isinstance(data, dict):
         raise Unsupported(prefix)
-    hints = _hints(cls)
+    info = _info(cls)
     for key, value in data.items():
-        if not isinstance(key, str) or key not in hints:
+        if not isinstance(key, str) or key not in info:
             raise Unsupported(f"{prefix}{key}")  # Hydra produces the error
-        tp = _strip_optional(hints[key])
-        if dataclasses.is_dataclass(tp):
+        declared, base, nested = info[key]
+        if nested:
             if not isinstance(value, dict) or not isinstance(tree.get(key), dict):
                 raise Unsupported(f"{prefix}{key}")
-            _merge(tree[key], tp, value, f"{prefix}{key}.")
+            _merge(tree[key], base, value, f"{prefix}{key}.")
         else:
-            tree[key] = _convert(value, hints[key], f"{prefix}{key}", from_cli=False)
+            tree[key] = _convert(value, declared, f"{prefix}{key}", from_cli=False)
 
 
 def _to_tree(obj: Any) -> Any:
@@ -157,13 +168,23 @@ def _to_tree(obj: Any) -> Any:
     return obj
 
 
+@functools.lru_cache(maxsize=1)
+def _default_tree() -> dict:
+    return _to_tree(ExperimentConfig())
+
+
+def _copy_tree(tree: dict) -> dict:
+    out = {}
+    for k, v in tree.items():
+        out[k] = _copy_tree(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v
+    return out
+
+
 def _build(cls: type, tree: dict) -> Any:
-    hints = _hints(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        tp = _strip_optional(hints[f.name])
-        v = tree[f.name]
-        kwargs[f.name] = _build(tp, v) if dataclasses.is_dataclass(tp) and isinstance(v, dict) else v
+    for name, (_, base, nested) in _info(cls).items():
+        v = tree[name]
+        kwargs[name] = _build(base, v) if nested else v
     return cls(**kwargs)
 
 
@@ -232,8 +253,8 @@ def _compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig:
                 raise Unsupported("experiment defaults")
             if g not in cli_choices:
                 choices[g] = o
-    tree = _to_tree(ExperimentConfig())
-    hints = _hints(ExperimentConfig)
+    tree = _copy_tree(_default_tree())
+    hints = _info(ExperimentConfig)
     for g in groups:
         if g == "experiment":
             _, data = _load_yaml(exp_file)  # type: ignore[arg-type]
@@ -246,19 +267,19 @@ def _compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig:
             raise Unsupported(str(f))
         if isinstance(data, dict) and "defaults" in data:
             raise Unsupported(str(f))
-        _merge(tree[g], _strip_optional(hints[g]), data, f"{g}.")
+        _merge(tree[g], hints[g][1], data, f"{g}.")
     for key, text in values:
         parts = key.split(".")
         cls: Any = ExperimentConfig
         node = tree
         for part in parts[:-1]:
-            h = _hints(cls)
-            if part not in h or not dataclasses.is_dataclass(_strip_optional(h[part])):
+            info = _info(cls)
+            if part not in info or not info[part][2]:
                 raise Unsupported(key)
-            cls, node = _strip_optional(h[part]), node[part]
-        h = _hints(cls)
+            cls, node = info[part][1], node[part]
+        info = _info(cls)
         leaf = parts[-1]
-        if leaf not in h or dataclasses.is_dataclass(_strip_optional(h[leaf])):
+        if leaf not in info or info[leaf][2]:
             raise Unsupported(key)
-        node[leaf] = _convert(parse_value(text), h[leaf], key, from_cli=True)
+        node[leaf] = _convert(parse_value(text), info[leaf][0], key, from_cli=True)
     return _build(ExperimentConfig, tree)

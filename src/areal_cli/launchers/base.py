@@ -167,3 +167,20 @@ def read_servers(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue  # a record being replaced; the next read sees it
     return sorted(out, key=lambda r: r["index"])
+
+
+def wait_for_servers(run_dir: str | os.PathLike, want: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Block until ``want`` servers are published (the launcher starts them while the trainer boots)."""
+    import time
+
+    from areal_cli.errors import LaunchError
+
+    deadline = time.time() + timeout_s
+    recs = read_servers(run_dir)
+    while len(recs) < want:
+        if time.time() > deadline:
+            raise LaunchError(f"{len(recs)} of {want} inference servers published an address under "
+                              f"{run_dir}/servers within {timeout_s:.0f}s; start runs with `areal train`")
+        time.sleep(0.2)
+        recs = read_servers(run_dir)
+    return recs

@@ -126,6 +126,7 @@ class NodeRunner:
         deadline = time.time() + float(self.cfg.launcher.server_startup_timeout_s)
         while time.time() < deadline:
             self._check_signal()
+            self._check_trainer()
             if not proc.alive():
                 raise LaunchError(self._died_msg(proc, "inference server", hint=_server_hint(proc.tail(60))))
             try:
@@ -141,9 +142,11 @@ class NodeRunner:
                           f"(launcher.server_startup_timeout_s). Last log lines of {proc.log_path}:\n"
                           f"{proc.tail(30)}")
 
-    def start_servers(self) -> None:
-        mine = self.layout.servers_on(self.node_rank)
-        started = [(s, *self._start_server(s)) for s in mine]
+    def start_servers(self) -> list[tuple[ServerSpec, ManagedProcess, str]]:
+        """Start this node's servers without waiting (the trainer boots meanwhile)."""
+        return [(s, *self._start_server(s)) for s in self.layout.servers_on(self.node_rank)]
+
+    def wait_servers(self, started: list[tuple[ServerSpec, ManagedProcess, str]]) -> None:
         for spec, proc, addr in started:
             self._wait_ready(spec, proc, addr)
 
@@ -167,6 +170,8 @@ class NodeRunner:
         deadline = time.time() + float(self.cfg.launcher.server_startup_timeout_s)
         while len(read_servers(self.run_dir)) < want:
             self._check_signal()
+            if self._check_trainer():
+                return
             self._supervise_servers()
             if time.time() > deadline:
                 have = sorted(r["index"] for r in read_servers(self.run_dir))
@@ -230,23 +235,34 @@ class NodeRunner:
             for sig, old in installed:
                 signal.signal(sig, old)
 
+    def _check_trainer(self) -> bool:
+        """True once the trainer exited cleanly; raises if it failed."""
+        if self.trainer is None:
+            return False
+        code = self.trainer.poll()
+        if code is None:
+            return False
+        if code == 0:
+            self._write_status("done")
+            return True
+        self._write_status("failed")
+        raise self._trainer_failure(code)
+
     def _run(self) -> int:
         has_trainer = self.node_rank in self.layout.trainer.node_ranks()
-        self.start_servers()
+        started = self.start_servers()
         if not has_trainer:
+            self.wait_servers(started)
             return self._serve_until_done()
-        self._wait_all_published()
+        # The trainer needs minutes' worth of imports and model setup before it talks to a server,
+        # so it boots while the servers load; it waits for the address book itself.
         self.start_trainer()
-        assert self.trainer is not None
+        self.wait_servers(started)
+        self._wait_all_published()
         while True:
             self._check_signal()
-            code = self.trainer.poll()
-            if code is not None:
-                if code == 0:
-                    self._write_status("done")
-                    return 0
-                self._write_status("failed")
-                raise self._trainer_failure(code)
+            if self._check_trainer():
+                return 0
             self._supervise_servers()
             if self.on_tick is not None:
                 self.on_tick()

@@ -244,10 +244,13 @@ class SlurmLauncher:
         try:
             job.result()
         except Exception as e:  # noqa: BLE001 - submitit re-raises the node's failure or the cancellation
-            msg = str(e).strip().splitlines()
-            tail = "\n".join(msg[-15:])
-            raise LaunchError(f"slurm job {job_id} failed (run status: {status or 'none'}). "
-                              f"submitit logs: {run_dir}/{SUBMITIT_DIR}/{job_id}\n{tail}") from None
+            from areal_cli.launchers.local import _find_failed_rank
+
+            culprit, tail = _find_failed_rank(run_dir)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            where = f"{culprit} failed; its last log lines:\n{tail}" if culprit else first
+            raise LaunchError(f"slurm job {job_id} failed (run status: {status or 'none'}); {where}\n"
+                              f"submitit logs: {run_dir}/{SUBMITIT_DIR}/{job_id}") from None
         if status != "done":
             raise LaunchError(f"slurm job {job_id} ended but the run status is {status or 'missing'}; "
                               f"see {run_dir}/logs")

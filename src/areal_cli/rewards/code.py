@@ -64,8 +64,20 @@ def network_isolation_prefix() -> tuple[tuple[str, ...], str]:
     return (), "audit-hook"
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this child if the process that started it dies (e.g. a killed reward worker)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _limits(cpu_s: int, memory_mb: int, fsize_mb: int):
     def apply() -> None:
+        _die_with_parent()
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         mem = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))

@@ -14,7 +14,9 @@ import collections
 import logging
 import math
 import multiprocessing as mp
+import shutil
 import signal
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -46,8 +48,10 @@ def _resolve(spec: "str | Callable[..., Any]") -> Callable[..., Any]:
     return spec
 
 
-def _worker_main(conn, spec) -> None:
+def _worker_main(conn, spec, tmp_root: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Temp files (e.g. code sandboxes) live under a per-worker dir the parent removes on kill.
+    tempfile.tempdir = tmp_root
     try:
         fn = _resolve(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
@@ -86,7 +90,9 @@ def as_reward(value: Any) -> float | None:
 class _Worker:
     def __init__(self, ctx, spec):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True, name="areal-reward")
+        self.tmp_root = tempfile.mkdtemp(prefix="areal_reward_")
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, self.tmp_root), daemon=True,
+                                name="areal-reward")
         self.proc.start()
         child.close()
         self.ready = False
@@ -96,6 +102,7 @@ class _Worker:
             self.proc.kill()
         self.proc.join(timeout=5)
         self.conn.close()
+        shutil.rmtree(self.tmp_root, ignore_errors=True)
 
     def stop(self) -> None:
         try:
@@ -136,6 +143,8 @@ class AsyncRewardRunner:
             raise ValueError("reward workers must start with 'spawn' or 'forkserver' (the trainer has threads)")
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if isinstance(fn, str):
+            _resolve(fn)  # fail fast with a ConfigError naming workflow.reward
         self.spec = fn
         self.max_workers = max_workers
         self.timeout_s = float(timeout_s)

@@ -120,7 +120,9 @@ class RolloutExecutor:
         if version_provider is None:
             version_provider = VersionCounter(_initial_version(engine))
         self.version_provider = version_provider
-        self.staleness = StalenessManager(max_concurrent, max_head_offpolicyness, batch_size, version_provider)
+        # Counting starts now: a new executor on servers already at version v0 owes nothing for v < v0.
+        self.staleness = StalenessManager(max_concurrent, max_head_offpolicyness, batch_size, version_provider,
+                                          start_version=version_provider.get_version())
         self._poll = float(poll_interval_s)
 
         self._input: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=self.queue_size)
@@ -400,7 +402,8 @@ class RolloutExecutor:
         with self._cond:
             consumed = self._totals.consumed
         return {"consumed": consumed, "version": self.version_provider.get_version(),
-                "staleness": {"accepted": consumed, "submitted": s.submitted, "rejected": s.rejected}}
+                "staleness": {"accepted": consumed, "submitted": s.submitted, "rejected": s.rejected,
+                              "start_version": self.staleness.start_version}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counts (before anything is submitted). Sets the version too when the provider is ours."""

@@ -8,7 +8,10 @@ With consumer batch size ``B`` (episodes per training step), staleness bound ``k
 ``accepted`` is cumulative (it does not drop when the trainer consumes a batch), so the second term
 says: "by the time the trainer reaches version ``v + k + 1`` it must have consumed everything that was
 admitted while the version was ``v``". ``k = 0`` admits exactly ``B`` episodes per version, i.e.
-synchronous RL. Rejected episodes (``should_accept`` false, or a workflow returning ``None``) are
+synchronous RL. When counting starts at a later version ``v0`` (a new executor on a server already at
+``v0``), ``v`` above is ``version - v0`` (``start_version``; 0 for a run that starts from scratch).
+
+Rejected episodes (``should_accept`` false, or a workflow returning ``None``) are
 not counted, so they free capacity and dynamic sampling never deadlocks.
 """
 
@@ -58,7 +61,7 @@ class StalenessManager:
     """Capacity bookkeeping for the staleness bound; thread-safe."""
 
     def __init__(self, max_concurrent: int, max_head_offpolicyness: int, batch_size: int,
-                 version_provider: VersionProvider):
+                 version_provider: VersionProvider, start_version: int = 0):
         _check_int("rollout.max_concurrent_rollouts", max_concurrent, 1)
         _check_int("rollout.max_head_offpolicyness", max_head_offpolicyness, 0)
         _check_int("algo.batch_size", batch_size, 1)
@@ -68,6 +71,7 @@ class StalenessManager:
         self.max_head_offpolicyness = int(max_head_offpolicyness)
         self.batch_size = int(batch_size)
         self.version_provider = version_provider
+        self.start_version = int(start_version)
         self._stat = RolloutStat()
         self._lock = threading.Lock()
 
@@ -77,7 +81,8 @@ class StalenessManager:
         with self._lock:
             s = self._stat
             concurrency = self.max_concurrent - s.running
-            staleness = (self.max_head_offpolicyness + v + 1) * self.batch_size - (s.accepted + s.running)
+            ahead = self.max_head_offpolicyness + v - self.start_version + 1
+            staleness = ahead * self.batch_size - (s.accepted + s.running)
             return min(concurrency, staleness)
 
     def on_submit(self, n: int = 1) -> None:
@@ -110,7 +115,7 @@ class StalenessManager:
         """Cumulative counts; ``running`` is not saved (in-flight episodes do not survive a restart)."""
         with self._lock:
             return {"submitted": self._stat.submitted, "accepted": self._stat.accepted,
-                    "rejected": self._stat.rejected}
+                    "rejected": self._stat.rejected, "start_version": self.start_version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
@@ -119,6 +124,7 @@ class StalenessManager:
             self._stat = RolloutStat(submitted=int(state.get("submitted", state["accepted"])),
                                      accepted=int(state["accepted"]),
                                      rejected=int(state.get("rejected", 0)), running=0)
+            self.start_version = int(state.get("start_version", 0))
 
 
 def _check_int(path: str, value: Any, minimum: int) -> None:

@@ -125,21 +125,16 @@ def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any, reward_fn: Any | None
 
 
 def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict]]:
-    """(train items, test items); items carry prompt_ids/messages/answer. A missing file is a DataError."""
-    from areal_cli.data import loading
+    """(train items, test items) per the ``dataset`` group (``areal_cli.data.datasets.load_split``);
+    the test list is empty when a local dataset has no ``test_path``."""
+    from areal_cli.data.datasets import load_split
 
-    train = loading.load_items(cfg.dataset, tokenizer, split="train", seed=cfg.seed)
-    test = loading.load_items(cfg.dataset, tokenizer, split="test", seed=cfg.seed)
+    train, _ = load_split(cfg.dataset, tokenizer, "train", seed=cfg.seed)
+    test_split = load_split(cfg.dataset, tokenizer, "test", seed=cfg.seed)
+    test = test_split[0] if test_split is not None else []
     if not train:
         raise DataError(f"dataset.train_path={cfg.dataset.train_path} yielded no usable rows")
     return train, test
-
-
-def build_dataloader(cfg: Any, items: list[dict], batch_size: int, *, seed_offset: int = 0) -> Any:
-    from areal_cli.data.loader import ResumableDataLoader
-
-    return ResumableDataLoader(items, batch_size=batch_size, shuffle=cfg.dataset.shuffle,
-                               seed=cfg.seed + seed_offset, drop_last=cfg.dataset.drop_last)
 
 
 def build_actor(cfg: Any, engine: Any, ref_engine: Any | None) -> Any:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_cli.errors import DataError, StorageError
+from areal_cli.errors import StorageError
 
 # Files a fresh (resume=none) run replaces; anything else in the run dir is left alone.
 RUN_STATE = ("metrics.jsonl", "status.json", "servers", "recover", "checkpoints", "sft_warmup",
@@ -52,13 +52,9 @@ def check_storage(cfg: Any, run_dir: str) -> None:
 
 def check_dataset_files(cfg: Any) -> None:
     """A missing local dataset file is an error before anything launches."""
-    for key in ("train_path", "test_path"):
-        path = getattr(cfg.dataset, key)
-        if not path or str(path).startswith("builtin:"):
-            continue
-        if not Path(os.path.expanduser(path)).exists():
-            raise DataError(f"dataset.{key}: {path} does not exist — fix: point dataset.{key} at a jsonl/parquet "
-                            "file or a saved datasets dir, or use builtin:arith")
+    from areal_cli.data.datasets import check_dataset_paths
+
+    check_dataset_paths(cfg.dataset)
 
 
 def prepare_run_dir(cfg: Any, run_dir: str) -> None:

@@ -159,7 +159,7 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
                     "staleness/mean", "perf/samples_per_s"):
             vals = [r[key] for r in train if isinstance(r.get(key), (int, float))]
             if vals:
-                out[key.split("/", 1)[1] + "_mean"] = sum(vals) / len(vals)
+                out[key.replace("perf/", "").replace("/", "_") + "_avg"] = sum(vals) / len(vals)
     starts = [r for r in recs if r.get("kind") == "event" and r.get("event") == "start"]
     ends = [r for r in recs if r.get("kind") == "event" and r.get("event") == "end"]
     if starts and ends:
@@ -176,6 +176,8 @@ def summary_table(summary: dict[str, Any]) -> Any:
     for k, v in summary.items():
         if isinstance(v, float) and k.startswith(("accuracy", "pass@")):
             t.add_row(k, f"{v:.1%}")
+        elif isinstance(v, int):
+            t.add_row(k, str(v))
         else:
             t.add_row(k, _fmt(v))
     return t

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_cli.launchers.base import JobLayout, read_servers
+from areal_cli.launchers.base import JobLayout, read_servers, wait_for_servers
 from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
 from areal_cli.trainer.data_stream import PromptStream
@@ -159,13 +159,9 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ setup
     def _servers(self) -> list[dict[str, Any]]:
-        recs = read_servers(self.run_dir)
-        if not recs:
-            from areal_cli.errors import LaunchError
-
-            raise LaunchError(f"no inference server is published under {self.run_dir}/servers; "
-                              "start runs with `areal train`")
-        return recs
+        """Every server's record; waits while the launcher is still starting them."""
+        return wait_for_servers(self.run_dir, max(1, len(self.layout.servers)),
+                                float(self.cfg.launcher.server_startup_timeout_s))
 
     def _setup_rollout(self, tokenizer: Any, train_items: list[dict]) -> None:
         recs = self._servers()
@@ -299,7 +295,7 @@ class RLTrainer:
 
         out: dict[str, float] = {}
         if self.rank == 0 and test_items:
-            out = evaluate_on_servers(self.cfg, [r["address"] for r in read_servers(self.run_dir)],
+            out = evaluate_on_servers(self.cfg, [r["address"] for r in self._servers()],
                                       self.layout.servers[0].backend if self.layout.servers else "hf",
                                       tokenizer, test_items, executor=self.executor)
             self.stats.log("eval", step, {**out, "phase": phase})

@@ -24,8 +24,9 @@ SFT_DIRNAME = "sft_warmup"
 
 
 def sft_target(item: dict[str, Any]) -> str:
-    """What the model should answer for ``item``: ``target`` if the dataset provides one, else ``answer``."""
-    for key in ("target", "sft_target", "answer"):
+    """What the model should answer for ``item``: the full ``solution`` (worked answer) when the
+    dataset provides one, else ``answer``."""
+    for key in ("target", "sft_target", "solution", "answer"):
         v = item.get(key)
         if isinstance(v, str) and v:
             return v
@@ -118,7 +119,7 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
 def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int) -> dict[str, Any]:
     """``algo=sft``: ``trainer.total_steps`` SFT steps with recover states and HF exports; evaluated
     through the inference servers (weights pushed from disk) when the allocation has any."""
-    from areal_cli.launchers.base import read_servers
+    from areal_cli.launchers.base import wait_for_servers
     from areal_cli.trainer.checkpoint import CheckpointManager
     from areal_cli.trainer.rl import broadcast_obj
     from areal_cli.trainer.stats import StatsLogger
@@ -149,7 +150,8 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
         from areal_cli.api.io_struct import WeightUpdateMeta
         from areal_cli.trainer.evaluation import evaluate_on_servers
 
-        recs = read_servers(run_dir) if rank == 0 else []
+        recs = wait_for_servers(run_dir, len(layout.servers), cfg.launcher.server_startup_timeout_s) \
+            if rank == 0 else []
         client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"]) if rank == 0 else None
         meta = WeightUpdateMeta(type="disk", version=step,
                                 path=os.path.join(run_dir, "weight_sync", f"v{step:06d}"))

@@ -137,9 +137,15 @@ class DistributedSender:
         self.store, self.pg, self._group_key = store, pg, key
 
     def _broadcast(self, tensors: list, meta: WeightUpdateMeta) -> None:
+        import torch.distributed as dist
+
         timeout = datetime.timedelta(seconds=meta.timeout_s)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = timeout
         for t in tensors:
-            self.pg.broadcast([t], 0).wait(timeout)
+            self.pg.broadcast([t], opts).wait(timeout)
 
     async def _send_bucket(self, meta: WeightUpdateMeta, clients: list, names: list[str], tensors: list) -> None:
         specs = [ParamSpec(n, str(t.dtype).replace("torch.", ""), list(t.shape)) for n, t in zip(names, tensors)]

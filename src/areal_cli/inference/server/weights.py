@@ -8,7 +8,6 @@ update is rejected whole and never half-applied.
 from __future__ import annotations
 
 import datetime
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +133,7 @@ class DistributedReceiver:
         out: dict[str, torch.Tensor] = {}
         for n, dt, shp in zip(names, dtypes, shapes):
             buf = torch.empty(list(shp), dtype=parse_dtype(dt), device=device)
-            self.pg.broadcast([buf], 0).wait()
+            self.pg.broadcast(buf, 0).wait()  # (tensor, root) overload; a list needs BroadcastOptions
             out[n] = buf
         return out
 
@@ -146,6 +145,16 @@ class DistributedReceiver:
                 self.pg.shutdown()
         except Exception:
             pass
+
+
+def broadcast_from_root(pg, tensor: torch.Tensor) -> None:
+    """``broadcast([tensor], root=0)`` on a bare c10d process group (no default group needed)."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    pg.broadcast([tensor], opts).wait()
 
 
 def check_update_request(model, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> str | None:
@@ -164,6 +173,3 @@ def check_update_request(model, names: list[str], dtypes: list[str], shapes: lis
             return f"shape mismatch for {n}: got {list(shp)}, model has {list(live[n].shape)}"
     return None
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -1,0 +1,133 @@
+"""The built-in tiny model: a tokenizer trained on the built-in task plus a random tiny Qwen2.
+
+``ensure_builtin_model(fileroot)`` creates it on first use under
+``<fileroot>/models/builtin-<hash>`` and returns that dir on every later call. The hash covers the
+spec and :data:`BUILD_VERSION`, so changing the architecture builds a new model next to the old one.
+A file lock plus an atomic rename make concurrent first use (trainer ranks, servers, two runs)
+safe: exactly one process builds, the others wait and reuse the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from areal_cli.errors import ConfigError
+
+BUILD_VERSION = 1
+READY_MARKER = "BUILTIN_READY"
+
+
+@dataclass(frozen=True)
+class BuiltinModelSpec:
+    """Architecture of a built-in model and the task its tokenizer is trained on."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    vocab_size: int = 400  # BPE target; digits are always single tokens
+    max_position_embeddings: int = 512
+    task: str = "arith"
+    seed: int = 0  # weight init
+
+    def digest(self) -> str:
+        blob = json.dumps({"v": BUILD_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# The embedded default's model (docs/embedded_default.md explains the choice).
+BUILTIN_SPECS: dict[str, BuiltinModelSpec] = {
+    "tiny": BuiltinModelSpec(),
+    "micro": BuiltinModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=256),
+    "small": BuiltinModelSpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                              intermediate_size=1024),
+}
+
+
+def parse_builtin_model_path(path: str) -> str | None:
+    """``"builtin:tiny"`` → ``"tiny"``; any other path → ``None``."""
+    if isinstance(path, str) and path.startswith("builtin:"):
+        return path.split(":", 1)[1] or "tiny"
+    return None
+
+
+def resolve_spec(spec: str | BuiltinModelSpec, overrides: dict[str, Any] | None = None) -> BuiltinModelSpec:
+    if isinstance(spec, str):
+        if spec not in BUILTIN_SPECS:
+            raise ConfigError("model.path", f"unknown built-in model {spec!r}",
+                              f"use one of: {', '.join('builtin:' + s for s in sorted(BUILTIN_SPECS))}")
+        spec = BUILTIN_SPECS[spec]
+    if overrides:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(BuiltinModelSpec)}
+        if unknown:
+            raise ValueError(f"unknown BuiltinModelSpec fields: {sorted(unknown)}")
+        spec = dataclasses.replace(spec, **overrides)
+    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
+        raise ConfigError("model.hidden_size", f"hidden_size={spec.hidden_size}, heads={spec.num_heads}, "
+                          f"kv_heads={spec.num_kv_heads} do not divide", "pick heads dividing hidden_size "
+                          "and kv_heads dividing heads")
+    return spec
+
+
+def builtin_model_dir(fileroot: str | os.PathLike, spec: str | BuiltinModelSpec = "tiny") -> Path:
+    s = resolve_spec(spec)
+    return Path(os.path.expanduser(str(fileroot))) / "models" / f"builtin-{s.digest()}"
+
+
+def ensure_builtin_model(fileroot: str | os.PathLike, spec: str | BuiltinModelSpec = "tiny", *,
+                         overrides: dict[str, Any] | None = None, timeout_s: float = 600.0) -> str:
+    """Return the dir of the built-in model, building it first if needed (concurrency-safe)."""
+    import fcntl
+
+    s = resolve_spec(spec, overrides)
+    root = Path(os.path.expanduser(str(fileroot))) / "models"
+    final = root / f"builtin-{s.digest()}"
+    if (final / READY_MARKER).exists():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    lock_path = root / f".builtin-{s.digest()}.lock"
+    with open(lock_path, "a+") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout_s:.0f}s for the lock {lock_path}; another "
+                                       f"process is building the built-in model (or died holding it)")
+                time.sleep(0.2)
+        try:
+            if (final / READY_MARKER).exists():  # built by whoever held the lock before us
+                return str(final)
+            tmp = root / f".builtin-{s.digest()}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            _build(tmp, s)
+            (tmp / READY_MARKER).write_text(json.dumps(dataclasses.asdict(s), indent=1))
+            shutil.rmtree(final, ignore_errors=True)  # a half-built dir from a crash before the marker
+            os.replace(tmp, final)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    return str(final)
+
+
+def _build(out: Path, s: BuiltinModelSpec) -> None:
+    from areal_cli.data import builtin
+    from areal_cli.models.tiny import make_tiny_model, train_tokenizer
+
+    train_tokenizer(out, builtin.corpus(s.task), vocab_size=s.vocab_size,
+                    model_max_length=s.max_position_embeddings)
+    make_tiny_model(out, tokenizer_dir=out, seed=s.seed, hidden_size=s.hidden_size,
+                    num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                    intermediate_size=s.intermediate_size,
+                    max_position_embeddings=s.max_position_embeddings)

@@ -1,0 +1,54 @@
+"""Weight sync from a dp2 FSDP trainer into a running built-in ``hf`` server, both modes.
+
+After each push the server's greedy output equals HF transformers' greedy output on the trainer's
+exported weights and every version advanced. Then the server is SIGKILLed and the next pushes
+must fail within their timeout with an error that names the server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fsdp_worker import launch  # noqa: E402
+
+DEAD_TIMEOUT = 10.0
+
+
+def test_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
+    from transformers import AutoTokenizer
+
+    from areal_cli.inference.launch import launch_server
+    from areal_cli.utils.network import find_free_port
+    from hf_server_helpers import hf_greedy, load_model, prompts
+
+    ps = prompts(AutoTokenizer.from_pretrained(tiny_model_dir), 3)
+    server = launch_server("hf", tiny_model_dir_b, log_dir=str(tmp_path), timeout_s=180)
+    try:
+        spec = {"model_dir": tiny_model_dir, "out": str(tmp_path), "address": server.address,
+                "server_pid": server.proc.pid, "group_port": find_free_port(), "prompts": ps,
+                "dead_timeout": DEAD_TIMEOUT}
+        launch(spec, 2, timeout=600, script=str(Path(__file__).parent / "sync_worker.py"))
+    finally:
+        server.stop()
+    res = json.loads((tmp_path / "sync.json").read_text())
+    before_tokens = res["before"][0]
+    assert [p["kind"] for p in res["pushes"]] == ["disk", "distributed", "distributed"]
+    for i, push in enumerate(res["pushes"]):
+        v = i + 1
+        assert push["version"] == v and push["client_version"] == v
+        assert list(push["server_versions"].values()) == [v]
+        assert all(set(tv) == {v} for tv in push["token_versions"])
+        ref = load_model(str(tmp_path / f"hf_v{v}"))
+        expected = [hf_greedy(ref, p, 12) for p in ps]
+        assert push["tokens"] == expected, f"push {v} ({push['kind']}): server greedy != trainer greedy"
+    assert res["pushes"][0]["tokens"] != before_tokens, "the server's output did not change at all"
+    assert (tmp_path / "weights" / "v1" / "model.safetensors").is_file()
+
+    assert [f["kind"] for f in res["failures"]] == ["distributed", "disk"]
+    for f in res["failures"]:
+        assert f["error"] is not None, f"{f['kind']} push to a dead server succeeded"
+        assert server.address in f["error"], f["error"]
+        assert f["seconds"] < DEAD_TIMEOUT + 15, f"{f['kind']} took {f['seconds']:.1f}s"
