@@ -94,7 +94,9 @@ def test_staleness_bound_with_weight_update_every_step(servers, tokenizer, tiny_
     data = [{"prompt": f"What is {i} plus {i + 3}?", "answer": str(2 * i + 3), "id": i} for i in range(40)]
     lags = []
     try:
-        start = ex.get_version()
+        # A fresh client knows no version; sync it to the servers (earlier tests advanced them).
+        start = max(ex.run_coroutine(engine.get_server_versions()).values())
+        ex.set_version(start)
         for _ in range(4):
             batch = ex.prepare_batch(data, timeout=300)
             v = ex.get_version()
@@ -182,3 +184,48 @@ def test_trajectory_spanning_two_versions_is_contiguous_and_correct(servers, tok
     assert out == want_tokens
     # The two checkpoints really differ here, so the version stamps are not vacuous.
     assert arg_a != arg_b or lp_a != pytest.approx(lp_b, abs=1e-3)
+
+
+def test_multi_turn_with_the_reward_pool_on_a_real_server(servers, tokenizer):
+    """multi_turn + AsyncRewardRunner("numeric") through the executor: a random model is always wrong,
+    so every sample retries once; the feedback turn sits between the two answers, outside the loss."""
+    from areal_cli.config.workflow import WorkflowConfig
+    from areal_cli.inference.client import RemoteInferenceEngine
+    from areal_cli.rollout.workflows import build_reward_fn, build_workflow
+
+    cfg = WorkflowConfig(name="multi_turn", reward="numeric", reward_workers=1, max_turns=2, turn_discount=0.5)
+    reward = build_reward_fn(cfg)
+    engine = RemoteInferenceEngine([s.address for s in servers], backend="hf")
+    fb = cfg.feedback
+    wf = build_workflow("multi_turn", reward_fn=reward, gconfig=GenerationConfig(max_new_tokens=6), tokenizer=tokenizer,
+                        group_size=2, max_turns=cfg.max_turns, turn_discount=cfg.turn_discount, feedback=fb)
+    ex = RolloutExecutor(engine, wf, batch_size=1, max_concurrent=2, max_head_offpolicyness=0,
+                         pad_token_id=tokenizer.pad_token_id)
+    try:
+        ex.set_version(max(ex.run_coroutine(engine.get_server_versions()).values()))
+        msgs = [{"role": "user", "content": "What is 12 plus 30?"}]
+        batch = ex.prepare_batch([{"messages": msgs, "answer": "42", "id": "q"}], timeout=300)
+    finally:
+        ex.run_coroutine(engine.close())
+        ex.destroy()
+        reward.close()
+    assert reward.stats.ok == 4 and reward.stats.total == 4  # 2 samples x 2 turns, all scored
+    d = batch.data
+    assert d["n_turns"].tolist() == [2, 2] and d["rewards"].tolist() == [0.0, 0.0]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    P, eos = len(prompt), tokenizer.eos_token_id
+    tail = tokenizer.encode(f"\n<|im_start|>user\n{fb}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    for r in range(2):
+        n = int(d["attention_mask"][r].sum())
+        ids, mask = d["input_ids"][r, :n].tolist(), d["loss_mask"][r, :n].tolist()
+        assert ids[:P] == prompt and not any(mask[:P])
+        # generated run 1, the context tail (with an end-of-turn token if answer 1 was truncated), run 2
+        first_end = mask.index(False, P)
+        out1 = ids[P:first_end]
+        want_tail = ([] if out1[-1] == eos else [eos]) + tail
+        assert ids[first_end:first_end + len(want_tail)] == want_tail
+        assert mask[first_end:first_end + len(want_tail)] == [False] * len(want_tail)
+        rest = mask[first_end + len(want_tail):]
+        assert rest and all(rest) and len(rest) <= 6
+        assert torch.all(d["versions"][r, :n][~d["loss_mask"][r, :n]] == -1)

@@ -45,7 +45,7 @@ def _overrides(fileroot: Path, model_dir: str, **extra: object) -> list[str]:
         "algo.batch_size": 2, "rollout.group_size": 2, "rollout.gconfig.max_new_tokens": 6,
         "rollout.max_head_offpolicyness": 1, "rollout.max_concurrent_rollouts": 8,
         "rollout.weight_update": "disk", "dataset.train_size": 200, "dataset.test_size": 8,
-        "stats.live": "false", "launcher": "slurm",
+        "dataset.max_prompt_len": 256, "stats.live": "false", "launcher": "slurm",
         "launcher.slurm.cpus_per_task": 2, "launcher.slurm.mem_gb": 8, "launcher.slurm.time_min": 20,
     }
     base.update(extra)
@@ -167,3 +167,15 @@ def test_requeue_resumes_from_recover_checkpoint(slurm_cluster, tmp_path, tiny_m
     cfg_text = (run / "config.yaml").read_text()
     assert "resume: auto" in cfg_text
     assert [r["step"] for r in _records(run) if r.get("kind") == "train"][-1] == 8
+
+
+def test_storage_probe_runs_through_srun(slurm_cluster, tmp_path):
+    from areal_cli.storage import run_storage_check
+
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    rep = run_storage_check([str(tmp_path / "shared")], 1, use_srun=True,
+                            srun_args=["--time", "5", "--mem", "256M", "--cpus-per-task", "1"],
+                            throughput_bytes=1024 * 1024, timeout_s=10)
+    vis = [r for r in rep.results if r.check == "cross-node visibility"]
+    assert vis and vis[0].status == "pass", rep.summary()
+    assert {r.node for r in rep.results if r.check == "writable"} == {host}  # SLURMD_NODENAME

@@ -28,7 +28,7 @@ def _overrides(fileroot: Path, model_dir: str, **extra: object) -> list[str]:
         "algo.batch_size": 2, "rollout.group_size": 2, "rollout.gconfig.max_new_tokens": 6,
         "rollout.max_head_offpolicyness": 1, "rollout.max_concurrent_rollouts": 8,
         "dataset.train_size": 200, "dataset.test_size": 8, "dataset.max_prompt_len": 256,
-        "stats.live": "false", "algo.optim.lr": 1e-3, "rollout.weight_update": "disk",
+        "stats.live": "false", "algo.optim.lr": 1e-3,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -260,6 +260,8 @@ def test_wait_timeout_and_bad_count(make_executor):
         ex.wait(1, timeout=0.1)
     with pytest.raises(ValueError):
         ex.wait(0)
+    with pytest.raises(ValueError, match="never complete"):
+        ex.wait(5)  # k=1, batch 2: at most 4 per version
 
 
 def test_destroy_cancels_running_episodes_promptly(make_executor):
@@ -328,3 +330,14 @@ def test_executor_started_at_a_later_version_is_not_ahead(make_executor):
     time.sleep(0.2)
     assert ex.get_stats()["rollout/submitted"] == 2
     assert torch.all(generated_versions(b) == 5)
+
+
+def test_set_version_before_first_episode_rebases(make_executor):
+    ex, eng = make_executor(batch_size=2, max_head_offpolicyness=0, queue_size=8)
+    ex.set_version(7)
+    eng.version = 7
+    assert ex.staleness.start_version == 7 and ex.staleness.get_capacity() == 2
+    b = ex.prepare_batch([item(i, 2) for i in range(4)], timeout=5)
+    assert torch.all(generated_versions(b) == 7)
+    ex.set_version(8)
+    assert ex.staleness.start_version == 7  # counting has started: a real version step

@@ -22,7 +22,8 @@ from areal_cli.algorithms.advantages import compute_advantages as _estimate
 from areal_cli.algorithms.advantages import overlong_penalty
 from areal_cli.algorithms.kl import kl_reward
 from areal_cli.algorithms.losses import ActorLossParams, actor_loss, sft_policy_loss
-from areal_cli.algorithms.normalisation import aggregate_loss, count_units, masked_mean, masked_whiten
+from areal_cli.algorithms.normalisation import (Reducer, aggregate_loss, count_units, masked_mean,
+                                                 masked_whiten)
 from areal_cli.config.algo import AlgoConfig, validate_algo_config
 from areal_cli.errors import ConfigError
 
@@ -88,7 +89,11 @@ class PPOActor:
     """Drives a policy ``TrainEngine`` through one PPO-family training step."""
 
     def __init__(self, cfg: AlgoConfig, engine: "TrainEngine", ref_engine: "TrainEngine | None" = None,
-                 group_size: int = 1, max_new_tokens: int | None = None):
+                 group_size: int = 1, max_new_tokens: int | None = None,
+                 dp_allreduce: "Reducer | None" = None):
+        """``dp_allreduce(t) -> t`` sums a tensor over data-parallel ranks; pass it when each rank
+        holds a shard of the step's batch so batch-level statistics (``mean_level``/``std_level``
+        = batch, REINFORCE++ whitening, ``adv_norm``) are global. Groups must not straddle ranks."""
         validate_algo_config(cfg)
         if cfg.kl_coef > 0 and ref_engine is None:
             raise ConfigError("algo.kl_coef", f"kl_coef={cfg.kl_coef} needs a reference model",
@@ -98,6 +103,7 @@ class PPOActor:
         self.ref_engine = ref_engine
         self.group_size = int(group_size)
         self.max_new_tokens = max_new_tokens
+        self.dp_allreduce = dp_allreduce
         self.overlong_buffer = overlong_buffer(cfg, max_new_tokens)
 
     @property
@@ -145,9 +151,9 @@ class PPOActor:
         adv, returns = _estimate(c.adv_estimator, rewards=rewards, loss_mask=mask, group_size=self.group_size,
                                  token_rewards=token_rewards, values=batch.get("values"), gamma=c.gamma,
                                  lam=c.lam, mean_level=c.mean_level, std_level=c.std_level,
-                                 std_unbiased=c.std_unbiased, eps=c.adv_std_eps)
+                                 std_unbiased=c.std_unbiased, eps=c.adv_std_eps, reduce=self.dp_allreduce)
         if c.adv_norm:
-            adv = masked_whiten(adv, mask)
+            adv = masked_whiten(adv, mask, reduce=self.dp_allreduce)
         batch["advantages"] = adv
         batch["shaped_rewards"] = rewards
         if returns is not None:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from areal_cli.algorithms.normalisation import group_view, masked_whiten
+from areal_cli.algorithms.normalisation import Reducer, group_view, masked_moments, masked_whiten
 
 AdvOut = tuple[torch.Tensor, "torch.Tensor | None"]
 
@@ -51,11 +51,11 @@ def token_level_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor,
     return out
 
 
-def _level_mean(x: torch.Tensor, level: str, group_size: int) -> torch.Tensor:
+def _level_mean(x: torch.Tensor, level: str, group_size: int, reduce: Reducer | None = None) -> torch.Tensor:
     if level == "group":
         return group_view(x, group_size).mean(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
     if level == "batch":
-        return x.mean().expand_as(x)
+        return masked_moments(x, torch.ones_like(x), reduce=reduce)[0].to(x.dtype).expand_as(x)
     if level == "none":
         return torch.zeros_like(x)
     raise KeyError(f"unknown mean_level {level!r}; known: group, batch, none")
@@ -70,11 +70,14 @@ def _std(x: torch.Tensor, unbiased: bool, dim: int | None = None) -> torch.Tenso
     return x.std(dim=dim, correction=corr, keepdim=True)
 
 
-def _level_std(x: torch.Tensor, level: str, group_size: int, unbiased: bool) -> torch.Tensor | None:
+def _level_std(x: torch.Tensor, level: str, group_size: int, unbiased: bool,
+               reduce: Reducer | None = None) -> torch.Tensor | None:
     if level == "group":
         return _std(group_view(x, group_size), unbiased, dim=1).expand(-1, group_size).reshape(-1)
     if level == "batch":
-        return _std(x, unbiased).expand_as(x)
+        if reduce is None:
+            return _std(x, unbiased).expand_as(x)
+        return masked_moments(x, torch.ones_like(x), unbiased, reduce)[1].sqrt().to(x.dtype).expand_as(x)
     if level == "none":
         return None
     raise KeyError(f"unknown std_level {level!r}; known: group, batch, none")
@@ -82,11 +85,14 @@ def _level_std(x: torch.Tensor, level: str, group_size: int, unbiased: bool) -> 
 
 def grpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
                     token_rewards: torch.Tensor | None = None, mean_level: str = "group",
-                    std_level: str = "group", std_unbiased: bool = True, eps: float = 1e-6, **_) -> AdvOut:
-    """GRPO (Shao et al. 2024): ``(r - mean) / (std + eps)`` with each statistic at its level."""
+                    std_level: str = "group", std_unbiased: bool = True, eps: float = 1e-6,
+                    reduce: Reducer | None = None, **_) -> AdvOut:
+    """GRPO (Shao et al. 2024): ``(r - mean) / (std + eps)`` with each statistic at its level.
+
+    ``reduce`` (sum over data-parallel ranks) makes the ``batch`` levels global."""
     r = sequence_scores(rewards, loss_mask, token_rewards)
-    adv = r - _level_mean(r, mean_level, group_size)
-    std = _level_std(r, std_level, group_size, std_unbiased)
+    adv = r - _level_mean(r, mean_level, group_size, reduce)
+    std = _level_std(r, std_level, group_size, std_unbiased, reduce)
     if std is not None:
         adv = adv / (std + eps)
     return adv[:, None] * loss_mask.float(), None
@@ -124,18 +130,20 @@ def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor, gam
 
 
 def reinforce_pp_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor,
-                            token_rewards: torch.Tensor | None = None, gamma: float = 1.0, **_) -> AdvOut:
+                            token_rewards: torch.Tensor | None = None, gamma: float = 1.0,
+                            reduce: Reducer | None = None, **_) -> AdvOut:
     """REINFORCE++ (Hu 2025): token-level discounted returns (KL in the reward), whitened over the batch."""
     returns = discounted_returns(token_level_rewards(rewards, loss_mask, token_rewards), loss_mask, gamma)
-    return masked_whiten(returns, loss_mask), returns
+    return masked_whiten(returns, loss_mask, reduce=reduce), returns
 
 
 def reinforce_pp_baseline_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
-                                     token_rewards: torch.Tensor | None = None, **_) -> AdvOut:
+                                     token_rewards: torch.Tensor | None = None,
+                                     reduce: Reducer | None = None, **_) -> AdvOut:
     """REINFORCE++-baseline: subtract the group mean, then whiten over the batch's tokens."""
     r = sequence_scores(rewards, loss_mask, token_rewards)
     r = r - _level_mean(r, "group", group_size)
-    return masked_whiten(r[:, None] * loss_mask.float(), loss_mask), None
+    return masked_whiten(r[:, None] * loss_mask.float(), loss_mask, reduce=reduce), None
 
 
 def gae_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, values: torch.Tensor | None = None,

@@ -25,27 +25,46 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, m, dim) / denom.clamp(min=1.0)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of the masked entries (Bessel-corrected like verl's ``masked_var``)."""
-    m = mask.to(x.dtype)
-    n = m.sum()
-    mean = masked_mean(x, m)
-    var = masked_mean((x - mean) ** 2, m)
+# Sums a tensor over data-parallel ranks (e.g. an all-reduce built by the trainer from the engine's
+# dp_group). None means the batch at hand is the whole batch. Keeps this module free of
+# torch.distributed while letting batch-level statistics be global.
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
+                   reduce: Reducer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, variance) of the masked entries, in float64, optionally over all DP ranks.
+
+    One reduction of (sum, sum of squares, count); the variance is Bessel-corrected like verl's
+    ``masked_var`` when ``unbiased``.
+    """
+    m = mask.to(torch.float64)
+    xd = x.to(torch.float64)
+    stats = torch.stack([(xd * m).sum(), (xd * xd * m).sum(), m.sum()])
+    if reduce is not None:
+        stats = reduce(stats)
+    s, ss, n = stats.unbind()
+    n_safe = n.clamp(min=1.0)
+    mean = s / n_safe
+    var = (ss / n_safe - mean * mean).clamp(min=0.0)
     if unbiased and n > 1:
         var = var * n / (n - 1)
-    return var
+    return mean, var
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
+               reduce: Reducer | None = None) -> torch.Tensor:
+    return masked_moments(x, mask, unbiased, reduce)[1].to(x.dtype)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, unbiased: bool = True,
-                  eps: float = 1e-8) -> torch.Tensor:
+                  eps: float = 1e-8, reduce: Reducer | None = None) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` over masked entries; masked-out entries become 0."""
-    m = mask.to(x.dtype)
-    mean = masked_mean(x, m)
-    var = masked_var(x, m, unbiased=unbiased)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    mean, var = masked_moments(x, mask, unbiased, reduce)
+    out = (x.to(torch.float64) - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * m
+    return (out * mask.to(torch.float64)).to(x.dtype)
 
 
 def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:

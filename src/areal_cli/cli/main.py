@@ -26,7 +26,7 @@ INTERNAL_ERROR_EXIT = 3
 @functools.lru_cache(maxsize=1)
 def groups_epilog() -> str:
     """Plain-text list of config groups and their options (a directory scan, no Hydra)."""
-    from areal_cli.config.compose import group_options
+    from areal_cli.config.groups import group_options
 
     lines = ["\b", "Config groups (override with group=option, values with key.path=value):"]
     for group, opts in group_options().items():
@@ -50,11 +50,13 @@ def build_app(only: str | None = None):
         rich_markup_mode=None,
         pretty_exceptions_enable=False,
         epilog=groups_epilog(),
+        add_help_option=False,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
+    from areal_cli.cli.options import help_option
 
     @app.callback()
-    def _root() -> None:
+    def _root(help_: bool = help_option()) -> None:
         """Asynchronous RL for language models: compose, validate, launch."""
 
     names = COMMANDS

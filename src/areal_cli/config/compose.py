@@ -14,13 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_cli.config.groups import CONF_DIR, GROUPS, group_options
 from areal_cli.config.paths import describe_type, resolve_path
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algo", "engine", "allocation_mode", "workflow", "launcher", "model", "dataset", "cluster",
-          "rollout", "experiment")
 ALLOC_KEYS = ("allocation_mode", "allocation_mode.spec")
 # Facts read from a local model dir's config.json: ModelConfig field -> config.json keys, first wins.
 HF_FACTS = {
@@ -37,15 +35,6 @@ HF_FACTS = {
     "max_position_embeddings": ("max_position_embeddings", "n_positions"),
     "tie_word_embeddings": ("tie_word_embeddings",),
 }
-
-
-def group_options(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
-    """``{group: [option, ...]}`` from the packaged conf dir (a directory scan, no Hydra)."""
-    out: dict[str, list[str]] = {}
-    for g in GROUPS:
-        d = conf_dir / g
-        out[g] = sorted(p[:-5] for p in os.listdir(d) if p.endswith(".yaml")) if d.is_dir() else []
-    return out
 
 
 @dataclass

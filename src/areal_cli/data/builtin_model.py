@@ -87,13 +87,20 @@ def builtin_model_dir(fileroot: str | os.PathLike, spec: str | BuiltinModelSpec 
 def ensure_builtin_model(fileroot: str | os.PathLike, spec: str | BuiltinModelSpec = "tiny", *,
                          overrides: dict[str, Any] | None = None, timeout_s: float = 600.0) -> str:
     """Return the dir of the built-in model, building it first if needed (concurrency-safe)."""
+    return ensure_builtin_model_ex(fileroot, spec, overrides=overrides, timeout_s=timeout_s)[0]
+
+
+def ensure_builtin_model_ex(fileroot: str | os.PathLike, spec: str | BuiltinModelSpec = "tiny", *,
+                            overrides: dict[str, Any] | None = None,
+                            timeout_s: float = 600.0) -> tuple[str, bool]:
+    """Like :func:`ensure_builtin_model`, plus whether this call built it (for logs and tests)."""
     import fcntl
 
     s = resolve_spec(spec, overrides)
     root = Path(os.path.expanduser(str(fileroot))) / "models"
     final = root / f"builtin-{s.digest()}"
     if (final / READY_MARKER).exists():
-        return str(final)
+        return str(final), False
     root.mkdir(parents=True, exist_ok=True)
     lock_path = root / f".builtin-{s.digest()}.lock"
     with open(lock_path, "a+") as lock:
@@ -109,7 +116,7 @@ def ensure_builtin_model(fileroot: str | os.PathLike, spec: str | BuiltinModelSp
                 time.sleep(0.2)
         try:
             if (final / READY_MARKER).exists():  # built by whoever held the lock before us
-                return str(final)
+                return str(final), False
             tmp = root / f".builtin-{s.digest()}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             _build(tmp, s)
@@ -118,7 +125,7 @@ def ensure_builtin_model(fileroot: str | os.PathLike, spec: str | BuiltinModelSp
             os.replace(tmp, final)
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-    return str(final)
+    return str(final), True
 
 
 def _build(out: Path, s: BuiltinModelSpec) -> None:

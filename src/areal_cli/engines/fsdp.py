@@ -51,6 +51,7 @@ class FSDPEngine(TrainEngine):
         self._meshes: par.Meshes | None = None
         self._senders: dict[str, Any] = {}
         self._runner = None
+        self._last_sender = None
         self.model_path = ""
         self.pad_token_id = 0
 
@@ -442,6 +443,7 @@ class FSDPEngine(TrainEngine):
             err = sender.send(meta, engines, self._named_full_tensors(), is_src=is_src)
         else:
             raise ConfigError("weight_sync.type", f"unknown type {meta.type!r}", "use disk or distributed")
+        self._last_sender = sender
         msg = [str(err) if err is not None else None]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(msg, src=0)
@@ -454,10 +456,7 @@ class FSDPEngine(TrainEngine):
     @property
     def last_sync_seconds(self) -> dict[str, float]:
         """Phase timings of the last weight sync on rank 0 (for benchmarks and logs)."""
-        out: dict[str, float] = {}
-        for s in self._senders.values():
-            out.update(s.last_seconds)
-        return out
+        return dict(self._last_sender.last_seconds) if self._last_sender is not None else {}
 
     def destroy(self) -> None:
         for s in self._senders.values():

@@ -206,6 +206,10 @@ class NodeRunner:
         assert self.trainer is not None
         culprit, tail = _find_failed_rank(self.run_dir)
         if culprit is None:
+            culprit, tail = _torchrun_culprit(self.trainer.tail(200), self.run_dir,
+                                              self.layout.trainer.nproc_per_node,
+                                              self.node_rank - self.layout.trainer.first_node)
+        if culprit is None:
             culprit, tail = "trainer (torchrun)", self.trainer.tail(40)
         return LaunchError(f"{culprit} failed ({describe_exit(code)}); everything was stopped. "
                            f"Last log lines:\n{tail}")
@@ -309,6 +313,20 @@ def _find_failed_rank(run_dir: str) -> tuple[str | None, str]:
             if best is None or key < best[0]:
                 best = (key, name, tail)
     return (best[1], best[2]) if best else (None, "")
+
+
+def _torchrun_culprit(torchrun_log: str, run_dir: str, nproc: int, node_index: int) -> tuple[str | None, str]:
+    """A rank that died without a traceback (e.g. SIGKILL, OOM killer), from torchrun's report."""
+    m = re.search(r"exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)", torchrun_log)
+    if m is None:
+        return None, ""
+    code, local, pid = int(m.group(1)), int(m.group(2)), m.group(3)
+    rank = node_index * nproc + local
+    log = logs_dir(run_dir) / f"trainer_rank{rank}.log"
+    how = describe_exit(code)
+    if code == -9:
+        how += " — killed from outside, or by the kernel's OOM killer (check `dmesg`)"
+    return f"trainer rank {rank} (pid {pid}, {how}; log {log})", tail_file(log, 20)
 
 
 def _server_hint(tail: str) -> str:

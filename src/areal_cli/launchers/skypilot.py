@@ -227,11 +227,11 @@ class SkyPilotLauncher:
 
     def launch(self, cfg: Any, layout: JobLayout, run_dir: str, **_: Any) -> int:
         path = write_task(cfg, layout, run_dir)
-        validate_yaml(path)
         missing = missing_credentials(cfg.launcher.skypilot.cloud)
         if missing:
             raise LaunchError("launcher=skypilot found no cloud credentials (" + "; ".join(missing) + ") — fix: "
                               "configure a cloud and check it with `sky check`; the task is in " + path)
+        validate_yaml(path)
         py = sky_python()
         sky_bin = shutil.which("sky") or (os.path.join(os.path.dirname(py), "sky") if py else None)
         if not sky_bin or not os.path.exists(sky_bin):

@@ -249,6 +249,10 @@ class RolloutExecutor:
         """Block until ``count`` accepted episodes may be released; return them concatenated."""
         if count < 1:
             raise ValueError(f"wait(count={count}): count must be >= 1")
+        most = (self.staleness.max_head_offpolicyness + 1) * self.batch_size
+        if count > most:  # the capacity rule never lets that many be outstanding at one version
+            raise ValueError(f"wait(count={count}) can never complete: at most (k + 1) * batch_size = {most} "
+                             "episodes are admitted per version")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -361,12 +365,16 @@ class RolloutExecutor:
         return self.version_provider.get_version()
 
     def set_version(self, version: int) -> None:
-        """Advance the policy version. Call it only after every server holds version ``version``."""
+        """Advance the policy version. Call it only after every server holds version ``version``.
+
+        Before the first episode is admitted it also re-bases the staleness count, so syncing a new
+        executor to servers that are already at version ``v0`` does not open ``v0`` batches of capacity."""
         setter = getattr(self.version_provider, "set_version", None)
         if setter is None:
             raise TypeError(f"{type(self.version_provider).__name__} has no set_version(); advance the "
                             "external version provider instead")
         setter(int(version))
+        self.staleness.rebase_if_idle(int(version))
         self._wake_loop()
 
     def run_coroutine(self, coro: Any, timeout: float | None = None) -> Any:

@@ -106,6 +106,15 @@ class StalenessManager:
                                f"{self._stat.running} are running")
         self._stat.running -= n
 
+    def rebase_if_idle(self, version: int) -> bool:
+        """Start counting at ``version`` if nothing was ever submitted or restored; True if re-based."""
+        with self._lock:
+            s = self._stat
+            if s.submitted or s.accepted or s.rejected or s.running:
+                return False
+            self.start_version = int(version)
+            return True
+
     @property
     def stats(self) -> RolloutStat:
         with self._lock:

@@ -35,27 +35,28 @@ class _EpisodeRunner:
     and re-runs an episode whose server died under it.
 
     A failed episode is discarded whole and run again from its prompt (on whichever server the
-    client routes to), so a server crash loses no prompt and duplicates none; only episodes that
-    keep failing for ``max_attempts`` surface as errors.
+    client routes to), so a server crash loses no prompt and duplicates none. Retries continue for
+    ``retry_window_s`` (long enough for the launcher to restart a server); other errors surface.
     """
 
-    def __init__(self, inner: Any, max_attempts: int = 30, wait_s: float = 1.0):
+    def __init__(self, inner: Any, retry_window_s: float = 300.0, wait_s: float = 1.0):
         self.inner = inner
-        self.max_attempts = max_attempts
+        self.retry_window_s = retry_window_s
         self.wait_s = wait_s
         self.retried = 0
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
         import asyncio
 
-        for attempt in range(1, self.max_attempts + 1):
+        deadline = time.monotonic() + self.retry_window_s
+        while True:
             try:
                 traj = await self.inner.arun_episode(engine, data)
                 break
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - only transport failures are retried
-                if attempt == self.max_attempts or not _is_transport_error(e):
+                if time.monotonic() > deadline or not _is_transport_error(e):
                     raise
                 self.retried += 1
                 await asyncio.sleep(self.wait_s)
@@ -169,7 +170,8 @@ class RLTrainer:
         backend = recs[0].get("backend", "hf")
         self.client = build.build_client(self.cfg, [r["address"] for r in recs], backend)
         gconfig = build.build_gconfig(self.cfg.rollout.gconfig, tokenizer)
-        self.episodes = _EpisodeRunner(build.build_workflow(self.cfg, tokenizer, gconfig))
+        self.episodes = _EpisodeRunner(build.build_workflow(self.cfg, tokenizer, gconfig),
+                                       retry_window_s=float(self.cfg.launcher.server_startup_timeout_s) + 60)
         workflow = self.episodes
         self.executor = build.build_executor(self.cfg, self.client, workflow, self.cfg.algo.batch_size)
         self.executor.pad_token_id = int(tokenizer.pad_token_id or 0)

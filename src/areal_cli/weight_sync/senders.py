@@ -96,6 +96,7 @@ class DistributedSender:
         self.store = None
         self._group_key: tuple | None = None
         self.last_seconds: dict[str, float] = {}
+        self._phase: dict[str, float] = {"broadcast": 0.0, "server_apply": 0.0}
 
     # -- group ----------------------------------------------------------------------------------
     def _make_group(self, meta: WeightUpdateMeta):
@@ -152,8 +153,11 @@ class DistributedSender:
         http = asyncio.ensure_future(call_all(clients, "update_weights_from_distributed", meta, specs,
                                               timeout=meta.timeout_s))
         loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
         try:
             await asyncio.wait_for(loop.run_in_executor(None, self._broadcast, tensors, meta), meta.timeout_s + 5)
+            t1 = time.perf_counter()
+            self._phase["broadcast"] += t1 - t0
         except Exception as e:
             self.pg = None  # a failed collective leaves the group unusable; rebuild next time
             peers = ", ".join(peer_names(c) for c in clients)
@@ -163,6 +167,7 @@ class DistributedSender:
             raise WeightSyncError(f"weight sync (distributed): broadcast to server(s) {peers} failed or timed out "
                                   f"after {meta.timeout_s:.1f}s: {type(e).__name__}: {e}") from e
         await http
+        self._phase["server_apply"] += time.perf_counter() - t1
 
     # -- main -----------------------------------------------------------------------------------
     def send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *,
@@ -183,6 +188,7 @@ class DistributedSender:
         bucket: list = []
         size = 0
         n_buckets = 0
+        self._phase = {"broadcast": 0.0, "server_apply": 0.0}
         for name, t in named_tensors:
             if not is_src or err is not None:
                 continue
@@ -203,7 +209,7 @@ class DistributedSender:
             except WeightSyncError as e:
                 err = err or e
             self.last_seconds = {"pause_init": t1 - t0, "transfer": time.perf_counter() - t1,
-                                 "total": time.perf_counter() - t0, "buckets": float(n_buckets)}
+                                 "total": time.perf_counter() - t0, "buckets": float(n_buckets), **self._phase}
         return err
 
     def _flush(self, meta, clients, names, bucket) -> WeightSyncError | None:

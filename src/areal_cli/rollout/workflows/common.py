@@ -100,8 +100,10 @@ def build_prompt(tokenizer: Any, data: dict[str, Any], use_chat_template: bool =
         ids = [int(t) for t in data["prompt_ids"]]
         if not ids:
             raise DataError("data item has an empty 'prompt_ids'")
-        text = data["prompt"] if isinstance(data.get("prompt"), str) else decode(tokenizer, ids)
-        return Prompt(ids, text, data.get("messages"))
+        messages = data.get("messages")
+        text = _user_text(messages) if messages else (
+            data["prompt"] if isinstance(data.get("prompt"), str) else decode(tokenizer, ids))
+        return Prompt(ids, text, [dict(m) for m in messages] if messages else None)
     messages = data.get("messages")
     if messages is None and isinstance(data.get("prompt"), str):
         if not use_chat_template:
@@ -112,8 +114,11 @@ def build_prompt(tokenizer: Any, data: dict[str, Any], use_chat_template: bool =
                         "see docs/rollout.md, 'Data items'")
     messages = [dict(m) for m in messages]
     text = render_chat(tokenizer, messages, add_generation_prompt=True)
-    user_text = "\n".join(m["content"] for m in messages if m.get("role") == "user")
-    return Prompt(encode(tokenizer, text), user_text or text, messages)
+    return Prompt(encode(tokenizer, text), _user_text(messages) or text, messages)
+
+
+def _user_text(messages: list[dict[str, str]]) -> str:
+    return "\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "user")
 
 
 def is_async_callable(fn: Any) -> bool:

