@@ -49,8 +49,8 @@ async def length_reward(prompt: str, completion: str, answer) -> float:
 
 
 def make_items(tokenizer, n: int) -> list[dict]:
-    return [{"prompt": f"What is {i % 97} plus {(7 * i) % 89}?", "answer": str(i % 97 + (7 * i) % 89), "id": i}
-            for i in range(n)]
+    return [{"prompt": f"What is {i % 97} plus {(7 * i) % 89}?", "answer": str(i % 97 + (7 * i) % 89),
+             "id": i} for i in range(n)]
 
 
 def run_k(engine, tokenizer, weight_dirs: list[str], k: int, args) -> KResult:
@@ -81,7 +81,8 @@ def run_k(engine, tokenizer, weight_dirs: list[str], k: int, args) -> KResult:
             gen = batch.data["versions"][batch.data["loss_mask"]]
             lag = v - int(gen.min())
             if lag > k or (k == 0 and not bool(torch.all(gen == v))):
-                raise SystemExit(f"staleness invariant broken: k={k} consumer={v} oldest token={int(gen.min())}")
+                raise SystemExit(f"staleness invariant broken: k={k} consumer={v} "
+                                 f"oldest token={int(gen.min())}")
             max_stale = max(max_stale, lag)
             stale.append(ex.last_batch_stats["staleness/mean"])
             tokens += int(batch.data["loss_mask"].sum())

@@ -73,6 +73,8 @@ SlurmctldHost=$HOST
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
+AuthInfo=cred_expire=30
 CryptoType=crypto/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc

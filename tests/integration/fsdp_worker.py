@@ -41,6 +41,39 @@ def loss_weight_fn(mb):
     return float(mb["loss_mask"].sum())
 
 
+def value_loss_fn(out, mb):
+    m = mb["loss_mask"].float()
+    err = ((out["values"] - mb["advantages"]) ** 2 * m).sum() / m.sum().clamp(min=1)
+    return err, {"value_mse": float(err.detach())}
+
+
+def run_critic(v: dict, model_dir: str, out_dir: str) -> None:
+    """Train a critic a few steps, export it, rebuild a critic from the export, compare values."""
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.engines.fsdp import FSDPEngine
+
+    critic = FSDPEngine(EngineConfig(), OptimConfig(lr=1e-3), total_steps=5, seed=0, critic=True)
+    critic.initialize(ParallelStrategy(), model_dir)
+    b = make_batch(0)
+    stats = [critic.train_batch(b, value_loss_fn, loss_weight_fn) for _ in range(5)]
+    values = critic.forward(b, output="values")["values"]
+    export = str(Path(out_dir) / "critic_hf")
+    critic.save(SaveLoadMeta(path=export, weight_format="hf"))
+    again = FSDPEngine(EngineConfig(), None, seed=123, critic=True)
+    again.initialize(ParallelStrategy(), export)
+    values2 = again.forward(b, output="values")["values"]
+    if dist.get_rank() == 0:
+        torch.save({"stats": stats, "values": values, "values_reloaded": values2, "batch": b},
+                   Path(out_dir) / f"{v['name']}.pt")
+    critic.destroy()
+    again.destroy()
+
+
 def full_grads(engine):
     out = {}
     for name, p in engine.model.named_parameters():
@@ -105,9 +138,9 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     from areal_cli.engines.dist import init_distributed
 
-    init_distributed("gloo")
+    init_distributed(spec.get("backend", "gloo"))
     for v in spec["variants"]:
-        run_variant(v, spec["model_dir"], spec["out"])
+        (run_critic if v.get("critic") else run_variant)(v, spec["model_dir"], spec["out"])
 
 
 def launch(spec: dict, world_size: int, timeout: float = 300.0, expect_kill: bool = False,

@@ -139,7 +139,8 @@ def test_trajectory_spanning_two_versions_is_contiguous_and_correct(servers, tok
         push_weights(ex, engine, WeightUpdateMeta(type="disk", version=va, path=tiny_model_dir))
 
         def generated_tokens() -> int:
-            return int(httpx.get(f"http://{server.address}/get_load", timeout=10).json()["stats"]["generated_tokens"])
+            load = httpx.get(f"http://{server.address}/get_load", timeout=10).json()
+            return int(load["stats"]["generated_tokens"])
 
         before = generated_tokens()
         ex.submit({"prompt": "What is 12 plus 30?", "answer": "42"})
@@ -193,12 +194,14 @@ def test_multi_turn_with_the_reward_pool_on_a_real_server(servers, tokenizer):
     from areal_cli.inference.client import RemoteInferenceEngine
     from areal_cli.rollout.workflows import build_reward_fn, build_workflow
 
-    cfg = WorkflowConfig(name="multi_turn", reward="numeric", reward_workers=1, max_turns=2, turn_discount=0.5)
+    cfg = WorkflowConfig(name="multi_turn", reward="numeric", reward_workers=1, max_turns=2,
+                         turn_discount=0.5)
     reward = build_reward_fn(cfg)
     engine = RemoteInferenceEngine([s.address for s in servers], backend="hf")
     fb = cfg.feedback
-    wf = build_workflow("multi_turn", reward_fn=reward, gconfig=GenerationConfig(max_new_tokens=6), tokenizer=tokenizer,
-                        group_size=2, max_turns=cfg.max_turns, turn_discount=cfg.turn_discount, feedback=fb)
+    wf = build_workflow("multi_turn", reward_fn=reward, gconfig=GenerationConfig(max_new_tokens=6),
+                        tokenizer=tokenizer, group_size=2, max_turns=cfg.max_turns,
+                        turn_discount=cfg.turn_discount, feedback=fb)
     ex = RolloutExecutor(engine, wf, batch_size=1, max_concurrent=2, max_head_offpolicyness=0,
                          pad_token_id=tokenizer.pad_token_id)
     try:
@@ -215,7 +218,8 @@ def test_multi_turn_with_the_reward_pool_on_a_real_server(servers, tokenizer):
     prompt = tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
                               add_special_tokens=False)
     P, eos = len(prompt), tokenizer.eos_token_id
-    tail = tokenizer.encode(f"\n<|im_start|>user\n{fb}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    tail = tokenizer.encode(f"\n<|im_start|>user\n{fb}<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)
     for r in range(2):
         n = int(d["attention_mask"][r].sum())
         ids, mask = d["input_ids"][r, :n].tolist(), d["loss_mask"][r, :n].tolist()

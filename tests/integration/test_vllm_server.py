@@ -29,7 +29,19 @@ def _has_vllm() -> bool:
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny_model_dir, tmp_path_factory):
+def vllm_models(tmp_path_factory):
+    """Tiny models with head_dim 32: vLLM's CPU attention kernels support 32, 64, 80, ... only."""
+    from areal_cli.models.tiny import make_tiny_model
+
+    a = make_tiny_model(tmp_path_factory.mktemp("vllm_tiny_a"), seed=0, num_heads=2, num_kv_heads=1)
+    b = make_tiny_model(tmp_path_factory.mktemp("vllm_tiny_b"), tokenizer_dir=a, seed=1, num_heads=2,
+                        num_kv_heads=1)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_models, tmp_path_factory):
+    tiny_model_dir = vllm_models[0]
     if not _has_vllm():
         pytest.fail("vllm is not importable by the vllm interpreter; run scripts/setup_vllm_env.sh "
                     "or set AREAL_VLLM_PYTHON")
@@ -52,7 +64,8 @@ def test_completion_schema_matches_installed_vllm():
     assert set(body) <= fields, set(body) - fields
 
 
-def test_generation_with_logprobs_and_weight_reload(vllm_server, tiny_model_dir, tiny_model_dir_b):
+def test_generation_with_logprobs_and_weight_reload(vllm_server, vllm_models):
+    tiny_model_dir, tiny_model_dir_b = vllm_models
     model_a, model_b = load_model(tiny_model_dir), load_model(tiny_model_dir_b)
     from transformers import AutoTokenizer
 

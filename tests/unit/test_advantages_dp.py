@@ -47,7 +47,8 @@ def _rank_main(rank: int, world: int, port: int, q) -> None:
 
     rewards, mask = full_batch()
     shard = slice(rank * 4, rank * 4 + 4)
-    q.put((rank, estimates(rewards[shard], mask[shard], reduce=allreduce)))
+    # Plain lists: torch shares tensors through fds that die with this process.
+    q.put((rank, {k: v.tolist() for k, v in estimates(rewards[shard], mask[shard], reduce=allreduce).items()}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -72,6 +73,6 @@ def test_dp_reduced_statistics_equal_full_batch():
     want = estimates(rewards, mask)
     local0 = estimates(rewards[:4], mask[:4])  # what a rank would compute without the reduction
     for key, full in want.items():
-        got = torch.cat([results[0][key], results[1][key]])
+        got = torch.tensor(results[0][key] + results[1][key])
         torch.testing.assert_close(got, full, atol=1e-5, rtol=0, msg=key)
     assert not torch.allclose(local0["grpo_batch"], want["grpo_batch"][:4])  # the reduction matters

@@ -38,12 +38,12 @@ def test_deterministic_and_seed_dependent():
     c = builtin.generate_splits("arith", 300, 50, seed=6)
     assert a == b
     assert a[0] != c[0] and a[1] != c[1]
-    # A stable fingerprint: the generator must not silently change under users' cached runs.
-    assert builtin.generate_split("arith", "train", 1, seed=0)[0]["question"] == a_first_question()
-
-
-def a_first_question() -> str:
-    return builtin.generate_splits("arith", 1, 1, seed=0)[0][0]["question"]
+    # A pinned fingerprint: the default task must not silently change under users' cached models
+    # and published numbers (docs/embedded_default.md). Change it only together with those.
+    first = builtin.generate_split("arith", "train", 2, seed=0)
+    assert first[0]["question"] == "Leo has 8 balls and gives 7 to Dan. How many balls does Leo have left?"
+    assert first[0]["answer"] == "8-7=1\n#### 1"
+    assert first[1]["question"] == "Ivy has 11 cups and gives 9 to Leo. How many cups does Ivy have left?"
 
 
 def test_test_split_is_disjoint_from_train_and_unique():

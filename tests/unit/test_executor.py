@@ -74,7 +74,7 @@ def test_submit_wait_concatenates_with_correct_tokens(make_executor):
 
 
 def simulate_training(ex: RolloutExecutor, eng: FakeEngine, data, k: int, steps: int, train_s: float = 0.005):
-    """The trainer's loop: batch → check → train → pause → push weights (engine version) → resume."""
+    """The trainer's loop: batch → check → train → pause → push weights → resume."""
     seen = []
     for _ in range(steps):
         batch = ex.prepare_batch(data, timeout=30)
@@ -306,7 +306,8 @@ def test_staleness_stats_function():
 
     versions = torch.tensor([[-1, 2, 3, 3], [-1, -1, 1, -1]])
     mask = versions >= 0
-    t = Trajectory({"input_ids": torch.zeros(2, 4, dtype=torch.long), "versions": versions, "loss_mask": mask})
+    t = Trajectory({"input_ids": torch.zeros(2, 4, dtype=torch.long), "versions": versions,
+                    "loss_mask": mask})
     s = staleness_stats(t, 3)
     assert s["staleness/max"] == 2 and s["staleness/mean"] == pytest.approx((1 + 0 + 0 + 2) / 4)
     assert s["staleness/min_version"] == 1 and s["staleness/n_tokens"] == 4
@@ -341,3 +342,29 @@ def test_set_version_before_first_episode_rebases(make_executor):
     assert torch.all(generated_versions(b) == 7)
     ex.set_version(8)
     assert ex.staleness.start_version == 7  # counting has started: a real version step
+
+
+def test_should_accept_that_raises_is_an_episode_failure(make_executor):
+    def boom(traj):
+        raise KeyError("rewards")
+
+    ex, _ = make_executor(batch_size=1, should_accept=boom)
+    ex.submit(item(0, 2))
+    with pytest.raises(RolloutError, match="KeyError"):
+        ex.wait(1, timeout=5)
+
+
+def test_has_reward_variance_per_group():
+    from areal_cli.api.workflow_api import Trajectory
+
+    def traj(rewards, gids=None):
+        d = {"input_ids": torch.zeros(len(rewards), 2, dtype=torch.long), "rewards": torch.tensor(rewards)}
+        if gids is not None:
+            d["group_id"] = torch.tensor(gids)
+        return Trajectory(d)
+
+    assert has_reward_variance(traj([0.0, 1.0]))
+    assert not has_reward_variance(traj([1.0, 1.0]))
+    assert not has_reward_variance(traj([1.0]))
+    assert has_reward_variance(traj([0.0, 1.0, 1.0, 0.0], [7, 7, 8, 8]))
+    assert not has_reward_variance(traj([0.0, 1.0, 1.0, 1.0], [7, 7, 8, 8]))  # group 8 is flat

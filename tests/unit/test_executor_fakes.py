@@ -94,7 +94,8 @@ class FakeEngine(InferenceEngine):
 
 
 class LengthWorkflow(RolloutWorkflow):
-    """One sample per item: prompt ``data["prompt_ids"]``, ``data["len"]`` new tokens, reward ``data["reward"]``.
+    """One sample per item: prompt ``data["prompt_ids"]``, ``data["len"]`` new tokens, reward
+    ``data["reward"]`` (or one row per entry of ``data["rewards"]``).
     ``data["fail"]`` raises; ``data["reject"]`` returns None."""
 
     async def arun_episode(self, engine, data: dict[str, Any]) -> Trajectory | None:

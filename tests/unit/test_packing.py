@@ -14,7 +14,7 @@ from areal_cli.errors import ConfigError
 from areal_cli.utils.optim import lr_factor
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 120))
 def test_ffd_bins_partition_and_budget(lengths, budget):
     bins = packing.ffd_bins(lengths, budget)
@@ -30,7 +30,7 @@ def test_ffd_is_first_fit_decreasing():
     assert packing.ffd_bins([5, 7, 3, 2], 10) == [[0, 3], [1, 2]]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=20), st.integers(1, 25))
 def test_equalize_bins_reaches_target_when_possible(lengths, target):
     bins = packing.ffd_bins(lengths, 10_000)

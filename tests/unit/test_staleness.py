@@ -18,7 +18,8 @@ class FakeVersion:
 
 def make(mc: int, k: int, bs: int, v: int = 0) -> tuple[StalenessManager, FakeVersion]:
     fv = FakeVersion(v)
-    return StalenessManager(max_concurrent=mc, max_head_offpolicyness=k, batch_size=bs, version_provider=fv), fv
+    m = StalenessManager(max_concurrent=mc, max_head_offpolicyness=k, batch_size=bs, version_provider=fv)
+    return m, fv
 
 
 def drive(m: StalenessManager, accepted: int, running: int, rejected: int = 0) -> None:
@@ -151,7 +152,8 @@ def test_finishing_more_than_running_is_an_error():
     ({"batch_size": 2.5}, "algo.batch_size"),
 ])
 def test_bad_config_is_typed(kw, path):
-    args = {"max_concurrent": 4, "max_head_offpolicyness": 1, "batch_size": 2, "version_provider": VersionCounter()}
+    args = {"max_concurrent": 4, "max_head_offpolicyness": 1, "batch_size": 2,
+            "version_provider": VersionCounter()}
     args.update(kw)
     with pytest.raises(ConfigError) as ei:
         StalenessManager(**args)

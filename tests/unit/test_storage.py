@@ -121,6 +121,29 @@ def test_find_mount_parses_network_types(tmp_path):
     assert not find_mount("/home/u", str(mounts)).network
 
 
+def test_param_count_matches_tiny_model_weights(tiny_model_dir):
+    """Facts from the model's config.json vs. the tensors actually stored in its safetensors file."""
+    import glob
+    import struct
+
+    facts = json.loads(open(os.path.join(tiny_model_dir, "config.json")).read())
+    fields = set(ModelConfig.__dataclass_fields__)
+    m = ModelConfig(**{k: v for k, v in facts.items() if k in fields})
+    stored = 0
+    for f in glob.glob(os.path.join(tiny_model_dir, "*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                numel = 1
+                for d in meta["shape"]:
+                    numel *= d
+                stored += numel
+    assert stored > 0 and param_count(m) == stored
+
+
+@pytest.mark.slow  # imports transformers (tens of seconds on a loaded 2-core box)
 def test_param_count_matches_hf_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -1,4 +1,4 @@
-"""Built-in workflows (RLVR, multi-turn) and workflow loading, on the tiny tokenizer + a scripted fake engine."""
+"""Built-in workflows (RLVR, multi-turn) and workflow loading: tiny tokenizer, scripted fake engine."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_rlvr_group_tensors(tok):
     eos = tok.eos_token_id
     eng = FakeEngine(token_delay=0)
     eng.scripted = [enc(tok, "5") + [eos], enc(tok, "6") + [eos], enc(tok, "5 5 5 5")]  # last: truncated
-    wf = RLVRWorkflow(exact_reward, GenerationConfig(max_new_tokens=len(enc(tok, "5 5 5 5"))), tok, group_size=3)
+    budget = len(enc(tok, "5 5 5 5"))
+    wf = RLVRWorkflow(exact_reward, GenerationConfig(max_new_tokens=budget), tok, group_size=3)
     traj = run(wf.arun_episode(eng, {"messages": MSG, "answer": "5", "id": "q1"}))
     prompt_ids = enc(tok, render_chat(tok, MSG, add_generation_prompt=True))
     P = len(prompt_ids)
@@ -63,7 +64,8 @@ def test_rlvr_group_tensors(tok):
         assert d["loss_mask"][r].tolist() == [False] * P + [True] * n + [False] * (width - P - n)
         assert d["attention_mask"][r].tolist() == [True] * (P + n) + [False] * (width - P - n)
         assert d["versions"][r].tolist() == [-1] * P + [0] * n + [-1] * (width - P - n)
-        assert d["logprobs"][r, P:P + n].tolist() == pytest.approx([fake_logprob(t, i) for i, t in enumerate(o)])
+        want_lp = [fake_logprob(t, i) for i, t in enumerate(o)]
+        assert d["logprobs"][r, P:P + n].tolist() == pytest.approx(want_lp)
         assert torch.all(d["logprobs"][r, :P] == 0)
     assert d["attention_mask"].dtype == torch.bool and d["loss_mask"].dtype == torch.bool
 
@@ -181,7 +183,8 @@ def test_multi_turn_truncated_answer_gets_a_closing_token_outside_the_loss(tok):
 
 
 def test_multi_turn_config_errors(tok):
-    for kw, path in [({"max_turns": 0}, "workflow.max_turns"), ({"turn_discount": 0.0}, "workflow.turn_discount")]:
+    for kw, path in [({"max_turns": 0}, "workflow.max_turns"),
+                     ({"turn_discount": 0.0}, "workflow.turn_discount")]:
         with pytest.raises(ConfigError) as ei:
             MultiTurnWorkflow(exact_reward, GenerationConfig(), tok, **kw)
         assert ei.value.path == path
@@ -234,3 +237,32 @@ def test_rlvr_through_the_executor(tok):
         assert len(set(gids)) == 2 and gids[:4] == [gids[0]] * 4
     finally:
         ex.destroy()
+
+
+def test_build_workflow_from_config(tok):
+    from areal_cli.config.rollout import GenerationSettings, RolloutConfig
+    from areal_cli.config.workflow import WorkflowConfig
+    from areal_cli.rollout.workflows import build_workflow_from_config
+
+    rcfg = RolloutConfig(group_size=3, gconfig=GenerationSettings(temperature=0.7, max_new_tokens=9))
+    wcfg = WorkflowConfig(name="multi_turn", max_turns=4, turn_discount=0.5, feedback="Nope.",
+                          kwargs={"success_threshold": 0.5})
+    wf = build_workflow_from_config(wcfg, rcfg, tok, reward_fn=exact_reward)
+    assert isinstance(wf, MultiTurnWorkflow)
+    got = (wf.group_size, wf.max_turns, wf.turn_discount, wf.feedback, wf.success_threshold)
+    assert got == (3, 4, 0.5, "Nope.", 0.5)
+    assert (wf.gconfig.temperature, wf.gconfig.max_new_tokens, wf.gconfig.n) == (0.7, 9, 1)
+    for kwargs, match in [({"bogus": 3}, "does not accept"), ({"max_turns": 3}, "own config keys")]:
+        with pytest.raises(ConfigError, match=match) as ei:
+            build_workflow_from_config(WorkflowConfig(name="rlvr", kwargs=kwargs), rcfg, tok,
+                                       reward_fn=exact_reward)
+        assert ei.value.path == "workflow.kwargs"
+
+
+def test_build_reward_fn_rejects_unknown_reward_before_spawning():
+    from areal_cli.config.workflow import WorkflowConfig
+    from areal_cli.rollout.workflows import build_reward_fn
+
+    with pytest.raises(ConfigError) as ei:
+        build_reward_fn(WorkflowConfig(reward="no_such_reward"))
+    assert ei.value.path == "workflow.reward"

@@ -43,6 +43,11 @@ class MicroBatch:
         return asdict(self)
 
 
+# Rank layout inside a training component used by placement: tp fastest, then cp, pp, dp, so one
+# model replica (t·c·p ranks) is contiguous and stays inside a node.
+RANK_ORDER = "tp-cp-pp-dp"
+
+
 @dataclass
 class TrainPart:
     name: str
@@ -57,6 +62,7 @@ class TrainPart:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["parallel"]["world_size"] = self.parallel.world_size
+        d["rank_order"] = RANK_ORDER
         d["placement"] = [{"node": n, "devices": devs} for n, devs in self.placement]
         return d
 

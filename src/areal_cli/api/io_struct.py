@@ -33,6 +33,9 @@ class GenerationConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     greedy: bool = False
+    # Per-request sampling seed (SGLang ``sampling_seed``, vLLM ``seed``): the same seed, prompt
+    # and weights give the same tokens regardless of batching. None: the server's own RNG stream.
+    seed: int | None = None
 
     def new(self, **kwargs: Any) -> "GenerationConfig":
         return dataclasses.replace(self, **kwargs)

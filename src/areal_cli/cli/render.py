@@ -46,9 +46,9 @@ def render_plan(plan: Plan, title: str = "plan", console=None) -> None:
         comp.add_row("inference", p.name, p.backend, dims, str(p.n_devices), escape(_where(p.placement)))
     for t in plan.trains:
         s = t.parallel
-        dims = f"d{s.dp} t{s.tp} p{s.pp} c{s.cp}" + (f" e{s.ep}" if s.ep > 1 else "")
+        dims = f"d{s.dp} t{s.tp} p{s.pp} c{s.cp}" + (f" e{s.ep}" if s.ep > 1 and t.ffn is None else "")
         if t.ffn is not None:
-            dims += f" | ffn d{t.ffn.dp} t{t.ffn.tp} p{t.ffn.pp} e{t.ffn.ep}"
+            dims = f"attn {dims} | ffn d{t.ffn.dp} t{t.ffn.tp} p{t.ffn.pp} e{t.ffn.ep}"
         comp.add_row("train", t.name, t.backend, dims, str(t.n_devices), escape(_where(t.placement)))
     con.print(comp)
     if plan.trains:

@@ -81,9 +81,9 @@ class TaskSpec:
 
 
 TASKS: dict[str, TaskSpec] = {
-    # The embedded default: one-step problems with two-digit operands.
-    "arith": TaskSpec(ops=(("add", 1.0), ("sub", 1.0)), max_operand=50),
-    "arith_easy": TaskSpec(ops=(("add", 1.0),), max_operand=20),
+    # The embedded default: one-step add/sub problems, operands 1..20 (see docs/embedded_default.md).
+    "arith": TaskSpec(ops=(("add", 1.0), ("sub", 1.0)), max_operand=20),
+    "arith_easy": TaskSpec(ops=(("add", 1.0),), max_operand=10),
     "arith_mix": TaskSpec(ops=(("add", 1.0), ("sub", 1.0), ("mul", 1.0)), max_operand=50),
     "arith_hard": TaskSpec(ops=(("add", 1.0), ("sub", 1.0), ("mul", 1.0), ("two_step", 1.0)),
                            max_operand=99),

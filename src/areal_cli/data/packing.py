@@ -140,7 +140,7 @@ def pack(mb: dict, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> Packed
     import torch
 
     lens = seq_lens(mb)
-    ids = [mb["input_ids"][r, :n] for r, n in enumerate(lens)]
+    ids = [mb["input_ids"][r, :n].cpu() for r, n in enumerate(lens)]
     flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
     pos = torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.long)
     sid = torch.cat([torch.full((n,), r, dtype=torch.long) for r, n in enumerate(lens)]) if lens else pos

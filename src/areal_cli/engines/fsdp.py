@@ -194,12 +194,12 @@ class FSDPEngine(TrainEngine):
                                 attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
             if output == "values":
                 vals = ulysses.gather_seq(logits[:, 0].float(), group)
-                return {"values": packing.unpack_shifted(vals, pk, max_len).cpu()}
+                return {"values": packing.unpack_shifted(vals, pk, max_len)}
             tgt = ulysses.slice_for_rank(packing.next_token_targets(pk), group, dim=0).to(self.device)
             lp, ent = _logprobs_entropy(logits, tgt, temperature)
             lp = packing.unpack_shifted(ulysses.gather_seq(lp, group), pk, max_len)
             ent = packing.unpack_shifted(ulysses.gather_seq(ent, group), pk, max_len)
-            return {"logprobs": lp.cpu(), "entropy": ent.cpu()}
+            return {"logprobs": lp, "entropy": ent}
         am = mb["attention_mask"].to(self.device)
         ids = mb["input_ids"].to(self.device)
         mask = packing.padded_causal_mask(am)
@@ -207,10 +207,10 @@ class FSDPEngine(TrainEngine):
         logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                             attention_mask={"full_attention": mask, "sliding_attention": mask}).logits
         if output == "values":
-            return {"values": (packing.shift_padded(logits[..., 0].float()) * am).cpu()}
+            return {"values": packing.shift_padded(logits[..., 0].float()) * am}
         tgt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
         lp, ent = _logprobs_entropy(logits, tgt, temperature)
-        return {"logprobs": (packing.shift_padded(lp) * am).cpu(), "entropy": (packing.shift_padded(ent) * am).cpu()}
+        return {"logprobs": packing.shift_padded(lp) * am, "entropy": packing.shift_padded(ent) * am}
 
     # ------------------------------------------------------------------ train / forward
     def train_batch(self, batch: Batch | None, loss_fn: LossFn, loss_weight_fn: LossWeightFn,
@@ -233,7 +233,8 @@ class FSDPEngine(TrainEngine):
         self.model.train()
         batch = self._share_batch(batch)
         bins, n_mb = self._split(batch)
-        mbs = [packing.select_rows(batch, b) for b in bins]
+        mbs = [{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                for k, v in packing.select_rows(batch, b).items()} for b in bins]
         weights = [float(loss_weight_fn(mb)) for mb in mbs]
         total_w = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64)).item())
         denom = total_w if total_w > 0 else 1.0
@@ -295,14 +296,14 @@ class FSDPEngine(TrainEngine):
                 out = self._forward_mb(mb, output, temperature)
                 idx = torch.tensor(bins[i])
                 for k in keys:
-                    res[k][idx, : out[k].shape[1]] = out[k].float()
+                    res[k][idx, : out[k].shape[1]] = out[k].float().cpu()
             else:
                 self._forward_mb(self._dummy_mb(), output, temperature)
         self.model.train(was_training)
         return res
 
     # ------------------------------------------------------------------ full weights
-    def _named_full_tensors(self, include_value_head: bool = True):
+    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True):
         """Yield ``(name, full_tensor)`` on global rank 0 and ``(name, None)`` elsewhere, in the
         same order on every rank (gathering a shard is a collective). Tied weights appear once."""
         seen: set[int] = set()
@@ -314,7 +315,7 @@ class FSDPEngine(TrainEngine):
             if self.critic and name.startswith("lm_head.") and not include_value_head:
                 continue
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            yield name, (full.detach().cpu() if src else None)
+            yield name, ((full.detach().cpu() if to_cpu else full.detach()) if src else None)
 
     def _write_hf(self, path: str, tensors: dict) -> None:
         from areal_cli.weight_sync.hf_io import write_hf_dir
@@ -428,6 +429,9 @@ class FSDPEngine(TrainEngine):
 
         if self.critic:
             raise WeightSyncError("weight sync: a critic engine has no policy weights to push")
+        if meta.backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("weight_sync.backend", "nccl needs CUDA but this trainer has no GPU",
+                              "use backend=gloo on CPU hosts")
         version = meta.version if meta.version > 0 else self._version + 1
         n_servers = sum(len(getattr(c, "addresses", [])) for c in engines) or len(engines)
         meta = dataclasses.replace(meta, version=version, world_size=meta.world_size or 1 + n_servers)
@@ -439,8 +443,11 @@ class FSDPEngine(TrainEngine):
             sender = self._senders.setdefault("disk", DiskSender(self._runner))
             err = sender.send(meta, engines, self._named_full_tensors(), is_src=is_src, write_dir=self._write_hf)
         elif meta.type == "distributed":
-            sender = self._senders.setdefault("distributed", DistributedSender(self._runner, str(self._comm_device())))
-            err = sender.send(meta, engines, self._named_full_tensors(), is_src=is_src)
+            # NCCL broadcasts from the GPU; gloo from host memory.
+            on_gpu = meta.backend == "nccl" and self.device.type == "cuda"
+            sender = self._senders.setdefault("distributed", DistributedSender(self._runner))
+            sender.device = str(self.device) if on_gpu else "cpu"
+            err = sender.send(meta, engines, self._named_full_tensors(to_cpu=not on_gpu), is_src=is_src)
         else:
             raise ConfigError("weight_sync.type", f"unknown type {meta.type!r}", "use disk or distributed")
         self._last_sender = sender

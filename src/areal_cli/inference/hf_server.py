@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         "serving %s on %s:%d (device=%s dtype=%s ctx=%d version=%d)", args.model_path, args.host, args.port,
         device, model.dtype, ctx, version)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                    timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
     return 0

@@ -161,6 +161,9 @@ _CAUSES: list[tuple[str, str]] = [
      "the GPU ran out of memory; lower --mem-fraction-static / gpu-memory-utilization or use a smaller model"),
     (r"Found no NVIDIA driver|CUDA driver|no CUDA-capable device|Torch not compiled with CUDA",
      "the server was asked for CUDA on a machine without a usable GPU; use device=cpu"),
+    (r"Unsupported CPU attention configuration: head_dim=(\d+)",
+     "vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, ... only; this model's head_dim "
+     "is not one of them (use the hf backend or another model)"),
     (r"not a loopback address", "binding a non-loopback host requires --api-key"),
     (r"is not a directory|does not appear to have a file named|Can't load|OSError: .*config\.json|"
      r"Repo id must be|not a valid model identifier|HFValidationError",

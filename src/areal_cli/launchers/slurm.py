@@ -122,7 +122,7 @@ class SlurmNodeJob(_load_submitit_checkpointable()):
         repo = _repository(cfg)
         key = f"{cfg.experiment_name}/{cfg.trial_name}/slurm/{job_id}/{os.environ.get('SLURM_RESTART_COUNT', '0')}"
         if node_rank == 0:
-            if resume == "auto" and cfg.resume != "auto":
+            if resume == "auto":  # requeued (preemption, timeout, scontrol requeue) or resubmitted
                 _switch_to_resume(cfg, self.config_path, self.run_dir)
             from areal_cli.utils.network import find_free_port
 
@@ -170,13 +170,18 @@ def _reachable_address() -> str:
 
 
 def _switch_to_resume(cfg: Any, config_path: str, run_dir: str) -> None:
-    """Rewrite the run's config with resume=auto and drop the dead run's live state."""
+    """Rewrite the run's config with resume=auto and drop the dead attempt's live state.
+
+    Its server records and status file describe processes that no longer exist; left in place they
+    would hand the new trainer dead addresses.
+    """
     import shutil
 
     from areal_cli.trainer.config_io import save_config
 
-    cfg.resume = "auto"
-    save_config(cfg, config_path)
+    if cfg.resume != "auto":
+        cfg.resume = "auto"
+        save_config(cfg, config_path)
     for name in ("status.json", "servers"):
         q = Path(run_dir) / name
         if q.is_dir():

@@ -116,13 +116,12 @@ class RolloutExecutor:
         self.queue_size = int(queue_size)
         self.should_accept = should_accept
         self.pad_token_id = int(pad_token_id)
-        self._own_version = version_provider is None
         if version_provider is None:
             version_provider = VersionCounter(_initial_version(engine))
         self.version_provider = version_provider
         # Counting starts now: a new executor on servers already at version v0 owes nothing for v < v0.
-        self.staleness = StalenessManager(max_concurrent, max_head_offpolicyness, batch_size, version_provider,
-                                          start_version=version_provider.get_version())
+        self.staleness = StalenessManager(max_concurrent, max_head_offpolicyness, batch_size,
+                                          version_provider, start_version=version_provider.get_version())
         self._poll = float(poll_interval_s)
 
         self._input: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=self.queue_size)
@@ -292,7 +291,8 @@ class RolloutExecutor:
         stats["version"] = float(version)
         with self._cond:
             self._totals.batches += 1
-            self._totals.max_token_staleness = max(self._totals.max_token_staleness, int(stats["staleness/max"]))
+            t = self._totals
+            t.max_token_staleness = max(t.max_token_staleness, int(stats["staleness/max"]))
             self._totals.last_batch = stats
 
     def prepare_batch(self, dataloader: Iterable[Any], batch_size: int | None = None,
@@ -378,7 +378,7 @@ class RolloutExecutor:
         self._wake_loop()
 
     def run_coroutine(self, coro: Any, timeout: float | None = None) -> Any:
-        """Run ``coro`` on the executor's event loop (e.g. ``engine.pause_generation()``) and return its result."""
+        """Run ``coro`` on the executor's loop (e.g. ``engine.pause_generation()``); return its result."""
         self._check_alive()
         fut: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return fut.result(timeout=timeout)
@@ -463,7 +463,8 @@ def _as_items(batch: Any) -> list[dict[str, Any]]:
         return [batch]
     if isinstance(batch, (list, tuple)):
         return list(batch)
-    raise DataError(f"the dataloader yielded a {type(batch).__name__}; expected a dict item or a list of them")
+    raise DataError(f"the dataloader yielded a {type(batch).__name__}; "
+                    "expected a dict item or a list of them")
 
 
 def _cycle(iterable: Iterable[Any]) -> Iterator[Any]:

@@ -66,7 +66,8 @@ class StalenessManager:
         _check_int("rollout.max_head_offpolicyness", max_head_offpolicyness, 0)
         _check_int("algo.batch_size", batch_size, 1)
         if not isinstance(version_provider, VersionProvider):
-            raise TypeError(f"version_provider must have get_version(); got {type(version_provider).__name__}")
+            raise TypeError("version_provider must have get_version(); "
+                            f"got {type(version_provider).__name__}")
         self.max_concurrent = int(max_concurrent)
         self.max_head_offpolicyness = int(max_head_offpolicyness)
         self.batch_size = int(batch_size)

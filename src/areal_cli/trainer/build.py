@@ -152,8 +152,11 @@ def build_critic(cfg: Any, engine: Any) -> Any:
 
 def build_executor(cfg: Any, client: Any, workflow: Any, batch_size: int) -> Any:
     from areal_cli.rollout.executor import RolloutExecutor
+    from areal_cli.rollout.filters import has_reward_variance
 
     return RolloutExecutor(client, workflow, batch_size=batch_size,
                            max_concurrent=cfg.rollout.max_concurrent_rollouts,
                            max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                           queue_size=cfg.rollout.queue_size)
+                           queue_size=cfg.rollout.queue_size,
+                           # DAPO dynamic sampling: all-equal-reward groups are rejected (free capacity)
+                           should_accept=has_reward_variance if cfg.algo.dynamic_sampling else None)

@@ -39,8 +39,9 @@ class _EpisodeRunner:
     ``retry_window_s`` (long enough for the launcher to restart a server); other errors surface.
     """
 
-    def __init__(self, inner: Any, retry_window_s: float = 300.0, wait_s: float = 1.0):
+    def __init__(self, inner: Any, retry_window_s: float = 300.0, wait_s: float = 1.0, seed: int = 0):
         self.inner = inner
+        self.seed = int(seed)
         self.retry_window_s = retry_window_s
         self.wait_s = wait_s
         self.retried = 0
@@ -51,7 +52,9 @@ class _EpisodeRunner:
         deadline = time.monotonic() + self.retry_window_s
         while True:
             try:
-                traj = await self.inner.arun_episode(engine, data)
+                pos = data.get("_pos")
+                seeded = _SeededEngine(engine, (self.seed * 1_000_003 + pos) * 4096) if pos is not None else engine
+                traj = await self.inner.arun_episode(seeded, data)
                 break
             except asyncio.CancelledError:
                 raise
@@ -63,6 +66,30 @@ class _EpisodeRunner:
         if traj is not None:
             traj.meta["_pos"] = data.get("_pos")
         return traj
+
+
+class _SeededEngine:
+    """Gives the k-th sampling request of an episode the seed ``base + k``.
+
+    The seed depends only on the run seed, the prompt's stream position and the request's order
+    within the episode, so an episode produces the same tokens however requests are batched on the
+    server, when it is re-run after a server crash, and in a resumed run (exact resume).
+    """
+
+    def __init__(self, inner: Any, base: int):
+        self._inner = inner
+        self._base = int(base) % (2**62)
+        self._k = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def agenerate(self, req: Any) -> Any:
+        g = req.gconfig
+        if getattr(g, "seed", None) is None and not g.greedy:
+            req = dataclasses.replace(req, gconfig=g.new(seed=self._base + self._k))
+        self._k += 1
+        return await self._inner.agenerate(req)
 
 
 def _is_transport_error(e: BaseException) -> bool:
@@ -171,7 +198,8 @@ class RLTrainer:
         self.client = build.build_client(self.cfg, [r["address"] for r in recs], backend)
         gconfig = build.build_gconfig(self.cfg.rollout.gconfig, tokenizer)
         self.episodes = _EpisodeRunner(build.build_workflow(self.cfg, tokenizer, gconfig),
-                                       retry_window_s=float(self.cfg.launcher.server_startup_timeout_s) + 60)
+                                       retry_window_s=float(self.cfg.launcher.server_startup_timeout_s) + 60,
+                                       seed=self.cfg.seed)
         workflow = self.episodes
         self.executor = build.build_executor(self.cfg, self.client, workflow, self.cfg.algo.batch_size)
         self.executor.pad_token_id = int(tokenizer.pad_token_id or 0)

@@ -35,6 +35,8 @@ def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> d
         sp["stop"] = list(g.stop)
     if g.stop_token_ids:
         sp["stop_token_ids"] = list(g.stop_token_ids)
+    if g.seed is not None and not g.greedy:
+        sp["sampling_seed"] = int(g.seed)
     return sp
 
 

@@ -53,6 +53,8 @@ def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str, max
         body["include_stop_str_in_output"] = True
     if g.stop_token_ids:
         body["stop_token_ids"] = list(g.stop_token_ids)
+    if g.seed is not None and not g.greedy:
+        body["seed"] = int(g.seed)  # vLLM SamplingParams.seed: a per-request generator
     if rid is not None:
         body["request_id"] = rid
     return HttpCall("POST", "/v1/completions", body)

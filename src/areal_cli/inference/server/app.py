@@ -81,7 +81,8 @@ def build_app(state: ServerState) -> FastAPI:
         return _err(400, str(exc))
 
     # ------------------------------------------------------------------ generation
-    async def run(ids: list[int], sp: SamplingParams, rid: str | None = None) -> Sequence:
+    async def run(ids: list[int], sp: SamplingParams, rid: str | None = None,
+                  request: Request | None = None) -> Sequence:
         check_context(len(ids), sp.max_new_tokens, state.context_length)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
@@ -95,7 +96,13 @@ def build_app(state: ServerState) -> FastAPI:
             return seq
         eng.submit(seq)
         try:
-            return await fut
+            while True:  # a caller that hung up frees its batch slot
+                done, _ = await asyncio.wait({fut}, timeout=1.0)
+                if done:
+                    return fut.result()
+                if request is not None and await request.is_disconnected():
+                    eng.cancel(seq.rid)
+                    return await fut
         except asyncio.CancelledError:
             eng.cancel(seq.rid)
             raise
@@ -147,7 +154,7 @@ def build_app(state: ServerState) -> FastAPI:
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
         for p in prompts:
             check_context(len(p), sp.max_new_tokens, state.context_length)
-        seqs = await asyncio.gather(*[run(p, sp, rid if not batch else None) for p in prompts])
+        seqs = await asyncio.gather(*[run(p, sp, rid if not batch else None, request) for p in prompts])
         outs = [sglang_out(s, ret_lp) for s in seqs]
         return JSONResponse(outs if batch else outs[0])
 
@@ -189,7 +196,7 @@ def build_app(state: ServerState) -> FastAPI:
         if want_lp is not None and (not isinstance(want_lp, int) or isinstance(want_lp, bool) or want_lp < 0):
             raise BadRequest(f"logprobs must be a non-negative integer, got {want_lp!r}")
         check_context(len(ids), sp.max_new_tokens, state.context_length)
-        seqs = await asyncio.gather(*[run(ids, sp) for _ in range(n)])
+        seqs = await asyncio.gather(*[run(ids, sp, None, request) for _ in range(n)])
         choices = []
         for i, s in enumerate(seqs):
             c: dict[str, Any] = {"index": i, "text": text_of(s), "finish_reason": oa_finish(s), "logprobs": None}
@@ -222,7 +229,7 @@ def build_app(state: ServerState) -> FastAPI:
         enc = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
         check_context(len(ids), sp.max_new_tokens, state.context_length)
-        seqs = await asyncio.gather(*[run(ids, sp) for _ in range(n)])
+        seqs = await asyncio.gather(*[run(ids, sp, None, request) for _ in range(n)])
         choices = []
         for i, s in enumerate(seqs):
             lp = None

@@ -227,19 +227,17 @@ class GenerationEngine:
 
     def _merge(self, batch: list[Sequence], cache, mask: torch.Tensor) -> None:
         if not self._running:
+            for li, layer in enumerate(cache.layers):
+                cache.layers[li] = SlabLayer(layer.keys, layer.values)
             self._running, self._cache, self._mask = list(batch), cache, mask
             return
-        from transformers import DynamicCache
-
         la, lb = self._mask.shape[1], mask.shape[1]
         length = max(la, lb)
-        merged = DynamicCache(config=self.model.config)
         for li, (layer_a, layer_b) in enumerate(zip(self._cache.layers, cache.layers)):
             k = torch.cat([_lpad(layer_a.keys, length), _lpad(layer_b.keys, length)], dim=0)
             v = torch.cat([_lpad(layer_a.values, length), _lpad(layer_b.values, length)], dim=0)
-            merged.update(k, v, li)
+            self._cache.layers[li] = SlabLayer(k, v)
         self._mask = torch.cat([_lpad(self._mask, length, dim=1), _lpad(mask, length, dim=1)], dim=0)
-        self._cache = merged
         self._running.extend(batch)
 
     def _decode_step(self) -> None:
@@ -256,7 +254,8 @@ class GenerationEngine:
     def _sample_and_append(self, logits: torch.Tensor, rows: list[int]) -> None:
         seqs = [self._running[i] for i in rows]
         next_ids, logps = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
-                                      self.eos_ids, self.generator)
+                                      self.eos_ids, self.generator,
+                                      positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs])
         now = time.monotonic()
         done: list[int] = []
         for row, s, tok, lp in zip(rows, seqs, next_ids.tolist(), logps.tolist()):
@@ -303,9 +302,9 @@ class GenerationEngine:
         # Columns that are padding in every remaining row only cost attention time: cut them.
         first_real = int((self._mask.sum(0) > 0).nonzero()[0].item())
         self._mask = self._mask[:, first_real:]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(0, idx)[:, :, first_real:, :]
-            layer.values = layer.values.index_select(0, idx)[:, :, first_real:, :]
+        for li, layer in enumerate(self._cache.layers):
+            self._cache.layers[li] = SlabLayer(layer.keys.index_select(0, idx)[:, :, first_real:, :],
+                                               layer.values.index_select(0, idx)[:, :, first_real:, :])
 
     def _finish(self, s: Sequence) -> None:
         s.finished_at = time.monotonic()
@@ -314,6 +313,54 @@ class GenerationEngine:
             s.on_done(s)
         except Exception:  # a closed event loop must not stop the engine
             log.exception("completion callback failed for %s", s.rid)
+
+
+def _slab_layer_cls():
+    from transformers.cache_utils import DynamicLayer
+
+    class _SlabLayer(DynamicLayer):
+        """A KV layer in a preallocated slab: a decode step writes in place instead of ``torch.cat``-ing
+        the whole cache (which copies every cached token, every layer, every step)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, headroom: int = 64):
+            super().__init__()
+            b, h, n, d = keys.shape
+            self._k = keys.new_empty((b, h, n + headroom, d))
+            self._v = values.new_empty((b, values.shape[1], n + headroom, values.shape[3]))
+            self._k[:, :, :n] = keys
+            self._v[:, :, :n] = values
+            self._n = n
+            self.dtype, self.device = keys.dtype, keys.device
+            self.is_initialized = True
+            self._expose()
+
+        def _expose(self) -> None:
+            self.keys = self._k[:, :, : self._n]
+            self.values = self._v[:, :, : self._n]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            m = key_states.shape[-2]
+            if self._n + m > self._k.shape[2]:
+                grow = max(m, self._k.shape[2])
+                self._k = torch.cat([self._k, self._k.new_empty(self._k.shape[:2] + (grow, self._k.shape[3]))], 2)
+                self._v = torch.cat([self._v, self._v.new_empty(self._v.shape[:2] + (grow, self._v.shape[3]))], 2)
+            self._k[:, :, self._n: self._n + m] = key_states
+            self._v[:, :, self._n: self._n + m] = value_states
+            self._n += m
+            self._expose()
+            return self.keys, self.values
+
+    return _SlabLayer
+
+
+_SLAB = None
+
+
+def SlabLayer(keys: torch.Tensor, values: torch.Tensor):  # noqa: N802 - acts as a class
+    global _SLAB
+    if _SLAB is None:
+        _SLAB = _slab_layer_cls()
+    return _SLAB(keys, values)
 
 
 def _lpad(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:

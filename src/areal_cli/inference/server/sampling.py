@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    sampling_seed: int | None = None  # per-request seed (SGLang's name); None: the server's RNG
 
     @property
     def greedy(self) -> bool:
@@ -27,11 +28,15 @@ class SamplingParams:
 
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated: list[int],
-                eos_ids: set[int], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                eos_ids: set[int], generator: torch.Generator,
+                positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns ``(token_ids [B], logprobs [B])``.
 
     Logprobs are ``log_softmax(logits / T)`` at the chosen token, before top-k/top-p truncation
     (``T = 1`` for greedy rows). ``min_new_tokens`` masks stop tokens for sampling only.
+    Rows with ``sampling_seed`` draw from a generator seeded by (seed, absolute position in
+    ``positions``, else ``n_generated``), so a request resumed as prompt + tokens-so-far continues
+    the same random stream.
     """
     logits = logits.float()
     bsz, vocab = logits.shape
@@ -58,6 +63,12 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
             work = _truncate(work, top_k.clamp(max=vocab), top_p)
         probs = torch.softmax(work, dim=-1)
         sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        for i, p in enumerate(params):
+            if p.sampling_seed is not None and not p.greedy:
+                # Seeded from (seed, position): independent of batch composition and arrival order.
+                pos = positions[i] if positions is not None else n_generated[i]
+                g = torch.Generator().manual_seed((p.sampling_seed * 1_000_003 + pos) % (2**63))
+                sampled[i] = torch.multinomial(probs[i], 1, generator=g)[0]
         next_ids = torch.where(greedy, next_ids, sampled)
     chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
     return next_ids, chosen

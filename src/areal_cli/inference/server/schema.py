@@ -14,7 +14,7 @@ class BadRequest(ValueError):
 _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "max_new_tokens": (int,), "min_new_tokens": (int,), "temperature": (int, float),
     "top_p": (int, float), "top_k": (int,), "stop": (str, list), "stop_token_ids": (list,),
-    "ignore_eos": (bool,), "skip_special_tokens": (bool,),
+    "ignore_eos": (bool,), "skip_special_tokens": (bool,), "sampling_seed": (int,),
 }
 # Accepted for compatibility with SGLang clients when left at their neutral value.
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,

@@ -58,7 +58,8 @@ def resolve_workflow(name_or_path: str) -> Any:
     if target is None:
         if "." not in name_or_path and ":" not in name_or_path:
             raise ConfigError("workflow.name", f"unknown workflow {name_or_path!r}",
-                              f"use one of {available_workflows()} or a dotted path like my_pkg.mod.MyWorkflow")
+                              f"use one of {available_workflows()} or a dotted path like "
+                              "my_pkg.mod.MyWorkflow")
         target = name_or_path
     obj = import_object(target) if isinstance(target, str) else target
     if inspect.isclass(obj) and not issubclass(obj, RolloutWorkflow) and not hasattr(obj, "arun_episode"):
@@ -92,7 +93,8 @@ def build_workflow(name_or_path: str, *, reward_fn: Any, gconfig: Any, tokenizer
                    feedback: str = "Your answer is wrong. Try again.", **user_kwargs: Any) -> RolloutWorkflow:
     """Build a workflow from trainer-level pieces. Built-ins get what they need; a user workflow gets
     ``user_kwargs`` plus whichever of ``reward_fn``/``gconfig``/``tokenizer``/``group_size``/
-    ``max_turns``/``turn_discount``/``feedback`` its constructor names (all of them if it takes ``**kwargs``)."""
+    ``max_turns``/``turn_discount``/``feedback`` its constructor names (all of them if it takes
+    ``**kwargs``)."""
     common: dict[str, Any] = {"reward_fn": reward_fn, "gconfig": gconfig, "tokenizer": tokenizer,
                               "group_size": group_size}
     if name_or_path == "rlvr":
@@ -128,11 +130,18 @@ def build_workflow_from_config(workflow_cfg: Any, rollout_cfg: Any, tokenizer: A
     ``reward_fn`` defaults to :func:`build_reward_fn` (the caller owns closing it)."""
     from areal_cli.rollout.workflows.common import to_generation_config
 
+    user = dict(workflow_cfg.kwargs or {})
+    reserved = {"reward_fn", "gconfig", "tokenizer", "group_size", "max_turns", "turn_discount", "feedback"}
+    clash = sorted(reserved & set(user))
+    if clash:
+        raise ConfigError("workflow.kwargs", f"{clash} are set by their own config keys, not workflow.kwargs",
+                          "use workflow.max_turns / workflow.turn_discount / workflow.feedback / "
+                          "rollout.group_size / rollout.gconfig / workflow.reward instead")
     return build_workflow(workflow_cfg.name, reward_fn=reward_fn or build_reward_fn(workflow_cfg),
                           gconfig=to_generation_config(rollout_cfg.gconfig), tokenizer=tokenizer,
                           group_size=rollout_cfg.group_size, max_turns=workflow_cfg.max_turns,
                           turn_discount=workflow_cfg.turn_discount, feedback=workflow_cfg.feedback,
-                          **dict(workflow_cfg.kwargs or {}))
+                          **user)
 
 
 def _param_names(factory: Any) -> list[str]:
@@ -142,5 +151,6 @@ def _param_names(factory: Any) -> list[str]:
         return []
 
 
-__all__ = ["available_workflows", "build_reward_fn", "build_workflow", "build_workflow_from_config", "import_object", "load_workflow", "register_workflow",
+__all__ = ["available_workflows", "build_reward_fn", "build_workflow", "build_workflow_from_config",
+           "import_object", "load_workflow", "register_workflow",
            "resolve_workflow"]

@@ -72,7 +72,8 @@ def with_eos_stop(gconfig: GenerationConfig, tokenizer: Any) -> GenerationConfig
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
     if not isinstance(text, str):  # some templates return a list for batched input
         raise DataError("the tokenizer's chat template did not render to a string")
     return text

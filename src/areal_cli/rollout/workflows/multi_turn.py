@@ -104,7 +104,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
             out = list(resp.output_tokens)
             d.segments.append(Segment(out, list(resp.output_logprobs), list(resp.output_versions)))
             context.extend(out)
-            d.turns, d.no_eos, d.n_resumes = turn + 1, resp.stop_reason == "length", d.n_resumes + resp.n_resumes
+            d.turns, d.no_eos = turn + 1, resp.stop_reason == "length"
+            d.n_resumes += resp.n_resumes
             completion = decode(self.tokenizer, out)
             d.completions.append(completion)
             d.raw_reward = await call_reward(self.reward_fn, prompt.text, completion, answer)
@@ -122,7 +123,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
         d.reward = d.raw_reward * self.turn_discount ** (d.turns - 1)
         return d
 
-    def _feedback_ids(self, messages: list[dict[str, str]] | None, out: list[int], completion: str) -> list[int]:
+    def _feedback_ids(self, messages: list[dict[str, str]] | None, out: list[int],
+                      completion: str) -> list[int]:
         """Tokens between the generated answer and the next generation: the end of the assistant turn as
         the chat template renders it, the feedback user turn and the generation prompt. The generated
         tokens themselves are never re-tokenized."""

@@ -58,12 +58,16 @@ class RLVRWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: "InferenceEngine", data: dict[str, Any]) -> Trajectory | None:
         prompt = build_prompt(self.tokenizer, data, self.use_chat_template)
         answer = data.get("answer")
-        resps = await asyncio.gather(*[
-            engine.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig))
-            for _ in range(self.group_size)])
-        completions = [decode(self.tokenizer, r.output_tokens) for r in resps]
-        rewards = await asyncio.gather(*[call_reward(self.reward_fn, prompt.text, c, answer)
-                                         for c in completions])
+
+        async def sample() -> tuple[Any, float]:
+            # Each sample is scored as soon as it finishes, overlapping rewards with generation.
+            resp = await engine.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig))
+            completion = decode(self.tokenizer, resp.output_tokens)
+            return resp, await call_reward(self.reward_fn, prompt.text, completion, answer)
+
+        scored = await asyncio.gather(*[sample() for _ in range(self.group_size)])
+        resps = [r for r, _ in scored]
+        rewards = [x for _, x in scored]
         rows = [build_row([Segment(prompt.ids),
                            Segment(list(r.output_tokens), list(r.output_logprobs), list(r.output_versions))])
                 for r in resps]
