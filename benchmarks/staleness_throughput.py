@@ -17,7 +17,6 @@ batch and exits non-zero if it is broken.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
@@ -98,6 +97,7 @@ def run_k(engine, tokenizer, weight_dirs: list[str], k: int, args) -> KResult:
             steps += step >= 1
         wall = time.monotonic() - t0
     finally:
+        ex.run_coroutine(engine.close())  # the HTTP session lives on the executor's loop
         ex.destroy()
     return KResult(k, wall, steps, tokens, max_stale, sum(stale) / max(1, len(stale)), resumes)
 
@@ -140,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
             wait_until_ready(s.address, 300, s.proc, s.log_path)
         engine = RemoteInferenceEngine([s.address for s in servers], backend="hf")
         results = [run_k(engine, tokenizer, dirs, int(k), args) for k in args.ks.split(",")]
-        asyncio.run(engine.close())
     finally:
         for s in servers:
             s.stop()

@@ -10,7 +10,6 @@ Throughput vs k is measured in benchmarks/staleness_throughput.py, never asserte
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 

@@ -26,13 +26,29 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SYNC = {"trainer.total_steps": 6, "rollout.max_head_offpolicyness": 0, "trainer.recover_every": 2,
         "trainer.save_every": 0, "trainer.eval_every": 0, "algo.recompute_logprob": "true",
-        "rollout.gconfig.max_new_tokens": 8, "dataset.test_size": 4}
+        "rollout.gconfig.max_new_tokens": 8, "dataset.test_size": 4,
+        "workflow.reward": "resume_reward.varied_reward"}
 
 
-def _train(root, model_dir, **extra) -> subprocess.CompletedProcess:
+# The random tiny model never solves arithmetic, so the rewards would all be 0 and nothing would
+# train; this reward varies with the completion so every step really updates the weights.
+REWARD = """
+def varied_reward(prompt, completion, answer, **kw):
+    return float(len(completion) % 3) / 2.0
+"""
+
+
+def _env_with_reward(tmp_path) -> dict[str, str]:
+    (tmp_path / "resume_reward.py").write_text(REWARD)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _train(root, model_dir, env, **extra) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train",
                            *_overrides(root, model_dir, **{**SYNC, **extra})],
-                          capture_output=True, text=True, env=_env(), timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600)
 
 
 def _weights(run_dir):
@@ -43,13 +59,14 @@ def _weights(run_dir):
 
 def test_kill9_and_resume_is_bit_identical(tmp_path, tiny_model_dir):
     ref_root, cut_root = tmp_path / "ref", tmp_path / "cut"
-    ref = _train(ref_root, tiny_model_dir)
+    env = _env_with_reward(tmp_path)
+    ref = _train(ref_root, tiny_model_dir, env)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
 
     run_dir = cut_root / "runs" / "itest" / "t0"
     proc = subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "train",
                              *_overrides(cut_root, tiny_model_dir, **SYNC)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     deadline = time.time() + 400
     while not (run_dir / "recover" / "latest.json").exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
@@ -61,7 +78,7 @@ def test_kill9_and_resume_is_bit_identical(tmp_path, tiny_model_dir):
     recovered = json.loads((run_dir / "recover" / "latest.json").read_text())["step"]
     assert recovered in (2, 4)
 
-    res = _train(cut_root, tiny_model_dir, resume="auto")
+    res = _train(cut_root, tiny_model_dir, env, resume="auto")
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     a, b = _weights(ref_root / "runs" / "itest" / "t0"), _weights(run_dir)
     assert a.keys() == b.keys()

@@ -81,7 +81,12 @@ def test_generation_with_logprobs_and_weight_reload(vllm_server, vllm_models):
     sampled = run(GenerationConfig(temperature=0.8, max_new_tokens=16, min_new_tokens=16))
     want = teacher_forced_logprobs(model_a, p, sampled.output_tokens, temperature=0.8)
     assert len(sampled.output_logprobs) == 16
-    assert max(abs(a - b) for a, b in zip(sampled.output_logprobs, want)) < 1e-3
+    raw = teacher_forced_logprobs(model_a, p, sampled.output_tokens, temperature=1.0)
+    err = max(abs(a - b) for a, b in zip(sampled.output_logprobs, want))
+    err_raw = max(abs(a - b) for a, b in zip(sampled.output_logprobs, raw))
+    # vLLM's CPU kernels are looser than a plain HF forward (measured ~4e-3 in fp32), but the values
+    # are clearly the temperature-scaled ones (our convention), not raw logprobs.
+    assert err < 1e-2 and err_raw > 5 * err, (err, err_raw)
 
     asyncio.run(engine.update_weights_from_disk(WeightUpdateMeta(type="disk", version=3, path=tiny_model_dir_b)))
     after = run(GenerationConfig(greedy=True, max_new_tokens=12))

@@ -72,3 +72,17 @@ def test_half_built_dir_is_rebuilt(tmp_path):
     (final / "garbage").write_text("crash leftovers")  # no READY marker: not trusted
     path = ensure_builtin_model(tmp_path, spec)
     assert (Path(path) / READY_MARKER).exists() and not (Path(path) / "garbage").exists()
+
+
+def test_overrides_from_model_config_match_default_spec():
+    from areal_cli.config.model import ModelConfig
+    from areal_cli.data.builtin_model import overrides_from_model_config
+
+    tiny = BUILTIN_SPECS["tiny"]
+    cfg = ModelConfig(hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
+                      num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_kv_heads,
+                      intermediate_size=tiny.intermediate_size)
+    assert resolve_spec("tiny", overrides_from_model_config(cfg)) == tiny
+    wider = resolve_spec("tiny", overrides_from_model_config(ModelConfig(hidden_size=256,
+                                                                        intermediate_size=1024)))
+    assert wider.hidden_size == 256 and wider.digest() != tiny.digest()

@@ -14,7 +14,6 @@ from areal_cli.launchers.base import JobLayout
 from areal_cli.launchers.skypilot import (
     SkyPilotLauncher,
     build_task_config,
-    dry_run,
     missing_credentials,
     run_script,
     sky_python,

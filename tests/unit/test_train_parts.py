@@ -142,3 +142,51 @@ def test_config_roundtrip(tmp_path):
     assert back == cfg
     with pytest.raises(ConfigError):
         load_config_file(tmp_path / "missing.yaml")
+
+
+def test_seeded_sampling_independent_of_batching():
+    """The hf server's per-request seed (used for exact resume): a row's token depends on its seed
+    and position only, not on which other rows share the batch or their order."""
+    import torch
+
+    from areal_cli.inference.server.sampling import SamplingParams, sample_next
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    seeded = [SamplingParams(temperature=1.0, sampling_seed=s) for s in (11, 12, 13)]
+    g = torch.Generator().manual_seed(0)
+    full, _ = sample_next(logits, seeded, [0, 0, 0], set(), g, positions=[5, 7, 9])
+    rev, _ = sample_next(logits.flip(0), seeded[::-1], [0, 0, 0], set(), torch.Generator().manual_seed(99),
+                         positions=[9, 7, 5])
+    assert full.tolist() == rev.flip(0).tolist()
+    alone, _ = sample_next(logits[1:2], seeded[1:2], [0], set(), torch.Generator().manual_seed(5), positions=[7])
+    assert alone.item() == full[1].item()
+    draws = {sample_next(logits[:1], [SamplingParams(sampling_seed=s)], [0], set(), g, positions=[0])[0].item()
+             for s in range(40)}
+    assert len(draws) > 3, "different seeds must give different samples"
+
+
+def test_seeded_engine_assigns_per_request_seeds():
+    import asyncio
+
+    from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+    from areal_cli.trainer.rl import _SeededEngine
+
+    seen = []
+
+    class Inner:
+        addresses = ["x"]
+
+        async def agenerate(self, req):
+            seen.append(req.gconfig.seed)
+            return req
+
+    eng = _SeededEngine(Inner(), 1000)
+
+    async def go():
+        await asyncio.gather(*[eng.agenerate(ModelRequest([1], GenerationConfig())) for _ in range(3)])
+        await eng.agenerate(ModelRequest([1], GenerationConfig(greedy=True)))
+        await eng.agenerate(ModelRequest([1], GenerationConfig(seed=7)))
+
+    asyncio.run(go())
+    assert seen == [1000, 1001, 1002, None, 7] and eng.addresses == ["x"]

@@ -266,3 +266,22 @@ def test_build_reward_fn_rejects_unknown_reward_before_spawning():
     with pytest.raises(ConfigError) as ei:
         build_reward_fn(WorkflowConfig(reward="no_such_reward"))
     assert ei.value.path == "workflow.reward"
+
+
+def test_the_user_workflow_example_in_the_docs_runs(tok, tmp_path, monkeypatch):
+    """docs/rollout.md's EchoWorkflow, loaded by import path the way workflow.name does it."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "rollout.md").read_text()
+    code = re.search(r"```python\n(# my_pkg/wf\.py.*?)```", doc, re.S).group(1)
+    pkg = tmp_path / "my_doc_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "wf.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wf = build_workflow("my_doc_pkg.wf.EchoWorkflow", reward_fn=exact_reward,
+                        gconfig=GenerationConfig(max_new_tokens=3), tokenizer=tok, group_size=4)
+    traj = run(wf.arun_episode(FakeEngine(token_delay=0), {"prompt": "hi"}))
+    assert len(traj) == 1 and traj.data["rewards"].tolist() == [1.0]
+    assert int(traj.data["loss_mask"].sum()) == 3

@@ -138,3 +138,16 @@ def _build(out: Path, s: BuiltinModelSpec) -> None:
                     num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
                     intermediate_size=s.intermediate_size,
                     max_position_embeddings=s.max_position_embeddings)
+
+
+def overrides_from_model_config(model_cfg: Any) -> dict[str, Any]:
+    """Spec fields from the ``model`` config group, so ``model.hidden_size=256`` with
+    ``model.path=builtin:tiny`` builds (and caches separately) a 256-wide built-in model.
+
+    ``vocab_size`` is not taken: the tokenizer decides the real vocabulary, and validation only
+    needs an upper bound.
+    """
+    return {"hidden_size": int(model_cfg.hidden_size), "num_layers": int(model_cfg.num_hidden_layers),
+            "num_heads": int(model_cfg.num_attention_heads),
+            "num_kv_heads": int(model_cfg.num_key_value_heads),
+            "intermediate_size": int(model_cfg.intermediate_size)}

@@ -183,6 +183,9 @@ class FSDPEngine(TrainEngine):
         """Outputs for one micro-batch, shaped ``[b, l]`` like ``mb["input_ids"]``."""
         max_len = mb["input_ids"].shape[1]
         cp = self.parallel.cp
+        # The attention function reads the group from module state; engines sharing a process
+        # (actor, reference, critic) may differ, so set it per call.
+        ulysses.set_ulysses_group(self.cp_group if cp > 1 else None)
         if self.cfg.padding_free or cp > 1:
             mult = max(1, self.cfg.pad_to_multiple_of) * cp
             pk = packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id)
@@ -473,7 +476,6 @@ class FSDPEngine(TrainEngine):
         if self._runner is not None:
             self._runner.close()
             self._runner = None
-        ulysses.set_ulysses_group(None)
 
 
 def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):

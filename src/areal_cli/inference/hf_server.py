@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dirs /update_weights_from_disk may read (default: the model dir's parent and "
                         "the system temp dir)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--stock-attention", action="store_true",
+                   help="keep HF's attention implementation (default: GQA-native SDPA, see server/attention.py)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from areal_cli.inference.server.app import ServerState, build_app
+    from areal_cli.inference.server.attention import use_areal_sdpa
     from areal_cli.inference.server.engine import GenerationEngine
     from areal_cli.inference.server.weights import default_allowed_roots
 
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(device).eval()
+    if not args.stock_attention:
+        use_areal_sdpa(model)
     cfg = model.config
     ctx = args.context_length or getattr(cfg, "max_position_embeddings", None) or 4096
     engine = GenerationEngine(model, tok, device=device, max_running=args.max_running_requests,
@@ -99,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(state)
     engine.start()
     logging.getLogger("areal_cli.hf_server").info(
-        "serving %s on %s:%d (device=%s dtype=%s ctx=%d version=%d)", args.model_path, args.host, args.port,
-        device, model.dtype, ctx, version)
+        "serving %s on %s:%d (device=%s dtype=%s attn=%s ctx=%d version=%d)", args.model_path, args.host,
+        args.port, device, model.dtype, model.config._attn_implementation, ctx, version)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                     timeout_graceful_shutdown=5)

@@ -15,7 +15,7 @@ from typing import Any
 
 from areal_cli.storage.crossnode import DEFAULT_TEMPLATE, NodeSpec, evaluate, run_srun, run_templates
 from areal_cli.storage.probes import run_local_checks
-from areal_cli.storage.report import FAIL, WARN, CheckResult, StorageReport
+from areal_cli.storage.report import WARN, CheckResult, StorageReport
 
 DEFAULT_THROUGHPUT_BYTES = 32 * 1024 * 1024
 
@@ -98,4 +98,4 @@ def check_before_launch(cfg: Any, *, srun_args: Sequence[str] = (), use_srun: bo
                        + "\n(set skip_storage_check=true to launch anyway)")
 
 
-__all__ = ["run_storage_check", "check_before_launch", "storage_paths_for", "FAIL"]
+__all__ = ["run_storage_check", "check_before_launch", "storage_paths_for"]

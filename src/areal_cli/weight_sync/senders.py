@@ -97,6 +97,7 @@ class DistributedSender:
         self._group_key: tuple | None = None
         self.last_seconds: dict[str, float] = {}
         self._phase: dict[str, float] = {"broadcast": 0.0, "server_apply": 0.0}
+        self._buffers: dict[str, object] = {}
 
     # -- group ----------------------------------------------------------------------------------
     def _make_group(self, meta: WeightUpdateMeta):
@@ -192,9 +193,9 @@ class DistributedSender:
         for name, t in named_tensors:
             if not is_src or err is not None:
                 continue
-            t = t.detach().to(device=self.device, dtype=wire if (wire and t.is_floating_point()) else t.dtype)
+            t = self._wire_tensor(name, t.detach(), wire)
             names.append(name)
-            bucket.append(t.contiguous())
+            bucket.append(t)
             size += t.numel() * t.element_size()
             if size >= meta.bucket_bytes:
                 err = self._flush(meta, clients, names, bucket)
@@ -212,6 +213,21 @@ class DistributedSender:
                                  "total": time.perf_counter() - t0, "buckets": float(n_buckets), **self._phase}
         return err
 
+    def _wire_tensor(self, name: str, t, wire):
+        """``t`` as sent: itself when dtype/device already match (zero-copy), else converted into a
+        buffer kept across syncs (fresh allocations page-fault on every push)."""
+        import torch
+
+        dtype = wire if (wire is not None and t.is_floating_point()) else t.dtype
+        if t.dtype == dtype and str(t.device) == str(torch.device(self.device)) and t.is_contiguous():
+            return t
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != dtype or str(buf.device) != str(torch.device(self.device)):
+            buf = torch.empty(t.shape, dtype=dtype, device=self.device)
+            self._buffers[name] = buf
+        buf.copy_(t)
+        return buf
+
     def _flush(self, meta, clients, names, bucket) -> WeightSyncError | None:
         try:
             self.runner.run(self._send_bucket(meta, clients, list(names), list(bucket)))
@@ -222,3 +238,4 @@ class DistributedSender:
     def close(self) -> None:
         self.pg = None
         self.store = None
+        self._buffers.clear()
