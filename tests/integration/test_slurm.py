@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 def slurm_cluster():
     if os.geteuid() != 0:
         pytest.skip("slurm/local-cluster.sh needs root")
+    was_up = shutil.which("scontrol") is not None and "is UP" in subprocess.run(
+        ["scontrol", "ping"], capture_output=True, text=True).stdout
     r = subprocess.run(["bash", str(REPO / "slurm" / "local-cluster.sh")], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
@@ -34,7 +36,9 @@ def slurm_cluster():
     r2 = subprocess.run(["bash", str(REPO / "slurm" / "local-cluster.sh")], capture_output=True, text=True,
                         timeout=120)
     assert r2.returncode == 0 and "up: node" in r2.stderr
-    return part
+    yield part
+    if not was_up:  # leave the machine as we found it
+        subprocess.run(["bash", str(REPO / "slurm" / "stop-local-cluster.sh"), "--munge"], check=False)
 
 
 def _overrides(fileroot: Path, model_dir: str, **extra: object) -> list[str]:

@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -63,7 +64,6 @@ async def _json(request: Request) -> dict:
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="areal-cli hf server")
     app.state.s = state
-    eng = state.engine
 
     @app.middleware("http")
     async def auth_and_errors(request: Request, call_next):
@@ -80,7 +80,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def bad_request(_request: Request, exc: BadRequest):
         return _err(400, str(exc))
 
-    # ------------------------------------------------------------------ generation
+    h = _helpers(state)
+    _generation_routes(app, state, h)
+    _openai_routes(app, state, h)
+    _info_routes(app, state)
+    _admin_routes(app, state, h)
+    return app
+
+
+def _helpers(state: ServerState) -> SimpleNamespace:
+    """Request plumbing shared by the route groups."""
+    eng = state.engine
+
     async def run(ids: list[int], sp: SamplingParams, rid: str | None = None,
                   request: Request | None = None) -> Sequence:
         check_context(len(ids), sp.max_new_tokens, state.context_length)
@@ -127,6 +138,46 @@ def build_app(state: ServerState) -> FastAPI:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.out_logprobs, seq.out_ids)]
         return {"text": text_of(seq), "output_ids": list(seq.out_ids), "meta_info": meta}
 
+    def usage(seqs: list[Sequence]) -> dict:
+        p = len(seqs[0].prompt_ids) if seqs else 0
+        c = sum(len(s.out_ids) for s in seqs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def oa_finish(seq: Sequence) -> str:
+        return "length" if (seq.finish or {}).get("type") == "length" else "stop"
+
+    def tok_str(t: int) -> str:
+        return state.tokenizer.decode([t], skip_special_tokens=False)
+
+    def oa_common(body: dict) -> int:
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the hf server")
+        n = body.get("n", 1) or 1
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise BadRequest(f"n must be a positive integer, got {n!r}")
+        return n
+
+    def parse_version(body: dict, key: str = "weight_version") -> int | None:
+        v = body.get(key)
+        if v is None:
+            return None
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            raise BadRequest(f"{key} must be an integer (or its string form), got {v!r}") from None
+
+    def set_version(v: int | None):
+        if v is not None:
+            eng.version = v
+
+    return SimpleNamespace(run=run, text_of=text_of, sglang_out=sglang_out, usage=usage, oa_finish=oa_finish,
+                           tok_str=tok_str, oa_common=oa_common, parse_version=parse_version,
+                           set_version=set_version)
+
+
+def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
+    run, sglang_out = h.run, h.sglang_out
+
     @app.post("/generate")
     async def generate(request: Request):
         body = await _json(request)
@@ -158,25 +209,10 @@ def build_app(state: ServerState) -> FastAPI:
         outs = [sglang_out(s, ret_lp) for s in seqs]
         return JSONResponse(outs if batch else outs[0])
 
-    # ------------------------------------------------------------------ OpenAI
-    def usage(seqs: list[Sequence]) -> dict:
-        p = len(seqs[0].prompt_ids) if seqs else 0
-        c = sum(len(s.out_ids) for s in seqs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def oa_finish(seq: Sequence) -> str:
-        return "length" if (seq.finish or {}).get("type") == "length" else "stop"
-
-    def tok_str(t: int) -> str:
-        return state.tokenizer.decode([t], skip_special_tokens=False)
-
-    def oa_common(body: dict) -> int:
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the hf server")
-        n = body.get("n", 1) or 1
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise BadRequest(f"n must be a positive integer, got {n!r}")
-        return n
+def _openai_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
+    eng = state.engine
+    run, text_of, usage, oa_finish, tok_str, oa_common = h.run, h.text_of, h.usage, h.oa_finish, h.tok_str, h.oa_common
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -248,7 +284,10 @@ def build_app(state: ServerState) -> FastAPI:
                                             "created": 0, "owned_by": "areal-cli",
                                             "max_model_len": state.context_length}]}
 
-    # ------------------------------------------------------------------ info
+
+def _info_routes(app: FastAPI, state: ServerState) -> None:
+    eng = state.engine
+
     @app.get("/health")
     async def health():
         return Response(status_code=200)
@@ -267,7 +306,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def get_load():
         return {**eng.load(), "paused": eng.paused, "stats": dict(eng.stats)}
 
-    # ------------------------------------------------------------------ admin
+
+def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
+    eng = state.engine
+    parse_version, set_version = h.parse_version, h.set_version
+
     @app.post("/pause_generation")
     async def pause(request: Request):
         body = await _json(request)
@@ -287,19 +330,6 @@ def build_app(state: ServerState) -> FastAPI:
     async def flush_cache():
         # There is no prefix cache to drop; KV rows of running requests are per-request and freed on exit.
         return {"success": True, "message": "no prefix cache to flush"}
-
-    def parse_version(body: dict, key: str = "weight_version") -> int | None:
-        v = body.get(key)
-        if v is None:
-            return None
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            raise BadRequest(f"{key} must be an integer (or its string form), got {v!r}") from None
-
-    def set_version(v: int | None):
-        if v is not None:
-            eng.version = v
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
@@ -397,4 +427,3 @@ def build_app(state: ServerState) -> FastAPI:
             n = await asyncio.wrap_future(eng.call(lambda: (W.apply(eng.model, tensors), set_version(version))[0]))
         return {"success": True, "message": f"updated {n} tensors", "weight_version": str(eng.version)}
 
-    return app
