@@ -24,13 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def areal_train(fileroot: str, name: str, overrides: list[str]) -> Path:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "areal_cli.cli.main", "train", f"cluster.fileroot={fileroot}",
-           f"experiment_name=bench", f"trial_name={name}", "stats.live=false", *overrides]
+           "experiment_name=bench", f"trial_name={name}", "stats.live=false", *overrides]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise SystemExit(f"areal train ({name}) failed:\n{(res.stdout + res.stderr)[-4000:]}")

@@ -39,7 +39,8 @@ def build_model(root: Path) -> str:
     return str(d)
 
 
-def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None = None) -> dict[str, float]:
+def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None = None,
+               bucket_bytes: int = 32 * 1024**2) -> dict[str, float]:
     from areal_cli.api.io_struct import ParallelStrategy, WeightUpdateMeta
     from areal_cli.config.engine import EngineConfig
     from areal_cli.engines.dist import init_distributed
@@ -72,7 +73,7 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
                 continue
             times = []
             for i in range(repeats + 1):  # first push of each case is warm-up (group creation, page cache)
-                meta = WeightUpdateMeta(master_port=port, timeout_s=120, **kw)
+                meta = WeightUpdateMeta(master_port=port, timeout_s=120, bucket_bytes=bucket_bytes, **kw)
                 t0 = time.perf_counter()
                 engine.update_weights(meta, [client], loop=runner.loop)
                 dt = time.perf_counter() - t0
@@ -161,6 +162,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--root", default=None, help="work dir on a regular disk (default: a temp dir under /tmp)")
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--bucket-mb", type=int, default=32, help="distributed bucket size (buckets are pipelined)")
     ap.add_argument("--only", nargs="*", default=None, help="sync cases to run, e.g. 'distributed bf16'")
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--seqs", type=int, default=8)
@@ -170,8 +172,8 @@ def main() -> None:
     root = Path(args.root or tempfile.mkdtemp(prefix="areal_bench_"))
     root.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(root)
-    print("weight sync (median seconds per push, server: hf on CPU):")
-    sync = bench_sync(model_dir, root, args.repeats, args.only)
+    print(f"weight sync (median seconds per push, server: hf on CPU, buckets {args.bucket_mb} MiB):")
+    sync = bench_sync(model_dir, root, args.repeats, args.only, args.bucket_mb * 1024**2)
     base = sync.get("disk /dev/shm", next(iter(sync.values())))
     for name, t in sync.items():
         print(f"  {name:18s} {t:7.3f} s   {base / t:5.2f}x vs disk /dev/shm")

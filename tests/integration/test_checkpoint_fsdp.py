@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -42,6 +43,7 @@ def test_resume_is_bit_identical(tiny_model_dir, tmp_path):
     assert moved, "the last 3 steps changed nothing; the comparison would be vacuous"
 
 
+@pytest.mark.slow  # the weight-sync test also loads every HF export in transformers (greedy check)
 def test_hf_export_loads_in_transformers(tiny_model_dir, tmp_path):
     script = tmp_path / "export.py"
     export = tmp_path / "hf"

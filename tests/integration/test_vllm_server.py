@@ -30,12 +30,14 @@ def _has_vllm() -> bool:
 
 @pytest.fixture(scope="module")
 def vllm_models(tmp_path_factory):
-    """Tiny models with head_dim 32: vLLM's CPU attention kernels support 32, 64, 80, ... only."""
+    """Tiny models with head_dim 32 (vLLM's CPU attention kernels support 32, 64, 80, ... only) and untied
+    embeddings: vLLM 0.32's in-place ``reload_weights`` does not re-tie ``lm_head`` ("ParallelLMHead:
+    Failed to load weights"), so a tied model keeps its old output layer after a reload."""
     from areal_cli.models.tiny import make_tiny_model
 
-    a = make_tiny_model(tmp_path_factory.mktemp("vllm_tiny_a"), seed=0, num_heads=2, num_kv_heads=1)
-    b = make_tiny_model(tmp_path_factory.mktemp("vllm_tiny_b"), tokenizer_dir=a, seed=1, num_heads=2,
-                        num_kv_heads=1)
+    kw = dict(num_heads=2, num_kv_heads=1, tie_word_embeddings=False)
+    a = make_tiny_model(tmp_path_factory.mktemp("vllm_tiny_a"), seed=0, **kw)
+    b = make_tiny_model(tmp_path_factory.mktemp("vllm_tiny_b"), tokenizer_dir=a, seed=1, **kw)
     return a, b
 
 

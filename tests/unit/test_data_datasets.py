@@ -16,10 +16,14 @@ GSM8K = Path("/work/shared/data/gsm8k")
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_dir):
+def tok(tmp_path_factory):
+    # Only a tokenizer is needed: train the same ChatML BPE the tiny models use, without a model.
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+    from areal_cli.models.tiny import default_corpus, train_tokenizer
+
+    d = train_tokenizer(tmp_path_factory.mktemp("tok"), default_corpus(500))
+    return AutoTokenizer.from_pretrained(d)
 
 
 def _write_jsonl(path: Path, rows: list) -> str:

@@ -135,14 +135,15 @@ def test_vllm_rl_endpoints():
     p = vllm.build_pause()
     assert (p.path, p.params) == ("/pause", {"mode": "abort"})
     assert vllm.build_continue().path == "/resume"
-    rpc, ver = vllm.build_update_from_disk(META)
-    assert rpc.path == "/collective_rpc"
+    rpc, reset, ver = vllm.build_update_from_disk(META)
+    assert rpc.path == "/collective_rpc" and reset.path == "/reset_prefix_cache"
     assert rpc.json == {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/v4"}}
     assert (ver.path, ver.json) == ("/update_weight_version", {"new_version": "4"})
     init = vllm.build_init_group(META, 0)
     assert init.path == "/init_weight_transfer_engine" and set(init.json) == {"init_info"}
     assert set(init.json["init_info"]) == NCCL_INIT_INFO and init.json["init_info"]["rank_offset"] == 1
-    start, upd, fin = vllm.build_update_distributed(META, SPECS)
+    start, upd, fin, reset = vllm.build_update_distributed(META, SPECS)
+    assert reset.path == "/reset_prefix_cache"
     assert [start.path, upd.path, fin.path] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
     assert set(upd.json["update_info"]) == NCCL_UPDATE_INFO
     assert upd.json["update_info"]["dtype_names"] == ["float32", "bfloat16"]

@@ -59,11 +59,13 @@ def check_dataset_files(cfg: Any) -> None:
 
 def prepare_run_dir(cfg: Any, run_dir: str) -> None:
     p = Path(run_dir)
-    if cfg.resume == "none" and p.exists():
+    fresh = cfg.resume == "none" or (cfg.resume == "auto" and not (p / "recover" / "latest.json").exists())
+    if fresh and p.exists():
         stale = [name for name in RUN_STATE if (p / name).exists()]
         if stale:
-            print(f"[areal] resume=none: starting over in {run_dir} (replacing {', '.join(stale)}); "
-                  "use resume=auto to continue instead", file=sys.stderr)
+            why = "resume=none" if cfg.resume == "none" else "resume=auto found no recover state"
+            print(f"[areal] {why}: starting over in {run_dir} (replacing {', '.join(stale)})",
+                  file=sys.stderr)
             for name in stale:
                 q = p / name
                 shutil.rmtree(q) if q.is_dir() and not q.is_symlink() else q.unlink()

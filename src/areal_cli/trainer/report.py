@@ -199,6 +199,8 @@ def plot_learning_curve(run_dir: str | os.PathLike, out_name: str = "learning_cu
     n = 2 if sft else 1
     fig, axes = plt.subplots(1, n, figsize=(6 * n, 4), squeeze=False)
     ax = axes[0][0]
+    if not train and not evals:
+        ax.set_axis_off()
     if train:
         ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward", color="C0")
     if evals:
@@ -208,7 +210,8 @@ def plot_learning_curve(run_dir: str | os.PathLike, out_name: str = "learning_cu
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("GRPO learning curve")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    if train or evals:
+        ax.legend(loc="lower right")
     if sft:
         ax2 = axes[0][1]
         ax2.plot([r["step"] for r in sft], [r["sft/loss"] for r in sft], color="C2")

@@ -184,6 +184,7 @@ class RLTrainer:
         self.stream: PromptStream | None = None
         self.weight_sync_s = 0.0
         self.elapsed_before = 0.0  # wall time of earlier (resumed) segments
+        self.t_start = time.time()
 
     # ------------------------------------------------------------------ setup
     def _servers(self) -> list[dict[str, Any]]:
@@ -391,7 +392,7 @@ class RLTrainer:
             before = self.evaluate(tokenizer, test_items, 0, phase="sft" if policy_path != self.model_path else "rl")
             if self.rank == 0 and before:
                 print(f"[areal] held-out accuracy before RL: {before.get('eval/pass@1', 0):.1%}", flush=True)
-        t_start = time.time()
+        t_start = self.t_start = time.time()
         for step in range(start_step + 1, self.total_steps + 1):
             self.train_step(engine, actor, step, t_start, start_step)
             self._periodic(engine, tokenizer, test_items, step)
@@ -424,8 +425,9 @@ class RLTrainer:
         if self.executor is not None:
             self.executor.set_version(step)
             self.executor.resume()
-        rec: dict[str, Any] = {"version": step, **gen_stats, **{f"train/{k}" if "/" not in k else k: v
-                                                               for k, v in train_stats.items()}}
+        gen_stats.pop("version", None)  # the executor's view; the step's policy version is `step`
+        rec: dict[str, Any] = {**gen_stats, **{f"train/{k}" if "/" not in k else k: v
+                                               for k, v in train_stats.items()}, "version": step}
         rec.update(_batch_stats(local, self.world))
         step_s = time.perf_counter() - t0
         rec["perf/step_s"] = step_s
@@ -456,7 +458,7 @@ class RLTrainer:
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {"step": step, "version": step, "stream": self.stream.state_dict(),
                 "executor": self.executor.state_dict(), "weight_mode": self.weight_mode,
-                "elapsed_s": self.elapsed_before, "time": time.time()}
+                "elapsed_s": self.elapsed_before + time.time() - self.t_start, "time": time.time()}
 
 
 def _peek_state(recover: Path | None) -> dict[str, Any] | None:

@@ -47,7 +47,8 @@ class LoopRunner:
             self._thread.join(timeout=5)
 
 
-async def call_all(clients: Iterable[Any], method: str, *args: Any, timeout: float, what: str | None = None) -> None:
+async def call_all(clients: Iterable[Any], method: str, *args: Any, timeout: float,
+                   what: str | None = None) -> None:
     """Await ``client.<method>(*args)`` on every client concurrently; the first failure or a timeout
     raises :class:`WeightSyncError` naming the peer(s)."""
     clients = list(clients)

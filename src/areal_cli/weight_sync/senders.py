@@ -98,6 +98,7 @@ class DistributedSender:
         self.last_seconds: dict[str, float] = {}
         self._phase: dict[str, float] = {"broadcast": 0.0, "server_apply": 0.0}
         self._buffers: dict[str, object] = {}
+        self._pending = None  # concurrent.futures.Future of the bucket in flight
 
     # -- group ----------------------------------------------------------------------------------
     def _make_group(self, meta: WeightUpdateMeta):
@@ -205,6 +206,7 @@ class DistributedSender:
             err = self._flush(meta, clients, names, bucket)
             n_buckets += 1
         if is_src:
+            err = self._wait_pending() or err
             try:
                 self.runner.run(call_all(clients, "continue_generation", timeout=meta.timeout_s))
             except WeightSyncError as e:
@@ -222,17 +224,33 @@ class DistributedSender:
         if t.dtype == dtype and str(t.device) == str(torch.device(self.device)) and t.is_contiguous():
             return t
         buf = self._buffers.get(name)
-        if buf is None or buf.shape != t.shape or buf.dtype != dtype or str(buf.device) != str(torch.device(self.device)):
+        same_place = buf is not None and str(buf.device) == str(torch.device(self.device))
+        if not same_place or buf.shape != t.shape or buf.dtype != dtype:
             buf = torch.empty(t.shape, dtype=dtype, device=self.device)
             self._buffers[name] = buf
         buf.copy_(t)
         return buf
 
     def _flush(self, meta, clients, names, bucket) -> WeightSyncError | None:
+        """Start sending ``bucket`` once the previous one is done. Sending runs on the loop thread,
+        so gathering/converting the next bucket overlaps with this one's broadcast and apply."""
+        err = self._wait_pending()
+        if err is not None:
+            return err
+        self._pending = asyncio.run_coroutine_threadsafe(
+            self._send_bucket(meta, clients, list(names), list(bucket)), self.runner.loop)
+        return None
+
+    def _wait_pending(self) -> WeightSyncError | None:
+        fut, self._pending = self._pending, None
+        if fut is None:
+            return None
         try:
-            self.runner.run(self._send_bucket(meta, clients, list(names), list(bucket)))
+            fut.result()
         except WeightSyncError as e:
             return e
+        except Exception as e:  # anything unexpected still must not hang or go unnamed
+            return WeightSyncError(f"weight sync (distributed): bucket send failed: {type(e).__name__}: {e}")
         return None
 
     def close(self) -> None:

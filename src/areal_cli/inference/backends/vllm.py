@@ -12,7 +12,8 @@
   ``POST /update_weights {"update_info": {"names", "dtype_names", "shapes"}}``,
   ``POST /finish_weight_update {"weight_version"}``, ``POST /update_weight_version {"new_version"}``,
   ``GET /weight_info``; and ``POST /collective_rpc {"method": "reload_weights", "kwargs":
-  {"weights_path": DIR}}`` (``Worker.reload_weights``) reloads a checkpoint dir in place.
+  {"weights_path": DIR}}`` (``Worker.reload_weights``) reloads a checkpoint dir in place, and
+  ``POST /reset_prefix_cache`` drops KV blocks computed with the old weights.
 - The NCCL weight-transfer engine needs CUDA; on CPU the disk path is the one that runs.
 """
 
@@ -97,8 +98,13 @@ def build_continue() -> HttpCall:
 def build_update_from_disk(meta: WeightUpdateMeta) -> list[HttpCall]:
     if not meta.path:
         raise InferenceError("WeightUpdateMeta.path is required for a disk weight update")
+    # The prefix cache holds KV computed by the old weights; drop it or new requests reuse it.
     return [HttpCall("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": meta.path}}),
-            build_set_version(meta.version)]
+            build_reset_prefix_cache(), build_set_version(meta.version)]
+
+
+def build_reset_prefix_cache() -> HttpCall:
+    return HttpCall("POST", "/reset_prefix_cache")
 
 
 def build_init_group(meta: WeightUpdateMeta, server_index: int) -> HttpCall:
@@ -114,7 +120,8 @@ def build_update_distributed(meta: WeightUpdateMeta, specs: list[ParamSpec]) -> 
             "shapes": [list(s.shape) for s in specs]}
     return [HttpCall("POST", "/start_weight_update"),
             HttpCall("POST", "/update_weights", {"update_info": info}),
-            HttpCall("POST", "/finish_weight_update", {"weight_version": str(meta.version)})]
+            HttpCall("POST", "/finish_weight_update", {"weight_version": str(meta.version)}),
+            build_reset_prefix_cache()]
 
 
 def build_get_version() -> HttpCall:
@@ -141,5 +148,5 @@ def parse_model_name(resp: dict[str, Any]) -> str:
 
 
 def check_ok(resp: Any, what: str) -> None:
-    if isinstance(resp, dict) and resp.get("error"):
-        raise InferenceError(f"{what} failed: {resp['error']}")
+    if isinstance(resp, dict) and (resp.get("error") or resp.get("success") is False):
+        raise InferenceError(f"{what} failed: {resp.get('error') or resp}")
