@@ -147,7 +147,8 @@ def generate_splits(task: str = "arith", train_size: int = 20000, test_size: int
     return train, test
 
 
-def generate_split(task: str, split: str, n: int, seed: int = 0, *, train_size: int | None = None) -> list[dict]:
+def generate_split(task: str, split: str, n: int, seed: int = 0, *,
+                   train_size: int | None = None) -> list[dict]:
     """One split. For ``test``, ``train_size`` (default: ``n`` of train = 20000) sets the exclusion set."""
     if split not in _SPLIT_SALT:
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")

@@ -317,7 +317,7 @@ class FSDPEngine(TrainEngine):
             seen.add(id(p))
             if self.critic and name.startswith("lm_head.") and not include_value_head:
                 continue
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            full = _full(p)
             yield name, ((full.detach().cpu() if to_cpu else full.detach()) if src else None)
 
     def _write_hf(self, path: str, tensors: dict) -> None:
@@ -476,6 +476,18 @@ class FSDPEngine(TrainEngine):
         if self._runner is not None:
             self._runner.close()
             self._runner = None
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The full tensor behind a (possibly sharded) parameter. On a one-rank mesh the local shard is
+    already the whole tensor: skip the gather collective and its fresh allocation."""
+    if not hasattr(p, "full_tensor"):
+        return p
+    if p.device_mesh.size() == 1:
+        local = p.to_local()
+        if local.shape == p.shape:
+            return local
+    return p.full_tensor()
 
 
 def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):

@@ -300,8 +300,20 @@ class RemoteInferenceEngine(InferenceEngine):
         await self._all([self.backend.build_init_group(meta, i) for i in range(len(self._order))],
                         "init_weights_update_group")
 
-    async def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: list[ParamSpec]) -> None:
-        await self._all([self.backend.build_update_distributed(meta, specs) for _ in self._order],
+    @property
+    def supports_flattened_bucket(self) -> bool:
+        """Whether the backend takes ``flattened_bucket`` (hf only; SGLang/vLLM never get it)."""
+        return bool(getattr(self.backend, "SUPPORTS_FLATTENED_BUCKET", False))
+
+    async def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: list[ParamSpec], *,
+                                              flattened_bucket: bool = False) -> None:
+        """``flattened_bucket``: the trainer broadcasts one flat buffer per dtype of the bucket
+        (hf extension); only allowed when :attr:`supports_flattened_bucket`."""
+        if flattened_bucket and not self.supports_flattened_bucket:
+            raise InferenceError("flattened_bucket weight updates are an hf-server extension; "
+                                 f"backend {self.backend.NAME!r} takes one broadcast per tensor")
+        kw = {"flattened_bucket": True} if flattened_bucket else {}
+        await self._all([self.backend.build_update_distributed(meta, specs, **kw) for _ in self._order],
                         "update_weights_from_distributed")
         self._version = meta.version
 

@@ -48,14 +48,14 @@ class LoopRunner:
 
 
 async def call_all(clients: Iterable[Any], method: str, *args: Any, timeout: float,
-                   what: str | None = None) -> None:
-    """Await ``client.<method>(*args)`` on every client concurrently; the first failure or a timeout
-    raises :class:`WeightSyncError` naming the peer(s)."""
+                   what: str | None = None, **kwargs: Any) -> None:
+    """Await ``client.<method>(*args, **kwargs)`` on every client concurrently; the first failure or
+    a timeout raises :class:`WeightSyncError` naming the peer(s)."""
     clients = list(clients)
 
     async def one(c):
         try:
-            await asyncio.wait_for(getattr(c, method)(*args), timeout)
+            await asyncio.wait_for(getattr(c, method)(*args, **kwargs), timeout)
         except asyncio.TimeoutError as e:
             raise WeightSyncError(f"weight sync: {what or method} to {peer_names(c)} timed out after "
                                   f"{timeout:.1f}s") from e

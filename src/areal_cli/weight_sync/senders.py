@@ -86,8 +86,52 @@ class DiskSender:
             await call_all(clients, "continue_generation", timeout=to)
 
 
+class _Bucket:
+    """Tensors of one broadcast bucket as they go on the wire.
+
+    Tensors are cast straight into a slot of a flat per-dtype staging buffer (no temporary, no page
+    faults after the first sync). Per-tensor mode (SGLang's protocol) sends a tensor that is already
+    in wire dtype/device and contiguous as is (zero-copy); ``flat`` mode (hf extension) always
+    stages, so the bucket goes out as one broadcast per dtype."""
+
+    def __init__(self, sender: "DistributedSender", parity: int, flat: bool):
+        self.sender = sender
+        self.parity = parity
+        self.flat = flat
+        self.names: list[str] = []
+        self.tensors: list = []
+        self.nbytes = 0
+        self.fill: dict = {}  # dtype -> elements used in this bucket's staging buffer (first-use order)
+
+    def add(self, name: str, t, dtype, bucket_bytes: int) -> None:
+        import torch
+
+        if not self.flat and t.dtype == dtype and t.device == torch.device(self.sender.device) \
+                and t.is_contiguous():
+            out = t
+        else:
+            off = self.fill.get(dtype, 0)
+            cap = max(bucket_bytes // dtype.itemsize, off + t.numel())
+            out = self.sender._staging(self.parity, dtype, cap)[off:off + t.numel()].view(t.shape)
+            out.copy_(t)
+            self.fill[dtype] = off + t.numel()
+        self.names.append(name)
+        self.tensors.append(out)
+        self.nbytes += t.numel() * dtype.itemsize
+
+    def wire(self) -> list:
+        """What to broadcast, in order: the flat per-dtype prefixes, or every tensor."""
+        if not self.flat:
+            return list(self.tensors)
+        return [self.sender._staging(self.parity, d, n)[:n] for d, n in self.fill.items()]
+
+
 class DistributedSender:
-    """Bucketed broadcast from trainer rank 0 over a group shared with the servers."""
+    """Bucketed broadcast from trainer rank 0 over a group shared with the servers.
+
+    Pipelined: bucket k+1 is staged while bucket k is broadcast, and its request and broadcast start
+    as soon as bucket k's broadcast is done — the server then copies bucket k into its model while
+    receiving k+1. (Requests stay ordered: k+1 is sent only after the server has taken bucket k.)"""
 
     def __init__(self, runner: LoopRunner, device: str = "cpu"):
         self.runner = runner
@@ -96,9 +140,10 @@ class DistributedSender:
         self.store = None
         self._group_key: tuple | None = None
         self.last_seconds: dict[str, float] = {}
-        self._phase: dict[str, float] = {"broadcast": 0.0, "server_apply": 0.0}
-        self._buffers: dict[str, object] = {}
-        self._pending = None  # concurrent.futures.Future of the bucket in flight
+        self._phase: dict[str, float] = {}
+        self._buffers: dict[tuple, object] = {}  # (parity, dtype) -> flat staging buffer
+        self._pending = None  # concurrent.futures.Future: broadcast of the bucket in flight -> its HTTP task
+        self._requests: list = []  # asyncio tasks of the update requests not yet answered
 
     # -- group ----------------------------------------------------------------------------------
     def _make_group(self, meta: WeightUpdateMeta):
@@ -150,16 +195,19 @@ class DistributedSender:
         for t in tensors:
             self.pg.broadcast([t], opts).wait(timeout)
 
-    async def _send_bucket(self, meta: WeightUpdateMeta, clients: list, names: list[str], tensors: list) -> None:
-        specs = [ParamSpec(n, str(t.dtype).replace("torch.", ""), list(t.shape)) for n, t in zip(names, tensors)]
+    async def _send_bucket(self, meta: WeightUpdateMeta, clients: list, bucket: _Bucket):
+        """Request + broadcast of one bucket; returns the still-running request task once the
+        broadcast is done (the server may still be copying the bucket in)."""
+        specs = [ParamSpec(n, str(t.dtype).replace("torch.", ""), list(t.shape))
+                 for n, t in zip(bucket.names, bucket.tensors)]
+        kw = {"flattened_bucket": True} if bucket.flat else {}
         http = asyncio.ensure_future(call_all(clients, "update_weights_from_distributed", meta, specs,
-                                              timeout=meta.timeout_s))
+                                              timeout=meta.timeout_s, **kw))
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(loop.run_in_executor(None, self._broadcast, tensors, meta), meta.timeout_s + 5)
-            t1 = time.perf_counter()
-            self._phase["broadcast"] += t1 - t0
+            await asyncio.wait_for(loop.run_in_executor(None, self._broadcast, bucket.wire(), meta),
+                                   meta.timeout_s + 5)
         except Exception as e:
             self.pg = None  # a failed collective leaves the group unusable; rebuild next time
             peers = ", ".join(peer_names(c) for c in clients)
@@ -168,8 +216,11 @@ class DistributedSender:
             http.cancel()
             raise WeightSyncError(f"weight sync (distributed): broadcast to server(s) {peers} failed or timed out "
                                   f"after {meta.timeout_s:.1f}s: {type(e).__name__}: {e}") from e
-        await http
-        self._phase["server_apply"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        self._phase["broadcast"] += t1 - t0
+        self._phase["bcast_end"] = t1
+        http.add_done_callback(lambda _f: self._phase.__setitem__("last_reply", time.perf_counter()))
+        return http
 
     # -- main -----------------------------------------------------------------------------------
     def send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *,
@@ -177,6 +228,7 @@ class DistributedSender:
         import torch
 
         wire = getattr(torch, meta.dtype) if meta.dtype else None
+        flat = bool(clients) and all(getattr(c, "supports_flattened_bucket", False) for c in clients)
         err: WeightSyncError | None = None
         t0 = time.perf_counter()
         if is_src:
@@ -186,74 +238,102 @@ class DistributedSender:
             except WeightSyncError as e:
                 err = e
         t1 = time.perf_counter()
-        names: list[str] = []
-        bucket: list = []
-        size = 0
+        self._phase = {"gather": 0.0, "stage": 0.0, "broadcast": 0.0}
+        bucket = _Bucket(self, 0, flat)
         n_buckets = 0
-        self._phase = {"broadcast": 0.0, "server_apply": 0.0}
+        tg = time.perf_counter()
         for name, t in named_tensors:
             if not is_src or err is not None:
                 continue
-            t = self._wire_tensor(name, t.detach(), wire)
-            names.append(name)
-            bucket.append(t)
-            size += t.numel() * t.element_size()
-            if size >= meta.bucket_bytes:
-                err = self._flush(meta, clients, names, bucket)
+            self._phase["gather"] += time.perf_counter() - tg
+            t = t.detach()
+            dtype = wire if (wire is not None and t.is_floating_point()) else t.dtype
+            nbytes = t.numel() * dtype.itemsize
+            if bucket.names and bucket.nbytes + nbytes > meta.bucket_bytes:
+                err = self._flush(meta, clients, bucket)
                 n_buckets += 1
-                names, bucket, size = [], [], 0
-        if is_src and err is None and bucket:
-            err = self._flush(meta, clients, names, bucket)
+                bucket = _Bucket(self, n_buckets % 2, flat)
+                if err is not None:
+                    continue
+            ts = time.perf_counter()
+            bucket.add(name, t, dtype, meta.bucket_bytes)
+            tg = time.perf_counter()
+            self._phase["stage"] += tg - ts
+        if is_src and err is None and bucket.names:
+            err = self._flush(meta, clients, bucket)
             n_buckets += 1
         if is_src:
-            err = self._wait_pending() or err
+            tb = time.perf_counter()
+            err = self._wait_broadcast() or err
+            tb = time.perf_counter() - tb
+            err = self._wait_requests(0) or err
+            last_reply = self._phase.pop("last_reply", time.perf_counter())
+            bcast_end = self._phase.pop("bcast_end", last_reply)
             try:
                 self.runner.run(call_all(clients, "continue_generation", timeout=meta.timeout_s))
             except WeightSyncError as e:
                 err = err or e
-            self.last_seconds = {"pause_init": t1 - t0, "transfer": time.perf_counter() - t1,
-                                 "total": time.perf_counter() - t0, "buckets": float(n_buckets), **self._phase}
+            t2 = time.perf_counter()
+            self.last_seconds = {"pause_init": t1 - t0, "transfer": t2 - t1, "total": t2 - t0,
+                                 "buckets": float(n_buckets), "flattened": float(flat), **self._phase,
+                                 "wait_last_broadcast": tb,
+                                 "server_tail": max(0.0, last_reply - bcast_end)}
         return err
 
-    def _wire_tensor(self, name: str, t, wire):
-        """``t`` as sent: itself when dtype/device already match (zero-copy), else converted into a
-        buffer kept across syncs (fresh allocations page-fault on every push)."""
+    def _staging(self, parity: int, dtype, numel: int):
+        """Flat wire buffer ``parity`` (0/1: the bucket being filled vs the one in flight) for
+        ``dtype``, kept across syncs; ``torch.empty`` only reserves, pages are touched as filled."""
         import torch
 
-        dtype = wire if (wire is not None and t.is_floating_point()) else t.dtype
-        if t.dtype == dtype and str(t.device) == str(torch.device(self.device)) and t.is_contiguous():
-            return t
-        buf = self._buffers.get(name)
-        same_place = buf is not None and str(buf.device) == str(torch.device(self.device))
-        if not same_place or buf.shape != t.shape or buf.dtype != dtype:
-            buf = torch.empty(t.shape, dtype=dtype, device=self.device)
-            self._buffers[name] = buf
-        buf.copy_(t)
+        key = (parity, dtype)
+        buf = self._buffers.get(key)
+        dev = torch.device(self.device)
+        if buf is None or buf.numel() < numel or buf.device != dev:
+            self._buffers.pop(key, None)
+            buf = torch.empty(numel, dtype=dtype, device=dev)
+            self._buffers[key] = buf
         return buf
 
-    def _flush(self, meta, clients, names, bucket) -> WeightSyncError | None:
-        """Start sending ``bucket`` once the previous one is done. Sending runs on the loop thread,
-        so gathering/converting the next bucket overlaps with this one's broadcast and apply."""
-        err = self._wait_pending()
+    def _flush(self, meta, clients, bucket: _Bucket) -> WeightSyncError | None:
+        """Start sending ``bucket`` once the previous bucket's broadcast is done (its staging buffer
+        is then free for the bucket after this one) and at most one earlier request is unanswered."""
+        err = self._wait_broadcast() or self._wait_requests(1)
         if err is not None:
             return err
-        self._pending = asyncio.run_coroutine_threadsafe(
-            self._send_bucket(meta, clients, list(names), list(bucket)), self.runner.loop)
+        self._pending = asyncio.run_coroutine_threadsafe(self._send_bucket(meta, clients, bucket), self.runner.loop)
         return None
 
-    def _wait_pending(self) -> WeightSyncError | None:
+    def _wait_broadcast(self) -> WeightSyncError | None:
         fut, self._pending = self._pending, None
         if fut is None:
             return None
         try:
-            fut.result()
+            self._requests.append(fut.result())
         except WeightSyncError as e:
             return e
         except Exception as e:  # anything unexpected still must not hang or go unnamed
             return WeightSyncError(f"weight sync (distributed): bucket send failed: {type(e).__name__}: {e}")
         return None
 
+    def _wait_requests(self, keep: int) -> WeightSyncError | None:
+        """Wait until at most ``keep`` update requests are unanswered; the first failure wins."""
+        err = None
+        while len(self._requests) > keep:
+            task = self._requests.pop(0)
+            try:
+                self.runner.run(_await(task))
+            except WeightSyncError as e:
+                err = err or e
+            except Exception as e:
+                err = err or WeightSyncError(f"weight sync (distributed): update request failed: "
+                                             f"{type(e).__name__}: {e}")
+        return err
+
     def close(self) -> None:
         self.pg = None
         self.store = None
         self._buffers.clear()
+
+
+async def _await(task):
+    return await task

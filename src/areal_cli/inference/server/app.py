@@ -408,22 +408,31 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
         gname = body.get("group_name")
         if gname is not None and gname != rec.group_name:
             return _err(400, f"group_name {gname!r} does not match the joined group {rec.group_name!r}")
+        flattened = body.get("flattened_bucket", False)
+        if not isinstance(flattened, bool):
+            raise BadRequest("flattened_bucket (bool) must be true or false")
         version = parse_version(body)
         problem = W.check_update_request(eng.model, names, dtypes, shapes)
         drainable = len(names) == len(dtypes) == len(shapes) and all(
             isinstance(s, list) for s in shapes)
+
+        def apply(tensors):
+            return eng.call(lambda: (W.apply(eng.model, tensors), set_version(version))[0])
+
         async with state.weight_lock:
             if problem is not None:
                 if drainable:
                     try:  # keep the collective in step with the trainer, then reject
-                        await asyncio.to_thread(rec.receive, names, dtypes, shapes)
+                        await asyncio.to_thread(rec.drain, names, dtypes, shapes, flattened)
                     except Exception:
                         pass
                 return _err(400, f"rejected weight update (nothing applied): {problem}")
             try:
-                tensors = await asyncio.to_thread(rec.receive, names, dtypes, shapes)
-            except Exception as e:
+                applied = await asyncio.to_thread(rec.receive_and_apply, names, dtypes, shapes, flattened, apply)
+            except W.ReceiveFailed as e:
                 return _err(500, f"broadcast receive failed in group {rec.group_name}: {e}")
-            n = await asyncio.wrap_future(eng.call(lambda: (W.apply(eng.model, tensors), set_version(version))[0]))
+        # The copy runs between two decode steps while the next bucket is already being received.
+        # shield: a cancelled request must not cancel the queued copy (its slot is freed when done).
+        n = await asyncio.shield(asyncio.wrap_future(applied))
         return {"success": True, "message": f"updated {n} tensors", "weight_version": str(eng.version)}
 

@@ -55,7 +55,8 @@ class GenerationEngine:
     """Owns the model; serves requests in a background thread (see module docstring)."""
 
     def __init__(self, model, tokenizer, *, device: str, max_running: int = 256,
-                 max_prefill_tokens: int = 8192, context_length: int, version: int = 0, seed: int = 0):
+                 max_prefill_tokens: int = 8192, context_length: int, version: int = 0, seed: int = 0,
+                 fast_path: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -73,8 +74,7 @@ class GenerationEngine:
         self._paused = False
         self._stopping = False
         self._running: list[Sequence] = []
-        self._cache = None
-        self._mask: torch.Tensor | None = None  # [B, L] 1 = real token
+        self.runner = _make_runner(model, self.device, fast_path, self.pad_id)
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0}
         self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
 
@@ -191,61 +191,19 @@ class GenerationEngine:
         if batch:
             self._prefill(batch)
 
-    def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
-        kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True)
-        if last_only:
-            kwargs["logits_to_keep"] = 1
-        try:
-            out = self.model(**kwargs)
-        except TypeError:  # architectures without logits_to_keep
-            kwargs.pop("logits_to_keep", None)
-            out = self.model(**kwargs)
-        return out.logits[:, -1, :].float(), out.past_key_values
-
     def _prefill(self, batch: list[Sequence]) -> None:
-        from transformers import DynamicCache
-
         # A resumed request's earlier output is part of its prompt here (it is in the KV cache).
         seqs = [s.prompt_ids + s.out_ids for s in batch]
-        n_max = max(len(x) for x in seqs)
-        ids = torch.full((len(batch), n_max), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), n_max), dtype=torch.long)
-        for i, x in enumerate(seqs):
-            ids[i, n_max - len(x):] = torch.tensor(x, dtype=torch.long)
-            mask[i, n_max - len(x):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits, cache = self._forward(ids.to(self.device), mask.to(self.device), pos.to(self.device),
-                                      cache, last_only=True)
+        logits = self.runner.prefill(seqs)
         for s, x in zip(batch, seqs):
             s.real_len = len(x)
         self.stats["prefill_tokens"] += sum(len(x) for x in seqs)
-        self._merge(batch, cache, mask.to(self.device))
+        self._running.extend(batch)
         self._sample_and_append(logits, rows=list(range(len(self._running) - len(batch),
                                                          len(self._running))))
 
-    def _merge(self, batch: list[Sequence], cache, mask: torch.Tensor) -> None:
-        if not self._running:
-            for li, layer in enumerate(cache.layers):
-                cache.layers[li] = SlabLayer(layer.keys, layer.values)
-            self._running, self._cache, self._mask = list(batch), cache, mask
-            return
-        la, lb = self._mask.shape[1], mask.shape[1]
-        length = max(la, lb)
-        for li, (layer_a, layer_b) in enumerate(zip(self._cache.layers, cache.layers)):
-            k = torch.cat([_lpad(layer_a.keys, length), _lpad(layer_b.keys, length)], dim=0)
-            v = torch.cat([_lpad(layer_a.values, length), _lpad(layer_b.values, length)], dim=0)
-            self._cache.layers[li] = SlabLayer(k, v)
-        self._mask = torch.cat([_lpad(self._mask, length, dim=1), _lpad(mask, length, dim=1)], dim=0)
-        self._running.extend(batch)
-
     def _decode_step(self) -> None:
-        last = torch.tensor([[s.out_ids[-1]] for s in self._running], dtype=torch.long, device=self.device)
-        pos = torch.tensor([[s.real_len] for s in self._running], dtype=torch.long, device=self.device)
-        self._mask = torch.cat([self._mask, torch.ones((len(self._running), 1), dtype=self._mask.dtype,
-                                                       device=self.device)], dim=1)
-        logits, self._cache = self._forward(last, self._mask, pos, self._cache, last_only=False)
+        logits = self.runner.decode([s.out_ids[-1] for s in self._running])
         for s in self._running:
             s.real_len += 1
         self.stats["steps"] += 1
@@ -293,18 +251,11 @@ class GenerationEngine:
         for i in sorted(drop):
             self._finish(self._running[i])
         keep = [i for i in range(len(self._running)) if i not in drop]
-        if not keep:
-            self._running, self._cache, self._mask = [], None, None
-            return
         self._running = [self._running[i] for i in keep]
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._mask = self._mask.index_select(0, idx)
-        # Columns that are padding in every remaining row only cost attention time: cut them.
-        first_real = int((self._mask.sum(0) > 0).nonzero()[0].item())
-        self._mask = self._mask[:, first_real:]
-        for li, layer in enumerate(self._cache.layers):
-            self._cache.layers[li] = SlabLayer(layer.keys.index_select(0, idx)[:, :, first_real:, :],
-                                               layer.values.index_select(0, idx)[:, :, first_real:, :])
+        if keep:
+            self.runner.keep(keep)
+        else:
+            self.runner.clear()
 
     def _finish(self, s: Sequence) -> None:
         s.finished_at = time.monotonic()
@@ -313,6 +264,108 @@ class GenerationEngine:
             s.on_done(s)
         except Exception:  # a closed event loop must not stop the engine
             log.exception("completion callback failed for %s", s.rid)
+
+
+def _make_runner(model, device: torch.device, fast_path: bool | None, pad_id: int):
+    """The model runner: :class:`FastRunner` when it supports the architecture, else :class:`HFRunner`.
+
+    ``fast_path=None`` (auto) uses the fast path when the server runs its own attention (``areal_sdpa``,
+    i.e. without ``--stock-attention``); ``True`` requires it; ``False`` always runs HF's forward.
+    """
+    from areal_cli.inference.server.attention import NAME as AREAL_ATTN
+    from areal_cli.inference.server.fastpath import FastRunner, unsupported_reason
+
+    reason = unsupported_reason(model)
+    if fast_path is None:
+        fast_path = reason is None and getattr(model.config, "_attn_implementation", None) == AREAL_ATTN
+    elif fast_path and reason is not None:
+        raise ValueError(f"the fast decode path cannot run this model: {reason}")
+    if fast_path:
+        log.info("decode path: fast (fused, prepacked weights, ragged KV slabs)")
+        return FastRunner(model, device)
+    log.info("decode path: HF forward%s", f" ({reason})" if reason else "")
+    return HFRunner(model, device, pad_id)
+
+
+class HFRunner:
+    """Runs HF's own forward over a left-padded batched ``DynamicCache`` whose layers are slabs.
+
+    Same interface as :class:`~areal_cli.inference.server.fastpath.FastRunner`: ``prefill`` appends
+    rows, ``decode`` advances every row by one token, ``keep``/``clear`` retire rows.
+    """
+
+    def __init__(self, model, device: torch.device, pad_id: int):
+        self.model, self.device, self.pad_id = model, device, pad_id
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # [B, L] 1 = real token
+        self.lens: list[int] = []
+
+    def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
+        kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                      past_key_values=cache, use_cache=True)
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        try:
+            out = self.model(**kwargs)
+        except TypeError:  # architectures without logits_to_keep
+            kwargs.pop("logits_to_keep", None)
+            out = self.model(**kwargs)
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[list[int]]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        n_max = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), n_max), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), n_max), dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, n_max - len(x):] = torch.tensor(x, dtype=torch.long)
+            mask[i, n_max - len(x):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits, cache = self._forward(ids.to(self.device), mask.to(self.device), pos.to(self.device),
+                                      cache, last_only=True)
+        self._merge(cache, mask.to(self.device))
+        self.lens.extend(len(x) for x in seqs)
+        return logits
+
+    def _merge(self, cache, mask: torch.Tensor) -> None:
+        if self._cache is None:
+            for li, layer in enumerate(cache.layers):
+                cache.layers[li] = SlabLayer(layer.keys, layer.values)
+            self._cache, self._mask = cache, mask
+            return
+        length = max(self._mask.shape[1], mask.shape[1])
+        for li, (layer_a, layer_b) in enumerate(zip(self._cache.layers, cache.layers)):
+            k = torch.cat([_lpad(layer_a.keys, length), _lpad(layer_b.keys, length)], dim=0)
+            v = torch.cat([_lpad(layer_a.values, length), _lpad(layer_b.values, length)], dim=0)
+            self._cache.layers[li] = SlabLayer(k, v)
+        self._mask = torch.cat([_lpad(self._mask, length, dim=1), _lpad(mask, length, dim=1)], dim=0)
+
+    @torch.no_grad()
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        last = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        pos = torch.tensor(self.lens, dtype=torch.long, device=self.device).unsqueeze(1)
+        self._mask = torch.cat([self._mask, torch.ones((len(tokens), 1), dtype=self._mask.dtype,
+                                                       device=self.device)], dim=1)
+        logits, self._cache = self._forward(last, self._mask, pos, self._cache, last_only=False)
+        self.lens = [n + 1 for n in self.lens]
+        return logits
+
+    def keep(self, idx: list[int]) -> None:
+        self.lens = [self.lens[i] for i in idx]
+        it = torch.tensor(idx, dtype=torch.long, device=self.device)
+        self._mask = self._mask.index_select(0, it)
+        # Columns that are padding in every remaining row only cost attention time: cut them.
+        first_real = int((self._mask.sum(0) > 0).nonzero()[0].item())
+        self._mask = self._mask[:, first_real:]
+        for li, layer in enumerate(self._cache.layers):
+            self._cache.layers[li] = SlabLayer(layer.keys.index_select(0, it)[:, :, first_real:, :],
+                                               layer.values.index_select(0, it)[:, :, first_real:, :])
+
+    def clear(self) -> None:
+        self._cache, self._mask, self.lens = None, None, []
 
 
 def _slab_layer_cls():

@@ -3,13 +3,22 @@
 Both paths first build a complete ``{name: tensor}`` dict and validate every name and shape
 against the live model; only then the engine thread copies it in between two decode steps. A bad
 update is rejected whole and never half-applied.
+
+Broadcasts land in flat staging buffers kept across updates (one per dtype, grown on demand):
+fresh allocations would page-fault on every push, and the apply step is then one tight
+``param.copy_(staged)`` loop (``copy_`` converts dtype without a temporary).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import tempfile
-from dataclasses import dataclass
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -17,6 +26,10 @@ import torch
 
 class WeightUpdateRejected(ValueError):
     """The update does not match the model; nothing was applied."""
+
+
+class ReceiveFailed(RuntimeError):
+    """The broadcast of a weight bucket failed; the model is untouched."""
 
 
 _DTYPES = {
@@ -33,9 +46,19 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[key]
 
 
+_PARAMS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
 def model_params(model) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by HF checkpoint name (tied weights appear once per name)."""
-    return dict(model.state_dict(keep_vars=True))
+    """Parameters and persistent buffers by HF checkpoint name (tied weights appear once per name).
+
+    Cached per model: updates copy into the same tensors, so the mapping never changes, and
+    ``state_dict()`` walks every module (measurable on each bucket of a push)."""
+    live = _PARAMS.get(model)
+    if live is None:
+        live = dict(model.state_dict(keep_vars=True))
+        _PARAMS[model] = live
+    return live
 
 
 def validate(model, tensors: dict[str, torch.Tensor]) -> None:
@@ -55,7 +78,7 @@ def apply(model, tensors: dict[str, torch.Tensor]) -> int:
     live = model_params(model)
     with torch.no_grad():
         for n, t in tensors.items():
-            live[n].data.copy_(t.to(device=live[n].device, dtype=live[n].dtype))
+            live[n].copy_(t)  # converts dtype/device in place, no temporary
     return len(tensors)
 
 
@@ -95,6 +118,26 @@ def load_from_disk(model, path: str, roots: list[str]) -> dict[str, torch.Tensor
     return tensors
 
 
+def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[torch.dtype, int, int]],
+                                                                       dict[torch.dtype, int]]:
+    """Where each tensor of a bucket sits in the flat per-dtype buffers: ``[(dtype, offset, numel)]``
+    in request order, and the total element count per dtype (in order of first appearance).
+
+    This is also the wire layout of the ``flattened_bucket`` extension: one broadcast per dtype of
+    the bucket's tensors of that dtype concatenated in request order."""
+    slots: list[tuple[torch.dtype, int, int]] = []
+    totals: dict[torch.dtype, int] = {}
+    for dt, shp in zip(dtypes, shapes):
+        d = parse_dtype(dt)
+        n = 1
+        for x in shp:
+            n *= int(x)
+        off = totals.get(d, 0)
+        slots.append((d, off, n))
+        totals[d] = off + n
+    return slots, totals
+
+
 @dataclass
 class DistributedReceiver:
     """Membership in the trainer's weight-update group (built without the default group)."""
@@ -105,6 +148,14 @@ class DistributedReceiver:
     backend: str
     pg: object
     store: object
+    # Two staging slots: bucket k+1 is received while bucket k is still being copied into the model.
+    # A slot's lock is held from its receive until its apply finished; ``_recv_lock`` serialises use
+    # of the process group (and the order in which applies are queued).
+    _staging: list[dict[torch.dtype, torch.Tensor]] = field(default_factory=lambda: [{}, {}], repr=False)
+    _slot_locks: list[threading.Lock] = field(default_factory=lambda: [threading.Lock(), threading.Lock()],
+                                              repr=False)
+    _recv_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _next_slot: int = 0
 
     @classmethod
     def join(cls, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -127,17 +178,77 @@ class DistributedReceiver:
             raise WeightUpdateRejected(f"unknown backend {backend!r}; expected gloo or nccl")
         return cls(group_name, int(rank_offset), int(world_size), backend, pg, store)
 
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
-        """One ``broadcast(root=0)`` per tensor, in order (SGLang's protocol)."""
+    def _flat(self, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         device = "cuda" if self.backend == "nccl" else "cpu"
-        out: dict[str, torch.Tensor] = {}
-        for n, dt, shp in zip(names, dtypes, shapes):
-            buf = torch.empty(list(shp), dtype=parse_dtype(dt), device=device)
-            self.pg.broadcast(buf, 0).wait()  # (tensor, root) overload; a list needs BroadcastOptions
-            out[n] = buf
-        return out
+        bufs = self._staging[slot]
+        buf = bufs.get(dtype)
+        if buf is None or buf.numel() < numel:
+            bufs.pop(dtype, None)  # free the old one before allocating the bigger one
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            bufs[dtype] = buf
+        return buf
+
+    def _receive(self, slot: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                 flattened: bool) -> dict[str, torch.Tensor]:
+        slots, totals = bucket_layout(dtypes, shapes)
+        flats = {d: self._flat(slot, d, n) for d, n in totals.items()}
+        views = [flats[d][off:off + k].view([int(x) for x in shp]) for (d, off, k), shp in zip(slots, shapes)]
+        if flattened:
+            for d, total in totals.items():
+                self.pg.broadcast(flats[d][:total], 0).wait()
+        else:
+            for t in views:
+                self.pg.broadcast(t, 0).wait()  # (tensor, root) overload; a list needs BroadcastOptions
+        return dict(zip(names, views))
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                flattened: bool = False) -> dict[str, torch.Tensor]:
+        """Receive one bucket into fresh tensors (for callers that keep them).
+
+        Default: one ``broadcast(root=0)`` per tensor, in order (SGLang's protocol). ``flattened``:
+        one broadcast per dtype of the concatenated tensors (see :func:`bucket_layout`)."""
+        slots, totals = bucket_layout(dtypes, shapes)
+        flats = {d: torch.empty(n, dtype=d, device="cuda" if self.backend == "nccl" else "cpu")
+                 for d, n in totals.items()}
+        views = [flats[d][off:off + k].view([int(x) for x in shp]) for (d, off, k), shp in zip(slots, shapes)]
+        with self._recv_lock:
+            if flattened:
+                for d, total in totals.items():
+                    self.pg.broadcast(flats[d][:total], 0).wait()
+            else:
+                for t in views:
+                    self.pg.broadcast(t, 0).wait()
+        return dict(zip(names, views))
+
+    def receive_and_apply(self, names: list[str], dtypes: list[str], shapes: list[list[int]], flattened: bool,
+                          apply: Callable[[dict[str, torch.Tensor]], concurrent.futures.Future]
+                          ) -> concurrent.futures.Future:
+        """Receive a bucket into a staging slot and hand the views to ``apply`` (which queues the copy
+        on the engine thread and returns its future). Returns that future; the slot stays locked
+        until it is done, so a later bucket never overwrites data not yet copied in. Raises
+        :class:`ReceiveFailed` if the broadcast fails (nothing queued)."""
+        with self._recv_lock:
+            slot = self._next_slot
+            self._next_slot = 1 - slot
+            lock = self._slot_locks[slot]
+            lock.acquire()
+            try:
+                tensors = self._receive(slot, names, dtypes, shapes, flattened)
+                fut = apply(tensors)  # queued under _recv_lock: applies run in bucket order
+            except BaseException as e:
+                lock.release()
+                if isinstance(e, Exception):
+                    raise ReceiveFailed(str(e)) from e
+                raise
+        fut.add_done_callback(lambda _f: lock.release())
+        return fut
+
+    def drain(self, names: list[str], dtypes: list[str], shapes: list[list[int]], flattened: bool) -> None:
+        """Receive and discard a rejected bucket so the collective stays in step with the trainer."""
+        self.receive(names, dtypes, shapes, flattened)
 
     def close(self) -> None:
+        self._staging = [{}, {}]
         try:
             import torch.distributed as dist
 
