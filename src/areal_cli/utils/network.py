@@ -14,7 +14,10 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True if a server could listen on ``port`` now. SO_REUSEADDR, as servers set it, so sockets
+    lingering in TIME_WAIT after a clean shutdown do not count as taken; a live listener does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -18,6 +18,7 @@ Protocols (SGLang's, spoken by the built-in ``hf`` server too):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import time
@@ -27,7 +28,7 @@ from typing import Any
 
 from areal_cli.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal_cli.errors import WeightSyncError
-from areal_cli.weight_sync.common import LoopRunner, call_all, peer_names
+from areal_cli.weight_sync.common import LoopRunner, call_all, peer_names, torch_threads
 
 NamedTensors = Iterator[tuple[str, Any]]
 
@@ -225,6 +226,11 @@ class DistributedSender:
     # -- main -----------------------------------------------------------------------------------
     def send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *,
              is_src: bool) -> WeightSyncError | None:
+        with torch_threads(1) if is_src else contextlib.nullcontext():
+            return self._send(meta, clients, named_tensors, is_src=is_src)
+
+    def _send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *,
+              is_src: bool) -> WeightSyncError | None:
         import torch
 
         wire = getattr(torch, meta.dtype) if meta.dtype else None

@@ -417,7 +417,7 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
             isinstance(s, list) for s in shapes)
 
         def apply(tensors):
-            return eng.call(lambda: (W.apply(eng.model, tensors), set_version(version))[0])
+            return eng.call(lambda: (W.apply(eng.model, tensors, threads=1), set_version(version))[0])
 
         async with state.weight_lock:
             if problem is not None:

@@ -36,6 +36,8 @@ _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
 }
 
 
@@ -73,12 +75,22 @@ def validate(model, tensors: dict[str, torch.Tensor]) -> None:
                                    f"({len(bad)} tensor(s) mismatched); nothing was applied")
 
 
-def apply(model, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy validated tensors into the model (call from the engine thread only)."""
+def apply(model, tensors: dict[str, torch.Tensor], threads: int | None = None) -> int:
+    """Copy validated tensors into the model (call from the engine thread only).
+
+    ``threads``: torch intra-op threads for the copy (1 while a broadcast is being received
+    concurrently: spinning OpenMP workers would starve the receiving thread)."""
     live = model_params(model)
-    with torch.no_grad():
-        for n, t in tensors.items():
-            live[n].copy_(t)  # converts dtype/device in place, no temporary
+    prev = torch.get_num_threads()
+    if threads and threads != prev:
+        torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            for n, t in tensors.items():
+                live[n].copy_(t)  # converts dtype/device in place, no temporary
+    finally:
+        if threads and threads != prev:
+            torch.set_num_threads(prev)
     return len(tensors)
 
 
