@@ -5,8 +5,10 @@
 1. Builds a ~59M-parameter Qwen2 (``make_tiny_model`` with a bigger config) and starts the built-in
    ``hf`` server on it.
 2. This process becomes a one-rank trainer and pushes its weights into the server with
-   distributed sync (bf16 and fp32 on the wire) and disk sync (/dev/shm and a regular disk dir);
-   it prints seconds per push (median of ``--repeats``) and the ratio against disk sync.
+   distributed sync (bf16 and fp32 on the wire; bf16 also with SGLang's one-broadcast-per-tensor
+   protocol instead of the hf ``flattened_bucket`` extension) and disk sync (/dev/shm and a regular
+   disk dir); it prints seconds per push (median and best of ``--repeats``) and the ratio against
+   disk sync.
 3. Launches dp=1 and dp=2 trainer processes (gloo) and prints train-step tokens/s, with dp=2 as a
    ratio of dp=1.
 
@@ -39,6 +41,18 @@ def build_model(root: Path) -> str:
     return str(d)
 
 
+class _PerTensor:
+    """The same hf client without the ``flattened_bucket`` extension: SGLang's wire protocol."""
+
+    supports_flattened_bucket = False
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
 def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None = None,
                bucket_bytes: int = 32 * 1024**2) -> tuple[dict[str, float], dict[str, float]]:
     """Median and best seconds per push for each case."""
@@ -61,8 +75,10 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
     client = RemoteInferenceEngine([server.address], retries=1)
     runner = LoopRunner()
     port = find_free_port()
+    per_tensor = _PerTensor(client)
     cases = {
         "distributed bf16": dict(type="distributed", dtype="bfloat16"),
+        "distrib bf16 sglang": dict(type="distributed", dtype="bfloat16"),  # one broadcast per tensor
         "distributed fp32": dict(type="distributed", dtype="float32"),
         "disk /dev/shm": dict(type="disk", path=str(shm)),
         "disk regular": dict(type="disk", path=str(disk)),
@@ -77,7 +93,7 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
             for i in range(repeats + 1):  # first push of each case is warm-up (group creation, page cache)
                 meta = WeightUpdateMeta(master_port=port, timeout_s=120, bucket_bytes=bucket_bytes, **kw)
                 t0 = time.perf_counter()
-                engine.update_weights(meta, [client], loop=runner.loop)
+                engine.update_weights(meta, [per_tensor if "sglang" in name else client], loop=runner.loop)
                 dt = time.perf_counter() - t0
                 if i:
                     if not times or dt < min(times):
@@ -95,6 +111,62 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
         for d in (shm, disk):
             subprocess.run(["rm", "-rf", str(d)], check=False)
     return results, best
+
+
+# ------------------------------------------------------------------ floor: the unavoidable work
+def _raw_peer(port: int, numel: int, repeats: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, timeout)
+    buf = torch.empty(numel, dtype=torch.bfloat16)
+    for _ in range(repeats + 1):
+        pg.broadcast(buf, 0).wait()
+
+
+def bench_floor(model_dir: str, repeats: int) -> dict[str, float]:
+    """Best-of-N seconds of the pieces no implementation can skip, measured now on this machine:
+    fp32→bf16 cast on the trainer, one raw gloo broadcast of the bf16 bytes to another process,
+    bf16→fp32 copy into the server's params (1 thread each, as during a sync)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.models.tiny import model_param_count
+    from areal_cli.utils.network import find_free_port
+
+    numel = model_param_count(model_dir)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    src, wire, dst = torch.randn(numel), torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel)
+    res = {"cast": 1e9, "broadcast": 1e9, "apply": 1e9}
+    port = find_free_port()
+    peer = subprocess.Popen([sys.executable, __file__, "--raw-peer", str(port), str(numel), str(repeats)])
+    try:
+        timeout = datetime.timedelta(seconds=120)
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timeout)
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            wire.copy_(src)
+            t1 = time.perf_counter()
+            pg.broadcast(wire, 0).wait()
+            t2 = time.perf_counter()
+            dst.copy_(wire)
+            t3 = time.perf_counter()
+            if i:
+                for k, v in (("cast", t1 - t0), ("broadcast", t2 - t1), ("apply", t3 - t2)):
+                    res[k] = min(res[k], v)
+    finally:
+        peer.wait(timeout=60)
+        torch.set_num_threads(prev)
+    res["sum"] = res["cast"] + res["broadcast"] + res["apply"]
+    return res
 
 
 # ------------------------------------------------------------------ train-step throughput
@@ -161,6 +233,9 @@ def bench_train(model_dir: str, root: Path, steps: int, n_seqs: int, seq_len: in
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--raw-peer":
+        _raw_peer(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         _train_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         return
@@ -168,7 +243,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--root", default=None, help="work dir on a regular disk (default: a temp dir under /tmp)")
     ap.add_argument("--skip-train", action="store_true")
-    ap.add_argument("--bucket-mb", type=int, default=32, help="distributed bucket size (buckets are pipelined)")
+    ap.add_argument("--bucket-mb", type=int, default=32,
+                    help="distributed bucket size; buckets are pipelined (stage k+1 / broadcast k / apply k-1)")
     ap.add_argument("--only", nargs="*", default=None, help="sync cases to run, e.g. 'distributed bf16'")
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--seqs", type=int, default=8)
@@ -190,6 +266,9 @@ def main() -> None:
         b = best["distributed bf16"]
         print(f"  target ≤0.25 s for distributed bf16: median {'met' if target <= 0.25 else 'NOT met'} "
               f"({target:.3f} s), best {'met' if b <= 0.25 else 'NOT met'} ({b:.3f} s)")
+    floor = bench_floor(model_dir, args.repeats)
+    print(f"  floor now (best of {args.repeats}, serial): cast fp32→bf16 {floor['cast']:.3f} s + raw gloo broadcast "
+          f"{floor['broadcast']:.3f} s + copy bf16→fp32 {floor['apply']:.3f} s = {floor['sum']:.3f} s")
     print(f"  load average during the run: {os.getloadavg()[0]:.1f} (1 min), {os.cpu_count()} cores")
     if not args.skip_train:
         print(f"train step ({args.seqs}×{args.seq_len} tokens, fp32, gloo):")

@@ -163,6 +163,48 @@ def test_distributed_update_over_gloo(server, models, tok):
     del pg, store
 
 
+def test_flattened_bucket_extension(server, models, tok):
+    """hf extension: one broadcast per dtype per bucket (here bf16 on the wire into the fp32 model)."""
+    import copy
+
+    engine = _engine(server)
+    p = prompts(tok, 1, seed=15)[0]
+    port = find_free_port()
+    meta = WeightUpdateMeta(type="distributed", version=40, master_address="127.0.0.1", master_port=port,
+                            group_name="areal_flat_group", backend="gloo", world_size=2)
+
+    async def init():
+        return await asyncio.gather(engine.init_weights_update_group(meta),
+                                    asyncio.to_thread(_trainer_group, port, 2, meta.group_name))
+
+    _, (store, pg) = asyncio.run(init())
+    new = {k: v.detach().to(torch.bfloat16) for k, v in models[1].state_dict().items()}
+
+    async def push(m, sp, tensors):
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        await asyncio.gather(engine.update_weights_from_distributed(m, sp, flattened_bucket=True),
+                             asyncio.to_thread(broadcast_from_root, pg, flat))
+
+    # A flat bucket with a wrong shape is drained as one broadcast and rejected whole.
+    bad = [ParamSpec("model.norm.weight", "bfloat16", [3]),
+           ParamSpec("model.embed_tokens.weight", "bfloat16", list(new["model.embed_tokens.weight"].shape))]
+    before = _greedy(engine, p)
+    with pytest.raises(InferenceError, match="shape mismatch"):
+        asyncio.run(push(meta, bad, [torch.zeros(3, dtype=torch.bfloat16), new["model.embed_tokens.weight"]]))
+    assert _greedy(engine, p) == before
+
+    names = list(new)
+    for i, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        m = meta.__class__(**{**meta.__dict__, "version": 41 + i})
+        asyncio.run(push(m, [ParamSpec(n, "bfloat16", list(new[n].shape)) for n in chunk], [new[n] for n in chunk]))
+    ref = copy.deepcopy(models[1])
+    with torch.no_grad():
+        for t in ref.parameters():
+            t.copy_(t.to(torch.bfloat16))
+    assert _version(server) == "42" and _greedy(engine, p) == hf_greedy(ref, p, 16)
+    del pg, store
+
+
 def test_partial_rollout_spans_a_weight_update(server, models, tok, tiny_model_dir, tiny_model_dir_b):
     """A 200-token generation is paused mid-way, the weights change, and the client resumes it."""
     engine = _engine(server)

@@ -17,12 +17,21 @@ from areal_cli.launchers.base import JobLayout, ServerSpec, TrainerSpec
 # ---------------------------------------------------------------- CLI-process side (no torch)
 
 def resolve_model_path(cfg: Any) -> str:
-    """``builtin:tiny`` → the cached built-in model dir (built on first use); else a local HF dir."""
+    """``builtin:<spec>`` → the cached built-in model dir (built on first use); else a local HF dir.
+
+    The ``model`` group's architecture facts are what validation checked, so they decide the
+    built model (``model.hidden_size=256`` builds and caches a 256-wide one).
+    """
     path = cfg.model.path
     if isinstance(path, str) and path.startswith("builtin:"):
-        from areal_cli.data.builtin_model import ensure_builtin_model
+        from areal_cli.data.builtin_model import BUILTIN_SPECS, ensure_builtin_model, overrides_from_model_config
 
-        return str(ensure_builtin_model(os.path.expanduser(cfg.cluster.fileroot)))
+        spec = path.split(":", 1)[1] or "tiny"
+        if spec not in BUILTIN_SPECS:
+            raise ConfigError("model.path", f"unknown built-in model {path!r}",
+                              f"use one of: {', '.join('builtin:' + s for s in BUILTIN_SPECS)}")
+        return str(ensure_builtin_model(os.path.expanduser(cfg.cluster.fileroot), spec,
+                                        overrides=overrides_from_model_config(cfg.model)))
     p = Path(os.path.expanduser(path))
     if not (p / "config.json").is_file():
         raise ConfigError("model.path", f"{path} is not a local HF model dir (no config.json)",

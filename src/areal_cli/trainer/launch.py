@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_cli.errors import StorageError
+from areal_cli.errors import ConfigError, StorageError
 
 # Files a fresh (resume=none) run replaces; anything else in the run dir is left alone.
 RUN_STATE = ("metrics.jsonl", "status.json", "servers", "recover", "checkpoints", "sft_warmup",
@@ -79,6 +79,16 @@ def prepare_run_dir(cfg: Any, run_dir: str) -> None:
     p.mkdir(parents=True, exist_ok=True)
 
 
+def check_engine_available(cfg: Any) -> None:
+    """Refuse, before anything starts, a training backend this release can plan but not run."""
+    from areal_cli.engines import ENGINES
+
+    if cfg.engine.name not in ENGINES:
+        raise ConfigError("engine.name", f"the {cfg.engine.name!r} training backend is validated and planned "
+                          "(validate-config, train --dry-run) but cannot train in this release",
+                          f"train with engine={' or engine='.join(sorted(ENGINES))}")
+
+
 def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) -> int:
     """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C)."""
     from areal_cli.launchers.base import get_launcher
@@ -89,6 +99,7 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) ->
 
     t0 = time.time()
     run_dir = cfg.run_dir()
+    check_engine_available(cfg)
     check_dataset_files(cfg)
     check_storage(cfg, run_dir)
     prepare_run_dir(cfg, run_dir)
