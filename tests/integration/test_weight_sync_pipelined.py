@@ -64,7 +64,7 @@ def test_pipelined_buckets_both_protocols(tiny_model_dir, tiny_model_dir_b, tmp_
         cases = [(a, "float32", True), (b, "float32", False), (a, "bfloat16", True), (b, "bfloat16", False)]
         for version, (model, dtype, flat) in enumerate(cases, start=1):
             meta = WeightUpdateMeta(type="distributed", version=version, master_port=port, world_size=2,
-                                    dtype=dtype, bucket_bytes=96 * 1024, timeout_s=60)
+                                    dtype=dtype, bucket_bytes=16 * 1024, timeout_s=60)
             err = sender.send(meta, [client if flat else _PerTensor(client)], _named(model), is_src=True)
             assert err is None, err
             assert sender.last_seconds["buckets"] > 4 and sender.last_seconds["flattened"] == float(flat)

@@ -25,7 +25,7 @@ def sweep(
     dry_run: bool = typer.Option(False, "--dry-run", help="List the trials and their validation status; run nothing."),
     strict: bool = typer.Option(False, "--strict", help="Stop if any trial is invalid (default: skip it)."),
     resume: Optional[str] = typer.Option(None, "--resume", help="Rerun the unfinished or failed trials of SWEEP_DIR."),
-    metric: str = typer.Option("eval/accuracy", "--metric", help="Metric to rank trials and plot."),
+    metric: str = typer.Option("accuracy_after", "--metric", help="Key of the run's summary.json to rank trials and plot (accuracy_after, reward_last, samples_per_s_avg, ...)."),
     mode: str = typer.Option("max", "--mode", help="max or min."),
     max_parallel: Optional[int] = typer.Option(None, "--max-parallel", help="Trials at once (SLURM: array concurrency)."),
     cpus: Optional[int] = typer.Option(None, "--cpus", help="Local CPU budget (default: all cores)."),

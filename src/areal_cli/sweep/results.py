@@ -10,9 +10,9 @@ from areal_cli.sweep.manifest import Manifest, Trial
 
 # Columns shown when the trainer reports them (first matching key wins).
 METRIC_COLUMNS = {
-    "accuracy": ("eval/accuracy", "eval/pass@1", "accuracy"),
-    "reward": ("rollout/reward", "reward"),
-    "samples/s": ("perf/samples_per_s", "samples_per_s"),
+    "accuracy": ("accuracy_after", "eval/pass@1"),
+    "reward": ("reward_last", "reward/mean"),
+    "samples/s": ("samples_per_s_avg", "perf/samples_per_s"),
 }
 
 

@@ -269,15 +269,18 @@ class GenerationEngine:
 def _make_runner(model, device: torch.device, fast_path: bool | None, pad_id: int):
     """The model runner: :class:`FastRunner` when it supports the architecture, else :class:`HFRunner`.
 
-    ``fast_path=None`` (auto) uses the fast path when the server runs its own attention (``areal_sdpa``,
-    i.e. without ``--stock-attention``); ``True`` requires it; ``False`` always runs HF's forward.
+    ``fast_path=None`` (auto) uses the fast path on CPU when the server runs its own attention
+    (``areal_sdpa``, i.e. without ``--stock-attention``); ``True`` requires it; ``False`` always runs HF's
+    forward. Auto stays off on CUDA: the fast path holds a second (fused) copy of the projection
+    weights, and its gains were measured on CPU only.
     """
     from areal_cli.inference.server.attention import NAME as AREAL_ATTN
     from areal_cli.inference.server.fastpath import FastRunner, unsupported_reason
 
     reason = unsupported_reason(model)
     if fast_path is None:
-        fast_path = reason is None and getattr(model.config, "_attn_implementation", None) == AREAL_ATTN
+        fast_path = (reason is None and device.type == "cpu"
+                     and getattr(model.config, "_attn_implementation", None) == AREAL_ATTN)
     elif fast_path and reason is not None:
         raise ValueError(f"the fast decode path cannot run this model: {reason}")
     if fast_path:

@@ -91,6 +91,7 @@ class FastRunner:
         self.eps = float(cfg.rms_norm_eps)
         self.inter = base.layers[0].mlp.gate_proj.weight.shape[0]
         self.dtype = next(model.parameters()).dtype
+        self.fold_scale = self.dtype == torch.float32
         self._params = list(model.parameters())
         self._weights_key = None
         self._refresh()
@@ -113,8 +114,9 @@ class FastRunner:
             a, m = layer.self_attn, layer.mlp
             # The softmax scale is folded into the query projection (or Qwen3's q_norm weight): RoPE and
             # the norm are linear in their output, so ``scale * q`` costs nothing per step.
+            # (fp32 only: in bf16/fp16 the folded weight would round differently, so q is scaled at run time.)
             qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-            q_scale = 1.0 if qn is not None else self.scaling
+            q_scale = 1.0 if (qn is not None or not self.fold_scale) else self.scaling
             projs = (a.q_proj, a.k_proj, a.v_proj)
             w = torch.cat([a.q_proj.weight * q_scale, a.k_proj.weight, a.v_proj.weight]).detach()
             bias = None
@@ -125,7 +127,7 @@ class FastRunner:
             layers.append(_Layer(
                 ln1=layer.input_layernorm.weight.detach(),
                 qkv=_Linear(w, bias),
-                q_norm=None if qn is None else (qn.weight * self.scaling).detach(),
+                q_norm=None if qn is None else (qn.weight * (self.scaling if self.fold_scale else 1.0)).detach(),
                 k_norm=None if kn is None else kn.weight.detach(),
                 o=_Linear(a.o_proj.weight.detach(), None),
                 ln2=layer.post_attention_layernorm.weight.detach(),
@@ -206,9 +208,11 @@ class FastRunner:
         qkv = layer.qkv(x).view(t, nh + 2 * nkv, self.head_dim)
         if layer.q_norm is not None:
             q, k, v = qkv.split([nh, nkv, nkv], dim=1)
-            return self._rope(self._rms(q, layer.q_norm), cos, sin), self._rope(self._rms(k, layer.k_norm), cos, sin), v
+            q = self._rope(self._rms(q, layer.q_norm), cos, sin)
+            return (q if self.fold_scale else q * self.scaling), self._rope(self._rms(k, layer.k_norm), cos, sin), v
         qk = self._rope(qkv[:, : nh + nkv], cos, sin)  # one RoPE pass for queries and keys
-        return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+        q = qk[:, :nh] if self.fold_scale else qk[:, :nh] * self.scaling
+        return q, qk[:, nh:], qkv[:, nh + nkv:]
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gu = layer.gate_up(self._rms(h, layer.ln2))
