@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,27 +17,6 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster():
-    if os.geteuid() != 0:
-        pytest.skip("slurm/local-cluster.sh needs root")
-    was_up = shutil.which("scontrol") is not None and "is UP" in subprocess.run(
-        ["scontrol", "ping"], capture_output=True, text=True).stdout
-    r = subprocess.run(["bash", str(REPO / "slurm" / "local-cluster.sh")], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert shutil.which("sbatch") and shutil.which("squeue")
-    part = subprocess.run(["sinfo", "-h", "-o", "%P %a %D %t"], capture_output=True, text=True).stdout
-    assert "up" in part
-    # Idempotent: a second run finds everything up.
-    r2 = subprocess.run(["bash", str(REPO / "slurm" / "local-cluster.sh")], capture_output=True, text=True,
-                        timeout=120)
-    assert r2.returncode == 0 and "up: node" in r2.stderr
-    yield part
-    if not was_up:  # leave the machine as we found it
-        subprocess.run(["bash", str(REPO / "slurm" / "stop-local-cluster.sh"), "--munge"], check=False)
 
 
 def _overrides(fileroot: Path, model_dir: str, **extra: object) -> list[str]:
