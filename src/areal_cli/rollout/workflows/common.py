@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.io_struct import GenerationConfig
-from areal_cli.errors import DataError
+from areal_cli.errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -37,6 +37,16 @@ _GROUP_IDS = itertools.count()
 def next_group_id() -> int:
     """Process-unique id for one prompt's group of samples."""
     return next(_GROUP_IDS)
+
+
+def check_group_and_reward(group_size: Any, reward_fn: Any) -> None:
+    """Constructor checks every workflow shares: a positive group size and a callable reward."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ConfigError("rollout.group_size", f"must be a positive integer, got {group_size!r}",
+                          "set rollout.group_size=8 (samples per prompt)")
+    if not callable(reward_fn):
+        raise ConfigError("workflow.reward", f"reward function {reward_fn!r} is not callable",
+                          "use a built-in reward name or a dotted path to a function")
 
 
 def load_tokenizer(tokenizer: Any) -> Any:

@@ -10,6 +10,7 @@ from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
 from areal_cli.rollout.workflows.common import (
+    check_group_and_reward,
     Prompt,
     RewardFn,
     Segment,
@@ -62,12 +63,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         if not 0.0 < float(turn_discount) <= 1.0:
             raise ConfigError("workflow.turn_discount", f"must be in (0, 1], got {turn_discount!r}",
                               "set workflow.turn_discount=0.9")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ConfigError("rollout.group_size", f"must be a positive integer, got {group_size!r}",
-                              "set rollout.group_size=8 (samples per prompt)")
-        if not callable(reward_fn):
-            raise ConfigError("workflow.reward", f"reward function {reward_fn!r} is not callable",
-                              "use a built-in reward name or a dotted path to a function")
+        check_group_and_reward(group_size, reward_fn)
         self.reward_fn = reward_fn
         self.tokenizer = load_tokenizer(tokenizer)
         self.gconfig = with_eos_stop(gconfig, self.tokenizer)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
-from areal_cli.errors import ConfigError
 from areal_cli.rollout.workflows.common import (
+    check_group_and_reward,
     RewardFn,
     Segment,
     build_prompt,
@@ -42,12 +42,7 @@ class RLVRWorkflow(RolloutWorkflow):
 
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any, group_size: int = 1,
                  *, use_chat_template: bool = True):
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ConfigError("rollout.group_size", f"must be a positive integer, got {group_size!r}",
-                              "set rollout.group_size=8 (samples per prompt)")
-        if not callable(reward_fn):
-            raise ConfigError("workflow.reward", f"reward function {reward_fn!r} is not callable",
-                              "use a built-in reward name or a dotted path to a function")
+        check_group_and_reward(group_size, reward_fn)
         self.reward_fn = reward_fn
         self.tokenizer = load_tokenizer(tokenizer)
         self.gconfig = with_eos_stop(gconfig, self.tokenizer)
