@@ -91,8 +91,10 @@ def make_tiny_model(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     corpus when both are ``None``). ``config_kwargs`` go to :func:`tiny_qwen2_config`.
     """
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar in a user's run
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is None:

@@ -100,8 +100,14 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     engine = build.build_engine(cfg, layout, model_path, optim=optim, total_steps=tc.sft_warmup_steps)
     stream = PromptStream(train_items, seed=cfg.seed + 17, shuffle=cfg.dataset.shuffle)
     t0 = time.perf_counter()
-    last = run_sft_steps(engine, stream, tokenizer, steps=tc.sft_warmup_steps, batch_size=tc.sft_batch_size,
-                         rank=rank, world=world, stats=stats, use_chat_template=cfg.dataset.use_chat_template)
+    # The inference servers idle during the warm start, so this node's trainer ranks may share its cores.
+    from areal_cli.weight_sync.common import torch_threads
+
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    with torch_threads(max(1, (os.cpu_count() or 1) // local_world)):
+        last = run_sft_steps(engine, stream, tokenizer, steps=tc.sft_warmup_steps,
+                             batch_size=tc.sft_batch_size, rank=rank, world=world, stats=stats,
+                             use_chat_template=cfg.dataset.use_chat_template)
     from areal_cli.api.io_struct import SaveLoadMeta
 
     engine.save(SaveLoadMeta(path=str(out_dir), weight_format="hf", tokenizer_path=model_path))
