@@ -6,10 +6,10 @@ cache and ``repeat_kv`` copies every step, the SDPA flash kernel on one-token qu
 building, and a few hundred small ops per step. This runner keeps the same weights and the same math
 (RMSNorm, RoPE from the model's own ``rotary_emb``, GQA attention, SiLU MLP) with:
 
-- fused QKV and gate/up projections, and on CPU fp32 MKL-prepacked weights (``torch.ops.mkl._mkl_linear``:
-  ``sgemm`` otherwise re-packs the whole weight on every call, which dominates at small batch);
-- a preallocated ``[rows, kv_heads, capacity, head_dim]`` K/V slab per layer: row ``i`` holds its tokens at
-  ``0..len_i-1`` (right-aligned padding), a decode step writes one column per row in place;
+- fused QKV and gate/up projections with weights stored pre-transposed (``mm(x, w_t)``), the softmax
+  scale folded into the query projection (fp32);
+- a preallocated K/V slab per layer: row ``i`` holds its tokens at ``0..len_i-1`` (padding after them),
+  a decode step writes one column per row in place; K is kept transposed for the score matmul;
 - one-token attention as two batched matmuls with queries grouped per KV head (no K/V copies);
 - prefill of newly admitted requests packed without padding (linear layers see only real tokens),
   causal attention per request.
@@ -101,7 +101,7 @@ class FastRunner:
 
     # ------------------------------------------------------------------ weights
     def _version_key(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self._params) + tuple(p.data_ptr() for p in self._params[:1])
+        return tuple((p._version, p.data_ptr()) for p in self._params)
 
     def _refresh(self) -> None:
         """(Re)build fused/prepacked weights when any parameter changed since the last build."""
