@@ -5,11 +5,9 @@ equals HF transformers' greedy output on the pushed weights, and the version adv
 
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import httpx
-import pytest
 import torch
 
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest, WeightUpdateMeta

@@ -150,15 +150,16 @@ class RemoteInferenceEngine(InferenceEngine):
         except ValueError:
             return r.text
 
-    async def _send_retry(self, address: str, call: HttpCall, timeout: float) -> Any:
+    async def _send_retry(self, address: str, call: HttpCall, timeout: float, retries: int | None = None) -> Any:
         """Same server, retries with backoff (admin calls that must reach *this* server)."""
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 return await self._send(address, call, timeout)
             except _ClientError:
                 raise
             except InferenceError:
-                if attempt == self.retries:
+                if attempt == retries:
                     raise
                 await asyncio.sleep(self.backoff_s * (2 ** attempt) * (1 + 0.1 * random.random()))
         raise AssertionError("unreachable")
@@ -259,11 +260,11 @@ class RemoteInferenceEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ admin (every server)
     async def _all(self, calls: list[HttpCall | list[HttpCall]], what: str, *,
-                   skip_unreachable: bool = False) -> list[Any]:
+                   skip_unreachable: bool = False, retries: int | None = None) -> list[Any]:
         async def one(addr: str, c: HttpCall | list[HttpCall]) -> Any:
             out = None
             for step in (c if isinstance(c, list) else [c]):
-                out = await self._send_retry(addr, step, self.admin_timeout_s)
+                out = await self._send_retry(addr, step, self.admin_timeout_s, retries)
                 self.backend.check_ok(out, f"{what} on {addr}")
             return out
 
@@ -297,8 +298,9 @@ class RemoteInferenceEngine(InferenceEngine):
         if meta.world_size != 1 + len(self._order):
             raise InferenceError(f"WeightUpdateMeta.world_size={meta.world_size} but there are "
                                  f"{len(self._order)} servers; it must be 1 + number of servers")
+        # Collectives are never resent: a second request would wait for peers that already moved on.
         await self._all([self.backend.build_init_group(meta, i) for i in range(len(self._order))],
-                        "init_weights_update_group")
+                        "init_weights_update_group", retries=0)
 
     @property
     def supports_flattened_bucket(self) -> bool:
@@ -314,7 +316,7 @@ class RemoteInferenceEngine(InferenceEngine):
                                  f"backend {self.backend.NAME!r} takes one broadcast per tensor")
         kw = {"flattened_bucket": True} if flattened_bucket else {}
         await self._all([self.backend.build_update_distributed(meta, specs, **kw) for _ in self._order],
-                        "update_weights_from_distributed")
+                        "update_weights_from_distributed", retries=0)
         self._version = meta.version
 
     async def get_server_versions(self) -> dict[str, int | None]:

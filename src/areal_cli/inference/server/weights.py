@@ -18,7 +18,6 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
 
 import torch
@@ -200,37 +199,25 @@ class DistributedReceiver:
             bufs[dtype] = buf
         return buf
 
-    def _receive(self, slot: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                 flattened: bool) -> dict[str, torch.Tensor]:
+    def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], flattened: bool,
+                 flat_buffer: Callable[[torch.dtype, int], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One ``broadcast(root=0)`` per tensor, in order (SGLang's protocol), or with ``flattened``
+        one per dtype of the concatenated tensors (see :func:`bucket_layout`)."""
         slots, totals = bucket_layout(dtypes, shapes)
-        flats = {d: self._flat(slot, d, n) for d, n in totals.items()}
+        flats = {d: flat_buffer(d, n) for d, n in totals.items()}
         views = [flats[d][off:off + k].view([int(x) for x in shp]) for (d, off, k), shp in zip(slots, shapes)]
-        if flattened:
-            for d, total in totals.items():
-                self.pg.broadcast(flats[d][:total], 0).wait()
-        else:
-            for t in views:
-                self.pg.broadcast(t, 0).wait()  # (tensor, root) overload; a list needs BroadcastOptions
+        # (tensor, root) overload; a list would need BroadcastOptions
+        for t in ([flats[d][:n] for d, n in totals.items()] if flattened else views):
+            self.pg.broadcast(t, 0).wait()
         return dict(zip(names, views))
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 flattened: bool = False) -> dict[str, torch.Tensor]:
-        """Receive one bucket into fresh tensors (for callers that keep them).
-
-        Default: one ``broadcast(root=0)`` per tensor, in order (SGLang's protocol). ``flattened``:
-        one broadcast per dtype of the concatenated tensors (see :func:`bucket_layout`)."""
-        slots, totals = bucket_layout(dtypes, shapes)
-        flats = {d: torch.empty(n, dtype=d, device="cuda" if self.backend == "nccl" else "cpu")
-                 for d, n in totals.items()}
-        views = [flats[d][off:off + k].view([int(x) for x in shp]) for (d, off, k), shp in zip(slots, shapes)]
+        """Receive one bucket into fresh tensors (for callers that keep them)."""
+        device = "cuda" if self.backend == "nccl" else "cpu"
         with self._recv_lock:
-            if flattened:
-                for d, total in totals.items():
-                    self.pg.broadcast(flats[d][:total], 0).wait()
-            else:
-                for t in views:
-                    self.pg.broadcast(t, 0).wait()
-        return dict(zip(names, views))
+            return self._receive(names, dtypes, shapes, flattened,
+                                 lambda d, n: torch.empty(n, dtype=d, device=device))
 
     def receive_and_apply(self, names: list[str], dtypes: list[str], shapes: list[list[int]], flattened: bool,
                           apply: Callable[[dict[str, torch.Tensor]], concurrent.futures.Future]
@@ -245,7 +232,8 @@ class DistributedReceiver:
             lock = self._slot_locks[slot]
             lock.acquire()
             try:
-                tensors = self._receive(slot, names, dtypes, shapes, flattened)
+                tensors = self._receive(names, dtypes, shapes, flattened,
+                                        lambda d, n: self._flat(slot, d, n))
                 fut = apply(tensors)  # queued under _recv_lock: applies run in bucket order
             except BaseException as e:
                 lock.release()
