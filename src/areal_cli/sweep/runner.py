@@ -124,7 +124,7 @@ def run_slurm(manifest: Manifest, trials: list[Trial], max_parallel: int, slurm_
     """Submit ``trials`` as one job array with a concurrency limit and wait for all of them."""
     import submitit
 
-    folder = Path(manifest.sweep_dir) / "slurm" / "%A_%a"
+    folder = Path(manifest.sweep_dir) / "slurm" / "%j"  # array tasks: %j is "<array id>_<index>"
     executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
     executor.update_parameters(slurm_array_parallelism=max_parallel, name=f"areal-sweep-{manifest.name}",
                                **slurm_params)
