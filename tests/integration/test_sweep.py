@@ -109,3 +109,17 @@ def test_nothing_to_sweep_is_a_usage_error(tmp_path):
     res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "sweep", f"cluster.fileroot={tmp_path}",
                           "algo.optim.lr=1e-3"], capture_output=True, text=True, env=_env(), timeout=60)
     assert res.returncode == 2 and "nothing to sweep" in res.stderr
+
+
+@pytest.mark.slow
+def test_interval_sweep_runs_an_optuna_search(tmp_path, tiny_model_dir):
+    sweep_dir = tmp_path / "sw"
+    res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "sweep", f"cluster.fileroot={tmp_path}",
+                          f"model.path={tiny_model_dir}", *SHORT, "algo.optim.lr=tag(log,interval(1e-4,1e-2))",
+                          "--n-trials", "2", "--max-parallel", "1", "--sweep-dir", str(sweep_dir)],
+                         capture_output=True, text=True, env=_env(), timeout=800)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    m = _manifest(sweep_dir)
+    assert m["search"] and [t["status"] for t in m["trials"]] == ["done", "done"]
+    lrs = [float(t["overrides"][0].split("=", 1)[1]) for t in m["trials"]]
+    assert all(1e-4 <= lr <= 1e-2 for lr in lrs) and lrs[0] != lrs[1]  # sampled by optuna, inside the interval
