@@ -1,14 +1,16 @@
 """Continuous-batching generation engine of the built-in ``hf`` server.
 
-One background thread owns the model and a batched, left-padded KV cache (HF ``DynamicCache``).
+One background thread owns the model and, through a *runner*, the KV cache of the running batch.
 Each loop iteration is one token boundary:
 
 1. run queued commands (weight swaps, pause, flush) — so weights change atomically between steps;
-2. admit waiting requests: one batched prefill for all of them, then merge their cache rows into
-   the running cache (left-padding whichever side is shorter);
+2. admit waiting requests: one prefill for all of them, appended as new rows of the running cache;
 3. one decode forward for the whole running batch;
-4. sample, append, and retire finished rows (``batch_select_indices``), trimming all-pad columns.
+4. sample all rows in one vectorised pass, append, and retire finished rows (cache rows compacted).
 
+Runners: :class:`~areal_cli.inference.server.fastpath.FastRunner` (default on CPU for Llama-family
+models: fused, pre-transposed weights, ragged in-place KV slabs, unpadded prefill) and
+:class:`HFRunner` (HF's own forward over a left-padded ``DynamicCache``, for everything else).
 Requests join and leave at every boundary, so a long generation never blocks short ones.
 Logprob convention: ``log_softmax(logits / T)[token]`` before top-k/top-p truncation (``T = 1``
 for greedy rows), matching :class:`areal_cli.api.io_struct.GenerationConfig`.
@@ -284,7 +286,7 @@ def _make_runner(model, device: torch.device, fast_path: bool | None, pad_id: in
     elif fast_path and reason is not None:
         raise ValueError(f"the fast decode path cannot run this model: {reason}")
     if fast_path:
-        log.info("decode path: fast (fused, prepacked weights, ragged KV slabs)")
+        log.info("decode path: fast (fused pre-transposed weights, in-place KV slabs)")
         return FastRunner(model, device)
     log.info("decode path: HF forward%s", f" ({reason})" if reason else "")
     return HFRunner(model, device, pad_id)

@@ -65,6 +65,10 @@ class _Linear:
             return torch.mm(x, self.wt)
         return torch.addmm(self.b, x, self.wt)
 
+    def residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``h + linear(x)`` in one GEMM call (bias-free projections only)."""
+        return torch.addmm(h, x, self.wt)
+
 
 @dataclass
 class _Layer:
@@ -103,8 +107,9 @@ class FastRunner:
     def _version_key(self) -> tuple[int, ...]:
         return tuple((p._version, p.data_ptr()) for p in self._params)
 
+    @torch.no_grad()
     def _refresh(self) -> None:
-        """(Re)build fused/prepacked weights when any parameter changed since the last build."""
+        """(Re)build the fused, pre-transposed weights when any parameter changed since the last build."""
         key = self._version_key()
         if key == self._weights_key:
             return
@@ -216,7 +221,7 @@ class FastRunner:
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gu = layer.gate_up(self._rms(h, layer.ln2))
-        return h + layer.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
+        return layer.down.residual(h, F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._rms(h, self.norm)).float()
@@ -250,7 +255,7 @@ class FastRunner:
                                                    vi.unsqueeze(0), is_causal=True, scale=1.0,
                                                    enable_gqa=self.n_heads != self.n_kv)
                 out[a:b] = o[0].transpose(0, 1)
-            h = h + layer.o(out.view(t, -1))
+            h = layer.o.residual(h, out.view(t, -1))
             h = self._mlp(layer, h)
         self.lens.extend(lens)
         last = torch.tensor([e - 1 for e in starts[1:]], dtype=torch.long, device=self.device)
@@ -283,9 +288,9 @@ class FastRunner:
             scores = torch.matmul(qg, kc[:b, :, :, :length])  # [b, kv, groups, length]
             if scores.dtype != torch.float32:
                 scores = scores.float()
-            probs = torch.softmax(scores + bias, dim=-1).to(vc.dtype)
+            probs = torch.softmax(scores.add_(bias), dim=-1).to(vc.dtype)
             out = torch.matmul(probs, vc[:b, :, :length])  # [b, kv, groups, D]
-            h = h + layer.o(out.reshape(b, self.n_heads * self.head_dim))
+            h = layer.o.residual(h, out.reshape(b, self.n_heads * self.head_dim))
             h = self._mlp(layer, h)
         self.lens = [n + 1 for n in self.lens]
         return self._logits(h)
