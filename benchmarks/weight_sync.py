@@ -247,6 +247,7 @@ def main() -> None:
                     help="distributed bucket size; buckets are pipelined (stage k+1 / broadcast k / apply k-1)")
     ap.add_argument("--only", nargs="*", default=None, help="sync cases to run, e.g. 'distributed bf16'")
     ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--skip-sync", action="store_true", help="only the train-step part")
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     args = ap.parse_args()
@@ -254,6 +255,15 @@ def main() -> None:
     root = Path(args.root or tempfile.mkdtemp(prefix="areal_bench_"))
     root.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(root)
+    if not args.skip_sync:
+        report_sync(args, model_dir, root)
+    if not args.skip_train:
+        print(f"train step ({args.seqs}×{args.seq_len} tokens, fp32, gloo):")
+        tr = bench_train(model_dir, root, args.train_steps, args.seqs, args.seq_len)
+        print(f"  dp=2 / dp=1 throughput: {tr[2]['tokens_per_s'] / tr[1]['tokens_per_s']:.2f}x")
+
+
+def report_sync(args, model_dir, root) -> None:
     print(f"weight sync (median seconds per push, server: hf on CPU, buckets {args.bucket_mb} MiB):")
     sync, best = bench_sync(model_dir, root, args.repeats, args.only, args.bucket_mb * 1024**2)
     base = sync.get("disk /dev/shm", next(iter(sync.values())))
@@ -270,10 +280,6 @@ def main() -> None:
     print(f"  floor now (best of {args.repeats}, serial): cast fp32→bf16 {floor['cast']:.3f} s + raw gloo broadcast "
           f"{floor['broadcast']:.3f} s + copy bf16→fp32 {floor['apply']:.3f} s = {floor['sum']:.3f} s")
     print(f"  load average during the run: {os.getloadavg()[0]:.1f} (1 min), {os.cpu_count()} cores")
-    if not args.skip_train:
-        print(f"train step ({args.seqs}×{args.seq_len} tokens, fp32, gloo):")
-        tr = bench_train(model_dir, root, args.train_steps, args.seqs, args.seq_len)
-        print(f"  dp=2 / dp=1 throughput: {tr[2]['tokens_per_s'] / tr[1]['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
