@@ -41,17 +41,6 @@ def build_model(root: Path) -> str:
     return str(d)
 
 
-class _PerTensor:
-    """The same hf client without the ``flattened_bucket`` extension: SGLang's wire protocol."""
-
-    supports_flattened_bucket = False
-
-    def __init__(self, client):
-        self._client = client
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
-
 
 def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None = None,
                bucket_bytes: int = 32 * 1024**2) -> tuple[dict[str, float], dict[str, float]]:
@@ -75,7 +64,7 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
     client = RemoteInferenceEngine([server.address], retries=1)
     runner = LoopRunner()
     port = find_free_port()
-    per_tensor = _PerTensor(client)
+    per_tensor = RemoteInferenceEngine([server.address], retries=1, flattened_bucket=False)  # SGLang protocol
     cases = {
         "distributed bf16": dict(type="distributed", dtype="bfloat16"),
         "distrib bf16 sglang": dict(type="distributed", dtype="bfloat16"),  # one broadcast per tensor

@@ -20,17 +20,6 @@ from areal_cli.weight_sync.senders import DistributedSender
 from hf_server_helpers import hf_greedy, load_model, prompts
 
 
-class _PerTensor:
-    """The hf client without the extension: the sender falls back to SGLang's protocol."""
-
-    supports_flattened_bucket = False
-
-    def __init__(self, client):
-        self._client = client
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
-
 
 def _named(model):
     seen = set()
@@ -49,6 +38,7 @@ def test_pipelined_buckets_both_protocols(tiny_model_dir, tiny_model_dir_b, tmp_
     runner = LoopRunner()
     sender = DistributedSender(runner)
     client = RemoteInferenceEngine([server.address], "hf", timeout_s=120, retries=1)
+    per_tensor = RemoteInferenceEngine([server.address], "hf", timeout_s=120, retries=1, flattened_bucket=False)
     port = find_free_port()
 
     def greedy():
@@ -63,7 +53,7 @@ def test_pipelined_buckets_both_protocols(tiny_model_dir, tiny_model_dir_b, tmp_
         for version, (model, dtype, flat) in enumerate(cases, start=1):
             meta = WeightUpdateMeta(type="distributed", version=version, master_port=port, world_size=2,
                                     dtype=dtype, bucket_bytes=16 * 1024, timeout_s=60)
-            err = sender.send(meta, [client if flat else _PerTensor(client)], _named(model), is_src=True)
+            err = sender.send(meta, [client if flat else per_tensor], _named(model), is_src=True)
             assert err is None, err
             assert sender.last_seconds["buckets"] > 4 and sender.last_seconds["flattened"] == float(flat)
             ref = model

@@ -67,13 +67,14 @@ class RemoteInferenceEngine(InferenceEngine):
     def __init__(self, addresses: list[str], backend: str = "hf", *, timeout_s: float = 300.0,
                  retries: int = 3, routing: str = "least_loaded", api_key: str | None = None,
                  backoff_s: float = 0.5, health_interval_s: float = 5.0, max_resumes: int = 1000,
-                 admin_timeout_s: float = 600.0):
+                 admin_timeout_s: float = 600.0, flattened_bucket: bool = True):
         if routing not in ("least_loaded", "round_robin"):
             raise InferenceError(f"routing must be least_loaded or round_robin, got {routing!r}")
         if not addresses:
             raise InferenceError("RemoteInferenceEngine needs at least one server address")
         self.backend_name = backend
         self.backend = get_backend(backend)
+        self.allow_flattened_bucket = flattened_bucket  # False: SGLang's per-tensor wire protocol
         self.timeout_s = timeout_s
         self.admin_timeout_s = admin_timeout_s
         self.retries = max(0, retries)
@@ -305,7 +306,7 @@ class RemoteInferenceEngine(InferenceEngine):
     @property
     def supports_flattened_bucket(self) -> bool:
         """Whether the backend takes ``flattened_bucket`` (hf only; SGLang/vLLM never get it)."""
-        return bool(getattr(self.backend, "SUPPORTS_FLATTENED_BUCKET", False))
+        return self.allow_flattened_bucket and bool(getattr(self.backend, "SUPPORTS_FLATTENED_BUCKET", False))
 
     async def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: list[ParamSpec], *,
                                               flattened_bucket: bool = False) -> None:
