@@ -102,29 +102,29 @@ class Launcher(Protocol):
     def launch(self, cfg: Any, layout: JobLayout, run_dir: str) -> int: ...
 
 
+# launcher.name → ("module:Class", what to do when its module cannot be imported)
+LAUNCHERS: dict[str, tuple[str, str]] = {
+    "local": ("areal_cli.launchers.local:LocalLauncher", "reinstall areal-cli"),
+    "slurm": ("areal_cli.launchers.slurm:SlurmLauncher", "install submitit or use launcher=local"),
+    "skypilot": ("areal_cli.launchers.skypilot:SkyPilotLauncher",
+                 "pip install 'areal-cli[skypilot]' or use launcher=local"),
+}
+
+
 def get_launcher(name: str) -> Launcher:
     """The launcher registered under ``launcher.name``."""
+    from importlib import import_module
+
     from areal_cli.errors import ConfigError
 
-    if name == "local":
-        from areal_cli.launchers.local import LocalLauncher
-
-        return LocalLauncher()
-    if name == "slurm":
-        try:
-            from areal_cli.launchers.slurm import SlurmLauncher
-        except ImportError as e:
-            raise ConfigError("launcher.name", f"the slurm launcher cannot be imported ({e})",
-                              "install submitit or use launcher=local") from e
-        return SlurmLauncher()
-    if name == "skypilot":
-        try:
-            from areal_cli.launchers.skypilot import SkyPilotLauncher
-        except ImportError as e:
-            raise ConfigError("launcher.name", f"the skypilot launcher cannot be imported ({e})",
-                              "pip install 'areal-cli[skypilot]' or use launcher=local") from e
-        return SkyPilotLauncher()
-    raise ConfigError("launcher.name", f"unknown launcher {name!r}", "use one of: local, slurm, skypilot")
+    if name not in LAUNCHERS:
+        raise ConfigError("launcher.name", f"unknown launcher {name!r}", f"use one of: {', '.join(LAUNCHERS)}")
+    target, fix = LAUNCHERS[name]
+    module, cls = target.split(":")
+    try:
+        return getattr(import_module(module), cls)()
+    except ImportError as e:
+        raise ConfigError("launcher.name", f"the {name} launcher cannot be imported ({e})", fix) from e
 
 
 # ---------------------------------------------------------------- the server address book
