@@ -100,3 +100,40 @@ def test_lr_schedules(kind):
 def test_unknown_schedule_is_config_error():
     with pytest.raises(ConfigError, match="algo.optim.lr_scheduler"):
         lr_factor(0, kind="step", warmup_steps=0, total_steps=1)
+
+
+@pytest.mark.parametrize("lens,pad", [([5, 1, 9, 3], 0), ([7], 3), ([2, 2, 2, 11, 1], 5)])
+def test_varlen_attention_equals_block_diagonal_mask(lens, pad):
+    """Per-sequence attention (the padding-free path) gives the same outputs and gradients as SDPA
+    over the full packed block-diagonal mask."""
+    import torch
+
+    from areal_cli.data import packing
+    from areal_cli.engines import ulysses
+
+    torch.manual_seed(0)
+    t = sum(lens) + pad
+    q, k, v = (torch.randn(1, 4, t, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sid = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)] + [len(lens) + torch.arange(pad)])
+    mask = packing.packed_causal_mask(sid[None])
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    ulysses.set_varlen(lens)
+    try:
+        out = ulysses.varlen_sdpa(q, k, v, ulysses._STATE["varlen"], 0.3)
+    finally:
+        ulysses.set_varlen(None)
+    real = sum(lens)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out[:, :, :real], ref[:, :, :real])
+    w = torch.randn_like(ref[:, :, :real])
+    g_ref = torch.autograd.grad((ref[:, :, :real] * w).sum(), (q, k, v))
+    g_out = torch.autograd.grad((out[:, :, :real] * w).sum(), (q, k, v))
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_varlen_cost_rule_prefers_mask_for_one_long_sequence():
+    from areal_cli.engines import ulysses
+
+    assert ulysses.varlen_is_cheaper([36] * 64, 64 * 36)
+    assert not ulysses.varlen_is_cheaper([2000] + [10] * 60, 2600)

@@ -189,7 +189,12 @@ class FSDPEngine(TrainEngine):
         if self.cfg.padding_free or cp > 1:
             mult = max(1, self.cfg.pad_to_multiple_of) * cp
             pk = packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id)
-            mask = packing.packed_causal_mask(pk.seq_ids).to(self.device)
+            if ulysses.varlen_is_cheaper(pk.lengths, pk.input_ids.shape[1]):
+                ulysses.set_varlen(pk.lengths)
+                mask = None
+            else:
+                ulysses.set_varlen(None)
+                mask = packing.packed_causal_mask(pk.seq_ids).to(self.device)
             group = self.cp_group if cp > 1 else None
             ids = ulysses.slice_for_rank(pk.input_ids, group, dim=1).to(self.device)
             pos = ulysses.slice_for_rank(pk.position_ids, group, dim=1).to(self.device)
@@ -203,6 +208,7 @@ class FSDPEngine(TrainEngine):
             lp = packing.unpack_shifted(ulysses.gather_seq(lp, group), pk, max_len)
             ent = packing.unpack_shifted(ulysses.gather_seq(ent, group), pk, max_len)
             return {"logprobs": lp, "entropy": ent}
+        ulysses.set_varlen(None)
         am = mb["attention_mask"].to(self.device)
         ids = mb["input_ids"].to(self.device)
         mask = packing.padded_causal_mask(am)

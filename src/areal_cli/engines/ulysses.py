@@ -20,11 +20,58 @@ import torch.distributed as dist
 
 ATTN_NAME = "areal_ulysses_sdpa"
 
-_STATE: dict[str, Any] = {"group": None, "mask": None}
+_STATE: dict[str, Any] = {"group": None, "mask": None, "varlen": None}
 
 
 def set_ulysses_group(group: "dist.ProcessGroup | None") -> None:
     _STATE["group"] = group
+
+
+def set_varlen(lens: "list[int] | None") -> None:
+    """Lengths of the sequences packed (in order, from position 0) into the next forward's single row.
+
+    With lengths set and no explicit mask, attention runs per sequence (:func:`varlen_sdpa`)
+    instead of over the full ``T x T`` block-diagonal mask.
+    """
+    _STATE["varlen"] = None if lens is None else _varlen_index(tuple(int(n) for n in lens))
+
+
+def varlen_is_cheaper(lens: "list[int]", total: int) -> bool:
+    """Per-sequence attention on the padded ``[n, Lmax]`` layout costs ``n*Lmax^2`` score entries, the
+    block-diagonal mask ``T^2``; one very long sequence among many short ones favours the mask."""
+    return bool(lens) and len(lens) * max(lens) ** 2 < total * total
+
+
+def _varlen_index(lens: tuple[int, ...]) -> dict[str, Any]:
+    n, lmax = len(lens), max(lens)
+    starts = torch.tensor([0, *lens[:-1]], dtype=torch.long).cumsum(0)
+    j = torch.arange(lmax)
+    length = torch.tensor(lens, dtype=torch.long)
+    # Row r, column j reads packed token starts[r] + min(j, len_r - 1): padding columns repeat the
+    # row's last token; under the causal mask only later padding queries ever see them.
+    gather = starts[:, None] + torch.minimum(j[None, :], length[:, None] - 1)
+    valid = (j[None, :] < length[:, None]).reshape(-1).nonzero().squeeze(1)
+    return {"gather": gather, "valid": valid, "n_real": sum(lens), "shape": (n, lmax)}
+
+
+def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, idx: dict[str, Any],
+                scaling: float | None) -> torch.Tensor:
+    """Causal attention of each packed sequence on its own. ``[1, H, T, D]`` in, ``[1, H, T, D]`` out
+    (positions past the packed sequences get zeros)."""
+    n, lmax = idx["shape"]
+    g = idx["gather"].to(query.device)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [n, H, Lmax, D]
+        return x[0][:, g].transpose(0, 1)
+
+    out = torch.nn.functional.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True,
+                                                           scale=scaling)
+    h, d = out.shape[1], out.shape[3]
+    flat = out.transpose(0, 1).reshape(h, n * lmax, d).index_select(1, idx["valid"].to(query.device))
+    t = query.shape[2]
+    if t > idx["n_real"]:
+        flat = torch.cat([flat, flat.new_zeros(h, t - idx["n_real"], d)], dim=1)
+    return flat[None]
 
 
 def get_ulysses_group() -> "dist.ProcessGroup | None":
@@ -123,8 +170,11 @@ def ulysses_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     mask = attention_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask >= 0  # additive float mask: 0 keeps, -inf hides
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None)
+    if mask is None and _STATE["varlen"] is not None and dropout == 0.0:
+        out = varlen_sdpa(query, key, value, _STATE["varlen"], scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None)
     if world > 1:
         out = all_to_all(out, 2, 1, group)
     return out.transpose(1, 2).contiguous(), None
