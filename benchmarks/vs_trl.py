@@ -1,16 +1,28 @@
 """areal train (async) vs areal train (sync) vs TRL's GRPOTrainer, on this machine, in one run.
 
-All three start from the same warm-started tiny model (an `areal train algo=sft` run, made first),
-train GRPO on the built-in arithmetic task with the same prompts per step, group size, max new
-tokens, learning rate and number of steps, and are evaluated on the same held-out items (greedy
-pass@1). Printed:
+All three start from the same warm-started tiny model (the embedded default's SFT warm start,
+made first by ``areal train trainer.total_steps=0``) and train GRPO on the built-in arithmetic task
+with the same prompts per step, group size, max new tokens, sampling (T=1, no top-p/top-k, stop at
+EOS), learning rate, KL coefficient (0) and number of optimiser steps (one per generated batch).
 
+Every system saves an HF checkpoint every ``--ckpt-every`` steps (its clock is paused while it
+saves). After the runs, one evaluator scores every checkpoint on the same held-out items (greedy,
+batched HF ``generate``, the same reward), so accuracy is measured identically for all three.
+
+Printed per system:
 - samples/s: generated samples trained on per second of the RL phase (prompts x group x steps /
-  wall time from the first to the last step, start-up excluded for all three);
-- time to reach ``--target`` held-out accuracy (seconds since the first step; "-" if never);
-- ratios: areal async / TRL samples/s and areal async / areal sync samples/s.
+  wall time from the start of the first step to the end of the last, start-up excluded);
+- tokens/sample: mean completion length. The systems sample from the same model with the same
+  settings, so these should agree; the benchmark says so when they do not (a samples/s ratio is
+  only meaningful at equal tokens per sample);
+- held-out accuracy of the warm start and of each checkpoint, and the time to reach ``--target``;
+- ratios: areal async / TRL and areal async / areal sync samples/s.
 
-    python benchmarks/vs_trl.py [--steps 20 --batch 8 --group 4 --max-new-tokens 8 --target 0.3]
+Threads: TRL runs in one process with all cores (``torch.set_num_threads(os.cpu_count())``);
+areal runs its server and its trainer as one single-threaded process each (the default layout).
+
+    python benchmarks/vs_trl.py                      # the default: 40 steps, 8 prompts x 8, 16 tokens
+    python benchmarks/vs_trl.py --steps 10 --warm DIR   # reuse a warm-start HF dir
 """
 
 from __future__ import annotations
@@ -25,7 +37,6 @@ import time
 from pathlib import Path
 
 
-
 def areal_train(fileroot: str, name: str, overrides: list[str]) -> Path:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "areal_cli.cli.main", "train", f"cluster.fileroot={fileroot}",
@@ -36,20 +47,22 @@ def areal_train(fileroot: str, name: str, overrides: list[str]) -> Path:
     return Path(fileroot) / "runs" / "bench" / name
 
 
-def areal_figures(run_dir: Path, samples_per_step: int, target: float) -> dict:
+def areal_figures(run_dir: Path, samples_per_step: int) -> dict:
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = [r for r in recs if r["kind"] == "train"]
-    evals = [r for r in recs if r["kind"] == "eval" and r.get("phase", "rl") == "rl"]
-    # RL phase: from the end of step 1 minus its duration to the last step (start-up excluded).
+    # RL phase: from the start of step 1 (its end minus its duration) to the end of the last step.
     t0 = train[0]["time"] - train[0]["perf/step_s"]
+    ckpts = {r["step"]: (r["time"] - t0, str(run_dir / "checkpoints" / f"step_{r['step']:06d}"))
+             for r in train if (run_dir / "checkpoints" / f"step_{r['step']:06d}").is_dir()}
+    ckpts[train[-1]["step"]] = (train[-1]["time"] - t0, str(run_dir / "checkpoints" / "final"))
     wall = train[-1]["time"] - t0
-    hit = next((r["time"] - t0 for r in evals if r["eval/pass@1"] >= target and r["step"] > 0), None)
     return {"samples_per_s": samples_per_step * len(train) / wall, "rl_wall_s": wall,
-            "acc_before": evals[0]["eval/pass@1"], "acc_after": evals[-1]["eval/pass@1"],
-            "time_to_target_s": hit}
+            "tokens_per_sample": sum(r["gen/mean_len"] for r in train) / len(train),
+            "train_s_per_step": sum(r["perf/train_s"] for r in train) / len(train),
+            "checkpoints": dict(sorted(ckpts.items()))}
 
 
-def trl_run(model_dir: str, args: argparse.Namespace, test_items: list[dict], train_items: list[dict]) -> dict:
+def trl_run(model_dir: str, args: argparse.Namespace, train_items: list[dict], out_root: str) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -57,7 +70,7 @@ def trl_run(model_dir: str, args: argparse.Namespace, test_items: list[dict], tr
 
     from areal_cli.rewards import get_reward_fn
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(os.cpu_count() or 1)
     tok = AutoTokenizer.from_pretrained(model_dir)
     reward = get_reward_fn("numeric")
 
@@ -65,108 +78,141 @@ def trl_run(model_dir: str, args: argparse.Namespace, test_items: list[dict], tr
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(reward("", t, a)) for t, a in zip(texts, answer)]
 
-    n_prompts = args.batch * args.steps
-    ds = Dataset.from_list([{"prompt": it["messages"], "answer": it["answer"]} for it in train_items[:n_prompts]])
-    out = tempfile.mkdtemp(prefix="trl_bench_")
-    cfg = GRPOConfig(output_dir=out, use_cpu=True, num_generations=args.group,
+    ds = Dataset.from_list([{"prompt": it["messages"], "answer": it["answer"]}
+                            for it in train_items[: args.batch * args.steps]])
+    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl_bench_"), use_cpu=True, num_generations=args.group,
                      per_device_train_batch_size=args.batch * args.group, max_completion_length=args.max_new_tokens,
-                     learning_rate=args.lr, max_steps=args.steps, beta=0.0, temperature=1.0, logging_steps=1,
-                     report_to="none", save_strategy="no", seed=1, disable_tqdm=True, num_iterations=1,
-                     gradient_accumulation_steps=1, dataloader_num_workers=0, bf16=False)
+                     learning_rate=args.lr, lr_scheduler_type="constant", max_steps=args.steps, beta=0.0,
+                     temperature=1.0, top_p=1.0, top_k=0, logging_steps=1, report_to="none", save_strategy="no",
+                     seed=1, disable_tqdm=True, num_iterations=1, gradient_accumulation_steps=1,
+                     dataloader_num_workers=0, bf16=False, max_grad_norm=1.0, weight_decay=0.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-    def accuracy() -> float:
-        model.eval()
-        ok = 0
-        with torch.no_grad():
-            for it in test_items:
-                ids = tok.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=True,
-                                              return_tensors="pt")["input_ids"]
-                gen = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-                ok += reward("", tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), it["answer"]) > 0.5
-        model.train()
-        return ok / len(test_items)
-
-    state = {"t0": None, "eval_s": 0.0, "hit": None, "evals": []}
+    clock = {"t0": None, "paused": 0.0, "ckpts": {}}
 
     class Clock(TrainerCallback):
         def on_step_begin(self, a, s, c, **kw):
-            if state["t0"] is None:
-                state["t0"] = time.time()
+            if clock["t0"] is None:
+                clock["t0"] = time.time()
 
         def on_step_end(self, a, s, c, **kw):
-            if s.global_step % args.eval_every == 0 or s.global_step == args.steps:
+            step = s.global_step
+            if step % args.ckpt_every == 0 or step == args.steps:
                 t = time.time()
-                acc = accuracy()
-                state["eval_s"] += time.time() - t
-                state["evals"].append(acc)
-                elapsed = t - state["t0"] - (state["eval_s"] - (time.time() - t))
-                if state["hit"] is None and acc >= args.target:
-                    state["hit"] = elapsed
+                path = os.path.join(out_root, f"step_{step:06d}")
+                model.save_pretrained(path)
+                tok.save_pretrained(path)
+                clock["ckpts"][step] = (t - clock["t0"] - clock["paused"], path)
+                clock["paused"] += time.time() - t
 
-    before = accuracy()
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=ds,
                           processing_class=tok, callbacks=[Clock()])
     trainer.train()
-    wall = time.time() - state["t0"] - state["eval_s"]
+    wall = clock["ckpts"][args.steps][0]
+    lens = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return {"samples_per_s": args.batch * args.group * args.steps / wall, "rl_wall_s": wall,
-            "acc_before": before, "acc_after": state["evals"][-1], "time_to_target_s": state["hit"]}
+            "tokens_per_sample": sum(lens) / max(1, len(lens)), "train_s_per_step": float("nan"),
+            "checkpoints": clock["ckpts"]}
+
+
+def evaluate_dirs(dirs: list[str], items: list[dict], max_new_tokens: int) -> dict[str, float]:
+    """Greedy pass@1 of each HF dir on ``items``: batched, left-padded HF ``generate``, numeric reward."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_cli.rewards import get_reward_fn
+
+    reward = get_reward_fn("numeric")
+    tok = AutoTokenizer.from_pretrained(dirs[0])
+    tok.padding_side = "left"
+    prompts = [tok.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=False) for it in items]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = {}
+    for d in dirs:
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out[d] = sum(float(reward("", t, it["answer"])) > 0.5 for t, it in zip(texts, items)) / len(items)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=8, help="prompts per step")
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--sft-steps", type=int, default=60)
-    ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--eval-size", type=int, default=100)
-    ap.add_argument("--target", type=float, default=0.3)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--eval-size", type=int, default=200)
+    ap.add_argument("--target", type=float, default=None,
+                    help="held-out accuracy to reach (default: warm start + 10 points)")
+    ap.add_argument("--warm", default=None, help="warm-start HF dir (default: run the embedded SFT warm start)")
     ap.add_argument("--fileroot", default=None)
     args = ap.parse_args()
     root = args.fileroot or tempfile.mkdtemp(prefix="areal_bench_")
-    common = [f"algo.batch_size={args.batch}", f"rollout.group_size={args.group}",
+    warm = args.warm
+    if warm is None:
+        print("[bench] warm start: the embedded default's SFT phase", flush=True)
+        run = areal_train(root, "warm", ["trainer.total_steps=0", "trainer.eval_every=0", "dataset.eval_size=8"])
+        warm = str(run / "sft_warmup" / "hf")
+    common = [f"model.path={warm}", f"algo.batch_size={args.batch}", f"rollout.group_size={args.group}",
               f"rollout.gconfig.max_new_tokens={args.max_new_tokens}", f"algo.optim.lr={args.lr}",
-              f"trainer.total_steps={args.steps}", f"trainer.eval_every={args.eval_every}",
-              f"dataset.eval_size={args.eval_size}", "trainer.sft_warmup_steps=0", "trainer.recover_every=0"]
-    print(f"[bench] warm start: {args.sft_steps} SFT steps", flush=True)
-    sft_dir = areal_train(root, "sft", ["algo=sft", f"trainer.total_steps={args.sft_steps}", "trainer.eval_every=0",
-                                        "trainer.recover_every=0", f"dataset.eval_size={args.eval_size}"])
-    warm = str(sft_dir / "checkpoints" / "final")
+              "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0", "algo.kl_coef=0",
+              f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "dataset.eval_size=8",
+              "trainer.sft_warmup_steps=0", "trainer.recover_every=0", f"trainer.save_every={args.ckpt_every}",
+              "trainer.keep_checkpoints=1000"]
     spp = args.batch * args.group
     rows = {}
-    print("[bench] areal async", flush=True)
-    rows["areal async (k=2)"] = areal_figures(areal_train(root, "async", [f"model.path={warm}", *common,
-                                              "rollout.max_head_offpolicyness=2"]), spp, args.target)
-    print("[bench] areal sync", flush=True)
-    rows["areal sync (k=0)"] = areal_figures(areal_train(root, "sync", [f"model.path={warm}", *common,
-                                             "rollout.max_head_offpolicyness=0"]), spp, args.target)
+    for name, k in (("areal async (k=2)", 2), ("areal sync (k=0)", 0)):
+        print(f"[bench] {name}", flush=True)
+        run = areal_train(root, f"k{k}", [*common, f"rollout.max_head_offpolicyness={k}"])
+        rows[name] = areal_figures(run, spp)
     print("[bench] TRL GRPOTrainer", flush=True)
+    from transformers import AutoTokenizer
+
     from areal_cli.config.compose import load_config
     from areal_cli.data.datasets import load_split
-    from transformers import AutoTokenizer
 
     cfg = load_config([f"dataset.eval_size={args.eval_size}"])
     tok = AutoTokenizer.from_pretrained(warm)
     train_items, _ = load_split(cfg.dataset, tok, "train", seed=cfg.seed)
-    test_items, _ = load_split(cfg.dataset, tok, "test", seed=cfg.seed)
-    rows["TRL GRPOTrainer (cpu)"] = trl_run(warm, args, test_items, train_items)
+    test_items = load_split(cfg.dataset, tok, "test", seed=cfg.seed)[0][: args.eval_size]
+    rows["TRL GRPOTrainer (cpu)"] = trl_run(warm, args, train_items, os.path.join(root, "trl"))
+    report(rows, warm, test_items, args)
 
-    print(f"\nsame model/task/prompts per step ({args.batch}) / group ({args.group}) / "
-          f"max new tokens ({args.max_new_tokens}) / steps ({args.steps}); target accuracy {args.target:.0%}")
-    print(f"{'run':24s} {'samples/s':>10s} {'RL wall s':>10s} {'acc before':>11s} {'acc after':>10s} "
-          f"{'t→target s':>11s}")
+
+def report(rows: dict, warm: str, test_items: list[dict], args: argparse.Namespace) -> None:
+    print(f"[bench] evaluating {sum(len(r['checkpoints']) for r in rows.values()) + 1} checkpoints on "
+          f"{len(test_items)} held-out items", flush=True)
+    dirs = [warm] + [p for r in rows.values() for _, p in r["checkpoints"].values()]
+    acc = evaluate_dirs(dirs, test_items, args.max_new_tokens)
+    base = acc[warm]
+    target = args.target if args.target is not None else base + 0.10
+    print(f"\nsame warm start (held-out {base:.1%}), task, prompts per step ({args.batch}), group ({args.group}), "
+          f"max new tokens ({args.max_new_tokens}), steps ({args.steps}); target accuracy {target:.1%}")
+    print(f"{'run':24s} {'samples/s':>10s} {'RL wall s':>10s} {'tok/sample':>11s} {'final acc':>10s} "
+          f"{'t→target s':>11s}  curve (step: acc)")
     for k, r in rows.items():
-        hit = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
-        print(f"{k:24s} {r['samples_per_s']:10.2f} {r['rl_wall_s']:10.1f} {r['acc_before']:11.1%} "
-              f"{r['acc_after']:10.1%} {hit:>11s}")
-    a, s, t = (rows["areal async (k=2)"]["samples_per_s"], rows["areal sync (k=0)"]["samples_per_s"],
-               rows["TRL GRPOTrainer (cpu)"]["samples_per_s"])
-    print(f"\nratio areal async / TRL: {a / t:.2f}x (target >= 2x)")
-    print(f"ratio areal async / areal sync: {a / s:.2f}x (target >= 1.4x)")
+        curve = [(s, acc[p], t) for s, (t, p) in sorted(r["checkpoints"].items())]
+        hit = next((t for _, a, t in curve if a >= target), None)
+        r.update(final_acc=curve[-1][1], time_to_target_s=hit, curve=[(s, a) for s, a, _ in curve])
+        print(f"{k:24s} {r['samples_per_s']:10.2f} {r['rl_wall_s']:10.1f} {r['tokens_per_sample']:11.2f} "
+              f"{r['final_acc']:10.1%} {'-' if hit is None else f'{hit:.0f}':>11s}  "
+              + " ".join(f"{s}:{a:.0%}" for s, a in r["curve"]))
+    a, s, t = (rows[n] for n in ("areal async (k=2)", "areal sync (k=0)", "TRL GRPOTrainer (cpu)"))
+    lens = [r["tokens_per_sample"] for r in (a, s, t)]
+    if max(lens) > 1.15 * min(lens):
+        print(f"\nWARNING: tokens per sample differ by more than 15% ({', '.join(f'{x:.2f}' for x in lens)}): "
+              "the samples/s ratios below compare unequal work")
+    print(f"\nratio areal async / TRL samples/s: {a['samples_per_s'] / t['samples_per_s']:.2f}x (target >= 2x)")
+    print(f"ratio areal async / areal sync samples/s: {a['samples_per_s'] / s['samples_per_s']:.2f}x "
+          "(target >= 1.4x)")
+    for name, r in (("areal async", a), ("areal sync", s)):
+        if r["time_to_target_s"] and t["time_to_target_s"]:
+            print(f"time to target, TRL / {name}: {t['time_to_target_s'] / r['time_to_target_s']:.2f}x")
+    print(json.dumps({k: {kk: vv for kk, vv in r.items() if kk != "checkpoints"} for k, r in rows.items()}))
 
 
 if __name__ == "__main__":

@@ -108,10 +108,23 @@ def main(argv: list[str] | None = None) -> int:
         args.port, device, model.dtype, model.config._attn_implementation, ctx, version)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, proxy_headers=False, **_fast_uvicorn())
     finally:
         engine.shutdown()
     return 0
+
+
+def _fast_uvicorn() -> dict:
+    """httptools' C parser and uvloop when installed (dependencies of areal-cli): with a tiny model the
+    per-request HTTP cost is a large share of generation time, and h11 is pure Python."""
+    import importlib.util
+
+    out = {}
+    if importlib.util.find_spec("httptools") is not None:
+        out["http"] = "httptools"
+    if importlib.util.find_spec("uvloop") is not None:
+        out["loop"] = "uvloop"
+    return out
 
 
 if __name__ == "__main__":

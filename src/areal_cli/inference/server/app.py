@@ -61,20 +61,34 @@ async def _json(request: Request) -> dict:
     return body
 
 
+class _ApiKeyMiddleware:
+    """Rejects requests without the api key (``/health`` stays open). A plain ASGI middleware, added
+    only when a key is set: Starlette's ``@app.middleware("http")`` wraps every request in an extra
+    task and body stream, and with tiny models per-request overhead is a visible share of a rollout."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in OPEN_PATHS:
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(token, self.key):
+                kind = "admin endpoint" if path in ADMIN_PATHS else "endpoint"
+                await _err(401, f"{kind} {path} requires 'Authorization: Bearer <api-key>'")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="areal-cli hf server")
     app.state.s = state
 
-    @app.middleware("http")
-    async def auth_and_errors(request: Request, call_next):
-        path = request.url.path
-        if state.api_key and path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                kind = "admin endpoint" if path in ADMIN_PATHS else "endpoint"
-                return _err(401, f"{kind} {path} requires 'Authorization: Bearer <api-key>'")
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=state.api_key)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_request: Request, exc: BadRequest):

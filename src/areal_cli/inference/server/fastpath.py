@@ -11,8 +11,8 @@ building, and a few hundred small ops per step. This runner keeps the same weigh
 - a preallocated K/V slab per layer: row ``i`` holds its tokens at ``0..len_i-1`` (padding after them),
   a decode step writes one column per row in place; K is kept transposed for the score matmul;
 - one-token attention as two batched matmuls with queries grouped per KV head (no K/V copies);
-- prefill of newly admitted requests packed without padding (linear layers see only real tokens),
-  causal attention per request.
+- prefill of newly admitted requests packed without padding for the linear layers (they see only real
+  tokens); attention runs as one causal SDPA call per layer over the right-padded batch.
 
 Weights are re-fused whenever any model parameter was modified in place (``_version`` counters), so
 weight updates (which ``copy_`` into the parameters between steps) take effect at the next step.
@@ -232,34 +232,38 @@ class FastRunner:
         """Append one row per sequence, run it through the model, return last-token logits ``[n, V]``."""
         self._refresh()
         lens = [len(s) for s in seqs]
-        r0 = self.rows
-        self._ensure(r0 + len(seqs), max(max(lens), max(self.lens, default=0)) + 1)
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=self.device)
-        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        n, r0, width = len(seqs), self.rows, max(lens)
+        self._ensure(r0 + n, max(width, max(self.lens, default=0)) + 1)
+        dev = self.device
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(m, device=dev) for m in lens])
+        # Packed token i of request r sits at row r*width + j of the right-padded [n, width] batch. Right
+        # padding needs no mask under causal attention: a real query only sees earlier, real keys.
+        slot = None if n == 1 else (torch.arange(n, device=dev) * width).repeat_interleave(
+            torch.tensor(lens, device=dev)) + pos
         h = F.embedding(ids, self.embed)
         cos, sin = self._rope_tables(h, pos)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
         t = h.shape[0]
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms(h, layer.ln1), cos, sin)
-            kc, vc = self._k[li], self._v[li]
-            out = torch.empty((t, self.n_heads, self.head_dim), dtype=h.dtype, device=h.device)
-            for i, n in enumerate(lens):
-                a, b = starts[i], starts[i + 1]
-                ki, vi = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)  # [kv, n, D]
-                kc[r0 + i, :, :, :n] = ki.transpose(1, 2)
-                vc[r0 + i, :, :n] = vi
-                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), ki.unsqueeze(0),
-                                                   vi.unsqueeze(0), is_causal=True, scale=1.0,
-                                                   enable_gqa=self.n_heads != self.n_kv)
-                out[a:b] = o[0].transpose(0, 1)
-            h = layer.o.residual(h, out.view(t, -1))
+            q, k, v = (self._padded(x, slot, n, width)  # [n, heads, width, D]
+                       for x in self._qkv(layer, self._rms(h, layer.ln1), cos, sin))
+            self._k[li][r0:r0 + n, :, :, :width] = k.transpose(2, 3)
+            self._v[li][r0:r0 + n, :, :width] = v
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0,
+                                               enable_gqa=self.n_heads != self.n_kv)
+            o = o.transpose(1, 2).reshape(n * width, self.n_heads * self.head_dim)
+            h = layer.o.residual(h, o if slot is None else o.index_select(0, slot))
             h = self._mlp(layer, h)
         self.lens.extend(lens)
-        last = torch.tensor([e - 1 for e in starts[1:]], dtype=torch.long, device=self.device)
+        last = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) - 1
         return self._logits(h.index_select(0, last))
+
+    @staticmethod
+    def _padded(x: torch.Tensor, slot: torch.Tensor | None, n: int, width: int) -> torch.Tensor:
+        """Packed ``[t, heads, D]`` → right-padded ``[n, heads, width, D]`` (zeros in the padding)."""
+        if slot is not None:
+            x = x.new_zeros((n * width,) + x.shape[1:]).index_copy_(0, slot, x)
+        return x.view(n, width, *x.shape[1:]).transpose(1, 2)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int]) -> torch.Tensor:
