@@ -137,6 +137,27 @@ def evaluate_dirs(dirs: list[str], items: list[dict], max_new_tokens: int) -> di
     return out
 
 
+def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: argparse.Namespace,
+            steps: int, ckpt_every: int, train_items: list[dict]) -> dict:
+    """The three systems on one model; returns their rows."""
+    common = [*model_args, f"algo.batch_size={args.batch}", f"rollout.group_size={args.group}",
+              f"rollout.gconfig.max_new_tokens={args.max_new_tokens}", f"algo.optim.lr={args.lr}",
+              "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0", "algo.kl_coef=0",
+              f"trainer.total_steps={steps}", "trainer.eval_every=0", "dataset.eval_size=8",
+              "trainer.sft_warmup_steps=0", "trainer.recover_every=0", f"trainer.save_every={ckpt_every}",
+              "trainer.keep_checkpoints=1000"]
+    spp = args.batch * args.group
+    rows = {}
+    for name, k in (("areal async (k=2)", 2), ("areal sync (k=0)", 0)):
+        print(f"[bench] {tag}: {name}", flush=True)
+        run = areal_train(root, f"{tag}_k{k}", [*common, f"rollout.max_head_offpolicyness={k}"])
+        rows[name] = areal_figures(run, spp)
+    print(f"[bench] {tag}: TRL GRPOTrainer", flush=True)
+    targs = argparse.Namespace(**{**vars(args), "steps": steps, "ckpt_every": ckpt_every})
+    rows["TRL GRPOTrainer (cpu)"] = trl_run(model_dir, targs, train_items, os.path.join(root, f"{tag}_trl"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -149,6 +170,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=None,
                     help="held-out accuracy to reach (default: warm start + 10 points)")
     ap.add_argument("--warm", default=None, help="warm-start HF dir (default: run the embedded SFT warm start)")
+    ap.add_argument("--big-steps", type=int, default=10,
+                    help="steps of the throughput-only comparison on a ~10M-param model (0: skip)")
     ap.add_argument("--fileroot", default=None)
     args = ap.parse_args()
     root = args.fileroot or tempfile.mkdtemp(prefix="areal_bench_")
@@ -157,30 +180,31 @@ def main() -> None:
         print("[bench] warm start: the embedded default's SFT phase", flush=True)
         run = areal_train(root, "warm", ["trainer.total_steps=0", "trainer.eval_every=0", "dataset.eval_size=8"])
         warm = str(run / "sft_warmup" / "hf")
-    common = [f"model.path={warm}", f"algo.batch_size={args.batch}", f"rollout.group_size={args.group}",
-              f"rollout.gconfig.max_new_tokens={args.max_new_tokens}", f"algo.optim.lr={args.lr}",
-              "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0", "algo.kl_coef=0",
-              f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "dataset.eval_size=8",
-              "trainer.sft_warmup_steps=0", "trainer.recover_every=0", f"trainer.save_every={args.ckpt_every}",
-              "trainer.keep_checkpoints=1000"]
-    spp = args.batch * args.group
-    rows = {}
-    for name, k in (("areal async (k=2)", 2), ("areal sync (k=0)", 0)):
-        print(f"[bench] {name}", flush=True)
-        run = areal_train(root, f"k{k}", [*common, f"rollout.max_head_offpolicyness={k}"])
-        rows[name] = areal_figures(run, spp)
-    print("[bench] TRL GRPOTrainer", flush=True)
     from transformers import AutoTokenizer
 
     from areal_cli.config.compose import load_config
     from areal_cli.data.datasets import load_split
 
-    cfg = load_config([f"dataset.eval_size={args.eval_size}"])
+    cfg = load_config([f"dataset.eval_size={args.eval_size}", f"cluster.fileroot={root}", *BIG])
     tok = AutoTokenizer.from_pretrained(warm)
     train_items, _ = load_split(cfg.dataset, tok, "train", seed=cfg.seed)
     test_items = load_split(cfg.dataset, tok, "test", seed=cfg.seed)[0][: args.eval_size]
-    rows["TRL GRPOTrainer (cpu)"] = trl_run(warm, args, train_items, os.path.join(root, "trl"))
+    rows = compare(root, "tiny", [f"model.path={warm}"], warm, args, args.steps, args.ckpt_every, train_items)
     report(rows, warm, test_items, args)
+    if args.big_steps > 0:
+        from areal_cli.models.tiny import model_param_count
+        from areal_cli.trainer.build import resolve_model_path
+
+        big_dir = resolve_model_path(cfg)
+        n = model_param_count(big_dir) / 1e6
+        print(f"\n[bench] throughput on a {n:.1f}M-param model (random init, {args.big_steps} steps)", flush=True)
+        big = compare(root, "big", list(BIG), big_dir, args, args.big_steps, args.big_steps, train_items)
+        print_throughput(big, f"{n:.1f}M params, random init")
+
+
+# The throughput-only comparison's model: the size of benchmarks/inference_throughput.py's.
+BIG = ("model.path=builtin:tiny", "model.hidden_size=256", "model.num_hidden_layers=12",
+       "model.num_attention_heads=8", "model.num_key_value_heads=4", "model.intermediate_size=1024")
 
 
 def report(rows: dict, warm: str, test_items: list[dict], args: argparse.Namespace) -> None:
@@ -201,18 +225,26 @@ def report(rows: dict, warm: str, test_items: list[dict], args: argparse.Namespa
         print(f"{k:24s} {r['samples_per_s']:10.2f} {r['rl_wall_s']:10.1f} {r['tokens_per_sample']:11.2f} "
               f"{r['final_acc']:10.1%} {'-' if hit is None else f'{hit:.0f}':>11s}  "
               + " ".join(f"{s}:{a:.0%}" for s, a in r["curve"]))
-    a, s, t = (rows[n] for n in ("areal async (k=2)", "areal sync (k=0)", "TRL GRPOTrainer (cpu)"))
-    lens = [r["tokens_per_sample"] for r in (a, s, t)]
-    if max(lens) > 1.15 * min(lens):
-        print(f"\nWARNING: tokens per sample differ by more than 15% ({', '.join(f'{x:.2f}' for x in lens)}): "
-              "the samples/s ratios below compare unequal work")
-    print(f"\nratio areal async / TRL samples/s: {a['samples_per_s'] / t['samples_per_s']:.2f}x (target >= 2x)")
-    print(f"ratio areal async / areal sync samples/s: {a['samples_per_s'] / s['samples_per_s']:.2f}x "
-          "(target >= 1.4x)")
+    a, s, t = print_throughput(rows, "warm-started tiny model")
     for name, r in (("areal async", a), ("areal sync", s)):
         if r["time_to_target_s"] and t["time_to_target_s"]:
             print(f"time to target, TRL / {name}: {t['time_to_target_s'] / r['time_to_target_s']:.2f}x")
     print(json.dumps({k: {kk: vv for kk, vv in r.items() if kk != "checkpoints"} for k, r in rows.items()}))
+
+
+def print_throughput(rows: dict, what: str) -> tuple[dict, dict, dict]:
+    a, s, t = (rows[n] for n in ("areal async (k=2)", "areal sync (k=0)", "TRL GRPOTrainer (cpu)"))
+    print(f"\n[{what}] samples/s: areal async {a['samples_per_s']:.2f}, areal sync {s['samples_per_s']:.2f}, "
+          f"TRL {t['samples_per_s']:.2f}; tokens/sample {a['tokens_per_sample']:.2f} / "
+          f"{s['tokens_per_sample']:.2f} / {t['tokens_per_sample']:.2f}")
+    lens = [r["tokens_per_sample"] for r in (a, s, t)]
+    if max(lens) > 1.15 * min(lens):
+        print(f"WARNING: tokens per sample differ by more than 15% ({', '.join(f'{x:.2f}' for x in lens)}): "
+              "the samples/s ratios below compare unequal work")
+    print(f"ratio areal async / TRL samples/s: {a['samples_per_s'] / t['samples_per_s']:.2f}x (target >= 2x)")
+    print(f"ratio areal async / areal sync samples/s: {a['samples_per_s'] / s['samples_per_s']:.2f}x "
+          "(target >= 1.4x)")
+    return a, s, t
 
 
 if __name__ == "__main__":

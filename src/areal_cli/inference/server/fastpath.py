@@ -85,6 +85,8 @@ class _Layer:
 class FastRunner:
     """Owns the KV cache of the running batch; ``prefill`` appends rows, ``decode`` advances all rows."""
 
+    MATMUL_ATTENTION_MAX = 1 << 23  # prefill score elements (32 MiB fp32) up to which attention is two matmuls
+
     def __init__(self, model, device: torch.device):
         cfg = model.config
         base = model.model
@@ -243,20 +245,40 @@ class FastRunner:
             torch.tensor(lens, device=dev)) + pos
         h = F.embedding(ids, self.embed)
         cos, sin = self._rope_tables(h, pos)
-        t = h.shape[0]
+        causal = None  # additive mask for the matmul path; None → SDPA's flash kernel (long prompts)
+        if n * self.n_heads * width * width <= self.MATMUL_ATTENTION_MAX:
+            causal = torch.full((width, width), float("-inf"), device=dev).triu_(1)
         for li, layer in enumerate(self.layers):
             q, k, v = (self._padded(x, slot, n, width)  # [n, heads, width, D]
                        for x in self._qkv(layer, self._rms(h, layer.ln1), cos, sin))
             self._k[li][r0:r0 + n, :, :, :width] = k.transpose(2, 3)
             self._v[li][r0:r0 + n, :, :width] = v
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0,
-                                               enable_gqa=self.n_heads != self.n_kv)
-            o = o.transpose(1, 2).reshape(n * width, self.n_heads * self.head_dim)
+            o = self._causal_attention(q, k, v, causal).transpose(1, 2).reshape(n * width, -1)
             h = layer.o.residual(h, o if slot is None else o.index_select(0, slot))
             h = self._mlp(layer, h)
         self.lens.extend(lens)
         last = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) - 1
         return self._logits(h.index_select(0, last))
+
+    def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          causal: torch.Tensor | None) -> torch.Tensor:
+        """Causal GQA attention, ``q`` ``[n, heads, W, D]`` (scale folded in), ``k``/``v`` ``[n, kv, W, D]``.
+
+        For short prompts, two batched matmuls with each KV head's query group stacked as rows beat
+        SDPA's CPU flash kernel about 1.5x (measured, 1 thread); the flash kernel, which never
+        materialises the ``W x W`` scores, takes over when they would be large.
+        """
+        if causal is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0,
+                                                  enable_gqa=self.n_heads != self.n_kv)
+        n, _, w, d = q.shape
+        g = self.n_heads // self.n_kv
+        scores = torch.matmul(q.reshape(n, self.n_kv, g * w, d), k.transpose(2, 3))  # [n, kv, g*W, W]
+        if scores.dtype != torch.float32:
+            scores = scores.float()
+        scores.view(n, self.n_kv, g, w, w).add_(causal)
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [n, kv, g*W, D]
+        return out.view(n, self.n_heads, w, d)
 
     @staticmethod
     def _padded(x: torch.Tensor, slot: torch.Tensor | None, n: int, width: int) -> torch.Tensor:
