@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from areal_cli.inference.server import decode_kernel
 from areal_cli.inference.server.fastpath import FastRunner, unsupported_reason
 
 
@@ -28,11 +29,23 @@ def _ref_last(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
+def _kernel_or_skip() -> None:
+    reason = decode_kernel.usable(torch.float32, torch.device("cpu"), check_threads=False)
+    if reason is not None:
+        pytest.skip(f"fused decode kernel unavailable: {reason}")
+
+
+@pytest.mark.parametrize("attention", ["torch", "kernel", "torch-flash-prefill"])
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
-def test_fast_runner_matches_hf_forward(kind):
+def test_fast_runner_matches_hf_forward(kind, attention):
     model = _model(kind)
     assert unsupported_reason(model) is None
-    runner = FastRunner(model, torch.device("cpu"))
+    if attention == "kernel":
+        _kernel_or_skip()
+    runner = FastRunner(model, torch.device("cpu"), attention=attention.split("-")[0])
+    assert runner.attention == attention.split("-")[0]
+    if attention == "torch-flash-prefill":  # prefill attention through SDPA's flash kernel (long prompts)
+        runner.MATMUL_ATTENTION_MAX = 0
     rng = random.Random(1)
     seqs = [[rng.randrange(1, 97) for _ in range(rng.randint(1, 30))] for _ in range(5)]
     logits = runner.prefill(seqs[:3])  # rows join in two cohorts, the second while the first decodes
@@ -53,6 +66,31 @@ def test_fast_runner_matches_hf_forward(kind):
         assert runner.lens == [len(s) for s in live]
         err = max(err, *((logits[i] - _ref_last(model, s)).abs().max().item() for i, s in enumerate(live)))
     assert err < 1e-4, err
+
+
+def test_decode_kernel_matches_torch_ops_on_a_long_ragged_batch():
+    """Rows of very different lengths, slab growth and row compaction: kernel and torch decode agree."""
+    _kernel_or_skip()
+    model = _model("qwen2")
+    runners = [FastRunner(model, torch.device("cpu"), attention=a) for a in ("kernel", "torch")]
+    rng = random.Random(5)
+    seqs = [[rng.randrange(1, 97) for _ in range(n)] for n in (1, 70, 13, 40)]
+    outs = [r.prefill(seqs) for r in runners]
+    for step in range(80):  # crosses the 64 → 128 column growth of the slabs
+        if step == 30:  # retire row 1, reorder the rest
+            for r in runners:
+                r.keep([3, 0, 2])
+        toks = [rng.randrange(1, 97) for _ in range(runners[0].rows)]
+        outs = [r.decode(toks) for r in runners]
+        assert (outs[0] - outs[1]).abs().max().item() < 1e-4
+    assert runners[0].lens == runners[1].lens
+
+
+def test_forced_kernel_reports_why_it_cannot_run():
+    model = _model("qwen2").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        FastRunner(model, torch.device("cpu"), attention="kernel")
+    assert FastRunner(model, torch.device("cpu")).attention == "torch"
 
 
 def test_fast_runner_sees_in_place_weight_updates():

@@ -163,6 +163,11 @@ class FSDPEngine(TrainEngine):
         n_mb = int(n.item())
         return packing.equalize_bins(bins, lens, n_mb), n_mb
 
+    def dp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the data-parallel ranks (a new tensor on ``t``'s device; identity at dp=1):
+        the reducer ``PPOActor`` needs for batch-level statistics over sharded batches."""
+        return self._all_reduce(t.detach().clone()).to(t.device)
+
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.dp_world_size == 1:
             return t

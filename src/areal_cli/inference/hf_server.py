@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--stock-attention", action="store_true",
                    help="keep HF's attention implementation (default: GQA-native SDPA, see server/attention.py)")
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "kernel", "torch"],
+                   help="fast path's decode attention: a fused C kernel built with the system compiler, or "
+                        "torch ops; auto = the kernel for fp32 on CPU with one thread when it builds "
+                        "(see server/decode_kernel.py)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -92,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         use_areal_sdpa(model)
     cfg = model.config
     ctx = args.context_length or getattr(cfg, "max_position_embeddings", None) or 4096
-    engine = GenerationEngine(model, tok, device=device, max_running=args.max_running_requests,
-                              max_prefill_tokens=args.max_prefill_tokens, context_length=int(ctx),
-                              version=version, seed=args.random_seed)
+    try:
+        engine = GenerationEngine(model, tok, device=device, max_running=args.max_running_requests,
+                                  max_prefill_tokens=args.max_prefill_tokens, context_length=int(ctx),
+                                  version=version, seed=args.random_seed,
+                                  decode_attention=args.decode_attention)
+    except ValueError as e:  # e.g. --decode-attention kernel without a C compiler
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     state = ServerState(
         engine=engine, tokenizer=tok, model_path=os.path.abspath(args.model_path),
         served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model_path)),

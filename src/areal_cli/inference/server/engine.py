@@ -58,7 +58,7 @@ class GenerationEngine:
 
     def __init__(self, model, tokenizer, *, device: str, max_running: int = 256,
                  max_prefill_tokens: int = 8192, context_length: int, version: int = 0, seed: int = 0,
-                 fast_path: bool | None = None):
+                 fast_path: bool | None = None, decode_attention: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -76,7 +76,7 @@ class GenerationEngine:
         self._paused = False
         self._stopping = False
         self._running: list[Sequence] = []
-        self.runner = _make_runner(model, self.device, fast_path, self.pad_id)
+        self.runner = _make_runner(model, self.device, fast_path, self.pad_id, decode_attention)
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0}
         self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
 
@@ -268,13 +268,15 @@ class GenerationEngine:
             log.exception("completion callback failed for %s", s.rid)
 
 
-def _make_runner(model, device: torch.device, fast_path: bool | None, pad_id: int):
+def _make_runner(model, device: torch.device, fast_path: bool | None, pad_id: int,
+                 decode_attention: str = "auto"):
     """The model runner: :class:`FastRunner` when it supports the architecture, else :class:`HFRunner`.
 
     ``fast_path=None`` (auto) uses the fast path on CPU when the server runs its own attention
     (``areal_sdpa``, i.e. without ``--stock-attention``); ``True`` requires it; ``False`` always runs HF's
     forward. Auto stays off on CUDA: the fast path holds a second (fused) copy of the projection
-    weights, and its gains were measured on CPU only.
+    weights, and its gains were measured on CPU only. ``decode_attention`` (``auto|kernel|torch``) picks
+    the fast path's decode attention, see :class:`FastRunner`.
     """
     from areal_cli.inference.server.attention import NAME as AREAL_ATTN
     from areal_cli.inference.server.fastpath import FastRunner, unsupported_reason
@@ -286,8 +288,10 @@ def _make_runner(model, device: torch.device, fast_path: bool | None, pad_id: in
     elif fast_path and reason is not None:
         raise ValueError(f"the fast decode path cannot run this model: {reason}")
     if fast_path:
-        log.info("decode path: fast (fused pre-transposed weights, in-place KV slabs)")
-        return FastRunner(model, device)
+        runner = FastRunner(model, device, attention=decode_attention)
+        log.info("decode path: fast (fused pre-transposed weights, in-place KV slabs, %s attention)",
+                 runner.attention)
+        return runner
     log.info("decode path: HF forward%s", f" ({reason})" if reason else "")
     return HFRunner(model, device, pad_id)
 

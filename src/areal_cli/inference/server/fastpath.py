@@ -10,9 +10,11 @@ building, and a few hundred small ops per step. This runner keeps the same weigh
   scale folded into the query projection (fp32);
 - a preallocated K/V slab per layer: row ``i`` holds its tokens at ``0..len_i-1`` (padding after them),
   a decode step writes one column per row in place; K is kept transposed for the score matmul;
-- one-token attention as two batched matmuls with queries grouped per KV head (no K/V copies);
+- one-token attention in a fused C kernel (:mod:`~areal_cli.inference.server.decode_kernel`: K/V write,
+  scores over each row's own columns, softmax, PV in one pass) when it can be built, else as two
+  batched matmuls with queries grouped per KV head (no K/V copies);
 - prefill of newly admitted requests packed without padding for the linear layers (they see only real
-  tokens); attention runs as one causal SDPA call per layer over the right-padded batch.
+  tokens); attention is one batched causal attention per layer over the right-padded batch.
 
 Weights are re-fused whenever any model parameter was modified in place (``_version`` counters), so
 weight updates (which ``copy_`` into the parameters between steps) take effect at the next step.
@@ -20,10 +22,16 @@ weight updates (which ``copy_`` into the parameters between steps) take effect a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from areal_cli.inference.server import decode_kernel
+from areal_cli.inference.server.decode_kernel import decode_attention
+
+log = logging.getLogger("areal_cli.hf_server")
 
 SUPPORTED = {"qwen2", "qwen3", "llama", "mistral"}
 
@@ -85,9 +93,13 @@ class _Layer:
 class FastRunner:
     """Owns the KV cache of the running batch; ``prefill`` appends rows, ``decode`` advances all rows."""
 
-    MATMUL_ATTENTION_MAX = 1 << 23  # prefill score elements (32 MiB fp32) up to which attention is two matmuls
+    # Prefill score elements (32 MiB fp32) up to which attention runs as two matmuls (else flash SDPA).
+    MATMUL_ATTENTION_MAX = 1 << 23
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, attention: str = "auto"):
+        """``attention``: the decode attention — ``"kernel"`` (the fused C kernel of
+        :mod:`~areal_cli.inference.server.decode_kernel`; error if it cannot run), ``"torch"`` (torch
+        ops), or ``"auto"`` (the kernel when it builds and applies: fp32 on CPU, one intra-op thread)."""
         cfg = model.config
         base = model.model
         a0 = base.layers[0].self_attn
@@ -99,11 +111,30 @@ class FastRunner:
         self.dtype = next(model.parameters()).dtype
         self.fold_scale = self.dtype == torch.float32
         self._params = list(model.parameters())
+        self._kernel = self._pick_kernel(attention, device)
         self._weights_key = None
         self._refresh()
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self.lens: list[int] = []
+
+    def _pick_kernel(self, attention: str, device: torch.device):
+        if attention not in ("auto", "kernel", "torch"):
+            raise ValueError(f"attention must be auto, kernel or torch, got {attention!r}")
+        if attention == "torch":
+            return None
+        reason = decode_kernel.usable(self.dtype, device, check_threads=attention == "auto")
+        if reason is None:
+            return decode_kernel.load()[0]
+        if attention == "kernel":
+            raise ValueError(f"the fused decode-attention kernel cannot run here: {reason}")
+        log.info("decode attention: torch ops (%s)", reason)
+        return None
+
+    @property
+    def attention(self) -> str:
+        """The decode attention in use: ``"kernel"`` or ``"torch"``."""
+        return "torch" if self._kernel is None else "kernel"
 
     # ------------------------------------------------------------------ weights
     def _version_key(self) -> tuple[int, ...]:
@@ -296,27 +327,50 @@ class FastRunner:
         self._ensure(b, length)
         dev = self.device
         pos = torch.tensor(self.lens, dtype=torch.long, device=dev)
-        rows = torch.arange(b, device=dev)
-        # Row i attends to its own columns 0..lens[i] (the new token included); later columns are padding.
-        bias = torch.zeros((b, 1, 1, length), dtype=self.dtype if self.dtype == torch.float32 else torch.float32,
-                           device=dev)
-        bias.masked_fill_((torch.arange(length, device=dev).unsqueeze(0) > pos.unsqueeze(1)).view(b, 1, 1, length),
-                          float("-inf"))
         h = F.embedding(torch.tensor(tokens, dtype=torch.long, device=dev), self.embed)
         cos, sin = self._rope_tables(h, pos)
-        groups = self.n_heads // self.n_kv
+        kernel, mask = self._kernel, None
+        if kernel is not None:
+            out = torch.empty((b, self.n_heads * self.head_dim), dtype=self.dtype, device=dev)
+            scratch = torch.empty(length, dtype=torch.float32, device=dev)
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms(h, layer.ln1), cos, sin)
-            kc, vc = self._k[li], self._v[li]
-            kc[rows, :, :, pos] = k
-            vc[rows, :, pos] = v
-            qg = q.reshape(b, self.n_kv, groups, self.head_dim)
-            scores = torch.matmul(qg, kc[:b, :, :, :length])  # [b, kv, groups, length]
-            if scores.dtype != torch.float32:
-                scores = scores.float()
-            probs = torch.softmax(scores.add_(bias), dim=-1).to(vc.dtype)
-            out = torch.matmul(probs, vc[:b, :, :length])  # [b, kv, groups, D]
-            h = layer.o.residual(h, out.reshape(b, self.n_heads * self.head_dim))
+            if kernel is not None and _heads_contiguous(q, k, v):
+                decode_attention(kernel, q, k, v, self._k[li], self._v[li], pos, out, scratch)
+                attn = out  # consumed by the o_proj GEMM below before the next layer overwrites it
+            else:
+                if mask is None:
+                    mask = self._decode_mask(pos, length)
+                attn = self._attend_torch(li, q, k, v, pos, mask, length)
+            h = layer.o.residual(h, attn)
             h = self._mlp(layer, h)
         self.lens = [n + 1 for n in self.lens]
         return self._logits(h)
+
+    def _decode_mask(self, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """Additive ``[b, 1, 1, length]`` bias: row i attends to its own columns ``0..lens[i]`` (the new
+        token included); later columns are padding."""
+        b, dev = pos.shape[0], pos.device
+        bias = torch.zeros((b, 1, 1, length), dtype=torch.float32, device=dev)
+        return bias.masked_fill_((torch.arange(length, device=dev).unsqueeze(0) > pos.unsqueeze(1))
+                                 .view(b, 1, 1, length), float("-inf"))
+
+    def _attend_torch(self, li: int, q, k, v, pos: torch.Tensor, mask: torch.Tensor,
+                      length: int) -> torch.Tensor:
+        b = q.shape[0]
+        kc, vc = self._k[li], self._v[li]
+        rows = torch.arange(b, device=pos.device)
+        kc[rows, :, :, pos] = k
+        vc[rows, :, pos] = v
+        qg = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
+        scores = torch.matmul(qg, kc[:b, :, :, :length])  # [b, kv, groups, length]
+        if scores.dtype != torch.float32:
+            scores = scores.float()
+        probs = torch.softmax(scores.add_(mask), dim=-1).to(vc.dtype)
+        out = torch.matmul(probs, vc[:b, :, :length])  # [b, kv, groups, D]
+        return out.reshape(b, self.n_heads * self.head_dim)
+
+
+def _heads_contiguous(*xs: torch.Tensor) -> bool:
+    """The C kernel's input layout: ``[B, heads, D]`` views with contiguous heads (any row stride)."""
+    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in xs)

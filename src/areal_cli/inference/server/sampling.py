@@ -39,10 +39,11 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
     the same random stream.
     """
     logits = logits.float()
-    bsz, vocab = logits.shape
-    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
-    scaled = logits / temps.unsqueeze(1)
+    vocab = logits.shape[1]
+    greedy_rows = [p.greedy for p in params]
+    temps = [1.0 if g else p.temperature for g, p in zip(greedy_rows, params)]
+    # The common RL case (every row T=1, no truncation) skips the division and the second softmax.
+    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps).unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
 
     work = scaled
@@ -55,21 +56,24 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
             if stop_ids:
                 work[i, stop_ids] = float("-inf")
 
-    next_ids = work.argmax(dim=-1)
-    if not bool(greedy.all()):
-        top_k = torch.tensor([p.top_k if p.top_k and p.top_k > 0 else vocab for p in params])
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-            work = _truncate(work, top_k.clamp(max=vocab), top_p)
-        probs = torch.softmax(work, dim=-1)
-        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if all(greedy_rows):
+        next_ids = work.argmax(dim=-1)
+    else:
+        top_k = [p.top_k if p.top_k and 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(x < 1.0 for x in top_p):
+            work = _truncate(work, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32))
+        # exp(log_softmax) is the softmax; reuse it unless rows were masked or truncated above.
+        probs = logprobs.exp() if work is scaled else torch.softmax(work, dim=-1)
+        next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         for i, p in enumerate(params):
-            if p.sampling_seed is not None and not p.greedy:
+            if p.sampling_seed is not None and not greedy_rows[i]:
                 # Seeded from (seed, position): independent of batch composition and arrival order.
                 pos = positions[i] if positions is not None else n_generated[i]
                 g = torch.Generator().manual_seed((p.sampling_seed * 1_000_003 + pos) % (2**63))
-                sampled[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-        next_ids = torch.where(greedy, next_ids, sampled)
+                next_ids[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        if any(greedy_rows):
+            next_ids = torch.where(torch.tensor(greedy_rows), work.argmax(dim=-1), next_ids)
     chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
     return next_ids, chosen
 
