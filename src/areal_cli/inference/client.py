@@ -153,7 +153,8 @@ class RemoteInferenceEngine(InferenceEngine):
 
     async def _send(self, address: str, call: HttpCall, timeout: float) -> Any:
         """One HTTP exchange. Raises _Unreachable, _ClientError (4xx) or InferenceError (5xx/timeout)."""
-        params = {k: str(v) for k, v in call.params.items()} if call.params else None
+        params = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in call.params.items()} \
+            if call.params else None  # query strings as httpx wrote them (True -> "true")
         try:
             async with (await self._client()).request(call.method, _url(address, call.path), json=call.json,
                                               params=params, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
