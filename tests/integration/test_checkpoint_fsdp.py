@@ -5,6 +5,8 @@ Also: the HF export loads in transformers and gives the engine's logprobs.
 
 from __future__ import annotations
 
+import os
+
 import sys
 from pathlib import Path
 
@@ -65,7 +67,11 @@ torch.save(e.forward(make_batch(1))["logprobs"], {str(tmp_path / "lp.pt")!r})
 """)
     import subprocess
 
-    subprocess.run([sys.executable, str(script)], check=True, timeout=300, capture_output=True)
+    # A process group made earlier in this pytest process left RANK/MASTER_PORT in os.environ; the
+    # child must start its own one-process group, not join that one's port.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    subprocess.run([sys.executable, str(script)], check=True, timeout=300, capture_output=True, env=env)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     names = {p.name for p in export.iterdir()}

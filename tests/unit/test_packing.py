@@ -137,3 +137,18 @@ def test_varlen_cost_rule_prefers_mask_for_one_long_sequence():
 
     assert ulysses.varlen_is_cheaper([36] * 64, 64 * 36)
     assert not ulysses.varlen_is_cheaper([2000] + [10] * 60, 2600)
+
+
+def test_loss_positions_are_the_predicting_positions_of_loss_tokens():
+    """Packed position of token i-1 predicts token i; only loss tokens' predictors are kept."""
+    mb = {"input_ids": torch.ones(3, 5, dtype=torch.long),
+          "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]),
+          "loss_mask": torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 1, 1], [1, 0, 0, 0, 0]])}
+    pk = packing.pack(mb)
+    # row 0 starts at 0 (tokens 1, 2 -> positions 0, 1); row 1 starts at 3 (tokens 3, 4 -> 5, 6);
+    # row 2 is one token: nothing predicts it.
+    assert packing.loss_positions(mb, pk).tolist() == [0, 1, 5, 6]
+    tgt = packing.next_token_targets(pk)
+    ids = pk.input_ids[0]
+    for t in packing.loss_positions(mb, pk).tolist():
+        assert tgt[t] == ids[t + 1]

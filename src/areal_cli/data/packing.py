@@ -191,6 +191,21 @@ def next_token_targets(packed: Packed) -> "torch.Tensor":
     return tgt
 
 
+def loss_positions(mb: dict, packed: Packed) -> "torch.Tensor":
+    """Packed positions whose *next* token is a loss token (``loss_mask`` > 0): the only positions
+    whose logits a loss reads. Row ``r``'s token ``i`` sits at ``start_r + i``, predicted at ``- 1``."""
+    import torch
+
+    mask = mb["loss_mask"]
+    out, start = [], 0
+    for r, n in enumerate(packed.lengths):
+        if n > 1:
+            idx = (mask[r, 1:n] > 0).nonzero().squeeze(1)
+            out.append(idx + start)
+        start += n
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
 def unpack_shifted(values: "torch.Tensor", packed: Packed, max_len: int) -> "torch.Tensor":
     """Map per-position "predicts next token" values ``[T]`` to the engine's position convention.
 

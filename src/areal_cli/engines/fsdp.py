@@ -184,8 +184,15 @@ class FSDPEngine(TrainEngine):
                 "loss_mask": torch.zeros_like(ids, dtype=torch.float32)}
 
     # ------------------------------------------------------------------ model forward
-    def _forward_mb(self, mb: Batch, output: str, temperature: float) -> dict[str, torch.Tensor]:
-        """Outputs for one micro-batch, shaped ``[b, l]`` like ``mb["input_ids"]``."""
+    def _forward_mb(self, mb: Batch, output: str, temperature: float,
+                    loss_only: bool = False) -> dict[str, torch.Tensor]:
+        """Outputs for one micro-batch, shaped ``[b, l]`` like ``mb["input_ids"]``.
+
+        ``loss_only``: logprobs and entropy only where ``loss_mask`` is set (zeros elsewhere). The
+        vocabulary projection then runs on those positions alone, as TRL's ``logits_to_keep`` does:
+        prompt positions are most of an RL batch, and with a large vocabulary the ``[T, V]`` logits
+        are most of the activation memory. Used by the training path; ``forward()`` keeps every position.
+        """
         max_len = mb["input_ids"].shape[1]
         cp = self.parallel.cp
         # The attention function reads the group from module state; engines sharing a process
@@ -203,6 +210,18 @@ class FSDPEngine(TrainEngine):
             group = self.cp_group if cp > 1 else None
             ids = ulysses.slice_for_rank(pk.input_ids, group, dim=1).to(self.device)
             pos = ulysses.slice_for_rank(pk.position_ids, group, dim=1).to(self.device)
+            keep = packing.loss_positions(mb, pk) if loss_only and cp == 1 and output == "logprobs" else None
+            if keep is not None and keep.numel() > 0:
+                keep = keep.to(self.device)
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
+                                    attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
+                tgt = packing.next_token_targets(pk).to(self.device).index_select(0, keep)
+                lp_k, ent_k = _logprobs_entropy(logits, tgt, temperature)
+                t = ids.shape[1]
+                lp = lp_k.new_zeros(t).index_put((keep,), lp_k)
+                ent = ent_k.new_zeros(t).index_put((keep,), ent_k)
+                return {"logprobs": packing.unpack_shifted(lp, pk, max_len),
+                        "entropy": packing.unpack_shifted(ent, pk, max_len)}
             logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                                 attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
             if output == "values":
@@ -258,7 +277,7 @@ class FSDPEngine(TrainEngine):
         for i in range(n_mb):
             par.set_grad_sync(self.model, i == n_mb - 1)
             if i < len(mbs):
-                out = self._forward_mb(mbs[i], output, temperature)
+                out = self._forward_mb(mbs[i], output, temperature, loss_only=True)
                 loss, stats = loss_fn(out, mbs[i])
                 scaled = loss * (weights[i] / denom)
                 loss_sum += float(scaled.detach())
