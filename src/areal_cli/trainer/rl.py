@@ -269,6 +269,21 @@ class RLTrainer:
                 self._sync_restarted(engine, version)
 
     # ------------------------------------------------------------------ weights
+    def _await_restart(self) -> bool:
+        """Rank 0, after a failed push: True once a server the launcher restarted is registered;
+        False at once when every server answers its health check (the failure was something else)."""
+        timeout = float(self.cfg.launcher.server_startup_timeout_s)
+        deadline = time.monotonic() + timeout
+        if not self._pending_servers():
+            health = self.executor.run_coroutine(self.client.check_health(), timeout=30)
+            if all(health.values()):
+                return False
+        while time.monotonic() < deadline:
+            if self._pending_servers() and len(read_servers(self.run_dir)) >= len(self.layout.servers):
+                return True
+            time.sleep(0.5)
+        return False
+
     def _weight_meta(self, version: int, mode: str) -> Any:
         from areal_cli.api.io_struct import WeightUpdateMeta
 
@@ -313,8 +328,18 @@ class RLTrainer:
         meta = broadcast_obj(self._weight_meta(version, mode) if self.rank == 0 else None)
         if self.executor is not None:
             self.executor.pause()
-        engine.update_weights(meta, [self.client] if self.rank == 0 and self.client is not None else [],
-                              loop=self._loop())
+        from areal_cli.errors import WeightSyncError
+
+        try:
+            engine.update_weights(meta, [self.client] if self.rank == 0 and self.client is not None else [],
+                                  loop=self._loop())
+        except WeightSyncError:
+            # A server that died just before or during the push: once the launcher has restarted it,
+            # bring every server to `version` through disk (the broadcast group lost a member).
+            if force_disk or not broadcast_obj(self._await_restart() if self.rank == 0 else None):
+                raise
+            self._sync_restarted(engine, version)
+            return time.perf_counter() - t0 + self.push_weights(engine, version, force_disk=True)
         engine.set_version(version)
         if mode == "disk" and self.rank == 0:
             _prune_weight_dirs(Path(self.run_dir) / "weight_sync", keep=1)

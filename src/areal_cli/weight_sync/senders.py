@@ -169,14 +169,23 @@ class DistributedSender:
         loop = asyncio.get_running_loop()
         make = loop.run_in_executor(None, self._make_group, meta)
         join = asyncio.ensure_future(call_all(clients, "init_weights_update_group", meta, timeout=meta.timeout_s))
-        try:
-            store, pg = await asyncio.wait_for(asyncio.shield(make), meta.timeout_s)
-        except asyncio.TimeoutError as e:
+        # A server that refuses the join request (dead, restarting) can never join: fail now rather
+        # than after the group timeout. The abandoned group creation times out in its thread.
+        await asyncio.wait({make, join}, timeout=meta.timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        if join.done() and not join.cancelled() and join.exception() is not None and not make.done():
+            make.add_done_callback(lambda f: f.exception())
+            raise WeightSyncError(
+                f"weight sync (distributed): server(s) {', '.join(peer_names(c) for c in clients)} could not "
+                f"join group {meta.group_name!r}: {join.exception()}") from join.exception()
+        if not make.done():
             join.cancel()
+            make.add_done_callback(lambda f: f.exception())
             raise WeightSyncError(
                 f"weight sync (distributed): server(s) {', '.join(peer_names(c) for c in clients)} did not join "
                 f"group {meta.group_name!r} at {meta.master_address}:{meta.master_port} within "
-                f"{meta.timeout_s:.1f}s") from e
+                f"{meta.timeout_s:.1f}s")
+        try:
+            store, pg = make.result()
         except Exception as e:
             join.cancel()
             raise WeightSyncError(
