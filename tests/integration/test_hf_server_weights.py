@@ -119,6 +119,16 @@ def _trainer_group(port: int, world: int, group: str):
     return store, pg
 
 
+def _join_group(engine, meta):
+    """The server joins the weight-update group while this process (the trainer, rank 0) creates it."""
+    async def init():
+        return await asyncio.gather(engine.init_weights_update_group(meta),
+                                    asyncio.to_thread(_trainer_group, meta.master_port, meta.world_size,
+                                                      meta.group_name))
+
+    return asyncio.run(init())[1]
+
+
 def test_distributed_update_over_gloo(server, models, tok):
     engine = _engine(server)
     p = prompts(tok, 1, seed=13)[0]
@@ -126,11 +136,7 @@ def test_distributed_update_over_gloo(server, models, tok):
     meta = WeightUpdateMeta(type="distributed", version=21, master_address="127.0.0.1", master_port=port,
                             group_name="areal_test_group", backend="gloo", world_size=2)
 
-    async def init():
-        return await asyncio.gather(engine.init_weights_update_group(meta),
-                                    asyncio.to_thread(_trainer_group, port, 2, meta.group_name))
-
-    _, (store, pg) = asyncio.run(init())
+    store, pg = _join_group(engine, meta)
     new = {k: v.detach() for k, v in models[1].state_dict().items()}
     specs = [ParamSpec(k, "float32", list(v.shape)) for k, v in new.items()]
 
@@ -173,11 +179,7 @@ def test_flattened_bucket_extension(server, models, tok):
     meta = WeightUpdateMeta(type="distributed", version=40, master_address="127.0.0.1", master_port=port,
                             group_name="areal_flat_group", backend="gloo", world_size=2)
 
-    async def init():
-        return await asyncio.gather(engine.init_weights_update_group(meta),
-                                    asyncio.to_thread(_trainer_group, port, 2, meta.group_name))
-
-    _, (store, pg) = asyncio.run(init())
+    store, pg = _join_group(engine, meta)
     new = {k: v.detach().to(torch.bfloat16) for k, v in models[1].state_dict().items()}
 
     async def push(m, sp, tensors):
