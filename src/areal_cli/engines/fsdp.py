@@ -211,24 +211,20 @@ class FSDPEngine(TrainEngine):
             ids = ulysses.slice_for_rank(pk.input_ids, group, dim=1).to(self.device)
             pos = ulysses.slice_for_rank(pk.position_ids, group, dim=1).to(self.device)
             keep = packing.loss_positions(mb, pk) if loss_only and cp == 1 and output == "logprobs" else None
-            if keep is not None and keep.numel() > 0:
-                keep = keep.to(self.device)
-                logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
-                                    attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
-                tgt = packing.next_token_targets(pk).to(self.device).index_select(0, keep)
-                lp_k, ent_k = _logprobs_entropy(logits, tgt, temperature)
-                t = ids.shape[1]
-                lp = lp_k.new_zeros(t).index_put((keep,), lp_k)
-                ent = ent_k.new_zeros(t).index_put((keep,), ent_k)
-                return {"logprobs": packing.unpack_shifted(lp, pk, max_len),
-                        "entropy": packing.unpack_shifted(ent, pk, max_len)}
+            keep = keep.to(self.device) if keep is not None and keep.numel() > 0 else None
             logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                logits_to_keep=keep if keep is not None else 0,
                                 attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
             if output == "values":
                 vals = ulysses.gather_seq(logits[:, 0].float(), group)
                 return {"values": packing.unpack_shifted(vals, pk, max_len)}
             tgt = ulysses.slice_for_rank(packing.next_token_targets(pk), group, dim=0).to(self.device)
-            lp, ent = _logprobs_entropy(logits, tgt, temperature)
+            if keep is None:
+                lp, ent = _logprobs_entropy(logits, tgt, temperature)
+            else:  # logits exist at the kept positions only; the rest stay zero
+                lp_k, ent_k = _logprobs_entropy(logits, tgt.index_select(0, keep), temperature)
+                lp = lp_k.new_zeros(tgt.shape[0]).index_put((keep,), lp_k)
+                ent = ent_k.new_zeros(tgt.shape[0]).index_put((keep,), ent_k)
             lp = packing.unpack_shifted(ulysses.gather_seq(lp, group), pk, max_len)
             ent = packing.unpack_shifted(ulysses.gather_seq(ent, group), pk, max_len)
             return {"logprobs": lp, "entropy": ent}

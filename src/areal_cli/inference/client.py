@@ -2,8 +2,8 @@
 
 - transport: an ``aiohttp.ClientSession`` (one per event loop: the rollout executor's loop and the
   trainer's ``asyncio.run`` calls each get their own; aiohttp rather than httpx because its C HTTP
-  parser costs about a fifth of httpx's CPU per request, and the client shares the trainer's
-  process and GIL), per-call timeouts, retries with exponential backoff on
+  parser costs about a fifth of httpx's CPU per request, and the client runs inside the
+  trainer's rank-0 process), per-call timeouts, retries with exponential backoff on
   connection errors, timeouts and 5xx; 4xx are the caller's fault and raise at once;
 - routing: ``least_loaded`` (fewest in-flight requests, ties round-robin) or ``round_robin``; a server
   that refuses connections leaves the routing set and the request is retried elsewhere; it comes
@@ -44,6 +44,10 @@ T = TypeVar("T")
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
+
+
+def _text(content: bytes) -> str:
+    return content.decode("utf-8", errors="replace")
 
 
 async def _close_on_shutdown(session: aiohttp.ClientSession) -> Any:
@@ -166,17 +170,16 @@ class RemoteInferenceEngine(InferenceEngine):
             raise _Unreachable(f"{address} unreachable: {type(e).__name__}: {e}") from None
         except asyncio.TimeoutError as e:
             raise InferenceError(f"{address}{call.path} timed out after {timeout:.0f}s ({type(e).__name__})") from None
-        text = content.decode("utf-8", errors="replace")
         if 400 <= status < 500:
-            raise _ClientError(f"{address}{call.path} rejected the request ({status}): {text[:500]}")
+            raise _ClientError(f"{address}{call.path} rejected the request ({status}): {_text(content)[:500]}")
         if status >= 500:
-            raise InferenceError(f"{address}{call.path} failed ({status}): {text[:500]}")
+            raise InferenceError(f"{address}{call.path} failed ({status}): {_text(content)[:500]}")
         if not content:
             return None
         try:
             return json.loads(content)
         except ValueError:
-            return text
+            return _text(content)
 
     async def _send_retry(self, address: str, call: HttpCall, timeout: float, retries: int | None = None) -> Any:
         """Same server, retries with backoff (admin calls that must reach *this* server)."""

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from areal_cli.errors import WeightSyncError
 from areal_cli.launchers.base import JobLayout, read_servers, wait_for_servers
 from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
@@ -328,8 +329,6 @@ class RLTrainer:
         meta = broadcast_obj(self._weight_meta(version, mode) if self.rank == 0 else None)
         if self.executor is not None:
             self.executor.pause()
-        from areal_cli.errors import WeightSyncError
-
         try:
             engine.update_weights(meta, [self.client] if self.rank == 0 and self.client is not None else [],
                                   loop=self._loop())
