@@ -29,6 +29,36 @@ def make_batch(seed: int, B: int = 8, L: int = 24, vocab: int = 300):
     return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "advantages": adv}
 
 
+def make_group_batch(seed: int, L: int = 32, vocab: int = 300):
+    """GRPO-shaped rows: groups of 4, 3 and 1 share a prompt (loss 0); completions of random length,
+    one with a loss-masked hole (a tool reply), and one row with no loss token at all."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for size in (4, 3, 1):
+        p = int(torch.randint(5, 9, (1,), generator=g))
+        prompt = torch.randint(1, vocab, (p,), generator=g)
+        for _ in range(size):
+            c = int(torch.randint(1, L - p + 1, (1,), generator=g))
+            ids = torch.cat([prompt, torch.randint(1, vocab, (c,), generator=g)])
+            lm = torch.cat([torch.zeros(p), torch.ones(c)])
+            rows.append((ids, lm))
+    ids, lm = rows[1]
+    if lm.numel() > 10:
+        lm[-4:-2] = 0
+    rows[5] = (rows[5][0], torch.zeros_like(rows[5][1]))
+    B = len(rows)
+    out_ids = torch.zeros(B, L, dtype=torch.long)
+    am = torch.zeros(B, L, dtype=torch.bool)
+    out_lm = torch.zeros(B, L)
+    for r, (ids, lm) in enumerate(rows):
+        out_ids[r, : ids.numel()] = ids
+        am[r, : ids.numel()] = True
+        out_lm[r, : ids.numel()] = lm
+    return {"input_ids": out_ids, "attention_mask": am, "loss_mask": out_lm, "advantages": torch.randn(B, L, generator=g)}
+
+
 def loss_fn(out, mb):
     m = mb["loss_mask"].float()
     n = m.sum().clamp(min=1)
@@ -104,8 +134,10 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     engine.initialize(ParallelStrategy(**v.get("parallel", {})), model_dir)
     res: dict = {}
 
+    batch_fn = make_group_batch if v.get("batch") == "groups" else make_batch
+
     def local(seed):
-        b = make_batch(seed)
+        b = batch_fn(seed)
         if engine.dp_world_size > 1:
             b = split_batch_for_dp(b, engine.dp_world_size)[engine.dp_rank]
         return b if engine.is_dp_head else None
@@ -113,7 +145,7 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     if v.get("load"):
         engine.load(SaveLoadMeta(path=v["load"], weight_format="dcp"))
     if v.get("probe", False):
-        res["logprobs"] = engine.forward(make_batch(0) if engine.is_dp_head else None)
+        res["logprobs"] = engine.forward(batch_fn(0) if engine.is_dp_head else None)
         engine._accumulate_grads(local(0), loss_fn, loss_weight_fn, 1.0)
         res["grads"] = full_grads(engine)
         engine.optimizer.zero_grad(set_to_none=True)

@@ -30,6 +30,12 @@ def runs(tiny_model_dir, tmp_path_factory):
         {"name": "dp1_ckpt", "engine": {"max_tokens_per_mb": SMALL, "gradient_checkpointing": True}, "probe": True},
         {"name": "dp1_bf16_mp", "engine": {"max_tokens_per_mb": BIG, "mixed_precision": True}, "probe": True},
         {"name": "critic", "critic": True},
+        {"name": "grp_plain", "batch": "groups", "engine": {"max_tokens_per_mb": BIG, "shared_prefix": False},
+         "probe": True},
+        {"name": "grp_shared", "batch": "groups", "engine": {"max_tokens_per_mb": BIG}, "probe": True},
+        {"name": "grp_shared_cut", "batch": "groups", "engine": {"max_tokens_per_mb": 40}, "probe": True},
+        {"name": "grp_padded", "batch": "groups", "engine": {"max_tokens_per_mb": BIG, "padding_free": False},
+         "probe": True},
     ]
     w2 = [
         {"name": "dp2_x4", "engine": {"max_tokens_per_mb": SMALL}, "parallel": {"dp": 2}, "probe": True},
@@ -63,6 +69,41 @@ def test_same_loss_grads_weights(runs, other):
         assert abs(s_ref["grad_norm"] - s["grad_norm"]) <= TOL * max(1.0, s_ref["grad_norm"])
         assert abs(s_ref["entropy"] - s["entropy"]) <= TOL
     _close(ref["weights"], run["weights"])
+
+
+@pytest.mark.parametrize("other", ["grp_shared", "grp_shared_cut", "grp_padded"])
+def test_shared_prefix_matches_plain_packing(runs, other):
+    """GRPO groups packed with one copy of their prompt: same logprobs, loss, grads and weights."""
+    ref, run = runs["grp_plain"], runs[other]
+    _close(ref["logprobs"], run["logprobs"])
+    _close(ref["grads"], run["grads"])
+    for s_ref, s in zip(ref["stats"], run["stats"], strict=True):
+        assert abs(s_ref["loss"] - s["loss"]) <= TOL
+        assert abs(s_ref["entropy"] - s["entropy"]) <= TOL
+    _close(ref["weights"], run["weights"])
+
+
+def test_shared_prefix_packs_fewer_tokens():
+    """The packing itself: one prompt copy per group, every loss token mapped to its predictor."""
+    from fsdp_worker import make_group_batch
+
+    from areal_cli.data import packing
+
+    b = make_group_batch(0)
+    sp = packing.pack_shared(b)
+    assert sp is not None
+    lens = packing.seq_lens(b)
+    first = packing.first_loss_index(b)
+    groups = packing.prefix_groups(b)
+    assert [len(g) for g in groups] == [4, 2, 1, 1]  # the no-loss row of the 3-group stands alone
+    assert sp.input_ids.shape[1] == sum(packing.shared_cost(lens, first, g) for g in groups) < sum(lens)
+    want = sorted((r, c) for r in range(len(lens)) for c in range(1, lens[r]) if b["loss_mask"][r, c] > 0)
+    assert sorted(zip(sp.rows.tolist(), sp.cols.tolist())) == want
+    assert torch.equal(sp.targets, b["input_ids"][sp.rows, sp.cols])
+    # Each target's predictor holds the token just before it, at the position just before it.
+    pred = sp.keep[sp.map]
+    assert torch.equal(sp.position_ids[0, pred], sp.cols - 1)
+    assert torch.equal(sp.input_ids[0, pred], b["input_ids"][sp.rows, sp.cols - 1])
 
 
 def test_weights_actually_moved(runs, tiny_model_dir):

@@ -148,3 +148,163 @@ def test_engine_fast_and_hf_runners_agree(tiny_model_dir):
     for (ids_f, lp_f), (ids_s, lp_s) in zip(fast, slow):
         assert ids_f == ids_s
         assert max(abs(a - b) for a, b in zip(lp_f, lp_s)) < 1e-4
+
+
+# ---------------------------------------------------------------- shared-prompt prefill (KV row copies)
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_forked_rows_match_independent_prefill(kind):
+    """``fork`` copies a prompt's KV rows: the copies decode exactly like independently prefilled rows,
+    also when the source row has already decoded past its prompt."""
+    model = _model(kind)
+    rng = random.Random(7)
+    a, b = ([rng.randrange(1, 97) for _ in range(n)] for n in (11, 23))
+    shared = FastRunner(model, torch.device("cpu"), attention="torch")
+    fresh = FastRunner(model, torch.device("cpu"), attention="torch")
+    shared.prefill([a, b])
+    shared.fork([1, 0], [len(b), len(a)])  # rows 2, 3: copies of b and a
+    fresh.prefill([a, b, b, a])
+    toks = [5, 6, 6, 5]  # rows 0 and 3 (prompt a) get the same tokens, rows 1 and 2 (b) too
+    for _ in range(3):  # row 0 decodes past its prompt; its prompt columns stay valid for later copies
+        out_s, out_f = shared.decode(toks), fresh.decode(toks)
+        assert (out_s - out_f).abs().max().item() < 1e-5
+        assert torch.equal(out_s[0], out_s[3]) and torch.equal(out_s[1], out_s[2])
+    shared.fork([0], [len(a)])  # a late copy of a from a row that has generated 3 tokens since
+    fresh.prefill([a])
+    toks = [7, 8, 9, 10, 7]
+    out_s, out_f = shared.decode(toks), fresh.decode(toks)
+    assert shared.lens == fresh.lens
+    assert (out_s - out_f).abs().max().item() < 1e-5
+    assert (out_s[4] - _ref_last(model, a + [7])).abs().max().item() < 1e-4
+
+
+def _drive(model_dir: str, fast: bool, shared: bool, seeded: str = "hash"):
+    """Run the engine loop by hand (no thread): a deterministic admission schedule. Prompts A and B
+    are sent 3x each at step 0 (copies inside one admission) and A again at step 2 (a copy from a
+    running row). Returns per request (tokens, logprobs, cached_tokens) and the engine stats."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_cli.inference.server.attention import use_areal_sdpa
+    from areal_cli.inference.server.engine import GenerationEngine, Sequence
+    from areal_cli.inference.server.sampling import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    use_areal_sdpa(model)
+    eng = GenerationEngine(model, AutoTokenizer.from_pretrained(model_dir), device="cpu", context_length=512,
+                           fast_path=fast, shared_prefill=shared, seeded_sampling=seeded)
+    rng = random.Random(4)
+    pa, pb = ([rng.randrange(10, 200) for _ in range(n)] for n in (17, 9))
+    done: list = []
+
+    def seq(i: int, p: list[int]) -> Sequence:
+        return Sequence(rid=str(i), prompt_ids=list(p), on_done=done.append,
+                        params=SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True,
+                                              sampling_seed=100 + i))
+
+    first = [seq(i, p) for i, p in enumerate([pa, pb, pa, pb, pa, pb])]
+    late = [seq(6, pa), seq(7, [3] + pb)]
+    for s in first:
+        eng.submit(s)
+    with torch.no_grad():
+        for step in range(12):
+            if step == 2:
+                for s in late:
+                    eng.submit(s)
+            eng._admit()
+            if eng._running:
+                eng._decode_step()
+    assert len(done) == 8
+    return {s.rid: (s.out_ids, s.out_logprobs, s.cached_tokens) for s in done}, dict(eng.stats)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fastpath", "hf"])
+def test_engine_shared_prefill_matches_independent_prefill(tiny_model_dir, fast):
+    shared, st_s = _drive(tiny_model_dir, fast, shared=True)
+    alone, st_a = _drive(tiny_model_dir, fast, shared=False)
+    assert st_a["shared_prefill_tokens"] == 0
+    # A and B computed once; 2 copies of A and B at step 0 plus the late copy of A were not prefilled.
+    assert st_s["prefill_tokens"] == 17 + 9 + 10 and st_s["shared_prefill_tokens"] == 17 * 3 + 9 * 2
+    assert [shared[str(i)][2] for i in range(8)] == [0, 0, 17, 9, 17, 9, 17, 0]
+    for rid, (ids, lps, _) in alone.items():
+        assert shared[rid][0] == ids, rid
+        assert max(abs(x - y) for x, y in zip(shared[rid][1], lps)) < 1e-5
+    # The copies of one prompt differ only by their seeds.
+    assert len({tuple(shared[str(i)][0]) for i in (0, 2, 4, 6)}) > 1
+
+
+# ---------------------------------------------------------------- seeded sampling (counter-based hash)
+def _splitmix_ref(seed: int, pos: int) -> float:
+    """Pure-Python reference of ``seeded_uniform`` (unsigned 64-bit arithmetic)."""
+    m = 2**64 - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return z ^ (z >> 31)
+
+    z = mix((mix((seed + 0x9E3779B97F4A7C15) & m) + pos * 0x9E3779B97F4A7C15) & m)
+    return (z >> 11) / 2**53
+
+
+def test_seeded_uniform_matches_unsigned_reference():
+    """The int64 torch ops (wrapping products, logical shifts) compute splitmix64 exactly."""
+    from areal_cli.inference.server.sampling import seeded_uniform
+
+    seeds = [0, 1, 2, 1000, 2**62 - 1, 2**63 + 5, -3, 123456789]
+    pos = [0, 1, 29, 30, 7, 1 << 40, 3, 45]
+    got = seeded_uniform(seeds, pos).tolist()
+    assert got == [_splitmix_ref(s % 2**64, p) for s, p in zip(seeds, pos)]
+    assert all(0.0 <= u < 1.0 for u in got)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, -1), (1.0, 3)])
+def test_seeded_sampling_distribution(temperature, top_k):
+    """Over many seeds (and over positions for one seed) the token frequencies match the row's
+    probabilities (chi-square, 0.1% critical value); truncated and zero-probability tokens never occur."""
+    from areal_cli.inference.server.sampling import SamplingParams, sample_next
+
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04, 0.0])
+    logits = p.log().unsqueeze(0)  # log(0) = -inf: a token that must never be drawn
+    target = torch.softmax(logits[0] / temperature, dim=-1)
+    if top_k > 0:
+        target = torch.where(torch.arange(7) < top_k, target, torch.zeros(()))
+        target = target / target.sum()
+    crit = {2: 13.82, 5: 20.52}  # chi-square 0.999 quantiles by degrees of freedom
+    n = 20000
+    for seeds, positions in (([1000 + i for i in range(n)], [29] * n), ([7] * n, list(range(n)))):
+        params = [SamplingParams(temperature=temperature, top_k=top_k, sampling_seed=s) for s in seeds]
+        ids, _ = sample_next(logits.expand(n, -1), params, [0] * n, set(), torch.Generator().manual_seed(0),
+                             positions=positions)
+        counts = torch.bincount(ids, minlength=7).double()
+        support = target > 0
+        assert counts[~support].sum().item() == 0
+        expected = target[support].double() * n
+        chi2 = ((counts[support] - expected) ** 2 / expected).sum().item()
+        assert chi2 < crit[int(support.sum()) - 1], (chi2, counts.tolist())
+
+
+def test_seeded_sampling_is_batch_independent_in_mixed_batches():
+    """A seeded row draws the same token alone, in any order, next to unseeded and greedy rows, and
+    unseeded rows do not consume anything from seeded ones; the old generator path still works."""
+    from areal_cli.inference.server.sampling import SamplingParams, sample_next
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 400) * 3
+    params = [SamplingParams(sampling_seed=5), SamplingParams(), SamplingParams(temperature=0.0),
+              SamplingParams(sampling_seed=6, temperature=0.8), SamplingParams(sampling_seed=7, top_p=0.9),
+              SamplingParams(temperature=1.2)]
+    pos = [30, 31, 32, 33, 34, 35]
+    full, lp = sample_next(logits, params, [0] * 6, set(), torch.Generator().manual_seed(0), positions=pos)
+    assert full[2].item() == logits[2].argmax().item()
+    for i in (0, 3, 4):
+        alone, lp1 = sample_next(logits[i:i + 1], [params[i]], [0], set(), torch.Generator().manual_seed(9),
+                                 positions=[pos[i]])
+        assert alone.item() == full[i].item() and lp1.item() == pytest.approx(lp[i].item(), abs=1e-6)
+    perm = [4, 5, 3, 0, 2, 1]
+    shuffled, _ = sample_next(logits[perm], [params[i] for i in perm], [0] * 6, set(),
+                              torch.Generator().manual_seed(1), positions=[pos[i] for i in perm])
+    assert [shuffled[perm.index(i)].item() for i in (0, 2, 3, 4)] == [full[i].item() for i in (0, 2, 3, 4)]
+    old, _ = sample_next(logits, params, [0] * 6, set(), torch.Generator().manual_seed(0), positions=pos,
+                         seeded="generator")
+    old_alone, _ = sample_next(logits[3:4], params[3:4], [0], set(), torch.Generator().manual_seed(2),
+                               positions=[33], seeded="generator")
+    assert old[2].item() == full[2].item() and old_alone.item() == old[3].item()

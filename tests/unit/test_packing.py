@@ -152,3 +152,45 @@ def test_loss_positions_are_the_predicting_positions_of_loss_tokens():
     ids = pk.input_ids[0]
     for t in packing.loss_positions(mb, pk).tolist():
         assert tgt[t] == ids[t + 1]
+
+
+def _grouped(prompts: list[list[int]], sizes: list[int], comp: list[int], L: int = 40) -> dict:
+    rows = [(p, c) for p, k in zip(prompts, sizes) for c in [comp[: 2 + j % 3] for j in range(k)]]
+    B = len(rows)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    am = torch.zeros(B, L, dtype=torch.bool)
+    lm = torch.zeros(B, L)
+    for r, (p, c) in enumerate(rows):
+        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
+        am[r, : len(p) + len(c)] = True
+        lm[r, len(p): len(p) + len(c)] = 1
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+
+
+def test_prefix_bins_keep_groups_together_and_cut_oversized_ones():
+    b = _grouped([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]], [4, 4], [20, 21, 22, 23])
+    assert packing.prefix_groups(b) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    lens, first = packing.seq_lens(b), packing.first_loss_index(b)
+    assert first == [6] * 8
+    # A group costs its prompt once: 6 + (2 + 3 + 4 + 2) = 17 tokens, not 4 * 6 + 11 = 35.
+    assert packing.shared_cost(lens, first, [0, 1, 2, 3]) == 17
+    assert packing.prefix_bins(b, 34) == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert packing.prefix_bins(b, 20) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # Over budget: a group is cut into chunks that each carry the prompt.
+    cut = packing.prefix_bins(b, 12)
+    assert sorted(r for bb in cut for r in bb) == list(range(8))
+    assert all(packing.shared_cost(lens, first, bb) <= 12 for bb in cut)
+    assert all(set(bb) <= {0, 1, 2, 3} or set(bb) <= {4, 5, 6, 7} for bb in cut)
+
+
+def test_pack_shared_needs_a_shared_prompt():
+    distinct = _grouped([[5, 6, 7], [8, 9, 10]], [1, 1], [20, 21, 22])
+    assert packing.pack_shared(distinct) is None
+    shared = _grouped([[5, 6, 7]], [2], [20, 21, 22])
+    sp = packing.pack_shared(shared)
+    assert sp.input_ids.tolist() == [[5, 6, 7, 20, 21, 20, 21, 22]]
+    assert sp.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5]]
+    assert sp.seg_ids.tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    # Both rows' first completion token is read at the prompt's last position (index 2).
+    assert sp.keep[sp.map].tolist() == [2, 3, 2, 5, 6]
+    assert sp.targets.tolist() == [20, 21, 20, 21, 22]

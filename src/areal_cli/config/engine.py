@@ -14,6 +14,8 @@ class EngineConfig:
     max_tokens_per_mb: int = 4096  # token budget per micro-batch (FFD packing)
     pad_to_multiple_of: int = 1
     padding_free: bool = True  # pack sequences without padding where the attention path allows
+    # Samples that share a prompt (a GRPO group) run it once per micro-batch: exact, fewer tokens.
+    shared_prefix: bool = True
     attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2
     # Megatron/DeepSpeed/Archon-specific knobs ride here too; unused ones are ignored by other engines.
     zero_stage: int = 3  # deepspeed

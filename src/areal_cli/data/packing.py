@@ -230,3 +230,136 @@ def shift_padded(values: "torch.Tensor") -> "torch.Tensor":
     import torch
 
     return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared-prefix packing: the samples of a GRPO group share their prompt, so the prompt runs once.
+#
+# Causal attention makes a prompt's hidden states independent of what follows it, so computing them
+# once and letting every completion of the group attend to the same keys/values gives the same
+# outputs, and (autograd summing over the uses) the same gradients, as one copy per sample.
+
+
+def first_loss_index(mb: dict, n_rows: int | None = None) -> list[int]:
+    """Per row: the first token index ``i >= 1`` with ``loss_mask > 0`` (the row's length if none).
+    Tokens before it are the row's prefix: read, never trained on."""
+    lens = seq_lens(mb)
+    mask = mb["loss_mask"][: n_rows or len(lens)] > 0
+    out = []
+    for r, n in enumerate(lens[: mask.shape[0]]):
+        nz = mask[r, 1:n].nonzero()
+        out.append(int(nz[0, 0]) + 1 if nz.numel() else n)
+    return out
+
+
+def prefix_groups(mb: dict) -> list[list[int]]:
+    """Rows grouped by identical prefix (token ids before the first loss token), in first-row order.
+    A row without loss tokens is a group of its own."""
+    lens = seq_lens(mb)
+    first = first_loss_index(mb)
+    ids = mb["input_ids"]
+    groups: dict[tuple, list[int]] = {}
+    for r, (n, f) in enumerate(zip(lens, first)):
+        key = ("row", r) if f >= n else tuple(ids[r, :f].tolist())
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
+def shared_cost(lens: list[int], first: list[int], rows: list[int]) -> int:
+    """Tokens a forward over ``rows`` packed with one shared prefix costs."""
+    return first[rows[0]] + sum(lens[r] - first[r] for r in rows)
+
+
+def prefix_bins(batch: dict, max_tokens: int) -> list[list[int]]:
+    """:func:`ffd_bins` over prefix groups instead of rows, costed at their shared token count, so
+    the rows of a group land in the same micro-batch. A group over budget is cut into chunks."""
+    lens = seq_lens(batch)
+    first = first_loss_index(batch)
+    units: list[list[int]] = []
+    for g in prefix_groups(batch):
+        chunk: list[int] = []
+        for r in g:
+            if chunk and shared_cost(lens, first, chunk + [r]) > max_tokens:
+                units.append(chunk)
+                chunk = []
+            chunk.append(r)
+        units.append(chunk)
+    unit_bins = ffd_bins([shared_cost(lens, first, u) for u in units], max_tokens)
+    bins = [sorted(r for u in b for r in units[u]) for b in unit_bins]
+    return sorted(bins, key=lambda b: b[0])
+
+
+@dataclass
+class SharedPack:
+    """A micro-batch packed as one row of *group sequences*: each is a prefix followed by the
+    suffixes (tokens from the first loss token on) of every row sharing it.
+
+    ``seg_lens`` are the group sequences' lengths and ``seg_ids`` ``[T]`` mark the prefix (0) and
+    the k-th suffix (k) within each. Outputs are read at ``keep`` positions (unique, ascending);
+    entry ``e`` of the flat outputs is token ``cols[e]`` of row ``rows[e]``, predicted at
+    ``keep[map[e]]`` with target ``targets[e]``.
+    """
+
+    input_ids: "torch.Tensor"
+    position_ids: "torch.Tensor"
+    seg_lens: list[int]
+    seg_ids: "torch.Tensor"
+    keep: "torch.Tensor"
+    map: "torch.Tensor"
+    targets: "torch.Tensor"
+    rows: "torch.Tensor"
+    cols: "torch.Tensor"
+
+
+def pack_shared(mb: dict, loss_only: bool = True) -> SharedPack | None:
+    """Pack ``mb`` with shared prefixes; ``None`` when no two rows share one (use :func:`pack`).
+
+    ``loss_only``: outputs only for loss tokens (else for every token ``i >= 1`` of every row).
+    """
+    import torch
+
+    groups = prefix_groups(mb)
+    if all(len(g) == 1 for g in groups):
+        return None
+    lens = seq_lens(mb)
+    first = first_loss_index(mb)
+    ids_all = mb["input_ids"].cpu()
+    loss = mb["loss_mask"].cpu() > 0
+    ids, pos, seg, seg_lens = [], [], [], []
+    pred, tgt, rows, cols = [], [], [], []
+    start = 0
+    for g in groups:
+        f = min(first[g[0]], lens[g[0]])
+        ids.append(ids_all[g[0], :f])
+        pos.append(torch.arange(f))
+        seg.append(torch.zeros(f, dtype=torch.long))
+        # Tokens of the prefix itself (full outputs only): identical in every row, computed once.
+        want = torch.arange(1, f)
+        if loss_only:
+            want = want[loss[g[0], 1:f]]
+        for r in g if want.numel() else []:
+            pred.append(start + want - 1)
+            tgt.append(ids_all[r, want])
+            rows.append(torch.full_like(want, r))
+            cols.append(want)
+        off = start + f
+        for k, r in enumerate(g, start=1):
+            n = lens[r]
+            ids.append(ids_all[r, f:n])
+            pos.append(torch.arange(f, n))
+            seg.append(torch.full((n - f,), k, dtype=torch.long))
+            want = torch.arange(f, n)
+            if loss_only:
+                want = want[loss[r, f:n]]
+            # Token i of the suffix is predicted at the previous token: the prefix's last for i = f.
+            pred.append(torch.where(want == f, torch.full_like(want, start + f - 1), off + want - f - 1))
+            tgt.append(ids_all[r, want])
+            rows.append(torch.full_like(want, r))
+            cols.append(want)
+            off += n - f
+        seg_lens.append(off - start)
+        start = off
+    pred_t = torch.cat(pred)
+    keep, inv = torch.unique(pred_t, sorted=True, return_inverse=True)
+    return SharedPack(torch.cat(ids)[None], torch.cat(pos)[None], seg_lens, torch.cat(seg), keep, inv,
+                      torch.cat(tgt), torch.cat(rows), torch.cat(cols))

@@ -154,9 +154,16 @@ class FSDPEngine(TrainEngine):
             raise ValueError("train_batch/forward: the data-parallel head must pass a batch")
         return batch
 
-    def _split(self, batch: Batch) -> tuple[list[list[int]], int]:
+    def _shares_prefix(self, output: str) -> bool:
+        return (self.cfg.shared_prefix and self.cfg.padding_free and self.parallel.cp == 1
+                and self.cfg.pad_to_multiple_of <= 1 and output == "logprobs")
+
+    def _split(self, batch: Batch, output: str) -> tuple[list[list[int]], int]:
         lens = packing.seq_lens(batch)
-        bins = packing.ffd_bins(lens, self.cfg.max_tokens_per_mb)
+        if self._shares_prefix(output):
+            bins = packing.prefix_bins(batch, self.cfg.max_tokens_per_mb)
+        else:
+            bins = packing.ffd_bins(lens, self.cfg.max_tokens_per_mb)
         n = torch.tensor([len(bins)], dtype=torch.long)
         if self.dp_world_size > 1:
             n = self._all_reduce(n, dist.ReduceOp.MAX)
@@ -198,6 +205,10 @@ class FSDPEngine(TrainEngine):
         # The attention function reads the group from module state; engines sharing a process
         # (actor, reference, critic) may differ, so set it per call.
         ulysses.set_ulysses_group(self.cp_group if cp > 1 else None)
+        if self._shares_prefix(output):
+            sp = packing.pack_shared(mb, loss_only=loss_only)
+            if sp is not None:
+                return self._forward_shared(sp, mb, temperature)
         if self.cfg.padding_free or cp > 1:
             mult = max(1, self.cfg.pad_to_multiple_of) * cp
             pk = packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id)
@@ -241,6 +252,22 @@ class FSDPEngine(TrainEngine):
         lp, ent = _logprobs_entropy(logits, tgt, temperature)
         return {"logprobs": packing.shift_padded(lp) * am, "entropy": packing.shift_padded(ent) * am}
 
+    def _forward_shared(self, sp: packing.SharedPack, mb: Batch, temperature: float) -> dict[str, torch.Tensor]:
+        """Logprobs/entropy of a shared-prefix packed micro-batch (see :func:`packing.pack_shared`)."""
+        ulysses.set_varlen(sp.seg_lens, sp.seg_ids)
+        dev = self.device
+        logits = self.model(input_ids=sp.input_ids.to(dev), position_ids=sp.position_ids.to(dev), use_cache=False,
+                            logits_to_keep=sp.keep.to(dev),
+                            attention_mask={"full_attention": None, "sliding_attention": None}).logits[0]
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        ent_u = -(logp.exp() * logp).sum(-1)
+        m = sp.map.to(dev)
+        lp_e = logp[m, sp.targets.to(dev)]
+        idx = (sp.rows.to(dev), sp.cols.to(dev))
+        shape = tuple(mb["input_ids"].shape)
+        return {"logprobs": lp_e.new_zeros(shape).index_put(idx, lp_e),
+                "entropy": ent_u.new_zeros(shape).index_put(idx, ent_u[m])}
+
     # ------------------------------------------------------------------ train / forward
     def train_batch(self, batch: Batch | None, loss_fn: LossFn, loss_weight_fn: LossWeightFn,
                     temperature: float = 1.0) -> dict[str, float]:
@@ -261,7 +288,7 @@ class FSDPEngine(TrainEngine):
         """Forward/backward every micro-batch; gradients end up summed over ranks (see apply_fsdp)."""
         self.model.train()
         batch = self._share_batch(batch)
-        bins, n_mb = self._split(batch)
+        bins, n_mb = self._split(batch, "values" if self.critic else "logprobs")
         mbs = [{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
                 for k, v in packing.select_rows(batch, b).items()} for b in bins]
         weights = [float(loss_weight_fn(mb)) for mb in mbs]
@@ -315,7 +342,7 @@ class FSDPEngine(TrainEngine):
         was_training = self.model.training
         self.model.eval()
         batch = self._share_batch(batch)
-        bins, n_mb = self._split(batch)
+        bins, n_mb = self._split(batch, output)
         B, L = batch["input_ids"].shape
         keys = ("values",) if output == "values" else ("logprobs", "entropy")
         res = {k: torch.zeros(B, L, dtype=torch.float32) for k in keys}

@@ -27,13 +27,24 @@ def set_ulysses_group(group: "dist.ProcessGroup | None") -> None:
     _STATE["group"] = group
 
 
-def set_varlen(lens: "list[int] | None") -> None:
+def set_varlen(lens: "list[int] | None", seg_ids: "torch.Tensor | None" = None) -> None:
     """Lengths of the sequences packed (in order, from position 0) into the next forward's single row.
 
     With lengths set and no explicit mask, attention runs per sequence (:func:`varlen_sdpa`)
-    instead of over the full ``T x T`` block-diagonal mask.
+    instead of over the full ``T x T`` block-diagonal mask. ``seg_ids`` ``[T]`` (shared-prefix
+    packing): within a sequence, a token sees the causal past of segment 0 and of its own segment.
     """
-    _STATE["varlen"] = None if lens is None else _varlen_index(tuple(int(n) for n in lens))
+    if lens is None:
+        _STATE["varlen"] = None
+        return
+    idx = _varlen_index(tuple(int(n) for n in lens))
+    if seg_ids is not None:
+        seg = seg_ids[idx["gather"]]  # [n, Lmax]; padding columns repeat the last token's segment
+        lmax = seg.shape[1]
+        causal = torch.ones(lmax, lmax, dtype=torch.bool).tril()
+        same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])
+        idx["mask"] = (causal[None] & same)[:, None]
+    _STATE["varlen"] = idx
 
 
 def varlen_is_cheaper(lens: "list[int]", total: int) -> bool:
@@ -64,8 +75,11 @@ def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, idx
     def pad(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [n, H, Lmax, D]
         return x[0][:, g].transpose(0, 1)
 
-    out = torch.nn.functional.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True,
-                                                           scale=scaling)
+    mask = idx.get("mask")
+    if mask is not None:
+        mask = mask.to(query.device)
+    out = torch.nn.functional.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=mask,
+                                                           is_causal=mask is None, scale=scaling)
     h, d = out.shape[1], out.shape[3]
     flat = out.transpose(0, 1).reshape(h, n * lmax, d).index_select(1, idx["valid"].to(query.device))
     t = query.shape[2]

@@ -44,7 +44,9 @@ class StatsLogger:
         if stats_cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+            # The writer's own thread flushes every few seconds (and on close): a flush per step
+            # would make the training loop wait for the event file's disk write.
+            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"), flush_secs=5)
         if stats_cfg.wandb:
             self._wandb = _init_wandb(run_dir, stats_cfg, experiment, trial, config)
 
@@ -77,7 +79,6 @@ class StatsLogger:
         if self._tb is not None:
             for k, v in numeric.items():
                 self._tb.add_scalar(f"{kind}/{k}" if "/" not in k else k, v, global_step=step)
-            self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({(f"{kind}/{k}" if "/" not in k else k): v for k, v in numeric.items()},
                             step=int(step))

@@ -4,7 +4,9 @@ One background thread owns the model and, through a *runner*, the KV cache of th
 Each loop iteration is one token boundary:
 
 1. run queued commands (weight swaps, pause, flush) — so weights change atomically between steps;
-2. admit waiting requests: one prefill for all of them, appended as new rows of the running cache;
+2. admit waiting requests: one prefill for all of them, appended as new rows of the running cache
+   (a prompt identical to one admitted with it, or to a running row's, is prefilled once: its KV
+   rows are copied, see :meth:`GenerationEngine._prefill_shared`);
 3. one decode forward for the whole running batch;
 4. sample all rows in one vectorised pass, append, and retire finished rows (cache rows compacted).
 
@@ -50,7 +52,17 @@ class Sequence:
     finished_at: float = 0.0
     cancelled: bool = False
     real_len: int = 0  # prompt + generated tokens already in the KV cache
+    cached_tokens: int = 0  # prompt tokens whose KV was copied from an identical prompt, not computed
+    prefix_key: tuple[int, ...] | None = None  # the tokens this row was admitted with (shared prefill)
     text_tail: str = ""  # decoded output (only maintained for stop-string requests)
+
+
+@dataclass
+class _Prefix:
+    """A prompt whose KV rows are in the running cache: the rows holding it and its last-token logits."""
+
+    logits: torch.Tensor  # [V], fp32
+    holders: list[Sequence]
 
 
 class GenerationEngine:
@@ -58,7 +70,13 @@ class GenerationEngine:
 
     def __init__(self, model, tokenizer, *, device: str, max_running: int = 256,
                  max_prefill_tokens: int = 8192, context_length: int, version: int = 0, seed: int = 0,
-                 fast_path: bool | None = None, decode_attention: str = "auto"):
+                 fast_path: bool | None = None, decode_attention: str = "auto",
+                 shared_prefill: bool = True, seeded_sampling: str = "hash"):
+        """``shared_prefill=False`` and ``seeded_sampling="generator"`` select the earlier code paths
+        (independent prefill of every request; per-row ``torch.Generator`` sampling), kept as
+        benchmark baselines (``benchmarks/rollout_batch.py``)."""
+        if seeded_sampling not in ("hash", "generator"):
+            raise ValueError(f"seeded_sampling must be 'hash' or 'generator', got {seeded_sampling!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -76,8 +94,12 @@ class GenerationEngine:
         self._paused = False
         self._stopping = False
         self._running: list[Sequence] = []
+        self.shared_prefill = shared_prefill
+        self.seeded_sampling = seeded_sampling
+        self._prefixes: dict[tuple[int, ...], _Prefix] = {}
         self.runner = _make_runner(model, self.device, fast_path, self.pad_id, decode_attention)
-        self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0}
+        self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
+                      "finished": 0}
         self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
 
     # ----------------------------------------------------------------- public (any thread)
@@ -150,6 +172,8 @@ class GenerationEngine:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+            if commands:  # a command may have changed the weights: cached prompt KV is stale for new rows
+                self._prefixes.clear()
             for fn, fut in commands:
                 try:
                     fut.set_result(fn())
@@ -191,7 +215,10 @@ class GenerationEngine:
                     break
                 batch.append(self._waiting.popleft())
         if batch:
-            self._prefill(batch)
+            if self.shared_prefill:
+                self._prefill_shared(batch)
+            else:
+                self._prefill(batch)
 
     def _prefill(self, batch: list[Sequence]) -> None:
         # A resumed request's earlier output is part of its prompt here (it is in the KV cache).
@@ -204,6 +231,45 @@ class GenerationEngine:
         self._sample_and_append(logits, rows=list(range(len(self._running) - len(batch),
                                                          len(self._running))))
 
+    def _prefill_shared(self, batch: list[Sequence]) -> None:
+        """Prefill each distinct token sequence once; every other request with the same tokens gets a
+        copy of the KV rows (from a row admitted now or one still running) and the same first logits.
+
+        A GRPO group sends ``group_size`` requests with one prompt: this prefills it once, not 8 times.
+        Rows join the running batch as [computed..., copies...] (row order is not observable: seeded
+        sampling does not depend on it).
+        """
+        keys = [tuple(s.prompt_ids + s.out_ids) for s in batch]
+        computed: dict[tuple[int, ...], Sequence] = {}
+        copies: list[Sequence] = []
+        for s, k in zip(batch, keys):
+            s.prefix_key = k
+            if k in self._prefixes or k in computed:
+                copies.append(s)
+            else:
+                computed[k] = s
+        firsts = list(computed.values())
+        if firsts:
+            logits = self.runner.prefill([list(k) for k in computed])
+            for k, s, row in zip(computed, firsts, logits):
+                self._prefixes[k] = _Prefix(logits=row.clone(), holders=[s])
+            self.stats["prefill_tokens"] += sum(len(k) for k in computed)
+            self._running.extend(firsts)
+        if copies:
+            at = {id(s): i for i, s in enumerate(self._running)}
+            src = [at[id(self._prefixes[s.prefix_key].holders[0])] for s in copies]
+            self.runner.fork(src, [len(s.prefix_key) for s in copies])
+            for s in copies:
+                self._prefixes[s.prefix_key].holders.append(s)
+                s.cached_tokens = len(s.prefix_key)
+            self.stats["shared_prefill_tokens"] += sum(len(s.prefix_key) for s in copies)
+            self._running.extend(copies)
+        ordered = firsts + copies
+        for s in ordered:
+            s.real_len = len(s.prefix_key)
+        logits = torch.stack([self._prefixes[s.prefix_key].logits for s in ordered])
+        self._sample_and_append(logits, rows=list(range(len(self._running) - len(ordered), len(self._running))))
+
     def _decode_step(self) -> None:
         logits = self.runner.decode([s.out_ids[-1] for s in self._running])
         for s in self._running:
@@ -215,7 +281,8 @@ class GenerationEngine:
         seqs = [self._running[i] for i in rows]
         next_ids, logps = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
                                       self.eos_ids, self.generator,
-                                      positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs])
+                                      positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs],
+                                      seeded=self.seeded_sampling)
         now = time.monotonic()
         done: list[int] = []
         for row, s, tok, lp in zip(rows, seqs, next_ids.tolist(), logps.tolist()):
@@ -251,6 +318,7 @@ class GenerationEngine:
     def _retire(self, rows: list[int]) -> None:
         drop = set(rows)
         for i in sorted(drop):
+            self._release_prefix(self._running[i])
             self._finish(self._running[i])
         keep = [i for i in range(len(self._running)) if i not in drop]
         self._running = [self._running[i] for i in keep]
@@ -258,6 +326,13 @@ class GenerationEngine:
             self.runner.keep(keep)
         else:
             self.runner.clear()
+
+    def _release_prefix(self, s: Sequence) -> None:
+        p = self._prefixes.get(s.prefix_key) if s.prefix_key is not None else None
+        if p is not None:
+            p.holders = [h for h in p.holders if h is not s]
+            if not p.holders:
+                del self._prefixes[s.prefix_key]
 
     def _finish(self, s: Sequence) -> None:
         s.finished_at = time.monotonic()
@@ -351,6 +426,31 @@ class HFRunner:
             v = torch.cat([_lpad(layer_a.values, length), _lpad(layer_b.values, length)], dim=0)
             self._cache.layers[li] = SlabLayer(k, v)
         self._mask = torch.cat([_lpad(self._mask, length, dim=1), _lpad(mask, length, dim=1)], dim=0)
+
+    @torch.no_grad()
+    def fork(self, src: list[int], lengths: list[int]) -> None:
+        """Append rows holding copies of the first ``lengths[i]`` cached tokens of rows ``src[i]``."""
+        from types import SimpleNamespace
+
+        it = torch.tensor(src, dtype=torch.long, device=self.device)
+        n_len = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        width = max(lengths)
+        # Rows are left-padded: row i's tokens are its last ``lens[i]`` columns.
+        start = self._mask.shape[1] - torch.tensor([self.lens[i] for i in src], dtype=torch.long,
+                                                   device=self.device)
+        j = torch.arange(width, device=self.device).unsqueeze(0)
+        mask = (j >= width - n_len.unsqueeze(1)).long()  # [m, width], new rows left-padded to ``width``
+        cols = (start.unsqueeze(1) + j - (width - n_len.unsqueeze(1))).clamp(min=0)
+        layers = []
+        for layer in self._cache.layers:
+            def take(t: torch.Tensor) -> torch.Tensor:
+                t = t.index_select(0, it)
+                idx = cols.view(len(src), 1, width, 1).expand(-1, t.shape[1], -1, t.shape[3])
+                return t.gather(2, idx) * mask.view(len(src), 1, width, 1).to(t.dtype)
+
+            layers.append(SimpleNamespace(keys=take(layer.keys), values=take(layer.values)))
+        self._merge(SimpleNamespace(layers=layers), mask)
+        self.lens.extend(lengths)
 
     @torch.no_grad()
     def decode(self, tokens: list[int]) -> torch.Tensor:

@@ -220,6 +220,18 @@ class FastRunner:
             v[: len(idx), :, :used] = v[it, :, :used]
         self.lens = [self.lens[i] for i in idx]
 
+    @torch.inference_mode()
+    def fork(self, src: list[int], lengths: list[int]) -> None:
+        """Append rows holding copies of the first ``lengths[i]`` cached tokens of rows ``src[i]`` (a
+        shared prompt's KV: bit-identical to prefilling it again, without the forward)."""
+        n, r0, width = len(src), self.rows, max(lengths)
+        self._ensure(r0 + n, max(width, max(self.lens, default=0)) + 1)
+        it = torch.tensor(src, dtype=torch.long, device=self.device)
+        for k, v in zip(self._k, self._v):
+            k[r0:r0 + n, :, :, :width] = k[it, :, :, :width]
+            v[r0:r0 + n, :, :width] = v[it, :, :width]
+        self.lens.extend(lengths)
+
     def clear(self) -> None:
         self.lens = []
 

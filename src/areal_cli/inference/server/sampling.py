@@ -29,15 +29,20 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated: list[int],
                 eos_ids: set[int], generator: torch.Generator,
-                positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                positions: list[int] | None = None, *, seeded: str = "hash") -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns ``(token_ids [B], logprobs [B])``.
 
     Logprobs are ``log_softmax(logits / T)`` at the chosen token, before top-k/top-p truncation
     (``T = 1`` for greedy rows). ``min_new_tokens`` masks stop tokens for sampling only.
-    Rows with ``sampling_seed`` draw from a generator seeded by (seed, absolute position in
-    ``positions``, else ``n_generated``), so a request resumed as prompt + tokens-so-far continues
-    the same random stream.
+    Rows with ``sampling_seed`` draw a token that depends only on (seed, absolute position in
+    ``positions``, else ``n_generated``) and the row's probabilities, so a request resumed as
+    prompt + tokens-so-far continues the same random stream whatever the batch. ``seeded``: how —
+    ``"hash"`` (default: one vectorised inverse-CDF draw for all seeded rows, see :func:`seeded_uniform`)
+    or ``"generator"`` (the original per-row ``torch.Generator`` + ``multinomial``, kept as a
+    benchmark baseline; it draws different tokens than ``"hash"``).
     """
+    if seeded not in ("hash", "generator"):
+        raise ValueError(f"seeded must be 'hash' or 'generator', got {seeded!r}")
     logits = logits.float()
     vocab = logits.shape[1]
     greedy_rows = [p.greedy for p in params]
@@ -65,17 +70,93 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
             work = _truncate(work, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32))
         # exp(log_softmax) is the softmax; reuse it unless rows were masked or truncated above.
         probs = logprobs.exp() if work is scaled else torch.softmax(work, dim=-1)
-        next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        for i, p in enumerate(params):
-            if p.sampling_seed is not None and not greedy_rows[i]:
-                # Seeded from (seed, position): independent of batch composition and arrival order.
-                pos = positions[i] if positions is not None else n_generated[i]
-                g = torch.Generator().manual_seed((p.sampling_seed * 1_000_003 + pos) % (2**63))
-                next_ids[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        pos = positions if positions is not None else n_generated
+        if seeded == "generator":
+            next_ids = _sample_generator(probs, params, greedy_rows, pos, generator)
+        else:
+            next_ids = _sample_hash(probs, params, greedy_rows, pos, generator)
         if any(greedy_rows):
             next_ids = torch.where(torch.tensor(greedy_rows), work.argmax(dim=-1), next_ids)
     chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
     return next_ids, chosen
+
+
+def _sample_generator(probs: torch.Tensor, params: list[SamplingParams], greedy_rows: list[bool],
+                      pos: list[int], generator: torch.Generator) -> torch.Tensor:
+    """The original scheme: a global multinomial, then one seeded Generator + multinomial per seeded row."""
+    next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    for i, p in enumerate(params):
+        if p.sampling_seed is not None and not greedy_rows[i]:
+            g = torch.Generator().manual_seed((p.sampling_seed * 1_000_003 + pos[i]) % (2**63))
+            next_ids[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return next_ids
+
+
+def _sample_hash(probs: torch.Tensor, params: list[SamplingParams], greedy_rows: list[bool],
+                 pos: list[int], generator: torch.Generator) -> torch.Tensor:
+    """Seeded rows: inverse CDF at a counter-based uniform; the rest: the server generator's multinomial."""
+    seeded_rows = [i for i, p in enumerate(params) if p.sampling_seed is not None and not greedy_rows[i]]
+    if len(seeded_rows) == len(params):
+        return inverse_cdf(probs, seeded_uniform([p.sampling_seed for p in params], pos))
+    next_ids = torch.zeros(len(params), dtype=torch.long)  # greedy rows are filled in by the caller
+    taken = set(seeded_rows)
+    free = [i for i in range(len(params)) if i not in taken and not greedy_rows[i]]
+    if free:  # only unseeded sampled rows consume the server generator
+        fi = torch.tensor(free)
+        next_ids[fi] = torch.multinomial(probs.index_select(0, fi), 1, generator=generator).squeeze(1)
+    if seeded_rows:
+        si = torch.tensor(seeded_rows)
+        u = seeded_uniform([params[i].sampling_seed for i in seeded_rows], [pos[i] for i in seeded_rows])
+        next_ids[si] = inverse_cdf(probs.index_select(0, si), u)
+    return next_ids
+
+
+# splitmix64 (Steele, Lea & Flood 2014) constants, as signed int64 (torch has no uint64 arithmetic).
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64
+_M1 = 0xBF58476D1CE4E5B9 - 2**64
+_M2 = 0x94D049BB133111EB - 2**64
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (``>>`` on a signed tensor is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: a bijection on 64-bit words (int64 products wrap modulo 2**64)."""
+    z = (z ^ _srl(z, 30)) * _M1
+    z = (z ^ _srl(z, 27)) * _M2
+    return z ^ _srl(z, 31)
+
+
+def _as_int64(x: int) -> int:
+    x %= 2**64
+    return x - 2**64 if x >= 2**63 else x
+
+
+def seeded_uniform(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """Uniforms in ``[0, 1)`` (float64, 53 random bits), a pure function of each ``(seed, position)``.
+
+    ``mix64(mix64(seed + GAMMA) + position * GAMMA)``: hashing the seed first decorrelates
+    neighbouring seeds (the trainer seeds samples ``base, base+1, ...``); the position is the counter.
+    """
+    s = torch.tensor([_as_int64(x) for x in seeds], dtype=torch.int64)
+    p = torch.tensor([_as_int64(x) for x in positions], dtype=torch.int64)
+    z = _mix64(_mix64(s + _GAMMA) + p * _GAMMA)
+    return _srl(z, 11).double() * (1.0 / (1 << 53))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds ``u * total`` (zero-probability
+    tokens are never chosen). Float64 cumsum: a row's draw does not depend on rounding of its batch."""
+    cdf = probs.double().cumsum(dim=-1)
+    x = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(1)
+    over = idx >= probs.shape[1]  # u * total rounded up to total: the last token with mass
+    if bool(over.any()):
+        last = probs.shape[1] - 1 - (probs.flip(-1) > 0).long().argmax(dim=-1)
+        idx = torch.where(over, last, idx)
+    return idx
 
 
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""The hf server's rollout fast paths against the old ones, over real HTTP: ASGI ``/generate`` vs the
+FastAPI route (same bytes for errors, same schema), shared-prompt prefill and seeded sampling
+(a GRPO-shaped batch gives each seed the same tokens however it is batched), client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from areal_cli.inference.launch import launch_server
+
+from hf_server_helpers import load_model, prompts, teacher_forced_logprobs
+
+OLD = ["--generate-endpoint", "fastapi", "--no-shared-prefill", "--seeded-sampling", "generator"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("logs"))
+    hs = {}
+    try:
+        for name, extra in (("new", []), ("old", OLD)):
+            hs[name] = launch_server("hf", tiny_model_dir, log_dir=logs, timeout_s=180,
+                                     env={"OMP_NUM_THREADS": "1"}, extra=["--num-threads", "1", *extra])
+        yield hs
+    finally:
+        for h in hs.values():
+            h.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+BAD = ["{not json", "", json.dumps([1]), json.dumps({"input_ids": [1, 2], "stream": True}),
+       json.dumps({"input_ids": [1, 2], "return_logprob": "yes"}),
+       json.dumps({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}),
+       json.dumps({"input_ids": [[1, 2], []]}), json.dumps({"text": ""})]
+
+
+def test_errors_and_greedy_responses_are_identical_on_both_endpoints(servers):
+    for body in BAD:
+        rs = [httpx.post(f"http://{h.address}/generate", content=body, timeout=30,
+                         headers={"content-type": "application/json"}) for h in servers.values()]
+        assert rs[0].status_code == rs[1].status_code == 400, body
+        assert rs[0].content == rs[1].content and rs[0].headers["content-type"] == rs[1].headers["content-type"]
+    req = {"input_ids": [[5, 6, 7], [8, 9]], "return_logprob": True, "rid": "x",
+           "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
+    outs = [httpx.post(f"http://{h.address}/generate", json=req, timeout=60).json() for h in servers.values()]
+    volatile = {"id", "e2e_latency", "ttft"}
+    for a, b in zip(*outs):
+        assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
+        assert a["meta_info"].keys() == b["meta_info"].keys()
+        for k in a["meta_info"].keys() - volatile - {"output_token_logprobs"}:
+            assert a["meta_info"][k] == b["meta_info"][k], k
+        lp_a, lp_b = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert [x[1:] for x in lp_a] == [x[1:] for x in lp_b]
+        assert max(abs(x[0] - y[0]) for x, y in zip(lp_a, lp_b)) < 1e-5
+    assert httpx.get(f"http://{servers['new'].address}/generate", timeout=10).status_code == 405
+
+
+async def _grpo_batch(address: str, ps: list[list[int]], group: int, seed0: int) -> list[dict]:
+    async with httpx.AsyncClient(timeout=120) as c:
+        rs = await asyncio.gather(*[c.post(f"http://{address}/generate", json={
+            "input_ids": p, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True,
+                                "sampling_seed": seed0 + i * group + k}})
+            for i, p in enumerate(ps) for k in range(group)])
+    return [r.json() for r in rs]
+
+
+def test_grpo_batch_is_seed_deterministic_and_shares_prefill(servers, tok, tiny_model_dir):
+    ps = prompts(tok, 3, seed=21)
+    addr = servers["new"].address
+    before = httpx.get(f"http://{addr}/get_load", timeout=10).json()["stats"]
+    batch = asyncio.run(_grpo_batch(addr, ps, 4, 500))
+    stats = httpx.get(f"http://{addr}/get_load", timeout=10).json()["stats"]
+    shared = stats["shared_prefill_tokens"] - before["shared_prefill_tokens"]
+    computed = stats["prefill_tokens"] - before["prefill_tokens"]
+    assert shared + computed == 4 * sum(len(p) for p in ps) and shared > 0
+    assert sum(o["meta_info"]["cached_tokens"] for o in batch) == shared
+    # Each seed alone (no sharing, batch of one) gives the same tokens; logprobs are the model's.
+    model = load_model(tiny_model_dir)
+    for j in (0, 1, 5, 11):
+        i = j // 4
+        alone = asyncio.run(_grpo_batch(addr, [ps[i]], 1, 500 + j))[0]
+        assert alone["output_ids"] == batch[j]["output_ids"]
+        want = teacher_forced_logprobs(model, ps[i], batch[j]["output_ids"])
+        got = [x[0] for x in batch[j]["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert len({tuple(o["output_ids"]) for o in batch[:4]}) > 1  # one prompt, four seeds
+
+
+def test_client_disconnect_frees_the_slot(servers):
+    addr = servers["new"].address
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    gen0 = httpx.get(f"http://{addr}/get_load", timeout=10).json()["stats"]["generated_tokens"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"http://{addr}/generate", json=body, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while httpx.get(f"http://{addr}/get_load", timeout=10).json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    load = httpx.get(f"http://{addr}/get_load", timeout=10).json()
+    assert load["running"] == 0 and load["waiting"] == 0
+    assert load["stats"]["generated_tokens"] - gen0 < 1000, "the request ran to completion, not cancelled"
