@@ -12,6 +12,11 @@
 3. Launches dp=1 and dp=2 trainer processes (gloo) and prints train-step tokens/s, with dp=2 as a
    ratio of dp=1.
 
+4. ``--busy``: only the push latency of the default embedded run instead — the built-in tiny model,
+   one hf server kept busy generating, one-rank FSDP trainer — old path (explicit pause/continue
+   round trips, new group per push as the trainer's new port asks) vs new path (pause/continue folded
+   into the update request, group reused), in alternating blocks; prints phase medians and the ratio.
+
 Timings on a shared 2-core machine are noisy; compare the ratios within one run.
 """
 
@@ -100,6 +105,88 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
         for d in (shm, disk):
             subprocess.run(["rm", "-rf", str(d)], check=False)
     return results, best
+
+
+# ------------------------------------------------------------------ push latency under load
+def bench_busy(root: Path, pushes: int, blocks: int, concurrency: int, max_new: int) -> None:
+    """Trainer-side seconds per distributed push while the server generates, old vs new path."""
+    import asyncio
+    import threading
+
+    from areal_cli.api.io_struct import GenerationConfig, ModelRequest, ParallelStrategy, WeightUpdateMeta
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.data.builtin_model import ensure_builtin_model
+    from areal_cli.engines.dist import init_distributed
+    from areal_cli.engines.fsdp import FSDPEngine
+    from areal_cli.inference.client import RemoteInferenceEngine
+    from areal_cli.inference.launch import launch_server
+    from areal_cli.models.tiny import model_param_count
+    from areal_cli.utils.network import find_free_port
+    from areal_cli.weight_sync.common import LoopRunner
+    from areal_cli.weight_sync.senders import DistributedSender
+
+    model_dir = ensure_builtin_model(str(root), "tiny")
+    print(f"push latency, busy server: builtin tiny ({model_param_count(model_dir) / 1e6:.2f}M params), "
+          f"{concurrency} generations in flight, {blocks} blocks × {pushes} pushes per path", flush=True)
+    server = launch_server("hf", model_dir, log_dir=str(root), timeout_s=300)
+    init_distributed("gloo")
+    engine = FSDPEngine(EngineConfig(), None, total_steps=1, seed=0)
+    engine.initialize(ParallelStrategy(), model_dir)
+    runner = LoopRunner()  # plays the rollout executor's loop: it also carries the generation traffic
+    paths = {
+        "old": (DistributedSender(runner, reuse_group=False, atomic=False),
+                RemoteInferenceEngine([server.address], retries=1, atomic_update=False)),
+        "new": (DistributedSender(runner), RemoteInferenceEngine([server.address], retries=1)),
+    }
+    gen = RemoteInferenceEngine([server.address], retries=1)
+    stop = threading.Event()
+    generated = [0]
+
+    async def one() -> None:
+        while not stop.is_set():
+            r = await gen.agenerate(ModelRequest(input_ids=[5, 6, 7, 8, 9, 10], gconfig=GenerationConfig(
+                max_new_tokens=max_new, min_new_tokens=max_new)))
+            generated[0] += len(r.output_tokens)
+
+    load = [asyncio.run_coroutine_threadsafe(one(), runner.loop) for _ in range(concurrency)]
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    phases: dict[str, list[dict]] = {k: [] for k in paths}
+    try:
+        time.sleep(2.0)
+        for _ in range(blocks):
+            for name, (sender, client) in paths.items():
+                sender.close()  # the other path replaced the server's group: start this block afresh
+                engine._senders["distributed"] = sender
+                for i in range(pushes + 1):  # the first push of a block makes the group: warm-up
+                    meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), timeout_s=60)
+                    t0 = time.perf_counter()
+                    engine.update_weights(meta, [client], loop=runner.loop)
+                    dt = time.perf_counter() - t0
+                    if i:
+                        times[name].append(dt)
+                        phases[name].append(engine.last_sync_seconds)
+                    time.sleep(0.05)
+    finally:
+        stop.set()
+        for f in load:
+            try:
+                f.result(timeout=60)
+            except Exception:
+                pass
+        for c in [gen] + [c for _, c in paths.values()]:
+            runner.run(c.close())
+        engine.destroy()
+        runner.close()
+        server.stop()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name in paths:
+        ph = {k: round(1000 * statistics.median(p[k] for p in phases[name]), 1)
+              for k in ("pause", "group", "gather", "stage", "broadcast", "server_tail", "continue", "total")}
+        print(f"  {name}: median {1000 * med[name]:6.1f} ms  best {1000 * min(times[name]):6.1f} ms  "
+              f"(median phases, ms: {ph})", flush=True)
+    print(f"  old / new: {med['old'] / med['new']:.2f}x (median), "
+          f"{min(times['old']) / min(times['new']):.2f}x (best); {generated[0]} tokens generated meanwhile; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
 
 # ------------------------------------------------------------------ floor: the unavoidable work
@@ -239,10 +326,18 @@ def main() -> None:
     ap.add_argument("--skip-sync", action="store_true", help="only the train-step part")
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--busy", action="store_true",
+                    help="only: push latency of the default tiny model into a busy server, old vs new path")
+    ap.add_argument("--busy-pushes", type=int, default=10, help="pushes per block (--busy)")
+    ap.add_argument("--busy-blocks", type=int, default=3, help="alternating old/new blocks (--busy)")
+    ap.add_argument("--busy-concurrency", type=int, default=16, help="generations in flight (--busy)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     root = Path(args.root or tempfile.mkdtemp(prefix="areal_bench_"))
     root.mkdir(parents=True, exist_ok=True)
+    if args.busy:
+        bench_busy(root, args.busy_pushes, args.busy_blocks, args.busy_concurrency, max_new=64)
+        return
     model_dir = build_model(root)
     if not args.skip_sync:
         report_sync(args, model_dir, root)

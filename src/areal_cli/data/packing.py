@@ -240,16 +240,16 @@ def shift_padded(values: "torch.Tensor") -> "torch.Tensor":
 # outputs, and (autograd summing over the uses) the same gradients, as one copy per sample.
 
 
-def first_loss_index(mb: dict, n_rows: int | None = None) -> list[int]:
+def first_loss_index(mb: dict) -> list[int]:
     """Per row: the first token index ``i >= 1`` with ``loss_mask > 0`` (the row's length if none).
     Tokens before it are the row's prefix: read, never trained on."""
-    lens = seq_lens(mb)
-    mask = mb["loss_mask"][: n_rows or len(lens)] > 0
-    out = []
-    for r, n in enumerate(lens[: mask.shape[0]]):
-        nz = mask[r, 1:n].nonzero()
-        out.append(int(nz[0, 0]) + 1 if nz.numel() else n)
-    return out
+    import torch
+
+    lens = mb["attention_mask"].sum(dim=1)
+    m = mb["loss_mask"][:, 1:] > 0
+    m &= torch.arange(1, m.shape[1] + 1, device=m.device)[None] < lens[:, None]
+    first = torch.where(m.any(dim=1), m.int().argmax(dim=1) + 1, lens)
+    return [int(x) for x in first.tolist()]
 
 
 def prefix_groups(mb: dict) -> list[list[int]]:
@@ -315,6 +315,7 @@ def pack_shared(mb: dict, loss_only: bool = True) -> SharedPack | None:
     """Pack ``mb`` with shared prefixes; ``None`` when no two rows share one (use :func:`pack`).
 
     ``loss_only``: outputs only for loss tokens (else for every token ``i >= 1`` of every row).
+    Built with Python lists and one tensor per field: a rollout batch is many short rows.
     """
     import torch
 
@@ -323,43 +324,43 @@ def pack_shared(mb: dict, loss_only: bool = True) -> SharedPack | None:
         return None
     lens = seq_lens(mb)
     first = first_loss_index(mb)
-    ids_all = mb["input_ids"].cpu()
-    loss = mb["loss_mask"].cpu() > 0
-    ids, pos, seg, seg_lens = [], [], [], []
-    pred, tgt, rows, cols = [], [], [], []
-    start = 0
+    ids_all = mb["input_ids"].tolist()
+    loss = (mb["loss_mask"] > 0).tolist()
+    ids: list[int] = []
+    pos: list[int] = []
+    seg: list[int] = []
+    seg_lens: list[int] = []
+    pred: list[int] = []
+    tgt: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
     for g in groups:
-        f = min(first[g[0]], lens[g[0]])
-        ids.append(ids_all[g[0], :f])
-        pos.append(torch.arange(f))
-        seg.append(torch.zeros(f, dtype=torch.long))
+        start, r0 = len(ids), g[0]
+        f = min(first[r0], lens[r0])
+        ids += ids_all[r0][:f]
+        pos += range(f)
+        seg += [0] * f
         # Tokens of the prefix itself (full outputs only): identical in every row, computed once.
-        want = torch.arange(1, f)
-        if loss_only:
-            want = want[loss[g[0], 1:f]]
-        for r in g if want.numel() else []:
-            pred.append(start + want - 1)
-            tgt.append(ids_all[r, want])
-            rows.append(torch.full_like(want, r))
-            cols.append(want)
-        off = start + f
+        want = [i for i in range(1, f) if not loss_only or loss[r0][i]]
+        for r in g if want else []:
+            pred += [start + i - 1 for i in want]
+            tgt += [ids_all[r][i] for i in want]
+            rows += [r] * len(want)
+            cols += want
         for k, r in enumerate(g, start=1):
-            n = lens[r]
-            ids.append(ids_all[r, f:n])
-            pos.append(torch.arange(f, n))
-            seg.append(torch.full((n - f,), k, dtype=torch.long))
-            want = torch.arange(f, n)
-            if loss_only:
-                want = want[loss[r, f:n]]
-            # Token i of the suffix is predicted at the previous token: the prefix's last for i = f.
-            pred.append(torch.where(want == f, torch.full_like(want, start + f - 1), off + want - f - 1))
-            tgt.append(ids_all[r, want])
-            rows.append(torch.full_like(want, r))
-            cols.append(want)
-            off += n - f
-        seg_lens.append(off - start)
-        start = off
-    pred_t = torch.cat(pred)
-    keep, inv = torch.unique(pred_t, sorted=True, return_inverse=True)
-    return SharedPack(torch.cat(ids)[None], torch.cat(pos)[None], seg_lens, torch.cat(seg), keep, inv,
-                      torch.cat(tgt), torch.cat(rows), torch.cat(cols))
+            n, off = lens[r], len(ids)
+            ids += ids_all[r][f:n]
+            pos += range(f, n)
+            seg += [k] * (n - f)
+            want = [i for i in range(f, n) if not loss_only or loss[r][i]]
+            # Token i is predicted at the previous token: the prefix's last one for i = f.
+            pred += [off + i - f - 1 if i > f else start + f - 1 for i in want]
+            tgt += [ids_all[r][i] for i in want]
+            rows += [r] * len(want)
+            cols += want
+        seg_lens.append(len(ids) - start)
+    def t(x: list[int]) -> "torch.Tensor":
+        return torch.tensor(x, dtype=torch.long)
+
+    keep, inv = torch.unique(t(pred), sorted=True, return_inverse=True)
+    return SharedPack(t(ids)[None], t(pos)[None], seg_lens, t(seg), keep, inv, t(tgt), t(rows), t(cols))

@@ -85,7 +85,7 @@ class RemoteInferenceEngine(InferenceEngine):
     def __init__(self, addresses: list[str], backend: str = "hf", *, timeout_s: float = 300.0,
                  retries: int = 3, routing: str = "least_loaded", api_key: str | None = None,
                  backoff_s: float = 0.5, health_interval_s: float = 5.0, max_resumes: int = 1000,
-                 admin_timeout_s: float = 600.0, flattened_bucket: bool = True):
+                 admin_timeout_s: float = 600.0, flattened_bucket: bool = True, atomic_update: bool = True):
         if routing not in ("least_loaded", "round_robin"):
             raise InferenceError(f"routing must be least_loaded or round_robin, got {routing!r}")
         if not addresses:
@@ -93,6 +93,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self.backend_name = backend
         self.backend = get_backend(backend)
         self.allow_flattened_bucket = flattened_bucket  # False: SGLang's per-tensor wire protocol
+        self.allow_atomic_update = atomic_update  # False: explicit pause/continue calls around a push
         self.timeout_s = timeout_s
         self.admin_timeout_s = admin_timeout_s
         self.retries = max(0, retries)
@@ -340,14 +341,29 @@ class RemoteInferenceEngine(InferenceEngine):
         """Whether the backend takes ``flattened_bucket`` (hf only; SGLang/vLLM never get it)."""
         return self.allow_flattened_bucket and bool(getattr(self.backend, "SUPPORTS_FLATTENED_BUCKET", False))
 
+    @property
+    def supports_atomic_update(self) -> bool:
+        """Whether the backend pauses and continues generation itself around an update request
+        (``pause_generation``/``continue_generation`` fields, hf only). SGLang and vLLM need the
+        explicit :meth:`pause_generation` / :meth:`continue_generation` calls."""
+        return self.allow_atomic_update and bool(getattr(self.backend, "SUPPORTS_ATOMIC_UPDATE", False))
+
     async def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: list[ParamSpec], *,
-                                              flattened_bucket: bool = False) -> None:
+                                              flattened_bucket: bool = False, pause_generation: bool = False,
+                                              continue_generation: bool = False) -> None:
         """``flattened_bucket``: the trainer broadcasts one flat buffer per dtype of the bucket
-        (hf extension); only allowed when :attr:`supports_flattened_bucket`."""
+        (hf extension); only allowed when :attr:`supports_flattened_bucket`.
+        ``pause_generation`` / ``continue_generation``: the server pauses right before applying this
+        bucket and/or continues right after it, at one token boundary (hf extension); only allowed
+        when :attr:`supports_atomic_update`."""
         if flattened_bucket and not self.supports_flattened_bucket:
             raise InferenceError("flattened_bucket weight updates are an hf-server extension; "
                                  f"backend {self.backend.NAME!r} takes one broadcast per tensor")
-        kw = {"flattened_bucket": True} if flattened_bucket else {}
+        if (pause_generation or continue_generation) and not self.supports_atomic_update:
+            raise InferenceError("pause_generation/continue_generation inside a weight update are an hf-server "
+                                 f"extension; backend {self.backend.NAME!r} needs explicit pause/continue calls")
+        kw = {k: True for k, v in (("flattened_bucket", flattened_bucket), ("pause_generation", pause_generation),
+                                   ("continue_generation", continue_generation)) if v}
         await self._all([self.backend.build_update_distributed(meta, specs, **kw) for _ in self._order],
                         "update_weights_from_distributed", retries=0)
         self._version = meta.version

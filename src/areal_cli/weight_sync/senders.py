@@ -13,11 +13,19 @@ Protocols (SGLang's, spoken by the built-in ``hf`` server too):
 - distributed: pause → (first time) ``init_weights_update_group`` on the servers while rank 0
   creates the TCPStore master + process group → per bucket, ``update_weights_from_distributed``
   (HTTP) concurrently with one ``broadcast`` per tensor → continue.
+
+  Servers that advertise ``supports_atomic_update`` (the built-in ``hf`` server) get no separate
+  pause/continue calls: every bucket request asks the server to pause right before applying it and
+  the last one to continue right after, so a one-bucket push is a single round trip, and the server
+  keeps generating while the bucket is on the wire. The group is created once and reused by later
+  pushes (the port of a later ``meta`` only matters when a new group must be made); any failure
+  drops it, so the next push rebuilds it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -134,17 +142,24 @@ class DistributedSender:
     as soon as bucket k's broadcast is done — the server then copies bucket k into its model while
     receiving k+1. (Requests stay ordered: k+1 is sent only after the server has taken bucket k.)"""
 
-    def __init__(self, runner: LoopRunner, device: str = "cpu"):
+    def __init__(self, runner: LoopRunner, device: str = "cpu", *, reuse_group: bool = True,
+                 atomic: bool = True):
+        """``reuse_group=False`` makes a new group whenever ``meta.master_port`` changes and
+        ``atomic=False`` always sends explicit pause/continue calls: the earlier behaviour, kept as
+        the baseline of ``benchmarks/weight_sync.py``."""
         self.runner = runner
         self.device = device
+        self.reuse_group = reuse_group
+        self.atomic = atomic
         self.pg = None
         self.store = None
         self._group_key: tuple | None = None
         self.last_seconds: dict[str, float] = {}
         self._phase: dict[str, float] = {}
         self._buffers: dict[tuple, object] = {}  # (parity, dtype) -> flat staging buffer
-        self._pending = None  # concurrent.futures.Future: broadcast of the bucket in flight -> its HTTP task
-        self._requests: list = []  # asyncio tasks of the update requests not yet answered
+        self._pending = None  # concurrent.futures.Future: broadcast of the bucket in flight -> its reply future
+        self._requests: list = []  # concurrent.futures.Futures of the update requests not yet answered
+        self._open_pause = False  # a bucket asked the servers to pause and no later request resumed them
 
     # -- group ----------------------------------------------------------------------------------
     def _make_group(self, meta: WeightUpdateMeta):
@@ -162,8 +177,18 @@ class DistributedSender:
             pg = dist.ProcessGroupGloo(prefix, 0, meta.world_size, timeout)
         return store, pg
 
+    def _key(self, meta: WeightUpdateMeta, clients: list) -> tuple:
+        # The port only serves the rendezvous: an established group stays valid when a later meta
+        # names another free port (the trainer picks a new one per push). The servers' addresses
+        # are part of the key: a changed server set needs a new group.
+        return (meta.master_address, meta.group_name, meta.world_size, meta.backend,
+                tuple(peer_names(c) for c in clients), None if self.reuse_group else meta.master_port)
+
+    def has_group(self, meta: WeightUpdateMeta, clients: list) -> bool:
+        return self.pg is not None and self._group_key == self._key(meta, clients)
+
     async def _ensure_group(self, meta: WeightUpdateMeta, clients: list) -> None:
-        key = (meta.master_address, meta.master_port, meta.group_name, meta.world_size, meta.backend)
+        key = self._key(meta, clients)
         if self.pg is not None and self._group_key == key:
             return
         loop = asyncio.get_running_loop()
@@ -202,35 +227,60 @@ class DistributedSender:
         opts.rootRank = 0
         opts.rootTensor = 0
         opts.timeout = timeout
+        # A local reference: if the push gives up on this broadcast (``self.pg`` dropped), the group is
+        # destroyed here when the broadcast ends, not in the caller (its destructor waits for
+        # pending work, which would block the event loop until the group timeout).
+        pg = self.pg
         for t in tensors:
-            self.pg.broadcast([t], opts).wait(timeout)
+            pg.broadcast([t], opts).wait(timeout)
 
-    async def _send_bucket(self, meta: WeightUpdateMeta, clients: list, bucket: _Bucket):
-        """Request + broadcast of one bucket; returns the still-running request task once the
-        broadcast is done (the server may still be copying the bucket in)."""
+    async def _send_bucket(self, meta: WeightUpdateMeta, clients: list, bucket: _Bucket, final: bool,
+                           atomic: bool) -> concurrent.futures.Future:
+        """Request + broadcast of one bucket; returns a future of the request's reply once the
+        broadcast is done (the server may still be copying the bucket in). ``atomic``: the request
+        asks the servers to pause before applying it, and if ``final`` to continue after."""
         specs = [ParamSpec(n, str(t.dtype).replace("torch.", ""), list(t.shape))
                  for n, t in zip(bucket.names, bucket.tensors)]
         kw = {"flattened_bucket": True} if bucket.flat else {}
+        if atomic:
+            kw.update(pause_generation=True, continue_generation=final)
+            self._open_pause = self._open_pause or not final
         http = asyncio.ensure_future(call_all(clients, "update_weights_from_distributed", meta, specs,
                                               timeout=meta.timeout_s, **kw))
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        try:
-            await asyncio.wait_for(loop.run_in_executor(None, self._broadcast, bucket.wire(), meta),
-                                   meta.timeout_s + 5)
-        except Exception as e:
+        bcast = loop.run_in_executor(None, self._broadcast, bucket.wire(), meta)
+        # A request that fails while the broadcast waits (server died, restarted without the group,
+        # rejected before receiving) means the broadcast can never finish: fail now, not at the timeout.
+        await asyncio.wait({bcast, http}, timeout=meta.timeout_s + 5, return_when=asyncio.FIRST_EXCEPTION)
+        if not bcast.done() or bcast.exception() is not None:
             self.pg = None  # a failed collective leaves the group unusable; rebuild next time
             peers = ", ".join(peer_names(c) for c in clients)
             if http.done() and not http.cancelled() and http.exception() is not None:
-                raise http.exception() from e  # the HTTP side knows which server failed
+                if not bcast.done():  # abandoned: it ends at the group timeout; keep its buffers out of reuse
+                    bcast.add_done_callback(lambda f: f.exception())
+                    self._buffers.clear()
+                raise http.exception()  # the HTTP side knows which server failed
             http.cancel()
+            e = bcast.exception() if bcast.done() else TimeoutError("no progress")
             raise WeightSyncError(f"weight sync (distributed): broadcast to server(s) {peers} failed or timed out "
                                   f"after {meta.timeout_s:.1f}s: {type(e).__name__}: {e}") from e
         t1 = time.perf_counter()
         self._phase["broadcast"] += t1 - t0
         self._phase["bcast_end"] = t1
-        http.add_done_callback(lambda _f: self._phase.__setitem__("last_reply", time.perf_counter()))
-        return http
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(f: asyncio.Future) -> None:  # the trainer thread waits on ``reply`` without a loop hop
+            self._phase["last_reply"] = time.perf_counter()
+            if f.cancelled():
+                reply.set_exception(WeightSyncError("weight sync (distributed): update request cancelled"))
+            elif f.exception() is not None:
+                reply.set_exception(f.exception())
+            else:
+                reply.set_result(f.result())
+
+        http.add_done_callback(settle)
+        return reply
 
     # -- main -----------------------------------------------------------------------------------
     def send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *,
@@ -244,12 +294,19 @@ class DistributedSender:
 
         wire = getattr(torch, meta.dtype) if meta.dtype else None
         flat = bool(clients) and all(getattr(c, "supports_flattened_bucket", False) for c in clients)
+        atomic = self.atomic and bool(clients) and all(getattr(c, "supports_atomic_update", False)
+                                                       for c in clients)
+        self._open_pause = False
         err: WeightSyncError | None = None
         t0 = time.perf_counter()
+        tp = t0
         if is_src:
             try:
-                self.runner.run(call_all(clients, "pause_generation", timeout=meta.timeout_s))
-                self.runner.run(self._ensure_group(meta, clients))
+                if not atomic:
+                    self.runner.run(call_all(clients, "pause_generation", timeout=meta.timeout_s))
+                tp = time.perf_counter()
+                if not self.has_group(meta, clients):  # checked here: no hop through the event loop
+                    self.runner.run(self._ensure_group(meta, clients))
             except WeightSyncError as e:
                 err = e
         t1 = time.perf_counter()
@@ -265,7 +322,7 @@ class DistributedSender:
             dtype = wire if (wire is not None and t.is_floating_point()) else t.dtype
             nbytes = t.numel() * dtype.itemsize
             if bucket.names and bucket.nbytes + nbytes > meta.bucket_bytes:
-                err = self._flush(meta, clients, bucket)
+                err = self._flush(meta, clients, bucket, final=False, atomic=atomic)
                 n_buckets += 1
                 bucket = _Bucket(self, n_buckets % 2, flat)
                 if err is not None:
@@ -275,7 +332,7 @@ class DistributedSender:
             tg = time.perf_counter()
             self._phase["stage"] += tg - ts
         if is_src and err is None and bucket.names:
-            err = self._flush(meta, clients, bucket)
+            err = self._flush(meta, clients, bucket, final=True, atomic=atomic)
             n_buckets += 1
         if is_src:
             tb = time.perf_counter()
@@ -284,15 +341,21 @@ class DistributedSender:
             err = self._wait_requests(0) or err
             last_reply = self._phase.pop("last_reply", time.perf_counter())
             bcast_end = self._phase.pop("bcast_end", last_reply)
-            try:
-                self.runner.run(call_all(clients, "continue_generation", timeout=meta.timeout_s))
-            except WeightSyncError as e:
-                err = err or e
+            tc = time.perf_counter()
+            # Atomic pushes resume in their last request; only a failure after a bucket that paused
+            # the servers (and before the one that resumes them) leaves them paused.
+            if not atomic or (err is not None and self._open_pause):
+                try:
+                    self.runner.run(call_all(clients, "continue_generation", timeout=meta.timeout_s))
+                except WeightSyncError as e:
+                    err = err or e
+            if err is not None:
+                self.pg = None  # e.g. a server left: the group may be unusable; rebuild next time
             t2 = time.perf_counter()
-            self.last_seconds = {"pause_init": t1 - t0, "transfer": t2 - t1, "total": t2 - t0,
-                                 "buckets": float(n_buckets), "flattened": float(flat), **self._phase,
-                                 "wait_last_broadcast": tb,
-                                 "server_tail": max(0.0, last_reply - bcast_end)}
+            self.last_seconds = {"pause": tp - t0, "group": t1 - tp, "pause_init": t1 - t0, "transfer": t2 - t1,
+                                 "continue": t2 - tc, "total": t2 - t0, "buckets": float(n_buckets),
+                                 "flattened": float(flat), "atomic": float(atomic), **self._phase,
+                                 "wait_last_broadcast": tb, "server_tail": max(0.0, last_reply - bcast_end)}
         return err
 
     def _staging(self, parity: int, dtype, numel: int):
@@ -309,13 +372,14 @@ class DistributedSender:
             self._buffers[key] = buf
         return buf
 
-    def _flush(self, meta, clients, bucket: _Bucket) -> WeightSyncError | None:
+    def _flush(self, meta, clients, bucket: _Bucket, *, final: bool, atomic: bool) -> WeightSyncError | None:
         """Start sending ``bucket`` once the previous bucket's broadcast is done (its staging buffer
         is then free for the bucket after this one) and at most one earlier request is unanswered."""
         err = self._wait_broadcast() or self._wait_requests(1)
         if err is not None:
             return err
-        self._pending = asyncio.run_coroutine_threadsafe(self._send_bucket(meta, clients, bucket), self.runner.loop)
+        self._pending = asyncio.run_coroutine_threadsafe(self._send_bucket(meta, clients, bucket, final, atomic),
+                                                         self.runner.loop)
         return None
 
     def _wait_broadcast(self) -> WeightSyncError | None:
@@ -334,9 +398,9 @@ class DistributedSender:
         """Wait until at most ``keep`` update requests are unanswered; the first failure wins."""
         err = None
         while len(self._requests) > keep:
-            task = self._requests.pop(0)
+            reply = self._requests.pop(0)
             try:
-                self.runner.run(_await(task))
+                reply.result()
             except WeightSyncError as e:
                 err = err or e
             except Exception as e:
@@ -348,7 +412,3 @@ class DistributedSender:
         self.pg = None
         self.store = None
         self._buffers.clear()
-
-
-async def _await(task):
-    return await task

@@ -49,6 +49,23 @@ def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens:
     return HttpCall("POST", "/generate", body)
 
 
+def build_generate_batch(inputs: list[list[int]], gs: list[GenerationConfig],
+                         max_new_tokens: list[int]) -> HttpCall:
+    """SGLang's batch form of ``/generate``: ``input_ids`` a list of prompts and ``sampling_params`` a
+    list with one object per prompt; the response is a list of per-prompt answers, in order."""
+    body: dict[str, Any] = {"input_ids": [list(x) for x in inputs],
+                            "sampling_params": [sampling_params(g, m) for g, m in zip(gs, max_new_tokens)],
+                            "return_logprob": True, "stream": False}
+    return HttpCall("POST", "/generate", body)
+
+
+def parse_generate_batch(resp: Any, n: int, *, fallback_version: int = 0) -> list[Segment]:
+    if not isinstance(resp, list) or len(resp) != n:
+        raise InferenceError(f"malformed SGLang batch /generate response: expected a list of {n} answers, "
+                             f"got {str(resp)[:300]}")
+    return [parse_generate(r, fallback_version=fallback_version) for r in resp]
+
+
 def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segment:
     try:
         meta = resp["meta_info"]

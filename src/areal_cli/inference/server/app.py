@@ -215,7 +215,8 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
         ret_lp = body.get("return_logprob", False)
         if not isinstance(ret_lp, bool):
             raise BadRequest(f"return_logprob must be a boolean, got {ret_lp!r}")
-        sp = parse_sampling(body.get("sampling_params"))
+        raw_sp = body.get("sampling_params")
+        sp = None if isinstance(raw_sp, list) else parse_sampling(raw_sp)
         if body.get("input_ids") is not None:
             ids = body["input_ids"]
             batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
@@ -230,12 +231,19 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
         else:
             raise BadRequest("either input_ids or text is required")
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
-        for p in prompts:
-            check_context(len(p), sp.max_new_tokens, state.context_length)
+        if sp is None:  # SGLang's batch form: one sampling_params object per prompt
+            if not batch or len(raw_sp) != len(prompts):
+                raise BadRequest(f"sampling_params is a list of {len(raw_sp)}: it needs a batch of as many "
+                                 f"prompts, got {len(prompts) if batch else 'a single prompt'}")
+            sps = [parse_sampling(x) for x in raw_sp]
+        else:
+            sps = [sp] * len(prompts)
+        for p, s in zip(prompts, sps):
+            check_context(len(p), s.max_new_tokens, state.context_length)
         if batch:
-            seqs = await asyncio.gather(*[run(p, sp, None, request, gone) for p in prompts])
+            seqs = await asyncio.gather(*[run(p, s, None, request, gone) for p, s in zip(prompts, sps)])
             return [sglang_out(s, ret_lp) for s in seqs]
-        return sglang_out(await run(prompts[0], sp, rid, request, gone), ret_lp)
+        return sglang_out(await run(prompts[0], sps[0], rid, request, gone), ret_lp)
 
     @app.post("/generate")
     async def generate_route(request: Request):

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -132,6 +133,13 @@ class GenerationEngine:
             self._commands.append((fn, fut))
             self._cv.notify_all()
         return fut
+
+    @contextlib.contextmanager
+    def same_boundary(self) -> Iterator[None]:
+        """Commands queued inside this block (``call``, ``pause``, ``resume``) run back to back, in
+        order, at one token boundary: no decode step can fall between them."""
+        with self._cv:  # a Condition over an RLock: the calls inside re-acquire it
+            yield
 
     def pause(self) -> concurrent.futures.Future:
         """Abort every running request (partial tokens returned) and hold new ones."""

@@ -93,6 +93,34 @@ def apply(model, tensors: dict[str, torch.Tensor], threads: int | None = None) -
     return len(tensors)
 
 
+def queue_apply(engine, tensors: dict[str, torch.Tensor], version: int | None, *, pause: bool = False,
+                resume: bool = False, threads: int | None = 1) -> concurrent.futures.Future:
+    """Queue the copy of a validated bucket (and the version bump) on the engine thread; returns the
+    future of the number of tensors copied (a failed copy is its exception).
+
+    ``pause`` / ``resume``: at the same token boundary, right after the copy, abort the running
+    requests and hold new ones (what ``/pause_generation`` does) / let generation go on (what
+    ``/continue_generation`` does). No decode step falls between the copy and the abort, so the
+    aborted requests hold only tokens of the old weights (their resubmissions are prefilled with
+    the new ones) and every token sampled afterwards carries the new version — the same outcome as
+    pause → update → continue, without the two extra round trips. The copy is queued first so the
+    update's reply is not queued behind the aborted requests' replies in the server's event loop."""
+
+    def copy_in() -> int:
+        n = apply(engine.model, tensors, threads=threads)
+        if version is not None:
+            engine.version = version
+        return n
+
+    with engine.same_boundary():
+        copied = engine.call(copy_in)
+        if pause:
+            engine.pause()
+        if resume:
+            engine.resume()
+    return copied
+
+
 def default_allowed_roots(model_path: str) -> list[str]:
     return [str(Path(model_path).resolve().parent), str(Path(tempfile.gettempdir()).resolve())]
 
