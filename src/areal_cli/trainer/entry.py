@@ -63,7 +63,6 @@ def _run(config_path: str, run_dir: str) -> int:
     from areal_cli.trainer.config_io import load_config_file
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    if os.environ.get("DBG_SWITCH"): sys.setswitchinterval(float(os.environ["DBG_SWITCH"]))
     cfg = load_config_file(config_path)
     info = json.loads((Path(run_dir) / LAUNCH_FILE).read_text())
     layout = JobLayout.from_dict(info["layout"])
