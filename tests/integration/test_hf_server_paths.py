@@ -110,3 +110,28 @@ def test_client_disconnect_frees_the_slot(servers):
     load = httpx.get(f"http://{addr}/get_load", timeout=10).json()
     assert load["running"] == 0 and load["waiting"] == 0
     assert load["stats"]["generated_tokens"] - gen0 < 1000, "the request ran to completion, not cancelled"
+
+
+def test_client_group_call_matches_one_call_per_sample(servers, tok):
+    """``agenerate_group`` (one batched /generate with a sampling_params list) gives every seeded sample
+    the tokens, logprobs and versions that one ``agenerate`` per sample gives."""
+    from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+    from areal_cli.inference.client import RemoteInferenceEngine
+
+    p = prompts(tok, 1, seed=5)[0]
+    reqs = [ModelRequest(input_ids=list(p), gconfig=GenerationConfig(max_new_tokens=12 + k % 3, seed=900 + k))
+            for k in range(6)]
+    eng = RemoteInferenceEngine([servers["new"].address], "hf")
+
+    async def both():
+        return await eng.agenerate_group(reqs), [await eng.agenerate(r) for r in reqs]
+
+    group, single = asyncio.run(both())
+    for g, s in zip(group, single, strict=True):
+        assert g.output_tokens == s.output_tokens and g.stop_reason == s.stop_reason
+        assert max(abs(a - b) for a, b in zip(g.output_logprobs, s.output_logprobs)) < 1e-4
+        assert g.output_versions == s.output_versions
+    assert len({tuple(g.output_tokens) for g in group}) > 1
+    bad = httpx.post(f"http://{servers['new'].address}/generate", timeout=10,
+                     json={"input_ids": [p], "sampling_params": [{}, {}]})
+    assert bad.status_code == 400 and "sampling_params is a list of 2" in bad.text

@@ -37,17 +37,16 @@ class ScriptedServer:
                 return JSONResponse({"error": "overloaded"}, status_code=503)
             if body["input_ids"][0] == 999:
                 return JSONResponse({"error": {"message": "bad prompt"}}, status_code=400)
-            want = body["sampling_params"]["max_new_tokens"]
-            n = want if self.abort_after is None else min(want, self.abort_after)
-            start = len(body["input_ids"])
-            toks = [start + i for i in range(n)]  # token = its absolute position: checks contiguity
-            kind = "length" if n == want else "abort"
-            ver = self.version
-            if kind == "abort":
+            if isinstance(body["input_ids"][0], list):  # SGLang's batch form
+                outs = [self._answer(ids, sp) for ids, sp in zip(body["input_ids"], body["sampling_params"],
+                                                                  strict=True)]
+                if any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs):
+                    self.version += 1
+                return outs
+            out = self._answer(body["input_ids"], body["sampling_params"])
+            if out["meta_info"]["finish_reason"]["type"] == "abort":
                 self.version += 1
-            return {"output_ids": toks, "meta_info": {
-                "finish_reason": {"type": kind}, "weight_version": str(ver),
-                "output_token_logprobs": [[-0.01 * t, t, None] for t in toks]}}
+            return out
 
         @app.get("/health")
         async def health():
@@ -62,6 +61,15 @@ class ScriptedServer:
         self.port = find_free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def _answer(self, input_ids: list[int], sp: dict) -> dict:
+        want = sp["max_new_tokens"]
+        n = want if self.abort_after is None else min(want, self.abort_after)
+        start = len(input_ids)
+        toks = [start + i for i in range(n)]  # token = its absolute position: checks contiguity
+        return {"output_ids": toks, "meta_info": {
+            "finish_reason": {"type": "length" if n == want else "abort"}, "weight_version": str(self.version),
+            "output_token_logprobs": [[-0.01 * t, t, None] for t in toks]}}
 
     @property
     def address(self) -> str:
@@ -117,6 +125,26 @@ def test_abort_is_resumed_with_remaining_budget_and_versions():
         budgets = [c["sampling_params"]["max_new_tokens"] for c in s.calls]
         assert budgets == [10, 6, 2]
         assert s.calls[1]["input_ids"] == [1, 2, 3, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("backend", ["sglang", "hf"])
+def test_group_is_one_batched_call_per_round_with_per_row_resume(backend):
+    """Rows of different lengths and budgets in one call; aborted rows resume together, finished
+    ones drop out, and each row ends exactly as agenerate would have ended it."""
+    reqs = [ModelRequest(input_ids=[1] * (3 + i), gconfig=GenerationConfig(max_new_tokens=n))
+            for i, n in enumerate([10, 3, 6])]
+    with ScriptedServer(abort_after=4, version=5) as s:
+        eng = RemoteInferenceEngine([s.address], backend, backoff_s=0.01)
+        assert eng.supports_batch_generate
+        out = asyncio.run(eng.agenerate_group(reqs))
+    assert [len(c["input_ids"]) for c in s.calls] == [3, 2, 1]  # rows per round: 3, then 2, then 1
+    assert [c["sampling_params"][0]["max_new_tokens"] for c in s.calls] == [10, 6, 2]
+    for i, (r, n) in enumerate(zip(out, [10, 3, 6])):
+        assert r.stop_reason == "length" and r.output_tokens == list(range(3 + i, 3 + i + n))
+        assert r.output_logprobs == [-0.01 * t for t in r.output_tokens]
+    assert out[0].output_versions == [5] * 4 + [6] * 4 + [7] * 2 and out[0].n_resumes == 2
+    assert out[1].output_versions == [5] * 3 and out[1].n_resumes == 0
+    assert out[2].output_versions == [5] * 4 + [6] * 2 and out[2].n_resumes == 1
 
 
 def test_least_loaded_routing_spreads_and_admin_reaches_every_server(tmp_path):

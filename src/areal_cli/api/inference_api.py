@@ -21,6 +21,13 @@ class InferenceEngine(abc.ABC):
         transparently (prompt + tokens so far, remaining budget), so the final response may span
         versions and only ever ends with ``stop`` or ``length``."""
 
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        """:meth:`agenerate` for several requests (e.g. a GRPO group), results in order. Clients whose
+        servers take batched requests override it to send one call for all of them."""
+        import asyncio
+
+        return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
+
     @abc.abstractmethod
     async def pause_generation(self) -> None:
         """Servers abort running requests (returning partial tokens) and hold new ones."""

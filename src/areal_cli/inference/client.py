@@ -27,8 +27,8 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass
-from typing import Any, Coroutine, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import aiohttp
 
@@ -72,6 +72,18 @@ class _ServerState:
     healthy: bool = True
     failures: int = 0
     model_name: str | None = None  # vLLM needs the served model name in every request
+
+
+@dataclass
+class _Partial:
+    """One request of :meth:`RemoteInferenceEngine.agenerate_group` while it is being generated."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    resumes: int = 0
+    ttft: float = 0.0
+    stop: str | None = None
 
 
 def _url(address: str, path: str) -> str:
@@ -223,11 +235,12 @@ class RemoteInferenceEngine(InferenceEngine):
             s.model_name = self.backend.parse_model_name(resp)
         return s.model_name
 
-    async def _segment(self, req: ModelRequest, input_ids: list[int], max_new: int, min_new: int):
-        """Run one generation call with failover; returns (segment, address)."""
+    async def _route(self, build: Callable[[_ServerState], Awaitable[HttpCall]], parse: Callable[[Any], T],
+                     rows: int = 1) -> tuple[T, str]:
+        """One generation call with failover: ``build(server)`` makes the call, ``parse`` reads the
+        answer; ``rows`` sequences count toward the server's in-flight load. Returns (parsed, address)."""
         tried: set[str] = set()
         last: Exception | None = None
-        g = req.gconfig.new(min_new_tokens=min_new)
         for attempt in range(self.retries + 1):
             if time.monotonic() - self._last_health > self.health_interval_s or not self.healthy_addresses():
                 await self.check_health()
@@ -236,14 +249,10 @@ class RemoteInferenceEngine(InferenceEngine):
                 last = InferenceError(f"no healthy inference server among {self._order}")
                 await asyncio.sleep(self.backoff_s * (2 ** attempt))
                 continue
-            kw: dict[str, Any] = {"max_new_tokens": max_new}
-            if self.backend_name == "vllm":
-                kw["model"] = await self._model_name(s)
-            call = self.backend.build_generate(input_ids, g, **kw)
-            s.inflight += 1
+            call = await build(s)
+            s.inflight += rows
             try:
-                resp = await self._send(s.address, call, self.timeout_s)
-                return self.backend.parse_generate(resp, fallback_version=self._version), s.address
+                return parse(await self._send(s.address, call, self.timeout_s)), s.address
             except _ClientError:
                 raise
             except _Unreachable as e:
@@ -256,9 +265,73 @@ class RemoteInferenceEngine(InferenceEngine):
                 last = e
                 await asyncio.sleep(self.backoff_s * (2 ** attempt) * (1 + 0.1 * random.random()))
             finally:
-                s.inflight -= 1
+                s.inflight -= rows
             tried.add(s.address)
         raise InferenceError(f"generation failed after {self.retries + 1} attempt(s): {last}")
+
+    async def _segment(self, req: ModelRequest, input_ids: list[int], max_new: int, min_new: int):
+        """Run one generation call with failover; returns (segment, address)."""
+        g = req.gconfig.new(min_new_tokens=min_new)
+
+        async def build(s: _ServerState) -> HttpCall:
+            kw: dict[str, Any] = {"max_new_tokens": max_new}
+            if self.backend_name == "vllm":
+                kw["model"] = await self._model_name(s)
+            return self.backend.build_generate(input_ids, g, **kw)
+
+        return await self._route(build, lambda resp: self.backend.parse_generate(resp, fallback_version=self._version))
+
+    @property
+    def supports_batch_generate(self) -> bool:
+        """Whether the backend takes several prompts in one ``/generate`` call (SGLang's batch form)."""
+        return hasattr(self.backend, "build_generate_batch")
+
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        """:meth:`agenerate` for several requests; with a batching backend, one HTTP call per round
+        for all of them (a GRPO group: one call instead of ``group_size``), rows that a weight update
+        aborted resumed together in the next round. Same per-request results and semantics."""
+        if len(reqs) <= 1 or not self.supports_batch_generate:
+            return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
+        t0 = time.monotonic()
+        outs = [_Partial() for _ in reqs]
+        address = ""
+        while True:
+            active = [i for i, o in enumerate(outs) if o.stop is None]
+            for i in active:
+                if reqs[i].gconfig.max_new_tokens - len(outs[i].tokens) <= 0:
+                    outs[i].stop = "length"
+            active = [i for i in active if outs[i].stop is None]
+            if not active:
+                break
+            inputs = [list(reqs[i].input_ids) + outs[i].tokens for i in active]
+            gs = [reqs[i].gconfig.new(min_new_tokens=max(0, reqs[i].gconfig.min_new_tokens - len(outs[i].tokens)))
+                  for i in active]
+            budgets = [reqs[i].gconfig.max_new_tokens - len(outs[i].tokens) for i in active]
+
+            async def build(_s: _ServerState, inputs=inputs, gs=gs, budgets=budgets) -> HttpCall:
+                return self.backend.build_generate_batch(inputs, gs, budgets)
+
+            segs, address = await self._route(
+                build, lambda resp, n=len(active): self.backend.parse_generate_batch(
+                    resp, n, fallback_version=self._version), rows=len(active))
+            for i, seg in zip(active, segs):
+                o = outs[i]
+                if seg.output_tokens and not o.tokens:
+                    o.ttft = time.monotonic() - t0
+                o.tokens += seg.output_tokens
+                o.logprobs += seg.output_logprobs
+                o.versions += seg.output_versions
+                if seg.finish != "abort":
+                    o.stop = seg.finish
+                    continue
+                o.resumes += 1
+                if o.resumes > self.max_resumes:
+                    raise InferenceError(f"request {reqs[i].rid} was aborted {o.resumes} times; giving up")
+        latency = time.monotonic() - t0
+        return [ModelResponse(input_tokens=list(r.input_ids), output_tokens=o.tokens, output_logprobs=o.logprobs,
+                              output_versions=o.versions, stop_reason=o.stop,  # type: ignore[arg-type]
+                              latency=latency, ttft=o.ttft, n_resumes=o.resumes, server=address)
+                for r, o in zip(reqs, outs)]
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         g = req.gconfig

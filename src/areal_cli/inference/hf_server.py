@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         allowed_roots=args.allowed_weight_roots or default_allowed_roots(args.model_path),
         api_key=args.api_key, asgi_generate=args.generate_endpoint == "asgi")
     app = build_app(state)
+    from areal_cli.utils.procs import freeze_heap
+
+    freeze_heap()
     engine.start()
     logging.getLogger("areal_cli.hf_server").info(
         "serving %s on %s:%d (device=%s dtype=%s attn=%s ctx=%d version=%d)", args.model_path, args.host,

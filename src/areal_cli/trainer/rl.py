@@ -29,6 +29,7 @@ from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
 from areal_cli.trainer.data_stream import PromptStream
 from areal_cli.trainer.stats import StatsLogger
+from areal_cli.utils.procs import freeze_heap
 
 
 class _EpisodeRunner:
@@ -85,12 +86,24 @@ class _SeededEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    async def agenerate(self, req: Any) -> Any:
+    def _seeded(self, req: Any) -> Any:
         g = req.gconfig
         if getattr(g, "seed", None) is None and not g.greedy:
             req = dataclasses.replace(req, gconfig=g.new(seed=self._base + self._k))
         self._k += 1
-        return await self._inner.agenerate(req)
+        return req
+
+    async def agenerate(self, req: Any) -> Any:
+        return await self._inner.agenerate(self._seeded(req))
+
+    async def agenerate_group(self, reqs: list[Any]) -> list[Any]:
+        import asyncio
+
+        reqs = [self._seeded(r) for r in reqs]
+        group = getattr(self._inner, "agenerate_group", None)
+        if group is None:
+            return list(await asyncio.gather(*(self._inner.agenerate(r) for r in reqs)))
+        return await group(reqs)
 
 
 def _is_transport_error(e: BaseException) -> bool:
@@ -416,6 +429,7 @@ class RLTrainer:
             before = self.evaluate(tokenizer, test_items, 0, phase="sft" if policy_path != self.model_path else "rl")
             if self.rank == 0 and before:
                 print(f"[areal] held-out accuracy before RL: {before.get('eval/pass@1', 0):.1%}", flush=True)
+        freeze_heap()
         t_start = self.t_start = time.time()
         for step in range(start_step + 1, self.total_steps + 1):
             self.train_step(engine, actor, step, t_start, start_step)

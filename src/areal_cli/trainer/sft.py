@@ -65,6 +65,9 @@ def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: i
     """``steps`` optimizer steps; logs ``sft/loss`` per step. Returns the last step's stats."""
     from areal_cli.algorithms.actor import sft_step
 
+    from areal_cli.utils.procs import freeze_heap
+
+    freeze_heap()
     last: dict[str, float] = {}
     for step in range(first_step, first_step + steps):
         t0 = time.perf_counter()

@@ -149,3 +149,14 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def freeze_heap() -> None:
+    """Move every object alive now (model, tokenizer, datasets, imported modules) out of the cyclic
+    garbage collector's reach. They live for the whole process; left in, each full collection
+    rescans them, and in a trainer or server process that took 0.2–0.3 s, stalling a step or a
+    decode batch several times per run."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

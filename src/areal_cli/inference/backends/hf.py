@@ -8,10 +8,11 @@ push needs no separate pause/continue round trips."""
 
 from __future__ import annotations
 
-from areal_cli.inference.backends.sglang import (HEALTH, build_continue, build_generate, build_get_version,
-                                                 build_init_group, build_pause, build_set_version,
-                                                 build_update_from_disk, check_ok,
-                                                 parse_generate, parse_version, sampling_params)
+from areal_cli.inference.backends.sglang import (HEALTH, build_continue, build_generate, build_generate_batch,
+                                                 build_get_version, build_init_group, build_pause,
+                                                 build_set_version, build_update_from_disk, check_ok,
+                                                 parse_generate, parse_generate_batch, parse_version,
+                                                 sampling_params)
 from areal_cli.inference.backends.sglang import build_update_distributed as _sglang_update_distributed
 
 NAME = "hf"
@@ -33,6 +34,6 @@ def build_update_distributed(meta, specs, *, flush_cache: bool = True, flattened
     return call
 
 
-__all__ = ["HEALTH", "NAME", "SUPPORTS_ATOMIC_UPDATE", "SUPPORTS_FLATTENED_BUCKET", "build_continue", "build_generate", "build_get_version",
+__all__ = ["HEALTH", "NAME", "SUPPORTS_ATOMIC_UPDATE", "SUPPORTS_FLATTENED_BUCKET", "build_continue", "build_generate", "build_generate_batch", "build_get_version",
            "build_init_group", "build_pause", "build_set_version", "build_update_distributed", "build_update_from_disk", "check_ok",
-           "parse_generate", "parse_version", "sampling_params"]
+           "parse_generate", "parse_generate_batch", "parse_version", "sampling_params"]

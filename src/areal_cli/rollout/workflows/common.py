@@ -147,6 +147,21 @@ async def call_reward(fn: RewardFn, prompt: str, completion: str, answer: Any) -
     return float(res)
 
 
+async def call_rewards(fn: RewardFn, prompt: str, completions: list[str], answer: Any) -> list[float]:
+    """:func:`call_reward` for several completions of one prompt: concurrently for an async reward,
+    in one worker-thread hop for a sync one (a hop per sample costs more than a cheap reward)."""
+    if is_async_callable(fn):
+        return list(await asyncio.gather(*(call_reward(fn, prompt, c, answer) for c in completions)))
+
+    def run() -> list[Any]:
+        return [fn(prompt, c, answer) for c in completions]
+
+    out = []
+    for res in await asyncio.to_thread(run):
+        out.append(float(await res) if inspect.isawaitable(res) else float(res))
+    return out
+
+
 @dataclass
 class Segment:
     """A run of tokens in a sequence; ``logprobs``/``versions`` only on generated segments."""
@@ -200,17 +215,13 @@ def stack_rows(rows: list["dict[str, torch.Tensor]"], rewards: list[float], no_e
 
     from areal_cli.api.workflow_api import Trajectory
 
-    width = max(int(r["input_ids"].shape[0]) for r in rows)
+    from torch.nn.utils.rnn import pad_sequence
+
     fills = {"input_ids": pad_id, "versions": -1}
-    data: dict[str, torch.Tensor] = {}
-    for key in rows[0]:
-        parts = []
-        for r in rows:
-            x = r[key]
-            if x.shape[0] < width:
-                x = torch.cat([x, x.new_full((width - x.shape[0],), fills.get(key, 0))])
-            parts.append(x)
-        data[key] = torch.stack(parts)
+    # One padded stack per key: this runs on the rollout thread, which shares the trainer's GIL.
+    data: dict[str, torch.Tensor] = {key: pad_sequence([r[key] for r in rows], batch_first=True,
+                                                       padding_value=fills.get(key, 0))
+                                     for key in rows[0]}
     n = len(rows)
     data["rewards"] = torch.tensor(rewards, dtype=torch.float32)
     data["seq_no_eos_mask"] = torch.tensor(no_eos, dtype=torch.bool)

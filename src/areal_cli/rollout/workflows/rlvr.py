@@ -14,6 +14,7 @@ from areal_cli.rollout.workflows.common import (
     build_prompt,
     build_row,
     call_reward,
+    call_rewards,
     decode,
     load_tokenizer,
     next_group_id,
@@ -54,15 +55,26 @@ class RLVRWorkflow(RolloutWorkflow):
         prompt = build_prompt(self.tokenizer, data, self.use_chat_template)
         answer = data.get("answer")
 
+        async def score(resp: Any) -> float:
+            return await call_reward(self.reward_fn, prompt.text, decode(self.tokenizer, resp.output_tokens), answer)
+
         async def sample() -> tuple[Any, float]:
             # Each sample is scored as soon as it finishes, overlapping rewards with generation.
             resp = await engine.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig))
-            completion = decode(self.tokenizer, resp.output_tokens)
-            return resp, await call_reward(self.reward_fn, prompt.text, completion, answer)
+            return resp, await score(resp)
 
-        scored = await asyncio.gather(*[sample() for _ in range(self.group_size)])
-        resps = [r for r, _ in scored]
-        rewards = [x for _, x in scored]
+        group = getattr(engine, "agenerate_group", None)
+        if group is not None and getattr(engine, "supports_batch_generate", False) and self.group_size > 1:
+            # One batched call for the whole group: the server prefills the shared prompt once and
+            # the trainer-side client handles one HTTP exchange instead of group_size.
+            resps = await group([ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig)
+                                 for _ in range(self.group_size)])
+            rewards = await call_rewards(self.reward_fn, prompt.text,
+                                         [decode(self.tokenizer, r.output_tokens) for r in resps], answer)
+        else:
+            scored = await asyncio.gather(*[sample() for _ in range(self.group_size)])
+            resps = [r for r, _ in scored]
+            rewards = [x for _, x in scored]
         rows = [build_row([Segment(prompt.ids),
                            Segment(list(r.output_tokens), list(r.output_logprobs), list(r.output_versions))])
                 for r in resps]
