@@ -18,10 +18,14 @@ Printed per system:
 - held-out accuracy of the warm start and of each checkpoint, and the time to reach ``--target``;
 - ratios: areal async / TRL and areal async / areal sync samples/s.
 
+The three runs are repeated ``--rounds`` times, interleaved (async, sync, TRL, async, ...), so a
+drift in the machine's speed affects all three alike; the per-round ratios and their median are
+printed last. Accuracy is evaluated on round 1's checkpoints.
+
 Threads: TRL runs in one process with all cores (``torch.set_num_threads(os.cpu_count())``);
 areal runs its server and its trainer as one single-threaded process each (the default layout).
 
-    python benchmarks/vs_trl.py                      # the default: 40 steps, 8 prompts x 8, 16 tokens
+    python benchmarks/vs_trl.py                      # the default: 3 rounds of 40 steps, 8 prompts x 8, 16 tokens
     python benchmarks/vs_trl.py --steps 10 --warm DIR   # reuse a warm-start HF dir
 """
 
@@ -50,12 +54,18 @@ def areal_train(fileroot: str, name: str, overrides: list[str]) -> Path:
 def areal_figures(run_dir: Path, samples_per_step: int) -> dict:
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = [r for r in recs if r["kind"] == "train"]
-    # RL phase: from the start of step 1 (its end minus its duration) to the end of the last step.
+    # RL phase: from the start of step 1 (its end minus its duration) to the end of the last step,
+    # less the checkpoint exports in between (the trainer logs their duration), as TRL's clock is.
     t0 = train[0]["time"] - train[0]["perf/step_s"]
-    ckpts = {r["step"]: (r["time"] - t0, str(run_dir / "checkpoints" / f"step_{r['step']:06d}"))
+    saves = [(r["time"], r["seconds"]) for r in recs if r["kind"] == "event" and r.get("event") == "hf_export"]
+
+    def clock(t: float) -> float:
+        return t - t0 - sum(s for ts, s in saves if ts <= t)
+
+    ckpts = {r["step"]: (clock(r["time"]), str(run_dir / "checkpoints" / f"step_{r['step']:06d}"))
              for r in train if (run_dir / "checkpoints" / f"step_{r['step']:06d}").is_dir()}
-    ckpts[train[-1]["step"]] = (train[-1]["time"] - t0, str(run_dir / "checkpoints" / "final"))
-    wall = train[-1]["time"] - t0
+    ckpts[train[-1]["step"]] = (clock(train[-1]["time"]), str(run_dir / "checkpoints" / "final"))
+    wall = clock(train[-1]["time"])
     return {"samples_per_s": samples_per_step * len(train) / wall, "rl_wall_s": wall,
             "tokens_per_sample": sum(r["gen/mean_len"] for r in train) / len(train),
             "train_s_per_step": sum(r["perf/train_s"] for r in train) / len(train),
@@ -172,6 +182,7 @@ def main() -> None:
     ap.add_argument("--warm", default=None, help="warm-start HF dir (default: run the embedded SFT warm start)")
     ap.add_argument("--big-steps", type=int, default=10,
                     help="steps of the throughput-only comparison on a ~10M-param model (0: skip)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the three runs")
     ap.add_argument("--fileroot", default=None)
     args = ap.parse_args()
     root = args.fileroot or tempfile.mkdtemp(prefix="areal_bench_")
@@ -189,8 +200,13 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(warm)
     train_items, _ = load_split(cfg.dataset, tok, "train", seed=cfg.seed)
     test_items = load_split(cfg.dataset, tok, "test", seed=cfg.seed)[0][: args.eval_size]
-    rows = compare(root, "tiny", [f"model.path={warm}"], warm, args, args.steps, args.ckpt_every, train_items)
-    report(rows, warm, test_items, args)
+    # Rounds interleave the three systems, so a drift in the machine's speed hits all of them alike;
+    # accuracy is read from round 1's checkpoints, throughput ratios are reported per round.
+    rounds = [compare(root, f"tiny_r{i}", [f"model.path={warm}"], warm, args, args.steps, args.ckpt_every,
+                      train_items) for i in range(args.rounds)]
+    report(rounds[0], warm, test_items, args)
+    if args.rounds > 1:
+        print_rounds(rounds)
     if args.big_steps > 0:
         from areal_cli.models.tiny import model_param_count
         from areal_cli.trainer.build import resolve_model_path
@@ -230,6 +246,22 @@ def report(rows: dict, warm: str, test_items: list[dict], args: argparse.Namespa
         if r["time_to_target_s"] and t["time_to_target_s"]:
             print(f"time to target, TRL / {name}: {t['time_to_target_s'] / r['time_to_target_s']:.2f}x")
     print(json.dumps({k: {kk: vv for kk, vv in r.items() if kk != "checkpoints"} for k, r in rows.items()}))
+
+
+def print_rounds(rounds: list[dict]) -> None:
+    import statistics
+
+    print(f"\n[{len(rounds)} interleaved rounds] samples/s and ratios per round")
+    print(f"{'round':>5s} {'async':>8s} {'sync':>8s} {'TRL':>8s} {'async/TRL':>10s} {'async/sync':>11s}")
+    r_t, r_s = [], []
+    for i, rows in enumerate(rounds, 1):
+        a, s, t = (rows[n]["samples_per_s"] for n in ("areal async (k=2)", "areal sync (k=0)",
+                                                       "TRL GRPOTrainer (cpu)"))
+        r_t.append(a / t)
+        r_s.append(a / s)
+        print(f"{i:5d} {a:8.1f} {s:8.1f} {t:8.1f} {a / t:9.2f}x {a / s:10.2f}x")
+    print(f"median ratio areal async / TRL: {statistics.median(r_t):.2f}x (target >= 2x); "
+          f"areal async / areal sync: {statistics.median(r_s):.2f}x (target >= 1.4x)")
 
 
 def print_throughput(rows: dict, what: str) -> tuple[dict, dict, dict]:

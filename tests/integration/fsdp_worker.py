@@ -142,6 +142,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
             b = split_batch_for_dp(b, engine.dp_world_size)[engine.dp_rank]
         return b if engine.is_dp_head else None
 
+    if v.get("warm_up"):
+        engine.warm_up()
     if v.get("load"):
         engine.load(SaveLoadMeta(path=v["load"], weight_format="dcp"))
     if v.get("probe", False):

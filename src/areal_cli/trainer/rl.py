@@ -425,6 +425,9 @@ class RLTrainer:
             self.executor.set_version(start_step)
             self.executor.resume()
 
+        warm_up = getattr(engine, "warm_up", None)
+        if warm_up is not None:
+            warm_up()  # overlaps the servers' first batch (or the evaluation below)
         if start_step == 0:
             before = self.evaluate(tokenizer, test_items, 0, phase="sft" if policy_path != self.model_path else "rl")
             if self.rank == 0 and before:
@@ -482,10 +485,15 @@ class RLTrainer:
     def _periodic(self, engine: Any, tokenizer: Any, test_items: list[dict], step: int) -> None:
         tc = self.cfg.trainer
         if tc.save_every and step % tc.save_every == 0 and step != self.total_steps:
-            self.ckpt.export_hf(engine, f"step_{step:06d}")
+            t0 = time.perf_counter()
+            path = self.ckpt.export_hf(engine, f"step_{step:06d}")
+            self.stats.log("event", step, {"event": "hf_export", "path": path, "seconds": time.perf_counter() - t0})
         if tc.recover_every and step % tc.recover_every == 0 and step != self.total_steps:
-            self.ckpt.save_recover(engine, step, self._trainer_state(step) if self.rank == 0 else {},
-                                   self._others(getattr(self.critic, "engine", None)))
+            t0 = time.perf_counter()
+            path = self.ckpt.save_recover(engine, step, self._trainer_state(step) if self.rank == 0 else {},
+                                          self._others(getattr(self.critic, "engine", None)))
+            self.stats.log("event", step, {"event": "recover_save", "path": path,
+                                           "seconds": time.perf_counter() - t0})
         if tc.eval_every and step % tc.eval_every == 0 and step != self.total_steps:
             self.evaluate(tokenizer, test_items, step)
 
