@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from inference_throughput import _tree_cpu  # same directory: process-tree CPU seconds
+
 OLD = ["--seeded-sampling", "generator", "--no-shared-prefill", "--generate-endpoint", "fastapi"]
 ABLATIONS = {"new-no-hash-sampling": ["--seeded-sampling", "generator"],
              "new-no-shared-prefill": ["--no-shared-prefill"],
@@ -42,21 +44,6 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
         enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
     return out
-
-
-def _tree_cpu(pid: int) -> float:
-    import psutil
-
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 async def one_batch(engine, prompts: list[list[int]], group: int, gconfig, seed0: int) -> list[int]:

@@ -31,3 +31,11 @@ def slurm_cluster():
     yield part
     if not was_up:  # leave the machine as we found it
         subprocess.run(["bash", str(REPO / "slurm" / "stop-local-cluster.sh"), "--munge"], check=False)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tiny_model_dir_b):
+    """The two tiny test models (same architecture and tokenizer, different weights), loaded in-process."""
+    from hf_server_helpers import load_model
+
+    return load_model(tiny_model_dir), load_model(tiny_model_dir_b)

@@ -41,3 +41,11 @@ def prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
         text = f"<|im_start|>user\nWhat is {a} plus {b}?" + " Think." * rng.randint(0, 12)
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
+
+
+def start_hf_server(model_dir: str, tmp_path_factory, **kw):
+    """A real one-thread hf server process on a free port, logging under a fresh tmp dir."""
+    from areal_cli.inference.launch import launch_server
+
+    return launch_server("hf", model_dir, log_dir=str(tmp_path_factory.mktemp("logs")), timeout_s=180,
+                         env={"OMP_NUM_THREADS": "1"}, **kw)

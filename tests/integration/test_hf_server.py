@@ -12,16 +12,14 @@ import pytest
 
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.inference.client import RemoteInferenceEngine
-from areal_cli.inference.launch import launch_server
 from areal_cli.utils.network import find_free_port
 
-from hf_server_helpers import hf_greedy, load_model, prompts, teacher_forced_logprobs
+from hf_server_helpers import hf_greedy, load_model, prompts, start_hf_server, teacher_forced_logprobs
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    h = launch_server("hf", tiny_model_dir, log_dir=str(tmp_path_factory.mktemp("logs")), timeout_s=180,
-                      env={"OMP_NUM_THREADS": "1"})
+    h = start_hf_server(tiny_model_dir, tmp_path_factory)
     yield h
     h.stop()
     assert not h.alive()

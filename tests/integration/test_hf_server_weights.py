@@ -16,26 +16,19 @@ import torch
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
 from areal_cli.errors import InferenceError
 from areal_cli.inference.client import RemoteInferenceEngine
-from areal_cli.inference.launch import launch_server
 from areal_cli.inference.server.weights import broadcast_from_root
 from areal_cli.utils.network import find_free_port
 
-from hf_server_helpers import hf_greedy, load_model, prompts, teacher_forced_logprobs
+from hf_server_helpers import hf_greedy, prompts, start_hf_server, teacher_forced_logprobs
 
 KEY = "test-secret-key"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    h = launch_server("hf", tiny_model_dir, log_dir=str(tmp_path_factory.mktemp("logs")), timeout_s=180,
-                      api_key=KEY, env={"OMP_NUM_THREADS": "1"})
+    h = start_hf_server(tiny_model_dir, tmp_path_factory, api_key=KEY)
     yield h
     h.stop()
-
-
-@pytest.fixture(scope="module")
-def models(tiny_model_dir, tiny_model_dir_b):
-    return load_model(tiny_model_dir), load_model(tiny_model_dir_b)
 
 
 @pytest.fixture(scope="module")

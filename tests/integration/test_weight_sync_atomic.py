@@ -21,12 +21,11 @@ from areal_cli.api.inference_api import InferenceEngine
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_cli.errors import InferenceError, WeightSyncError
 from areal_cli.inference.client import RemoteInferenceEngine
-from areal_cli.inference.launch import launch_server
 from areal_cli.utils.network import find_free_port
 from areal_cli.weight_sync.common import LoopRunner
 from areal_cli.weight_sync.senders import DistributedSender
 
-from hf_server_helpers import hf_greedy, load_model, prompts, teacher_forced_logprobs
+from hf_server_helpers import hf_greedy, prompts, start_hf_server, teacher_forced_logprobs
 
 
 class Recording(RemoteInferenceEngine):
@@ -63,15 +62,9 @@ def _named(model, corrupt: str | None = None):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    h = launch_server("hf", tiny_model_dir, log_dir=str(tmp_path_factory.mktemp("logs")), timeout_s=180,
-                      env={"OMP_NUM_THREADS": "1"})
+    h = start_hf_server(tiny_model_dir, tmp_path_factory)
     yield h
     h.stop()
-
-
-@pytest.fixture(scope="module")
-def models(tiny_model_dir, tiny_model_dir_b):
-    return load_model(tiny_model_dir), load_model(tiny_model_dir_b)
 
 
 @pytest.fixture(scope="module")
