@@ -153,6 +153,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         engine.optimizer.zero_grad(set_to_none=True)
     res["stats"] = []
     for step in range(v.get("start", 0), v.get("steps", 2)):
+        if step == v.get("warm_up_before_step"):
+            engine.warm_up()
         res["stats"].append(engine.train_batch(local(step), loss_fn, loss_weight_fn))
     res["weights"] = full_weights(engine)
     if v.get("save"):

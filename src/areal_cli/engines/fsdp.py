@@ -314,7 +314,8 @@ class FSDPEngine(TrainEngine):
 
     def warm_up(self, rows: int = 8, prompt_len: int = 32, completion_len: int = 16, group: int = 4) -> None:
         """A whole training step on a synthetic GRPO-shaped batch that changes nothing: zero loss,
-        learning rate 0, optimizer state and gradients dropped after, RNG untouched. The first real
+        learning rate 0, optimizer state and gradients dropped after (a restored optimizer is not
+        stepped, so a resumed run keeps Adam's moments), RNG untouched. The first real
         step otherwise also pays one-time setup (FSDP's lazy init, DTensor sharding propagation for
         every optimizer and clipping op: ~0.45 s, three steady steps of the embedded default); the
         RL trainer runs this while the servers generate the first batch. Collective on every rank."""
@@ -336,13 +337,14 @@ class FSDPEngine(TrainEngine):
 
         self._accumulate_grads(batch, zero_loss, lambda mb: 1.0, 1.0)
         self._clip_grads()
-        lrs = [pg["lr"] for pg in self.optimizer.param_groups]
-        for pg in self.optimizer.param_groups:
-            pg["lr"] = 0.0  # zero gradients and lr 0: every parameter stays bit-identical
-        self.optimizer.step()
-        for pg, lr in zip(self.optimizer.param_groups, lrs):
-            pg["lr"] = lr
-        self.optimizer.state.clear()  # the first real step starts Adam's moments and step count afresh
+        if not self.optimizer.state:  # a restored optimizer (resume) keeps its moments: no step then
+            lrs = [pg["lr"] for pg in self.optimizer.param_groups]
+            for pg in self.optimizer.param_groups:
+                pg["lr"] = 0.0  # zero gradients and lr 0: every parameter stays bit-identical
+            self.optimizer.step()
+            for pg, lr in zip(self.optimizer.param_groups, lrs):
+                pg["lr"] = lr
+            self.optimizer.state.clear()  # the first real step starts Adam's moments and step count afresh
         self.optimizer.zero_grad(set_to_none=True)
 
     def _clip_grads(self) -> float:
