@@ -59,7 +59,24 @@ def test_sweep_runs_kills_and_resumes(tmp_path, tiny_model_dir):
         pytest.fail("first trial never finished")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    # The running trial (its own session, out of reach of the group kill) must not outlive the sweep:
+    # the resumed sweep below reruns it in the same run dir.
+    import psutil
+
+    def trial_procs():
+        return [p for p in psutil.process_iter(["cmdline"])
+                if "train" in (p.info["cmdline"] or []) and f"cluster.fileroot={tmp_path}" in (p.info["cmdline"] or [])]
+
+    deadline = time.time() + 90
+    while trial_procs() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not trial_procs(), "the killed sweep's running trial is still alive"
     killed = _manifest(sweep_dir)
+    for t in killed["trials"]:
+        if t["status"] == "running":  # stopped by the parent-death signal, not run on to the end
+            status = Path(t["run_dir"], "status.json")  # absent when it died before launching anything
+            state = json.loads(status.read_text())["state"] if status.is_file() else None
+            assert state != "done", f"trial {t['id']} outlived the sweep and ran to the end"
     done_first = {t["id"]: t for t in killed["trials"] if t["status"] == "done"}
     assert 1 <= len(done_first) < 4
 

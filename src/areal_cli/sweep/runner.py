@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from areal_cli.sweep.manifest import Manifest, Trial
+from areal_cli.utils.procs import die_with_parent
 
 
 def trial_command(manifest: Manifest, trial: Trial) -> list[str]:
@@ -49,7 +50,7 @@ def run_trial_process(cmd: list[str], log_path: str, env: dict | None = None) ->
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, preexec_fn=die_with_parent())
         try:
             return proc.wait()
         except BaseException:
@@ -80,8 +81,10 @@ def run_local(manifest: Manifest, trials: list[Trial], max_parallel: int,
                 log_path = Path(manifest.sweep_dir) / "trials" / t.id / "train.log"
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 log = open(log_path, "ab")
+                # A sweep killed outright must not leave its trial running: a resumed sweep would
+                # start that trial again in the same run dir alongside it.
                 proc = subprocess.Popen(trial_command(manifest, t), stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=die_with_parent())
                 t.status, t.attempts = "running", t.attempts + 1
                 running[t.id] = (proc, t, time.time(), log)
                 manifest.save()

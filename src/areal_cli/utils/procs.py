@@ -160,3 +160,24 @@ def freeze_heap() -> None:
 
     gc.collect()
     gc.freeze()
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` that has the kernel send the child ``sig`` when the process that started it
+    dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``; ``None`` elsewhere). A child in its own
+    session is out of reach of its parent's group kill, so without this it would run on as an orphan.
+    Start the child from a thread that lives as long as the parent (the signal follows the thread)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child runs only the call
+    parent = os.getpid()
+
+    def _set() -> None:
+        prctl(1, int(sig))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os._exit(1)
+
+    return _set
