@@ -49,3 +49,17 @@ def start_hf_server(model_dir: str, tmp_path_factory, **kw):
 
     return launch_server("hf", model_dir, log_dir=str(tmp_path_factory.mktemp("logs")), timeout_s=180,
                          env={"OMP_NUM_THREADS": "1"}, **kw)
+
+
+class UnroutableServer:
+    """Mixin for fake ``InferenceEngine`` clients: one server at an unroutable address, version 0."""
+
+    def get_version(self):
+        return 0
+
+    def set_version(self, version):
+        pass
+
+    @property
+    def addresses(self):
+        return ["10.9.8.7:4321"]

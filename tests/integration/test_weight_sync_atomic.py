@@ -25,7 +25,7 @@ from areal_cli.utils.network import find_free_port
 from areal_cli.weight_sync.common import LoopRunner
 from areal_cli.weight_sync.senders import DistributedSender
 
-from hf_server_helpers import hf_greedy, prompts, start_hf_server, teacher_forced_logprobs
+from hf_server_helpers import UnroutableServer, hf_greedy, prompts, start_hf_server, teacher_forced_logprobs
 
 
 class Recording(RemoteInferenceEngine):
@@ -202,7 +202,7 @@ def test_explicit_path_when_atomic_is_off(server, models, prompt, sync):
     assert _greedy(server, prompt) == hf_greedy(models[1], prompt, 16)
 
 
-class _RefusingPeer(InferenceEngine):
+class _RefusingPeer(UnroutableServer, InferenceEngine):
     """Joins the real gloo group (rank 1, in a thread) but refuses every update request at once, so
     the trainer's broadcast would wait for a receive that never comes."""
 
@@ -235,16 +235,6 @@ class _RefusingPeer(InferenceEngine):
 
     async def update_weights_from_disk(self, meta):
         raise NotImplementedError
-
-    def get_version(self):
-        return 0
-
-    def set_version(self, version):
-        pass
-
-    @property
-    def addresses(self):
-        return ["10.9.8.7:4321"]
 
 
 def test_refused_request_fails_the_push_without_waiting_for_the_broadcast():

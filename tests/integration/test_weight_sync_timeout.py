@@ -16,8 +16,10 @@ from areal_cli.utils.network import find_free_port
 from areal_cli.weight_sync.common import LoopRunner
 from areal_cli.weight_sync.senders import DiskSender, DistributedSender
 
+from hf_server_helpers import UnroutableServer
 
-class HungServer(InferenceEngine):
+
+class HungServer(UnroutableServer, InferenceEngine):
     """Answers pause/continue, then never completes the method named ``hang_on``."""
 
     def __init__(self, hang_on: str):
@@ -46,16 +48,6 @@ class HungServer(InferenceEngine):
 
     async def update_weights_from_distributed(self, meta, specs):
         await self._maybe_hang("update_weights_from_distributed")
-
-    def get_version(self):
-        return 0
-
-    def set_version(self, version):
-        pass
-
-    @property
-    def addresses(self):
-        return ["10.9.8.7:4321"]
 
 
 def _tensors():
