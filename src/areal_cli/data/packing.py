@@ -252,11 +252,12 @@ def first_loss_index(mb: dict) -> list[int]:
     return [int(x) for x in first.tolist()]
 
 
-def prefix_groups(mb: dict) -> list[list[int]]:
+def prefix_groups(mb: dict, lens: list[int] | None = None, first: list[int] | None = None) -> list[list[int]]:
     """Rows grouped by identical prefix (token ids before the first loss token), in first-row order.
-    A row without loss tokens is a group of its own."""
-    lens = seq_lens(mb)
-    first = first_loss_index(mb)
+    A row without loss tokens is a group of its own. ``lens``/``first``: already computed
+    :func:`seq_lens` / :func:`first_loss_index` of ``mb``."""
+    lens = seq_lens(mb) if lens is None else lens
+    first = first_loss_index(mb) if first is None else first
     ids = mb["input_ids"]
     groups: dict[tuple, list[int]] = {}
     for r, (n, f) in enumerate(zip(lens, first)):
@@ -276,7 +277,7 @@ def prefix_bins(batch: dict, max_tokens: int) -> list[list[int]]:
     lens = seq_lens(batch)
     first = first_loss_index(batch)
     units: list[list[int]] = []
-    for g in prefix_groups(batch):
+    for g in prefix_groups(batch, lens, first):
         chunk: list[int] = []
         for r in g:
             if chunk and shared_cost(lens, first, chunk + [r]) > max_tokens:
@@ -319,11 +320,11 @@ def pack_shared(mb: dict, loss_only: bool = True) -> SharedPack | None:
     """
     import torch
 
-    groups = prefix_groups(mb)
-    if all(len(g) == 1 for g in groups):
-        return None
     lens = seq_lens(mb)
     first = first_loss_index(mb)
+    groups = prefix_groups(mb, lens, first)
+    if all(len(g) == 1 for g in groups):
+        return None
     ids_all = mb["input_ids"].tolist()
     loss = (mb["loss_mask"] > 0).tolist()
     ids: list[int] = []
@@ -359,6 +360,7 @@ def pack_shared(mb: dict, loss_only: bool = True) -> SharedPack | None:
             rows += [r] * len(want)
             cols += want
         seg_lens.append(len(ids) - start)
+
     def t(x: list[int]) -> "torch.Tensor":
         return torch.tensor(x, dtype=torch.long)
 

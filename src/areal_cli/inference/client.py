@@ -33,10 +33,10 @@ from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 import aiohttp
 
 from areal_cli.api.inference_api import InferenceEngine
-from areal_cli.api.io_struct import ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
+from areal_cli.api.io_struct import GenerationConfig, ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
 from areal_cli.errors import InferenceError
 from areal_cli.inference.backends import get_backend
-from areal_cli.inference.backends.base import HttpCall
+from areal_cli.inference.backends.base import HttpCall, Segment
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -269,51 +269,48 @@ class RemoteInferenceEngine(InferenceEngine):
             tried.add(s.address)
         raise InferenceError(f"generation failed after {self.retries + 1} attempt(s): {last}")
 
-    async def _segment(self, req: ModelRequest, input_ids: list[int], max_new: int, min_new: int):
-        """Run one generation call with failover; returns (segment, address)."""
-        g = req.gconfig.new(min_new_tokens=min_new)
-
+    async def _one_call(self, inputs: list[list[int]], gs: list[GenerationConfig],
+                        budgets: list[int]) -> tuple[list[Segment], str]:
+        """One prompt, one ``/generate`` call with failover."""
         async def build(s: _ServerState) -> HttpCall:
-            kw: dict[str, Any] = {"max_new_tokens": max_new}
+            kw: dict[str, Any] = {"max_new_tokens": budgets[0]}
             if self.backend_name == "vllm":
                 kw["model"] = await self._model_name(s)
-            return self.backend.build_generate(input_ids, g, **kw)
+            return self.backend.build_generate(inputs[0], gs[0], **kw)
 
-        return await self._route(build, lambda resp: self.backend.parse_generate(resp, fallback_version=self._version))
+        seg, address = await self._route(build, lambda resp: self.backend.parse_generate(
+            resp, fallback_version=self._version))
+        return [seg], address
 
-    @property
-    def supports_batch_generate(self) -> bool:
-        """Whether the backend takes several prompts in one ``/generate`` call (SGLang's batch form)."""
-        return hasattr(self.backend, "build_generate_batch")
+    async def _batch_call(self, inputs: list[list[int]], gs: list[GenerationConfig],
+                          budgets: list[int]) -> tuple[list[Segment], str]:
+        """Several prompts in one ``/generate`` call (SGLang's batch form) with failover."""
+        async def build(_s: _ServerState) -> HttpCall:
+            return self.backend.build_generate_batch(inputs, gs, budgets)
 
-    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
-        """:meth:`agenerate` for several requests; with a batching backend, one HTTP call per round
-        for all of them (a GRPO group: one call instead of ``group_size``), rows that a weight update
-        aborted resumed together in the next round. Same per-request results and semantics."""
-        if len(reqs) <= 1 or not self.supports_batch_generate:
-            return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
+        return await self._route(build, lambda resp: self.backend.parse_generate_batch(
+            resp, len(inputs), fallback_version=self._version), rows=len(inputs))
+
+    async def _rounds(self, reqs: list[ModelRequest], call: Callable[..., Awaitable[tuple[list[Segment], str]]]
+                      ) -> list[ModelResponse]:
+        """Generate ``reqs`` in rounds of ``call(inputs, gconfigs, budgets)``: rows that end with
+        ``abort`` (a weight update paused the server) go again as prompt + tokens so far with the
+        remaining budget, so a response may span versions and ends only with ``stop`` or ``length``."""
         t0 = time.monotonic()
         outs = [_Partial() for _ in reqs]
         address = ""
         while True:
+            for r, o in zip(reqs, outs):
+                if o.stop is None and r.gconfig.max_new_tokens - len(o.tokens) <= 0:
+                    o.stop = "length"
             active = [i for i, o in enumerate(outs) if o.stop is None]
-            for i in active:
-                if reqs[i].gconfig.max_new_tokens - len(outs[i].tokens) <= 0:
-                    outs[i].stop = "length"
-            active = [i for i in active if outs[i].stop is None]
             if not active:
                 break
             inputs = [list(reqs[i].input_ids) + outs[i].tokens for i in active]
             gs = [reqs[i].gconfig.new(min_new_tokens=max(0, reqs[i].gconfig.min_new_tokens - len(outs[i].tokens)))
                   for i in active]
             budgets = [reqs[i].gconfig.max_new_tokens - len(outs[i].tokens) for i in active]
-
-            async def build(_s: _ServerState, inputs=inputs, gs=gs, budgets=budgets) -> HttpCall:
-                return self.backend.build_generate_batch(inputs, gs, budgets)
-
-            segs, address = await self._route(
-                build, lambda resp, n=len(active): self.backend.parse_generate_batch(
-                    resp, n, fallback_version=self._version), rows=len(active))
+            segs, address = await call(inputs, gs, budgets)
             for i, seg in zip(active, segs):
                 o = outs[i]
                 if seg.output_tokens and not o.tokens:
@@ -334,36 +331,20 @@ class RemoteInferenceEngine(InferenceEngine):
                 for r, o in zip(reqs, outs)]
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        g = req.gconfig
-        t0 = time.monotonic()
-        ttft = 0.0
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        resumes = 0
-        address = ""
-        stop_reason = "length"
-        while True:
-            remaining = g.max_new_tokens - len(tokens)
-            if remaining <= 0:
-                stop_reason = "length"
-                break
-            seg, address = await self._segment(req, list(req.input_ids) + tokens, remaining,
-                                               max(0, g.min_new_tokens - len(tokens)))
-            if seg.output_tokens and not tokens:
-                ttft = time.monotonic() - t0
-            tokens += seg.output_tokens
-            logprobs += seg.output_logprobs
-            versions += seg.output_versions
-            if seg.finish != "abort":
-                stop_reason = seg.finish
-                break
-            resumes += 1
-            if resumes > self.max_resumes:
-                raise InferenceError(f"request {req.rid} was aborted {resumes} times; giving up")
-        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=tokens, output_logprobs=logprobs,
-                             output_versions=versions, stop_reason=stop_reason,  # type: ignore[arg-type]
-                             latency=time.monotonic() - t0, ttft=ttft, n_resumes=resumes, server=address)
+        return (await self._rounds([req], self._one_call))[0]
+
+    @property
+    def supports_batch_generate(self) -> bool:
+        """Whether the backend takes several prompts in one ``/generate`` call (SGLang's batch form)."""
+        return hasattr(self.backend, "build_generate_batch")
+
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        """:meth:`agenerate` for several requests; with a batching backend, one HTTP call per round
+        for all of them (a GRPO group: one call instead of ``group_size``), rows that a weight update
+        aborted resumed together in the next round. Same per-request results and semantics."""
+        if len(reqs) <= 1 or not self.supports_batch_generate:
+            return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
+        return await self._rounds(reqs, self._batch_call)
 
     # ------------------------------------------------------------------ admin (every server)
     async def _all(self, calls: list[HttpCall | list[HttpCall]], what: str, *,
