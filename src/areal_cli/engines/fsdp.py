@@ -88,8 +88,12 @@ class FSDPEngine(TrainEngine):
         if self.cfg.gradient_checkpointing:
             par.enable_gradient_checkpointing(model)
         mp = self.cfg.mixed_precision and dtype == torch.float32
-        par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=torch.bfloat16 if mp else None,
-                       reduce_dtype=torch.float32 if mp else None)
+        # One rank (dp x cp == 1) has nothing to shard: as torchtitan, leave the module plain. FSDP's
+        # hooks and DTensor dispatch cost ~15% of a step of the embedded default for no effect.
+        # Mixed precision still goes through FSDP's policy, so it keeps the wrapper.
+        if self._meshes.fsdp_mesh.size() > 1 or mp:
+            par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=torch.bfloat16 if mp else None,
+                           reduce_dtype=torch.float32 if mp else None)
         self.model = model
         if self.optim_cfg is not None:
             from areal_cli.utils.optim import build_optimizer
