@@ -23,7 +23,8 @@ drift in the machine's speed affects all three alike; the per-round ratios and t
 printed last. Accuracy is evaluated on round 1's checkpoints.
 
 Threads: TRL runs in one process with all cores (``torch.set_num_threads(os.cpu_count())``);
-areal runs its server and its trainer as one single-threaded process each (the default layout).
+areal runs its server, its trainer and its rollout worker as one process each, torch at one thread
+(the default layout).
 
     python benchmarks/vs_trl.py                      # the default: 3 rounds of 40 steps, 8 prompts x 8, 16 tokens
     python benchmarks/vs_trl.py --steps 10 --warm DIR   # reuse a warm-start HF dir

@@ -170,7 +170,7 @@ def test_seeded_engine_assigns_per_request_seeds():
     import asyncio
 
     from areal_cli.api.io_struct import GenerationConfig, ModelRequest
-    from areal_cli.trainer.rl import _SeededEngine
+    from areal_cli.trainer.episodes import SeededEngine as _SeededEngine
 
     seen = []
 

@@ -27,5 +27,8 @@ class RolloutConfig:
     routing: str = "least_loaded"  # least_loaded | round_robin
     weight_update: str = "distributed"  # distributed | disk
     weight_update_dtype: str = "float32"
+    # Trainer rank 0 runs the executor, client and workflow in a worker process of their own (true)
+    # or as a thread sharing the trainer's GIL (false); see trainer/rollout_worker.py.
+    process: bool = True
     gconfig: GenerationSettings = field(default_factory=GenerationSettings)
     eval_gconfig: GenerationSettings = field(default_factory=lambda: GenerationSettings(greedy=True))

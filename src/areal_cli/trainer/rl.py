@@ -1,7 +1,8 @@
 """The asynchronous RL loop (GRPO, PPO, DAPO, ... — whatever ``algo`` configures).
 
-Rank 0 (the data-parallel head) runs the rollout executor against the inference servers; every
-step it takes one batch of finished episodes, splits it by episode across the trainer ranks, and
+Rank 0 (the data-parallel head) owns the rollout side: executor, client, workflow and prompt
+stream, in a worker process by default (``rollout_worker.py``). Every step it takes one batch of
+finished episodes, splits it by episode across the trainer ranks, and
 all ranks then compute logprobs / advantages and run the PPO update. After the update the version
 is bumped and the weights are pushed to the servers (pause → sync → continue) while the executor
 keeps its in-flight episodes (they resume on the new weights, tokens tagged with their version).
@@ -27,99 +28,8 @@ from areal_cli.errors import WeightSyncError
 from areal_cli.launchers.base import JobLayout, read_servers, wait_for_servers
 from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
-from areal_cli.trainer.data_stream import PromptStream
 from areal_cli.trainer.stats import StatsLogger
 from areal_cli.utils.procs import freeze_heap
-
-
-class _EpisodeRunner:
-    """Wraps the user's workflow: tags each trajectory with its prompt position (``meta['_pos']``)
-    and re-runs an episode whose server died under it.
-
-    A failed episode is discarded whole and run again from its prompt (on whichever server the
-    client routes to), so a server crash loses no prompt and duplicates none. Retries continue for
-    ``retry_window_s`` (long enough for the launcher to restart a server); other errors surface.
-    """
-
-    def __init__(self, inner: Any, retry_window_s: float = 300.0, wait_s: float = 1.0, seed: int = 0):
-        self.inner = inner
-        self.seed = int(seed)
-        self.retry_window_s = retry_window_s
-        self.wait_s = wait_s
-        self.retried = 0
-
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
-        import asyncio
-
-        deadline = time.monotonic() + self.retry_window_s
-        while True:
-            try:
-                pos = data.get("_pos")
-                seeded = _SeededEngine(engine, (self.seed * 1_000_003 + pos) * 4096) if pos is not None else engine
-                traj = await self.inner.arun_episode(seeded, data)
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - only transport failures are retried
-                if time.monotonic() > deadline or not _is_transport_error(e):
-                    raise
-                self.retried += 1
-                await asyncio.sleep(self.wait_s)
-        if traj is not None:
-            traj.meta["_pos"] = data.get("_pos")
-        return traj
-
-
-class _SeededEngine:
-    """Gives the k-th sampling request of an episode the seed ``base + k``.
-
-    The seed depends only on the run seed, the prompt's stream position and the request's order
-    within the episode, so an episode produces the same tokens however requests are batched on the
-    server, when it is re-run after a server crash, and in a resumed run (exact resume).
-    """
-
-    def __init__(self, inner: Any, base: int):
-        self._inner = inner
-        self._base = int(base) % (2**62)
-        self._k = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def _seeded(self, req: Any) -> Any:
-        g = req.gconfig
-        if getattr(g, "seed", None) is None and not g.greedy:
-            req = dataclasses.replace(req, gconfig=g.new(seed=self._base + self._k))
-        self._k += 1
-        return req
-
-    async def agenerate(self, req: Any) -> Any:
-        return await self._inner.agenerate(self._seeded(req))
-
-    async def agenerate_group(self, reqs: list[Any]) -> list[Any]:
-        import asyncio
-
-        reqs = [self._seeded(r) for r in reqs]
-        group = getattr(self._inner, "agenerate_group", None)
-        if group is None:
-            return list(await asyncio.gather(*(self._inner.agenerate(r) for r in reqs)))
-        return await group(reqs)
-
-
-def _is_transport_error(e: BaseException) -> bool:
-    """Connection-level failures (a dead or restarting server), not bad requests or bugs."""
-    from areal_cli.errors import InferenceError
-
-    seen = 0
-    while e is not None and seen < 5:
-        if isinstance(e, (ConnectionError, TimeoutError, OSError, InferenceError)):
-            return True
-        name = type(e).__module__ + "." + type(e).__name__
-        if name.startswith(("httpx.", "aiohttp.", "httpcore.")):
-            return True
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
-        seen += 1
-    return False
 
 
 def _dist() -> Any:
@@ -158,24 +68,6 @@ def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, rank: int, worl
     return out[0]
 
 
-def canonical_order(batch: dict[str, Any], positions: list[Any]) -> dict[str, Any]:
-    """Episodes sorted by prompt position: the executor releases them in completion order, and
-    float sums over a batch depend on order — sorting makes a step reproducible."""
-    import torch
-
-    n = len(positions)
-    if n == 0 or any(p is None for p in positions):
-        return batch
-    rows = int(batch["input_ids"].shape[0])
-    per_ep = rows // n
-    order = sorted(range(n), key=lambda i: positions[i])
-    if order == list(range(n)):
-        return batch
-    idx = torch.tensor([i * per_ep + j for i in order for j in range(per_ep)])
-    return {k: (v.index_select(0, idx) if hasattr(v, "index_select") and v.dim() >= 1 and v.shape[0] == rows
-                else v) for k, v in batch.items()}
-
-
 class RLTrainer:
     """One trainer rank of an RL run. ``run()`` is collective over all ranks."""
 
@@ -191,11 +83,10 @@ class RLTrainer:
         self.weight_mode = cfg.rollout.weight_update
         self.server_epochs: dict[int, int] = {}
         self.restarts_synced = 0
-        self.episodes: _EpisodeRunner | None = None
-        self.client = None
+        self.rollout: Any = None  # RolloutService or RolloutProcess (rank 0)
+        self.client = None  # rank 0's control client: weight updates, health (not generation)
+        self.control = None  # the event loop thread that owns ``client``'s HTTP sessions
         self.critic = None
-        self.executor = None
-        self.stream: PromptStream | None = None
         self.weight_sync_s = 0.0
         self.elapsed_before = 0.0  # wall time of earlier (resumed) segments
         self.t_start = time.time()
@@ -206,19 +97,21 @@ class RLTrainer:
         return wait_for_servers(self.run_dir, max(1, len(self.layout.servers)),
                                 float(self.cfg.launcher.server_startup_timeout_s))
 
-    def _setup_rollout(self, tokenizer: Any, train_items: list[dict]) -> None:
+    def _setup_rollout(self, train_items: list[dict]) -> None:
+        from areal_cli.trainer.rollout_worker import start_rollout
+        from areal_cli.weight_sync.common import LoopRunner
+
         recs = self._servers()
         self.server_epochs = {r["index"]: r["epoch"] for r in recs}
         backend = recs[0].get("backend", "hf")
-        self.client = build.build_client(self.cfg, [r["address"] for r in recs], backend)
-        gconfig = build.build_gconfig(self.cfg.rollout.gconfig, tokenizer)
-        self.episodes = _EpisodeRunner(build.build_workflow(self.cfg, tokenizer, gconfig),
-                                       retry_window_s=float(self.cfg.launcher.server_startup_timeout_s) + 60,
-                                       seed=self.cfg.seed)
-        workflow = self.episodes
-        self.executor = build.build_executor(self.cfg, self.client, workflow, self.cfg.algo.batch_size)
-        self.executor.pad_token_id = int(tokenizer.pad_token_id or 0)
-        self.stream = PromptStream(train_items, seed=self.cfg.seed, shuffle=self.cfg.dataset.shuffle)
+        addresses = [r["address"] for r in recs]
+        self.client = build.build_client(self.cfg, addresses, backend)
+        self.control = LoopRunner()
+        self.rollout = start_rollout(self.cfg, addresses, backend, self.model_path, train_items)
+
+    def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a control coroutine (weight load, health check) on rank 0's control loop."""
+        return self.control.run(coro, timeout)
 
     def _pending_servers(self) -> list[dict[str, Any]]:
         """Servers restarted since we last synced them: they hold the base weights."""
@@ -240,7 +133,7 @@ class RLTrainer:
             for rec in self._pending_servers():
                 one = build.build_client(self.cfg, [rec["address"]], rec.get("backend", "hf"))
                 meta = WeightUpdateMeta(type="disk", version=version, path=path)
-                self.executor.run_coroutine(one.update_weights_from_disk(meta))
+                self._run(one.update_weights_from_disk(meta))
                 self.server_epochs[rec["index"]] = rec["epoch"]
                 print(f"[areal] server {rec['index']} came back at {rec['address']}; loaded version {version}",
                       flush=True)
@@ -257,6 +150,7 @@ class RLTrainer:
             raise LaunchError("the inference client cannot change its server list (no set_addresses); "
                               "a restarted server cannot be used")
         setter(addresses)
+        self.rollout.set_addresses(addresses)
 
     def next_batch(self, engine: Any, version: int) -> tuple[dict[str, Any] | None, dict[str, float]]:
         """Collective wait for the next batch; syncs restarted servers while waiting."""
@@ -266,16 +160,9 @@ class RLTrainer:
                 if self._pending_servers() and len(read_servers(self.run_dir)) >= len(self.layout.servers):
                     status = "sync"
                 else:
-                    try:
-                        traj = self.executor.prepare_batch(self.stream, timeout=2.0)
-                    except TimeoutError:
-                        traj = None
-                    if traj is not None:
-                        pos = traj.meta.get("_pos", [])
-                        self.stream.mark_consumed([p for p in pos if p is not None])
-                        stats = dict(self.executor.last_batch_stats)
-                        stats["data/positions"] = [int(p) for p in pos if p is not None]
-                        batch, status = canonical_order(traj.data, pos), "ok"
+                    got = self.rollout.next_batch(2.0)
+                    if got is not None:
+                        batch, stats, status = got["data"], got["stats"], "ok"
             status = broadcast_obj(status)
             if status == "ok":
                 return batch, stats
@@ -289,7 +176,7 @@ class RLTrainer:
         timeout = float(self.cfg.launcher.server_startup_timeout_s)
         deadline = time.monotonic() + timeout
         if not self._pending_servers():
-            health = self.executor.run_coroutine(self.client.check_health(), timeout=30)
+            health = self._run(self.client.check_health(), timeout=30)
             if all(health.values()):
                 return False
         while time.monotonic() < deadline:
@@ -313,8 +200,8 @@ class RLTrainer:
                                 backend="nccl" if self.layout.device == "cuda" else "gloo")
 
     def _loop(self) -> Any:
-        """The executor's event loop: it owns the client's HTTP sessions."""
-        return getattr(self.executor, "_loop", None) if self.executor is not None else None
+        """The control loop: it owns the control client's HTTP sessions."""
+        return self.control.loop if self.control is not None else None
 
     def push_initial_weights(self, engine: Any, version: int) -> None:
         """Load the trainer's current weights into every server at ``version`` (through disk).
@@ -330,7 +217,7 @@ class RLTrainer:
         engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=self.model_path))
         if self.rank == 0:
             meta = WeightUpdateMeta(type="disk", version=version, path=path)
-            self.executor.run_coroutine(self.client.update_weights_from_disk(meta))
+            self._run(self.client.update_weights_from_disk(meta))
             self.client.set_version(version)
         _barrier()
         engine.set_version(version)
@@ -340,8 +227,8 @@ class RLTrainer:
         t0 = time.perf_counter()
         mode = "disk" if force_disk else broadcast_obj(self.weight_mode)
         meta = broadcast_obj(self._weight_meta(version, mode) if self.rank == 0 else None)
-        if self.executor is not None:
-            self.executor.pause()
+        if self.rollout is not None:
+            self.rollout.pause()
         try:
             engine.update_weights(meta, [self.client] if self.rank == 0 and self.client is not None else [],
                                   loop=self._loop())
@@ -365,7 +252,7 @@ class RLTrainer:
         if self.rank == 0 and test_items:
             out = evaluate_on_servers(self.cfg, [r["address"] for r in self._servers()],
                                       self.layout.servers[0].backend if self.layout.servers else "hf",
-                                      tokenizer, test_items, executor=self.executor)
+                                      tokenizer, test_items, executor=self.rollout)
             self.stats.log("eval", step, {**out, "phase": phase})
         return broadcast_obj(out)
 
@@ -414,16 +301,15 @@ class RLTrainer:
         engine.set_version(start_step)
 
         if self.rank == 0:
-            self._setup_rollout(tokenizer, train_items)
+            self._setup_rollout(train_items)
             if state is not None:
-                self.stream.load_state_dict(state["stream"])
-                self.executor.load_state_dict(state["executor"])
+                self.rollout.load_state_dict({"stream": state["stream"], "executor": state["executor"]})
         if start_step > 0 or policy_path != self.model_path:
             # The servers started from the base weights; bring them to the trainer's policy.
             self.push_initial_weights(engine, start_step)
-        if self.executor is not None:
-            self.executor.set_version(start_step)
-            self.executor.resume()
+        if self.rollout is not None:
+            self.rollout.set_version(start_step)
+            self.rollout.resume()
 
         warm_up = getattr(engine, "warm_up", None)
         if warm_up is not None:
@@ -441,8 +327,7 @@ class RLTrainer:
         if self.rank == 0 and final:
             print(f"[areal] held-out accuracy after RL: {final.get('eval/pass@1', 0):.1%}", flush=True)
         out = self.ckpt.export_hf(engine, "final")
-        if self.executor is not None:
-            self.executor.destroy()
+        self._close_rollout()
         self.stats.log("event", self.total_steps, {"event": "end", "hf_export": out})
         self.stats.close()
         engine.destroy()
@@ -455,7 +340,6 @@ class RLTrainer:
         t0 = time.perf_counter()
         batch, gen_stats = self.next_batch(engine, step - 1)
         if self.rank == 0:
-            gen_stats["rollout/episode_retries"] = float(self.episodes.retried)
             gen_stats["rollout/server_restarts"] = float(self.restarts_synced)
         t_gen = time.perf_counter() - t0
         local = scatter_batch(batch, self.cfg.algo.batch_size, self.rank, self.world)
@@ -463,9 +347,9 @@ class RLTrainer:
         train_stats = _ppo_step(actor, self.critic, local)
         t_train = time.perf_counter() - t1
         sync_s = self.push_weights(engine, step)
-        if self.executor is not None:
-            self.executor.set_version(step)
-            self.executor.resume()
+        if self.rollout is not None:
+            self.rollout.set_version(step)
+            self.rollout.resume()
         gen_stats.pop("version", None)  # the executor's view; the step's policy version is `step`
         rec: dict[str, Any] = {**gen_stats, **{f"train/{k}" if "/" not in k else k: v
                                                for k, v in train_stats.items()}, "version": step}
@@ -497,13 +381,20 @@ class RLTrainer:
         if tc.eval_every and step % tc.eval_every == 0 and step != self.total_steps:
             self.evaluate(tokenizer, test_items, step)
 
+    def _close_rollout(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
     @staticmethod
     def _others(critic_engine: Any | None) -> dict[str, Any]:
         return {"critic": critic_engine} if critic_engine is not None else {}
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
-        return {"step": step, "version": step, "stream": self.stream.state_dict(),
-                "executor": self.executor.state_dict(), "weight_mode": self.weight_mode,
+        return {"step": step, "version": step, **self.rollout.state_dict(), "weight_mode": self.weight_mode,
                 "elapsed_s": self.elapsed_before + time.time() - self.t_start, "time": time.time()}
 
 
