@@ -2,8 +2,8 @@
 
 Rank 0 (the data-parallel head) owns the rollout side: executor, client, workflow and prompt
 stream, in a worker process by default (``rollout_worker.py``). Every step it takes one batch of
-finished episodes, splits it by episode across the trainer ranks, and
-all ranks then compute logprobs / advantages and run the PPO update. After the update the version
+finished episodes and splits it by episode across the trainer ranks; all ranks then compute
+logprobs / advantages and run the PPO update. After the update the version
 is bumped and the weights are pushed to the servers (pause → sync → continue) while the executor
 keeps its in-flight episodes (they resume on the new weights, tokens tagged with their version).
 
