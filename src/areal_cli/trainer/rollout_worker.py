@@ -143,15 +143,13 @@ def _portable(e: BaseException) -> BaseException:
 
 def _worker_main(conn: Any, parent_pid: int, args: tuple) -> None:
     """Entry point of the spawned worker: build the service, then serve calls until the pipe closes."""
-    import ctypes
-    import signal
-    import sys
     import traceback
 
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG: die with the trainer
-    if os.getppid() != parent_pid:
-        os._exit(1)
+    from areal_cli.utils.procs import die_with_parent, freeze_heap
+
+    arm = die_with_parent(parent=parent_pid)  # die with the trainer, even on its SIGKILL
+    if arm is not None:
+        arm()
     import torch
 
     torch.set_num_threads(1)
@@ -161,8 +159,6 @@ def _worker_main(conn: Any, parent_pid: int, args: tuple) -> None:
         traceback.print_exc()
         conn.send_bytes(pickle.dumps(("error", _portable(e)), protocol=5))
         return
-    from areal_cli.utils.procs import freeze_heap
-
     freeze_heap()
     conn.send_bytes(pickle.dumps(("ok", None), protocol=5))
     try:
@@ -179,7 +175,7 @@ def _worker_main(conn: Any, parent_pid: int, args: tuple) -> None:
             if name == "close":
                 return
     finally:
-        service.executor.destroy()
+        service.close()
 
 
 class RolloutProcess:

@@ -162,18 +162,20 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def die_with_parent(sig: int = signal.SIGTERM):
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None):
     """A ``preexec_fn`` that has the kernel send the child ``sig`` when the process that started it
     dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``; ``None`` elsewhere). A child in its own
     session is out of reach of its parent's group kill, so without this it would run on as an orphan.
-    Start the child from a thread that lives as long as the parent (the signal follows the thread)."""
+    Start the child from a thread that lives as long as the parent (the signal follows the thread).
+    ``parent``: the parent's pid when the returned function is built in the child itself (a spawned
+    multiprocessing worker calls it first thing); by default, this process."""
     import ctypes
     import sys
 
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child runs only the call
-    parent = os.getpid()
+    parent = os.getpid() if parent is None else int(parent)
 
     def _set() -> None:
         prctl(1, int(sig))  # PR_SET_PDEATHSIG
