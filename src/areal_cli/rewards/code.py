@@ -24,6 +24,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from areal_cli.utils.procs import die_with_parent
+
 _FENCE_RE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
 _AUDIT_GUARD = '''import sys as _s
@@ -64,20 +66,13 @@ def network_isolation_prefix() -> tuple[tuple[str, ...], str]:
     return (), "audit-hook"
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this child if the process that started it dies (e.g. a killed reward worker)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _limits(cpu_s: int, memory_mb: int, fsize_mb: int):
+    # SIGKILL this child if the process that started it dies (e.g. a killed reward worker).
+    die = die_with_parent(signal.SIGKILL)
+
     def apply() -> None:
-        _die_with_parent()
+        if die is not None:
+            die()
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         mem = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
