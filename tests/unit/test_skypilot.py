@@ -99,6 +99,29 @@ def test_dry_run_cli_prints_validated_yaml():
     assert t["file_mounts"]["~/.areal_launch/config.yaml"].endswith("/runs/exp/t1/config.yaml")
 
 
+def test_dry_run_without_skypilot_prints_the_unchecked_yaml(tmp_path):
+    import shutil
+    import sys
+
+    import yaml
+
+    env = {**os.environ, "AREAL_SKYPILOT_PYTHON": str(tmp_path / "no-such-python"), "NO_COLOR": "1",
+           "PATH": os.path.dirname(sys.executable), "HOME": str(tmp_path)}  # no `sky`, no SkyPilot venv
+    assert shutil.which("sky", path=env["PATH"]) is None
+    r = subprocess.run(["areal", "train", "--dry-run", *GPU, f"cluster.fileroot={tmp_path}/root"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    t = yaml.safe_load(r.stdout)
+    assert t["num_nodes"] == 2 and t["resources"] == {"accelerators": "H100:8"}
+    assert t["file_mounts"]["~/.areal_launch/config.yaml"] == f"{tmp_path}/root/runs/exp/t1/config.yaml"
+    assert "note: not checked by SkyPilot: skypilot is not installed here" in r.stderr
+    assert not (tmp_path / "root").exists(), "a dry run creates nothing"
+    r = subprocess.run(["areal", "train", "launcher=skypilot", f"cluster.fileroot={tmp_path}/root"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and len(lines) == 1 and "needs SkyPilot, which is not installed" in lines[0], r.stderr
+
+
 def test_rendezvous_from_skypilot_env(tmp_path):
     """Run the task's script with SkyPilot's env and a stand-in `python` that prints its argv."""
     cfg = load_config(["launcher=skypilot", "experiment_name=e", "trial_name=t", f"cluster.fileroot={tmp_path}"])

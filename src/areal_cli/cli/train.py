@@ -33,6 +33,40 @@ def print_job_config(overrides: list[str]) -> None:
     print(OmegaConf.to_yaml(compose_dictconfig(overrides), resolve=True), end="")
 
 
+def show_dry_run(cfg, plan, as_json: bool) -> None:
+    """The plan, plus what the launcher would submit (sbatch script, SkyPilot task YAML).
+
+    The submission text goes to stdout alone so it can be redirected into a file; the plan table and
+    notes go to stderr. No cluster software is needed for any of it.
+    """
+    import sys
+
+    from rich.console import Console
+
+    from areal_cli.cli.common import print_json
+    from areal_cli.cli.render import render_plan
+    from areal_cli.launchers.base import get_launcher
+    from areal_cli.trainer.build import layout_from_plan
+
+    launcher = get_launcher(cfg.launcher.name)
+    extra = launcher.dry_run(cfg, layout_from_plan(cfg, plan), cfg.run_dir())
+    if as_json:
+        print_json({**plan.to_dict(), "launcher": {"name": launcher.name, **(extra or {})}})
+        return
+    if extra is None:
+        render_plan(plan, title="dry run: nothing launched")
+        return
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    render_plan(plan, title=f"dry run: nothing launched (launcher={launcher.name})", console=err)
+    if "parameters" in extra:
+        err.print("submitit parameters: " + ", ".join(f"{k}={v!r}" for k, v in extra["parameters"].items()),
+                  markup=False, highlight=False)
+    if extra.get("note"):
+        err.print(f"note: {extra['note']}", style="yellow", markup=False, highlight=False)
+    text = extra.get("sbatch") or extra.get("task_yaml") or ""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
 def run(overrides: list[str], dry_run: bool, cfg_mode: str | None, as_json: bool) -> int:
     from areal_cli.cli.common import compose_and_validate, error_json, print_json
     from areal_cli.errors import ArealError, UsageError
@@ -49,17 +83,7 @@ def run(overrides: list[str], dry_run: bool, cfg_mode: str | None, as_json: bool
             print_json(error_json(exc))
         raise
     if dry_run:
-        if cfg.launcher.name == "skypilot":  # the SkyPilot task YAML, validated by sky.Task.from_yaml
-            from areal_cli.launchers.skypilot import dry_run as sky_dry_run
-
-            print(sky_dry_run(cfg, plan), end="")
-            return 0
-        if as_json:
-            print_json(plan.to_dict())
-        else:
-            from areal_cli.cli.render import render_plan
-
-            render_plan(plan, title="dry run: nothing launched")
+        show_dry_run(cfg, plan, as_json)
         return 0
     return launch(cfg, plan)
 

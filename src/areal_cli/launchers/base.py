@@ -99,6 +99,14 @@ class Launcher(Protocol):
 
     name: str
 
+    def preflight(self, cfg: Any, layout: JobLayout) -> None:
+        """Raise :class:`areal_cli.errors.LaunchError` if this machine cannot launch the plan at all
+        (missing cluster tools, too many nodes). Runs before the model and run dir are prepared."""
+
+    def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any] | None:
+        """What a launch would submit (a script, a task file), for ``areal train --dry-run``; None
+        when it submits nothing beyond the plan. Needs no cluster software."""
+
     def launch(self, cfg: Any, layout: JobLayout, run_dir: str) -> int: ...
 
 

@@ -346,11 +346,17 @@ class LocalLauncher:
 
     name = "local"
 
-    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
-               on_tick: Callable[[], None] | None = None) -> int:
+    def preflight(self, cfg: Any, layout: JobLayout) -> None:
         if layout.n_nodes != 1:
             raise LaunchError(f"launcher=local runs on one node, but the plan needs {layout.n_nodes} "
                               "(cluster.n_nodes); use launcher=slurm or launcher=skypilot")
+
+    def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> None:
+        return None
+
+    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+               on_tick: Callable[[], None] | None = None) -> int:
+        self.preflight(cfg, layout)
         runner = NodeRunner(cfg, layout, run_dir, node_rank=0, model_path=model_path, on_tick=on_tick)
         return runner.run()
 

@@ -79,15 +79,52 @@ def srun_args_for(cfg: Any) -> list[str]:
     return out
 
 
-def make_executor(cfg: Any, layout: JobLayout, run_dir: str):
-    """A submitit AutoExecutor on SLURM with the plan's parameters."""
+def make_executor(cfg: Any, layout: JobLayout, run_dir: str, *, render_only: bool = False):
+    """A submitit SlurmExecutor with the plan's parameters.
+
+    ``render_only`` builds one that can write its sbatch script but not submit: submitit refuses to
+    construct a SLURM executor where ``srun`` is missing, and a dry run must work on a laptop, a CI
+    box or a login node before modules are loaded. Both forms translate the parameters the way
+    ``submitit.AutoExecutor`` does, so the rendered script is the one a submission would write.
+    """
     import submitit
 
-    folder = Path(run_dir) / SUBMITIT_DIR / "%j"
-    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm",
-                               slurm_max_num_timeout=int(cfg.launcher.slurm.max_requeues))
-    ex.update_parameters(**slurm_parameters(cfg, layout))
+    cls = _render_only_executor() if render_only else submitit.SlurmExecutor
+    ex = cls(folder=str(Path(run_dir) / SUBMITIT_DIR / "%j"),
+             max_num_timeout=int(cfg.launcher.slurm.max_requeues))
+    params = slurm_parameters(cfg, layout)
+    native = ex._convert_parameters({k: v for k, v in params.items() if not k.startswith("slurm_")})
+    native.update({k[len("slurm_"):]: v for k, v in params.items() if k.startswith("slurm_")})
+    ex.update_parameters(**native)
     return ex
+
+
+def _render_only_executor():
+    import submitit
+
+    class RenderOnlySlurmExecutor(submitit.SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:  # constructible without srun; never used to submit
+            return 2
+
+        def _internal_process_submissions(self, delayed_submissions):
+            raise LaunchError("internal: a render-only SLURM executor cannot submit")
+
+    return RenderOnlySlurmExecutor
+
+
+def render_sbatch(cfg: Any, layout: JobLayout, run_dir: str) -> str:
+    """The sbatch script a submission of this plan writes (``run_dir`` is not created)."""
+    ex = make_executor(cfg, layout, run_dir, render_only=True)
+    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+
+
+def dry_run(cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
+    """What ``areal train launcher=slurm --dry-run`` shows: submitit's parameters and the sbatch script."""
+    missing = missing_slurm_tools()
+    return {"parameters": slurm_parameters(cfg, layout), "sbatch": render_sbatch(cfg, layout, run_dir),
+            "note": (f"{', '.join(missing)} not on PATH: this machine can render the job but not submit it"
+                     if missing else None)}
 
 
 def _load_submitit_checkpointable():
@@ -208,6 +245,12 @@ class SlurmLauncher:
 
     name = "slurm"
 
+    def preflight(self, cfg: Any, layout: JobLayout) -> None:
+        _require_slurm()
+
+    def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
+        return dry_run(cfg, layout, run_dir)
+
     def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
                on_tick: Callable[[], None] | None = None, poll_s: float = 2.0) -> int:
         _require_slurm()
@@ -279,11 +322,20 @@ def _run_status(run_dir: str) -> str | None:
         return None
 
 
-def _require_slurm() -> None:
+SLURM_TOOLS = ("sbatch", "srun", "squeue", "scancel")
+
+
+def missing_slurm_tools() -> list[str]:
     import shutil
 
-    missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
+    return [c for c in SLURM_TOOLS if shutil.which(c) is None]
+
+
+def _require_slurm() -> None:
+    missing = missing_slurm_tools()
     if missing:
         raise LaunchError(f"launcher=slurm needs the SLURM client tools, but {', '.join(missing)} "
-                          "is not on PATH — fix: run on a SLURM login node, or start the local test "
-                          "cluster with `sudo bash slurm/local-cluster.sh`")
+                          f"{'is' if len(missing) == 1 else 'are'} not on PATH — fix: run on a SLURM login "
+                          "node (module load slurm), or start the local test cluster with "
+                          "`sudo bash slurm/local-cluster.sh`; `areal train launcher=slurm --dry-run` "
+                          "prints the sbatch script without them")

@@ -100,15 +100,16 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) ->
     t0 = time.time()
     run_dir = cfg.run_dir()
     check_engine_available(cfg)
+    layout = layout_from_plan(cfg, plan)
+    launcher = get_launcher(cfg.launcher.name)
+    launcher.preflight(cfg, layout)  # missing cluster tools fail here, before any preparation
     check_dataset_files(cfg)
     check_storage(cfg, run_dir)
     prepare_run_dir(cfg, run_dir)
     model_path = resolve_model_path(cfg)
-    layout = layout_from_plan(cfg, plan)
     config_path = save_config(cfg, os.path.join(run_dir, "config.yaml"))
     (Path(run_dir) / LAUNCH_FILE).write_text(json.dumps({"layout": layout.to_dict(), "model_path": model_path,
                                                          "config": config_path}, indent=1))
-    launcher = get_launcher(cfg.launcher.name)
     print(f"[areal] run dir {run_dir}; logs in {run_dir}/logs", file=sys.stderr, flush=True)
     show = cfg.stats.live if live is None else live
     show = show and sys.stderr.isatty()

@@ -93,6 +93,7 @@ class GenerationEngine:
             collections.deque())
         self._cv = threading.Condition()
         self._paused = False
+        self._cancel_pending = False  # a cancelled request waits to be dropped (wakes a paused engine)
         self._stopping = False
         self._running: list[Sequence] = []
         self.shared_prefill = shared_prefill
@@ -119,11 +120,12 @@ class GenerationEngine:
             self._cv.notify_all()
 
     def cancel(self, rid: str) -> None:
-        """Drop a request whose caller went away (finished at the next boundary)."""
+        """Drop a request whose caller went away (finished at the next boundary, paused or not)."""
         with self._cv:
             for s in list(self._waiting) + self._running:
                 if s.rid == rid:
                     s.cancelled = True
+                    self._cancel_pending = True
             self._cv.notify_all()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -173,7 +175,7 @@ class GenerationEngine:
         torch.set_grad_enabled(False)
         while True:
             with self._cv:
-                while (not self._stopping and not self._commands
+                while (not self._stopping and not self._commands and not self._cancel_pending
                        and not self._running and (self._paused or not self._waiting)):
                     self._cv.wait(timeout=0.5)
                 if self._stopping:
@@ -204,8 +206,12 @@ class GenerationEngine:
 
     def _drop_cancelled(self) -> None:
         with self._cv:
-            keep = collections.deque(s for s in self._waiting if not s.cancelled)
-            self._waiting = keep
+            self._cancel_pending = False
+            dropped = [s for s in self._waiting if s.cancelled]
+            self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
+        for s in dropped:  # finished, so the handler awaiting it returns instead of hanging forever
+            s.finish = {"type": "abort", "message": "client disconnected"}
+            self._finish(s)
         gone = [i for i, s in enumerate(self._running) if s.cancelled]
         for i in gone:
             self._running[i].finish = {"type": "abort", "message": "client disconnected"}
