@@ -89,13 +89,17 @@ def grpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_siz
                     reduce: Reducer | None = None, **_) -> AdvOut:
     """GRPO (Shao et al. 2024): ``(r - mean) / (std + eps)`` with each statistic at its level.
 
-    ``reduce`` (sum over data-parallel ranks) makes the ``batch`` levels global."""
-    r = sequence_scores(rewards, loss_mask, token_rewards)
+    ``reduce`` (sum over data-parallel ranks) makes the ``batch`` levels global. The statistics run
+    in float64 on the float32 scores: a sum of up to 2**29 equal float32 values is exact there, so
+    the mean of an all-equal group (or batch) is that value exactly and its advantages are exactly
+    0. In float32 the mean can be a rounding step off, and dividing that residue by a std of ~1e-8
+    plus eps gave |A| up to ~0.8 for rewards that carry no signal."""
+    r = sequence_scores(rewards, loss_mask, token_rewards).double()
     adv = r - _level_mean(r, mean_level, group_size, reduce)
     std = _level_std(r, std_level, group_size, std_unbiased, reduce)
     if std is not None:
         adv = adv / (std + eps)
-    return adv[:, None] * loss_mask.float(), None
+    return adv.float()[:, None] * loss_mask.float(), None
 
 
 def drgrpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
@@ -110,9 +114,10 @@ def rloo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_siz
     """RLOO (Ahmadian et al. 2024): baseline is the mean of the *other* samples of the prompt."""
     if group_size < 2:
         raise ValueError("rloo needs rollout.group_size >= 2 (the baseline leaves one sample out)")
-    r = group_view(sequence_scores(rewards, loss_mask, token_rewards), group_size)
+    # float64: the leave-one-out mean of an all-equal group is then exactly that value (see grpo).
+    r = group_view(sequence_scores(rewards, loss_mask, token_rewards).double(), group_size)
     loo_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    return (r - loo_mean).reshape(-1)[:, None] * loss_mask.float(), None
+    return (r - loo_mean).float().reshape(-1)[:, None] * loss_mask.float(), None
 
 
 def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -141,8 +146,8 @@ def reinforce_pp_baseline_advantages(*, rewards: torch.Tensor, loss_mask: torch.
                                      token_rewards: torch.Tensor | None = None,
                                      reduce: Reducer | None = None, **_) -> AdvOut:
     """REINFORCE++-baseline: subtract the group mean, then whiten over the batch's tokens."""
-    r = sequence_scores(rewards, loss_mask, token_rewards)
-    r = r - _level_mean(r, "group", group_size)
+    r = sequence_scores(rewards, loss_mask, token_rewards).double()  # exact zeros for equal groups
+    r = (r - _level_mean(r, "group", group_size)).float()
     return masked_whiten(r[:, None] * loss_mask.float(), loss_mask, reduce=reduce), None
 
 
