@@ -48,3 +48,36 @@ def test_equal_rewards_07_regression():
     rewards = torch.full((8,), 0.7)
     adv, _ = compute_advantages("grpo", rewards=rewards, loss_mask=torch.ones(8, 2), group_size=8)
     assert float(adv.abs().max()) == 0.0
+
+
+# --- item 3: group size 1 ---------------------------------------------------------------------
+
+import pytest  # noqa: E402
+
+from areal_cli.config.compose import load_config  # noqa: E402
+from areal_cli.config.validate import validate  # noqa: E402
+from areal_cli.errors import ConfigError  # noqa: E402
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algo=grpo"],
+    ["algo=drgrpo"],
+    ["algo=rloo"],
+    ["algo=reinforce_pp", "algo.adv_estimator=reinforce_pp_baseline"],
+    ["algo=grpo", "algo.mean_level=batch"],  # std over a group of one is 0: A = (r - mean) / eps
+    ["algo=dapo", "algo.ppo_n_minibatches=1"],  # dynamic sampling drops every group of one (its rewards are trivially equal)
+])
+def test_group_size_one_is_a_config_error(overrides):
+    """With one sample per prompt the group baseline is the sample itself: training would run on
+    zero advantages (only KL and entropy gradients). validate-config must refuse it."""
+    with pytest.raises(ConfigError) as ei:
+        validate(load_config([*overrides, "rollout.group_size=1"]))
+    assert ei.value.path == "rollout.group_size"
+    assert "group_size" in ei.value.hint or "rollout.group_size" in ei.value.hint
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algo=reinforce_pp"], ["algo=grpo", "algo.mean_level=batch", "algo.std_level=batch"], ["algo=sft"],
+])
+def test_group_size_one_is_fine_without_a_group_baseline(overrides):
+    validate(load_config([*overrides, "rollout.group_size=1"]))

@@ -151,3 +151,27 @@ def validate_algo_config(cfg: AlgoConfig, prefix: str = "algo") -> None:
     if cfg.temperature <= 0:
         raise ConfigError(p + "temperature", f"must be > 0, got {cfg.temperature}",
                           "match rollout.gconfig.temperature (1.0)")
+
+
+def validate_group_size(cfg: AlgoConfig, group_size: int, path: str = "rollout.group_size") -> None:
+    """Refuse ``group_size`` values an estimator cannot learn from (a cross-group rule).
+
+    With one sample per prompt a group baseline is the sample itself, so the advantages are zero
+    and only the KL and entropy terms would train; a group std is 0, so ``(r - mean) / (0 + eps)``
+    blows the advantages up by 1/eps; and dynamic sampling drops every group, since one reward is
+    trivially "all equal"."""
+    if cfg.policy_loss == "sft" or group_size >= 2:
+        return
+    why = None
+    if cfg.adv_estimator in ("drgrpo", "rloo", "reinforce_pp_baseline") or \
+            (cfg.adv_estimator == "grpo" and cfg.mean_level == "group"):
+        why = f"adv_estimator={cfg.adv_estimator} subtracts a group baseline, which for one sample is the " \
+              "sample itself: every advantage would be 0"
+    elif cfg.adv_estimator == "grpo" and cfg.std_level == "group":
+        why = "std_level=group divides by the std of one sample, which is 0"
+    elif cfg.dynamic_sampling:
+        why = "dynamic_sampling drops groups whose rewards are all equal, which is every group of one"
+    if why is not None:
+        raise ConfigError(path, f"{why} (group_size={group_size})",
+                          f"set {path}=8 (samples per prompt), or pick an estimator without a group "
+                          "baseline (algo=reinforce_pp, or algo.mean_level=batch algo.std_level=batch)")

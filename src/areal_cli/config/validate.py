@@ -20,7 +20,7 @@ from areal_cli.allocation.placement import place
 from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
 from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec, Component, Dims
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.config.algo import validate_algo_config
+from areal_cli.config.algo import validate_algo_config, validate_group_size
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.errors import ConfigError
 
@@ -267,6 +267,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
     validate_algo_config(cfg.algo)
+    validate_group_size(cfg.algo, cfg.rollout.group_size)
     for rule in EXTRA_RULES:
         rule(cfg, plan)
     return plan
