@@ -81,3 +81,42 @@ def test_group_size_one_is_a_config_error(overrides):
 ])
 def test_group_size_one_is_fine_without_a_group_baseline(overrides):
     validate(load_config([*overrides, "rollout.group_size=1"]))
+
+
+# --- item 5: one KL clamp default -------------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from areal_cli.algorithms.kl import kl_estimate, kl_reward  # noqa: E402
+from areal_cli.algorithms.losses import ActorLossParams, actor_loss  # noqa: E402
+from areal_cli.config.algo import AlgoConfig  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
+
+
+def test_kl_clamp_has_one_default_everywhere():
+    """AlgoConfig, ActorLossParams and the KL functions agree: the loss built without a config
+    clamps exactly like the trainer's (ActorLossParams used to default to 0, AlgoConfig to 10)."""
+    default = AlgoConfig().kl_clamp
+    assert default == 10.0
+    assert ActorLossParams().kl_clamp == default
+    logp, ref = torch.tensor([0.0, 0.0, 0.0]), torch.tensor([-30.0, 30.0, -0.5])
+    for est in ("k1", "k2", "k3"):
+        got = kl_estimate(logp, ref, est)
+        assert float(got.abs().max()) <= default, est  # |k1| = 30, k2 = 450, k3 = e^30 unclamped
+        assert torch.equal(got, kl_estimate(logp, ref, est, clamp=default))
+    # KL in the reward and KL in the loss, both with their defaults.
+    assert float(kl_reward(logp, ref, torch.ones(3), 1.0, "k3").abs().max()) <= default
+    mb = {"loss_mask": torch.ones(1, 3, dtype=torch.bool), "logprobs": logp[None], "ref_logp": ref[None],
+          "advantages": torch.zeros(1, 3)}
+    _, stats = actor_loss(logp[None].clone().requires_grad_(True), None, mb,
+                          ActorLossParams(kl_coef=1.0, kl_estimator="k3"))
+    assert stats["kl"] <= default
+
+
+def test_docs_state_exactly_what_the_kl_clamp_does():
+    text = DOCS.read_text()
+    assert "verl clamps at 10" not in text  # verl clamps only k3 (low_var_kl), not k1/k2
+    assert "verl clamps only k3" in text and "`kl_clamp=10`" in text
+    src = (Path(__file__).resolve().parents[2] / "src" / "areal_cli" / "config" / "algo.py").read_text()
+    assert "(as verl does)" not in src

@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from areal_cli.config.algo import KL_CLAMP
+
 
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return logp - ref_logp
@@ -33,9 +35,10 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 }
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: float = 0.0,
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: float = KL_CLAMP,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL estimate, optionally clamped to ``[-clamp, clamp]`` and zeroed outside ``mask``."""
+    """Per-token KL estimate clamped to ``[-clamp, clamp]`` (every estimator; ``clamp=0`` disables) and
+    zeroed outside ``mask``."""
     try:
         fn = KL_ESTIMATORS[estimator]
     except KeyError:
@@ -49,7 +52,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clam
 
 
 def kl_reward(logp: torch.Tensor, ref_logp: torch.Tensor, loss_mask: torch.Tensor, kl_coef: float,
-              estimator: str, clamp: float = 0.0) -> torch.Tensor:
+              estimator: str, clamp: float = KL_CLAMP) -> torch.Tensor:
     """Per-token reward ``-kl_coef * KL`` for KL-in-reward (no gradient)."""
     with torch.no_grad():
         return -kl_coef * kl_estimate(logp, ref_logp, estimator, clamp=clamp, mask=loss_mask)

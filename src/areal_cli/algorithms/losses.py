@@ -14,6 +14,7 @@ import torch
 
 from areal_cli.algorithms.kl import kl_estimate
 from areal_cli.algorithms.normalisation import aggregate_loss, masked_mean
+from areal_cli.config.algo import KL_CLAMP
 
 # exp() of a log-ratio above this overflows float32 long before it means anything.
 _MAX_LOG_RATIO = 20.0
@@ -155,7 +156,7 @@ class ActorLossParams:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
-    kl_clamp: float = 0.0
+    kl_clamp: float = KL_CLAMP  # the one default, shared with AlgoConfig
     current_version: int = 0
 
 

@@ -21,6 +21,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 BEHAV_IMP_WEIGHT_MODES = ("truncate", "mask")
 BEHAV_IMP_WEIGHT_LEVELS = ("token", "sequence")
+# The one default of the per-token KL clamp (AlgoConfig, ActorLossParams, algorithms.kl). verl
+# clamps its k3 ("low_var_kl") at ±10 against exp overflow; here the clamp applies to k1, k2 and k3.
+KL_CLAMP = 10.0
 
 
 @dataclass
@@ -76,7 +79,7 @@ class AlgoConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k1"  # k1 | k2 | k3
     kl_in_reward: bool = False
-    kl_clamp: float = 10.0  # clamp each per-token KL estimate to [-c, c] (as verl does); 0 disables
+    kl_clamp: float = KL_CLAMP  # clamp every per-token KL estimate (k1, k2, k3) to [-c, c]; 0 disables
     # --- DAPO ---
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_buffer_len: int = 0  # tokens; 0 → use overlong_buffer_ratio
