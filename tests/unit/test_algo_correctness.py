@@ -120,3 +120,33 @@ def test_docs_state_exactly_what_the_kl_clamp_does():
     assert "verl clamps only k3" in text and "`kl_clamp=10`" in text
     src = (Path(__file__).resolve().parents[2] / "src" / "areal_cli" / "config" / "algo.py").read_text()
     assert "(as verl does)" not in src
+
+
+# --- item 6: DAPO overlong penalty per turn ---------------------------------------------------
+
+from areal_cli.algorithms.actor import PPOActor  # noqa: E402
+from areal_cli.rollout.workflows.common import Segment, build_row, stack_rows  # noqa: E402
+
+
+def _dialogue(*turns: int) -> list[Segment]:
+    """A multi_turn row: prompt, then each generated turn followed by feedback context tokens."""
+    segs = [Segment([1, 2, 3])]
+    for i, n in enumerate(turns):
+        if i:
+            segs.append(Segment([7, 7, 7]))  # feedback + chat template: context, not trained
+        segs.append(Segment([5] * n, [-0.1] * n, [0] * n))
+    return segs
+
+
+def test_overlong_penalty_is_per_turn_under_multi_turn():
+    """max_new_tokens limits each turn. Two 4-token turns under a limit of 8 with a 4-token buffer
+    were never near the limit: no penalty (it used to count all 8 tokens and give -1)."""
+    rows = [build_row(_dialogue(4, 4)), build_row(_dialogue(6, 2)), build_row(_dialogue(6)),
+            build_row(_dialogue(2, 2, 2, 2))]
+    batch = dict(stack_rows(rows, [1.0, 1.0, 1.0, 1.0], [False] * 4, 0, 0).data)
+    cfg = AlgoConfig(name="dapo", overlong_buffer_len=4, overlong_penalty_factor=1.0, kl_coef=0.0,
+                     adv_estimator="grpo", mean_level="batch", std_level="none")
+    actor = PPOActor(cfg, engine=None, group_size=4, max_new_tokens=8)
+    out = actor.compute_advantages(batch)
+    # free up to 8 - 4 = 4 tokens per turn; the longest turn counts: 4 → 0, 6 → -(6-4)/4 = -0.5
+    assert out["shaped_rewards"].tolist() == pytest.approx([1.0, 0.5, 0.5, 1.0])

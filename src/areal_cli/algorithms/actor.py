@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from areal_cli.algorithms.advantages import compute_advantages as _estimate
-from areal_cli.algorithms.advantages import overlong_penalty
+from areal_cli.algorithms.advantages import longest_turn_len, overlong_penalty
 from areal_cli.algorithms.kl import kl_reward
 from areal_cli.algorithms.losses import ActorLossParams, actor_loss, sft_policy_loss
 from areal_cli.algorithms.normalisation import (Reducer, aggregate_loss, count_units, masked_mean,
@@ -122,7 +122,8 @@ class PPOActor:
         stats: dict[str, float] = {}
         if self.overlong_buffer > 0:
             assert self.max_new_tokens is not None
-            lens = batch["loss_mask"].float().sum(-1)
+            # Per turn: max_new_tokens bounds each generation, not a multi-turn row's sum of turns.
+            lens = longest_turn_len(batch["loss_mask"])
             pen = overlong_penalty(lens, self.max_new_tokens, self.overlong_buffer, c.overlong_penalty_factor)
             r = r + pen
             stats["overlong_penalty"] = float(pen.mean().item())

@@ -204,6 +204,18 @@ def compute_advantages(estimator: str, **kwargs) -> AdvOut:
         return fn(**kwargs)
 
 
+def longest_turn_len(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` length of each row's longest run of consecutive trained tokens: one turn's response.
+
+    ``max_new_tokens`` bounds each generation call, and multi-turn rows separate their turns with
+    untrained context tokens (feedback, chat template), so the longest run is the turn that came
+    closest to the limit. A single-turn row has one run: its response length."""
+    m = loss_mask.to(torch.bool).to(torch.long)
+    count = m.cumsum(-1)
+    at_last_gap = torch.where(m == 0, count, torch.zeros_like(count)).cummax(-1).values
+    return (count - at_last_gap).max(-1).values if m.shape[-1] else m.sum(-1)
+
+
 def overlong_penalty(response_lens: torch.Tensor, max_new_tokens: int, buffer_len: int,
                      factor: float = 1.0) -> torch.Tensor:
     """DAPO soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward.
