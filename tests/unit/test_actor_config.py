@@ -46,7 +46,7 @@ def test_preset_knobs_match_their_papers():
     assert (dapo.eps_clip, dapo.eps_clip_high, dapo.loss_agg, dapo.kl_coef) == (0.2, 0.28, "token-mean", 0.0)
     assert dapo.dynamic_sampling and dapo.overlong_buffer_ratio == 0.2
     assert (gspo.policy_loss, gspo.eps_clip, gspo.eps_clip_high) == ("gspo", 3e-4, 4e-4)
-    assert (dr.std_level, dr.loss_agg) == ("none", "seq-mean-token-sum")
+    assert (dr.std_level, dr.loss_agg) == ("none", "seq-mean-token-sum-norm")
     ppo = load_preset("ppo")
     assert ppo.use_critic and ppo.adv_estimator == "gae"
 

@@ -150,3 +150,49 @@ def test_overlong_penalty_is_per_turn_under_multi_turn():
     out = actor.compute_advantages(batch)
     # free up to 8 - 4 = 4 tokens per turn; the longest turn counts: 4 → 0, 6 → -(6-4)/4 = -0.5
     assert out["shaped_rewards"].tolist() == pytest.approx([1.0, 0.5, 0.5, 1.0])
+
+
+# --- item 7: Dr.GRPO's constant normaliser ----------------------------------------------------
+
+from areal_cli.algorithms.normalisation import LOSS_AGG, aggregate_loss, count_units  # noqa: E402
+from areal_cli.config.algo import LOSS_AGGS  # noqa: E402
+
+NORM_MODE = "seq-mean-token-sum-norm"
+AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+AGG_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 3: no trained token
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_constant():
+    """verl's seq-mean-token-sum-norm / the Dr.GRPO authors' constant_normalizer: each sequence's token
+    sum divided by a fixed generation budget, averaged over sequences."""
+    assert NORM_MODE in LOSS_AGG and NORM_MODE in LOSS_AGGS
+    # (6 + 4) / 2 sequences / 8
+    assert aggregate_loss(AGG_LOSS, AGG_MASK, NORM_MODE, norm=8).item() == pytest.approx(10 / 2 / 8)
+    assert count_units(AGG_MASK, NORM_MODE) == 2
+    with pytest.raises(ValueError, match="norm"):
+        aggregate_loss(AGG_LOSS, AGG_MASK, NORM_MODE)
+    full = aggregate_loss(AGG_LOSS, AGG_MASK, NORM_MODE, norm=8).item()
+    for cut in (1, 2):  # the engine's weight / global_weight rescaling reproduces the full batch
+        parts = [(AGG_LOSS[:cut], AGG_MASK[:cut]), (AGG_LOSS[cut:], AGG_MASK[cut:])]
+        total = sum(count_units(m, NORM_MODE) for _, m in parts)
+        got = sum(aggregate_loss(x, m, NORM_MODE, norm=8).item() * count_units(m, NORM_MODE) / total
+                  for x, m in parts)
+        assert got == pytest.approx(full)
+
+
+def test_drgrpo_preset_uses_the_constant_normaliser_of_the_generation_budget():
+    cfg = load_config(["algo=drgrpo"])
+    assert cfg.algo.loss_agg == NORM_MODE
+    actor = PPOActor(cfg.algo, engine=None, group_size=2, max_new_tokens=64)
+    assert actor.loss_agg_norm == 64.0  # handed to ActorLossParams.loss_agg_norm by loss_params()
+    with pytest.raises(ConfigError) as ei:
+        PPOActor(cfg.algo, engine=None, group_size=2, max_new_tokens=None)
+    assert ei.value.path == "algo.loss_agg"
+    # The actor objective with the preset is the token-sum objective divided by max_new_tokens.
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.2, -0.1]], requires_grad=True)
+    mb = {"loss_mask": torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool),
+          "logprobs": logp.detach().clone(), "advantages": torch.tensor([[0.0, 1.0, 1.0], [0.0, -2.0, 0.0]])}
+    base = ActorLossParams(loss_agg="seq-mean-token-sum")
+    normed = ActorLossParams(loss_agg=NORM_MODE, loss_agg_norm=64.0)
+    assert actor_loss(logp, None, mb, normed)[0].item() == pytest.approx(
+        actor_loss(logp, None, mb, base)[0].item() / 64)

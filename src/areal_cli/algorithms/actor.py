@@ -12,7 +12,6 @@ For ``algo=sft`` it calls :func:`sft_step` instead.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +21,8 @@ from areal_cli.algorithms.advantages import compute_advantages as _estimate
 from areal_cli.algorithms.advantages import longest_turn_len, overlong_penalty
 from areal_cli.algorithms.kl import kl_reward
 from areal_cli.algorithms.losses import ActorLossParams, actor_loss, sft_policy_loss
-from areal_cli.algorithms.normalisation import (Reducer, aggregate_loss, count_units, masked_mean,
-                                                 masked_whiten)
+from areal_cli.algorithms.normalisation import (NORMED_LOSS_AGGS, Reducer, aggregate_loss, count_units,
+                                                 masked_mean, masked_whiten)
 from areal_cli.config.algo import AlgoConfig, validate_algo_config
 from areal_cli.errors import ConfigError
 
@@ -48,22 +47,6 @@ def split_minibatches(batch: Batch, n: int) -> list[Batch]:
     return out
 
 
-def train_kwargs(engine: "TrainEngine", temperature: float) -> dict[str, Any]:
-    """``temperature=`` for engines whose ``train_batch`` accepts it (an additive extension of the
-    contract, e.g. the FSDP engine), so the trained logprobs use the rollout temperature."""
-    try:
-        params = inspect.signature(engine.train_batch).parameters
-    except (TypeError, ValueError):
-        return {}
-    if "temperature" in params:
-        return {"temperature": temperature}
-    if temperature != 1.0:
-        raise ConfigError("algo.temperature", f"{type(engine).__name__}.train_batch takes no temperature "
-                          f"but algo.temperature={temperature}", "sample with temperature 1.0 or use an "
-                          "engine whose train_batch accepts temperature")
-    return {}
-
-
 def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for s in all_stats for k in s}
     return {k: float(sum(s[k] for s in all_stats if k in s) / sum(1 for s in all_stats if k in s))
@@ -83,6 +66,16 @@ def overlong_buffer(cfg: AlgoConfig, max_new_tokens: int | None) -> int:
                           f"rollout.gconfig.max_new_tokens={max_new_tokens}",
                           "use a smaller buffer or algo.overlong_buffer_ratio=0.2")
     return buf
+
+
+def loss_agg_norm(cfg: AlgoConfig, max_new_tokens: int | None) -> float | None:
+    """The constant of ``loss_agg=seq-mean-token-sum-norm``: the generation budget (None otherwise)."""
+    if cfg.loss_agg not in NORMED_LOSS_AGGS:
+        return None
+    if max_new_tokens is None:
+        raise ConfigError("algo.loss_agg", f"loss_agg={cfg.loss_agg} divides by the generation budget",
+                          "pass max_new_tokens=rollout.gconfig.max_new_tokens to PPOActor")
+    return float(max_new_tokens)
 
 
 class PPOActor:
@@ -105,6 +98,7 @@ class PPOActor:
         self.max_new_tokens = max_new_tokens
         self.dp_allreduce = dp_allreduce
         self.overlong_buffer = overlong_buffer(cfg, max_new_tokens)
+        self.loss_agg_norm = loss_agg_norm(cfg, max_new_tokens)
 
     @property
     def recomputes_logp(self) -> bool:
@@ -170,7 +164,8 @@ class PPOActor:
     def loss_params(self) -> ActorLossParams:
         c = self.cfg
         fields = {k: v for k, v in asdict(c).items() if k in ActorLossParams.__dataclass_fields__}
-        return ActorLossParams(**fields, current_version=self.engine.get_version())
+        return ActorLossParams(**fields, loss_agg_norm=self.loss_agg_norm,
+                               current_version=self.engine.get_version())
 
     def loss_fn(self, params: ActorLossParams):
         def fn(outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -185,10 +180,10 @@ class PPOActor:
         if "advantages" not in batch:
             raise ValueError("ppo_update needs 'advantages': call compute_advantages(batch) first")
         loss_fn = self.loss_fn(self.loss_params())
-        kw = train_kwargs(self.engine, self.cfg.temperature)
         per_mb: list[dict[str, float]] = []
         for mb in split_minibatches(batch, self.cfg.ppo_n_minibatches):
-            per_mb.append(dict(self.engine.train_batch(mb, loss_fn, self.loss_weight_fn, **kw)))
+            per_mb.append(dict(self.engine.train_batch(mb, loss_fn, self.loss_weight_fn,
+                                                        temperature=self.cfg.temperature)))
         stats = mean_stats(per_mb)
         stats.update(getattr(self, "adv_stats", {}))
         stats["n_minibatches"] = float(len(per_mb))

@@ -157,6 +157,7 @@ class ActorLossParams:
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
     kl_clamp: float = KL_CLAMP  # the one default, shared with AlgoConfig
+    loss_agg_norm: float | None = None  # the constant of seq-mean-token-sum-norm
     current_version: int = 0
 
 
@@ -205,8 +206,8 @@ def actor_loss(logp: torch.Tensor, entropy: torch.Tensor | None, mb: dict[str, t
         stats["kl"] = _masked_stat(kl, mask)
     if p.entropy_coef != 0.0 and entropy is not None:
         token_loss = token_loss - p.entropy_coef * torch.where(mask, entropy, torch.zeros_like(entropy))
-    loss = aggregate_loss(token_loss, mask, p.loss_agg)
-    stats["pg_loss"] = float(aggregate_loss(pg.detach(), mask, p.loss_agg).item())
+    loss = aggregate_loss(token_loss, mask, p.loss_agg, p.loss_agg_norm)
+    stats["pg_loss"] = float(aggregate_loss(pg.detach(), mask, p.loss_agg, p.loss_agg_norm).item())
     if entropy is not None:
         stats["entropy"] = _masked_stat(entropy, mask)
     if "ratio" in diag:

@@ -98,19 +98,36 @@ def _seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return per_seq.sum() / n_seq
 
 
-LOSS_AGG: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+def _seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm: float) -> torch.Tensor:
+    # verl's seq-mean-token-sum-norm and the Dr.GRPO authors' constant_normalizer: a sequence's token
+    # sum over a constant (the generation budget), not over its own length, so long and short
+    # responses weigh each token alike.
+    return _seq_mean_token_sum(loss, mask) / norm
+
+
+LOSS_AGG: dict[str, Callable[..., torch.Tensor]] = {
     "token-mean": _token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
 }
+# Modes that divide by a constant: aggregate_loss needs ``norm`` for them.
+NORMED_LOSS_AGGS = ("seq-mean-token-sum-norm",)
 
 
-def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Reduce a per-token ``[B, L]`` loss to a scalar: a mean over this batch's units."""
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm: float | None = None) -> torch.Tensor:
+    """Reduce a per-token ``[B, L]`` loss to a scalar: a mean over this batch's units.
+
+    ``norm`` is the constant of ``seq-mean-token-sum-norm`` (the trainer passes
+    ``rollout.gconfig.max_new_tokens``); other modes ignore it."""
     try:
         fn = LOSS_AGG[mode]
     except KeyError:
         raise KeyError(f"unknown loss_agg {mode!r}; known: {sorted(LOSS_AGG)}") from None
+    if mode in NORMED_LOSS_AGGS:
+        if norm is None or not norm > 0:
+            raise ValueError(f"loss_agg={mode} needs a positive constant norm (the generation budget), got {norm!r}")
+        return fn(loss, mask, float(norm))
     return fn(loss, mask)
 
 

@@ -16,7 +16,7 @@ from areal_cli.errors import ConfigError
 ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none")
 NORM_LEVELS = ("group", "batch", "none")
 POLICY_LOSSES = ("ppo", "gspo", "sft")
-LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 BEHAV_IMP_WEIGHT_MODES = ("truncate", "mask")
@@ -63,7 +63,9 @@ class AlgoConfig:
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # DAPO clip-higher; None → eps_clip
     c_clip: float | None = None  # dual clip; None disables
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (token sum over
+    # the constant rollout.gconfig.max_new_tokens, Dr.GRPO)
+    loss_agg: str = "token-mean"
     use_decoupled_loss: bool = False  # AReaL decoupled PPO (proximal policy)
     prox_logp_method: str = "recompute"  # recompute | loglinear
     # Recompute logp with the trainer before the update even without the decoupled loss; the PPO
