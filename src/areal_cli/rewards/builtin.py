@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
-import math
-
-from areal_cli.rewards.extract import final_answer_text, final_number, parse_number, reference_answer
+from areal_cli.rewards.extract import final_answer_text, final_value, parse_exact, reference_answer
 
 
 def _norm(s: str) -> str:
     return " ".join(s.split()).strip().rstrip(".").strip()
 
 
-def numeric_reward(prompt: str, completion: str, answer: str, rel_tol: float = 1e-6,
-                   abs_tol: float = 1e-6, **_) -> float:
-    """1.0 if the completion's final number equals the reference number (GSM8K ``#### n`` refs)."""
-    gold = parse_number(reference_answer(answer))
+def numbers_match(pred, gold, rel_tol: float = 1e-9, abs_tol: float = 1e-9) -> bool:
+    """Exact rationals: an integer reference must be matched exactly (``1450001`` is not
+    ``1450000``, however large); any other reference within ``rel_tol`` of its magnitude, or
+    ``abs_tol`` near 0 (``0.3333333333`` matches ``1/3``, ``0.333`` does not)."""
+    if pred is None or gold is None:
+        return False
+    if gold.denominator == 1:
+        return pred == gold
+    return abs(pred - gold) <= max(rel_tol * abs(gold), abs_tol)
+
+
+def numeric_reward(prompt: str, completion: str, answer: str, rel_tol: float = 1e-9,
+                   abs_tol: float = 1e-9, **_) -> float:
+    """1.0 if the completion's final number equals the reference number (GSM8K ``#### n`` refs);
+    see :func:`numbers_match` for what "equals" means."""
+    gold = parse_exact(reference_answer(answer))
     if gold is None:
         raise ValueError(f"reference answer {answer!r} has no number; use reward=exact or math")
-    pred = final_number(completion)
-    return float(pred is not None and math.isclose(pred, gold, rel_tol=rel_tol, abs_tol=abs_tol))
+    return float(numbers_match(final_value(completion), gold, rel_tol, abs_tol))
 
 
 def exact_reward(prompt: str, completion: str, answer: str, **_) -> float:

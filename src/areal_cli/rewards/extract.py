@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 _NUM_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _ANSWER_IS_RE = re.compile(r"answer(?:\s+is)?\s*[:=]?\s*(.+)", re.IGNORECASE)
@@ -40,8 +41,9 @@ def last_number(text: str) -> str | None:
     return found[-1] if found else None
 
 
-def parse_number(s: str | None) -> float | None:
-    """``"1,234"``, ``"$5"``, ``"-3.5"``, ``"3/4"``, ``"\\frac{3}{4}"``, ``"50%"`` → float; else None."""
+def parse_exact(s: str | None) -> Fraction | None:
+    """``"1,234"``, ``"$5"``, ``"-3.5"``, ``"3/4"``, ``"\\frac{3}{4}"``, ``"50%"`` → the exact rational
+    value (no float rounding, so 20-digit integers stay exact); None if it is not a finite number."""
     if s is None:
         return None
     s = s.strip().strip("$").strip()
@@ -49,19 +51,29 @@ def parse_number(s: str | None) -> float | None:
     frac = re.fullmatch(r"(-?)\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s)
     if frac:
         try:
-            val = float(frac.group(2)) / float(frac.group(3))
+            val = Fraction(frac.group(2)) / Fraction(frac.group(3))
         except (ValueError, ZeroDivisionError):
             return None
         return -val if frac.group(1) else val
     s = s.rstrip(".").rstrip("%").replace(",", "")
     if re.fullmatch(r"-?\d+/\d+", s):
         a, b = s.split("/")
-        return float(a) / float(b) if float(b) != 0 else None
+        return Fraction(int(a), int(b)) if int(b) != 0 else None
     try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        pass
+    try:  # forms Fraction refuses but float reads ("1_000", " 5 ")
         val = float(s)
     except ValueError:
         return None
-    return val if math.isfinite(val) else None
+    return Fraction(val) if math.isfinite(val) else None
+
+
+def parse_number(s: str | None) -> float | None:
+    """:func:`parse_exact` as a float."""
+    val = parse_exact(s)
+    return None if val is None else float(val)
 
 
 def reference_answer(answer: str) -> str:
@@ -87,12 +99,18 @@ def final_answer_text(completion: str) -> str | None:
     return None
 
 
-def final_number(completion: str) -> float | None:
-    """The completion's numeric answer: the marked answer if any, else its last number."""
+def final_value(completion: str) -> Fraction | None:
+    """The completion's numeric answer, exactly: the marked answer if any, else its last number."""
     marked = final_answer_text(completion)
     if marked is not None:
-        val = parse_number(marked)
+        val = parse_exact(marked)
         if val is None:
-            val = parse_number(last_number(marked))
+            val = parse_exact(last_number(marked))
         return val
-    return parse_number(last_number(completion))
+    return parse_exact(last_number(completion))
+
+
+def final_number(completion: str) -> float | None:
+    """:func:`final_value` as a float."""
+    val = final_value(completion)
+    return None if val is None else float(val)
