@@ -97,7 +97,7 @@ def test_code_reward_formats():
     assert fn("q", bad, io_tests) == 0.0  # 2+2 passes, 5+2 fails → all-or-nothing
     assert fn("q", "def sq(x):\n    return x * x\n", "assert sq(3) == 9\nassert sq(-2) == 4") == 1.0
     assert fn("q", "def sq(x):\n    return x + x\n", "assert sq(3) == 9") == 0.0
-    assert fn("q", "import time\ntime.sleep(30)", "pass", timeout_s=1.0) == 0.0
+    assert fn("q", "import time\ntime.sleep(30)", "assert True", timeout_s=1.0) == 0.0
     assert extract_code("a\n```py\nA\n```\nb\n```python\nB\n```") == "B\n"
 
 
