@@ -76,7 +76,7 @@ WRONG = [
     (["allocation_mode=sglang:d4+fsdp:d4", "cluster.n_gpus_per_node=4"], "needs 8 devices but the cluster has 4"),
     (["model=qwen2_5_7b", "cluster=gpu_1x8", "allocation_mode=sglang:d1t3+fsdp:d4"],
      "t=3 does not divide model.num_attention_heads=28"),
-    (["engine=fsdp", "cluster=gpu_2x8", "allocation_mode=sglang.d4+d2t2p2"],
+    (["engine=fsdp", "cluster=gpu_2x8", "allocation_mode=sglang.d4+d2p2"],
      "engine fsdp does not support pipeline parallelism (p2)"),
     (["cluster=gpu_1x8", "allocation_mode=sglang:d2+fsdp:d3"], "algo.batch_size: 8 prompts"),
     (["allocation_mode=vllm:d2t2|fsdp:d2"], "colocated components need the same number of devices"),

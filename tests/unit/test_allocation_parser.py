@@ -37,7 +37,7 @@ ACCEPTED = [
                                   ("train", "deepspeed", None, {"d": 4, "c": 2}, 8)]),
     ("sglang:d2e4t4+megatron:d8e4", [("inference", "sglang", None, {"d": 2, "e": 4, "t": 4}, 8),
                                       ("train", "megatron", None, {"d": 8, "e": 4}, 8)]),
-    ("fsdp:d2t2c2", [("train", "fsdp", None, {"d": 2, "t": 2, "c": 2}, 8)]),
+    ("archon:d2t2c2", [("train", "archon", None, {"d": 2, "t": 2, "c": 2}, 8)]),
     ("  sglang:d2+fsdp:d2  ", [("inference", "sglang", None, {"d": 2}, 2),
                                ("train", "fsdp", None, {"d": 2}, 2)]),
     ("hf:d1|fsdp:d1", [("inference", "hf", None, {}, 1), ("train", "fsdp", None, {}, 1)]),
@@ -100,6 +100,7 @@ REJECTED = [
     ('sglang.d4+', 10, "allocation_mode.spec: spec ends after '+' — fix: add a component after it or remove the trailing '+'"),
     ('sglang.x4+fsdp:d2', 7, "allocation_mode.spec: unknown dimension 'x' — fix: dims are d (data), t (tensor), p (pipeline), c (context), e (expert)"),
     ('fsdp:d2p2', 7, 'allocation_mode.spec: fsdp does not support pipeline parallelism (p2) — fix: drop p2 or pick a backend that supports pipeline parallelism (megatron, archon)'),
+    ('hf:d1+fsdp:d1t2', 13, 'allocation_mode.spec: fsdp does not support tensor parallelism (t2) — fix: drop t2 or pick a backend that supports tensor parallelism (megatron, archon)'),
     ('hf:t2+fsdp:d1', 3, 'allocation_mode.spec: hf does not support tensor parallelism (t2) — fix: the built-in hf server runs one process per instance: use only d, e.g. hf:d2'),
     ('sglang:d4|vllm:d4', 0, 'allocation_mode.spec: 2 inference components need names to tell them apart — fix: name each one, e.g. sglang[gen]:d4'),
     ('vllm:d2t2|fsdp:d2', 10, "allocation_mode.spec: colocated components need the same number of devices: 'vllm' uses 4, 'fsdp' uses 2 — fix: make the products of their dims equal, e.g. vllm:d2t2|fsdp:d4"),
@@ -123,10 +124,10 @@ REJECTED = [
     ('sglang:d2+fsdp[a]:d2+megatron[b]:d2', 21, 'allocation_mode.spec: train components use different backends (fsdp, megatron) — fix: use one train backend for all train components'),
     ('sglang:c2+fsdp:d1', 7, 'allocation_mode.spec: sglang does not support context parallelism (c2) — fix: sglang supports d, t, p, e; drop c2'),
     ('megatron:(attn:d2|ffn:d2c2)', 24, 'allocation_mode.spec: the ffn part of the hybrid form cannot use c — fix: put context parallelism in the attn part'),
-    ('deepspeed:t2', 10, 'allocation_mode.spec: deepspeed does not support tensor parallelism (t2) — fix: drop t2 or pick a backend that supports tensor parallelism (fsdp, megatron, archon)'),
+    ('deepspeed:t2', 10, 'allocation_mode.spec: deepspeed does not support tensor parallelism (t2) — fix: drop t2 or pick a backend that supports tensor parallelism (megatron, archon)'),
     ('fsdp:d999999', 6, "allocation_mode.spec: dimension 'd999999' is larger than 65536 — fix: use a realistic size"),
     ('sglang:d2;fsdp:d2', 9, "allocation_mode.spec: unexpected ';' at column 9 — fix: separate components with '+' (or '|' to colocate them)"),
-    ('fsdp:e2', 5, 'allocation_mode.spec: fsdp does not support expert parallelism (e2) — fix: drop e2 or pick a backend that supports expert parallelism (megatron, archon)'),
+    ('fsdp:e2', 5, 'allocation_mode.spec: fsdp does not support expert parallelism (e2) — fix: drop e2 or pick a backend that supports expert parallelism (megatron)'),
 ]
 
 

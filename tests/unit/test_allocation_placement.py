@@ -22,7 +22,7 @@ def test_user_example_two_nodes():
 
 def test_component_moves_to_node_boundary_to_keep_tp_group_together():
     # the fsdp t4 group would straddle node 0/1 at offset 6; it must start on node 1.
-    got = nodes("hf:d6+fsdp:d1t4", 2, 8)
+    got = nodes("hf:d6+archon:d1t4", 2, 8)
     assert got == [[(0, [0, 1, 2, 3, 4, 5])], [(1, [0, 1, 2, 3])]]
 
 
@@ -70,12 +70,12 @@ def test_pp_group_must_fit_in_a_node():
 
 def test_alignment_needs_an_extra_node():
     with pytest.raises(ConfigError) as info:
-        place(parse_allocation("hf:d6+fsdp:d1t4"), 1, 8)
+        place(parse_allocation("hf:d6+archon:d1t4"), 1, 8)
     assert "needs 10 devices" in info.value.reason
     # 8 devices suffice in total, but the t3 groups cannot start at device 2 or 4 without
     # straddling the 4-device nodes (or running off the end).
     with pytest.raises(ConfigError) as info:
-        place(parse_allocation("hf:d2+fsdp:d2t3"), 2, 4)
+        place(parse_allocation("hf:d2+archon:d2t3"), 2, 4)
     assert "without splitting a tensor/pipeline group" in info.value.reason
 
 
@@ -116,7 +116,7 @@ def test_default_plan_is_the_cpu_default():
      "allocation_mode.spec", "t=3 does not divide model.num_attention_heads=28", "t"),
     (("model=qwen2_5_7b", "cluster=gpu_2x8", "allocation_mode=sglang:d4+megatron:d1t8"),
      "allocation_mode.spec", "t=8 does not divide model.num_attention_heads=28", "t"),
-    (("model=qwen2_5_1_5b", "cluster=gpu_1x8", "allocation_mode=sglang:d4+fsdp:d1t4"),
+    (("model=qwen2_5_1_5b", "cluster=gpu_1x8", "allocation_mode=sglang:d4+archon:d1t4"),
      "allocation_mode.spec", "t=4 does not divide model.num_key_value_heads=2", "t"),
     (("model=llama3_8b", "cluster=gpu_2x8", "allocation_mode=sglang:d4+megatron:d1p3"),
      "allocation_mode.spec", "p=3 does not divide model.num_hidden_layers=32", "p"),
@@ -133,7 +133,7 @@ def test_default_plan_is_the_cpu_default():
       "algo=sft"), "allocation_mode.spec", "hybrid MoE pipeline sizes differ", "p"),
     (("model=qwen2_5_7b", "cluster=gpu_4x8", "allocation_mode=megatron:(attn:d2t2|ffn:d1t2e2)",
       "algo=sft"), "allocation_mode.spec", "needs an MoE model", None),
-    (("engine=fsdp", "cluster=gpu_2x8", "allocation_mode=sglang.d4+d2t2p2"),
+    (("engine=fsdp", "cluster=gpu_2x8", "allocation_mode=sglang.d4+d2p2"),
      "allocation_mode.spec", "engine fsdp does not support pipeline parallelism (p2)", "p"),
     (("cluster=gpu_1x8", "allocation_mode=sglang:d2+fsdp:d3"),
      "algo.batch_size", "is not divisible by DP=3", None),
@@ -159,7 +159,7 @@ def test_validation_rules(overrides, path, needle, caret):
 
 def test_kv_replication_allowed_for_inference_only():
     # Qwen2.5-7B: 28 heads, 4 kv heads. sglang t=... 28 % 28 == 0 and 28 % 4 == 0 → replicated KV ok.
-    p = plan_of("model=qwen2_5_7b", "cluster=gpu_4x8", "allocation_mode=sglang:d1t4+fsdp:d4t2",
+    p = plan_of("model=qwen2_5_7b", "cluster=gpu_4x8", "allocation_mode=sglang:d1t4+archon:d4t2",
                 "algo.batch_size=8")
     assert p.inference.tp == 4 and p.train.parallel.tp == 2
     with pytest.raises(ConfigError):

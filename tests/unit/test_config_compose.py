@@ -148,7 +148,7 @@ def test_model_path_reads_local_config_json(tmp_path):
     assert m.tie_word_embeddings is False and m.name == "my-model"
     with pytest.raises(ConfigError) as info:
         validate(load_config([f"model.path={d}", "cluster.n_gpus_per_node=8",
-                              "allocation_mode=hf:d1+fsdp:d1t8"]))
+                              "allocation_mode=hf:d1+archon:d1t8"]))
     assert "num_key_value_heads=4" in info.value.reason
 
 

@@ -34,7 +34,7 @@ CASES = [
     ["model=qwen3_30b_a3b", "cluster=gpu_4x8", "allocation_mode=gpu32_moe_megatron"],
     ["rollout=sync", "workflow=multi_turn", "workflow.max_turns=3", "rollout.gconfig.top_p=0.9"],
     ["algo=dapo", "algo.eps_clip_high=0.28", "algo.c_clip=null", "resume=auto", "seed=7"],
-    ["engine=deepspeed", "engine.zero_stage=2", "cluster.gpu_memory_gb=40", "trainer.total_epochs=3"],
+    ["engine=deepspeed", "engine.deepspeed.zero_stage=2", "cluster.gpu_memory_gb=40", "trainer.total_epochs=3"],
     ["dataset.test_path='data/test.jsonl'", "dataset.system_prompt=\"Be brief.\"", "stats.wandb=true"],
     ["launcher=slurm", "launcher.slurm.partition=gpu", "launcher.slurm.time_min=30"],
     ["algo.temperature=0.7", "rollout.gconfig.temperature=0.7", "algo.kl_coef=0.001"],

@@ -107,25 +107,20 @@ def dtype_bytes(dtype: str) -> int:
     return 2 if dtype in ("bfloat16", "float16", "bf16", "fp16") else 4
 
 
-def train_memory(f: ModelFacts, backend: str, par, ffn_tp: int, dtype: str, zero_stage: int,
-                 mb_tokens: int, n_mb: int, grad_ckpt: bool, device_gb: float) -> TrainMemory:
-    """Per-device training memory for one component with ParallelStrategy ``par``."""
+def train_memory(f: ModelFacts, sharding, par, ffn_tp: int, dtype: str, mb_tokens: int, n_mb: int,
+                 grad_ckpt: bool, device_gb: float) -> TrainMemory:
+    """Per-device training memory for one component with ParallelStrategy ``par``; ``sharding``
+    (:class:`areal_cli.engines.Sharding`, from the backend's registry entry) says what the backend
+    shards over the d×c ranks. Tensor and pipeline parallelism divide everything by t×p."""
     pb = dtype_bytes(dtype)
     dense = f.dense_params() / (par.tp * par.pp)
     experts = f.expert_params() / (par.ep * ffn_tp * par.pp) if f.experts > 0 else 0.0
     local = dense + experts
     shard = par.dp * par.cp
-    if backend in ("fsdp", "archon"):
-        sw = sg = so = shard
-    elif backend == "deepspeed":
-        so = shard if zero_stage >= 1 else 1
-        sg = shard if zero_stage >= 2 else 1
-        sw = shard if zero_stage >= 3 else 1
-    else:  # megatron: replicated weights/grads inside DP, distributed optimizer
-        sw, sg, so = 1, 1, shard
+    sw, sg, so = (shard if on else 1 for on in (sharding.weights, sharding.grads, sharding.optimizer))
     trainable = f.lora_params() / (par.tp * par.pp) if f.lora_rank > 0 else local
     weights = local * pb / sw
-    if backend in ("fsdp", "archon") or (backend == "deepspeed" and zero_stage >= 3):
+    if sharding.gathers_layers:
         # One or two layers are gathered unsharded at a time (prefetch).
         weights += 2 * (local / max(1, f.layers // par.pp)) * pb
     grads = trainable * pb / sg

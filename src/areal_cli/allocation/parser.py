@@ -25,6 +25,7 @@ from areal_cli.allocation.spec import (
     Component,
     Dims,
 )
+from areal_cli.engines import ENGINE_SPECS
 from areal_cli.errors import ConfigError
 
 SPEC_PATH = "allocation_mode.spec"
@@ -32,14 +33,12 @@ MAX_DIM = 65536
 EXAMPLE = "sglang:d4+fsdp:d4"
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 # Which dims each backend can express. Inference parts never use c; hf is one process per instance.
+# Training backends run what their registry entry says (areal_cli.engines.ENGINE_SPECS).
 BACKEND_DIMS = {
     "hf": "d",
     "sglang": "dtpe",
     "vllm": "dtpe",
-    "fsdp": "dtc",
-    "megatron": "dtpce",
-    "archon": "dtpce",
-    "deepspeed": "dc",
+    **{name: spec.dims for name, spec in ENGINE_SPECS.items()},
 }
 UNSPECIFIED_TRAIN_DIMS = "dtpce"  # checked against the engine once it is known
 

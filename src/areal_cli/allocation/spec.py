@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_cli.api.io_struct import ParallelStrategy
+from areal_cli.engines import BUILTIN_ENGINES
 
 INFERENCE_BACKENDS = ("sglang", "vllm", "hf")
-TRAIN_BACKENDS = ("fsdp", "megatron", "archon", "deepspeed")
+TRAIN_BACKENDS = BUILTIN_ENGINES  # one registry entry per training backend (areal_cli.engines)
 DIM_LETTERS = "dtpce"
 DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 

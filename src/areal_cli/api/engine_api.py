@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
 
 if TYPE_CHECKING:  # pragma: no cover
+    import asyncio
+
     import torch
     import torch.distributed as dist
 
@@ -45,8 +47,15 @@ class TrainEngine(abc.ABC):
         """Load the model from a local HF dir and apply the parallel strategy."""
 
     @abc.abstractmethod
-    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        """One optimizer step over ``batch`` (split into micro-batches internally)."""
+    def train_batch(self, batch: Batch | None, loss_fn: LossFn, loss_weight_fn: LossWeightFn,
+                    temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over ``batch`` (split into micro-batches internally).
+
+        ``outputs["logprobs"]`` handed to ``loss_fn`` are computed at ``temperature`` (the sampling
+        temperature of the rollout). Every rank calls it; ranks of one data-parallel replica pass the
+        same rows (the replica's share), and a rank that is not the replica's head may pass None.
+        Returns stats that include ``grad_norm`` and ``lr``.
+        """
 
     @abc.abstractmethod
     def forward(self, batch: Batch, output: str = "logprobs", temperature: float = 1.0) -> "dict[str, torch.Tensor]":
@@ -59,8 +68,14 @@ class TrainEngine(abc.ABC):
     def load(self, meta: SaveLoadMeta) -> None: ...
 
     @abc.abstractmethod
-    def update_weights(self, meta: WeightUpdateMeta, engines: "list[InferenceEngine]") -> None:
-        """Push current weights to inference servers (pause → sync → continue) and bump versions."""
+    def update_weights(self, meta: WeightUpdateMeta, engines: "list[InferenceEngine]",
+                       loop: "asyncio.AbstractEventLoop | None" = None) -> None:
+        """Push current weights to inference servers (pause → sync → continue) and bump versions.
+
+        Collective over all trainer ranks; only global rank 0 talks to ``engines``. ``loop`` is the
+        running event loop (in another thread) that owns the clients' HTTP sessions; None means the
+        engine runs its own.
+        """
 
     @abc.abstractmethod
     def get_version(self) -> int: ...
@@ -82,8 +97,25 @@ class TrainEngine(abc.ABC):
 
     @property
     def is_dp_head(self) -> bool:
-        """True on the one rank per data-parallel replica that runs rollout."""
+        """True on the one rank of each data-parallel replica whose batch is authoritative."""
         return True
+
+    def dp_all_reduce(self, t: "torch.Tensor") -> "torch.Tensor":
+        """Sum ``t`` over the data-parallel replicas into a new tensor (a copy at dp=1).
+
+        Batch-level statistics (advantage whitening, reward means) use it: each replica holds only
+        its share of the step's episodes, and the ranks inside one replica must count it once.
+        """
+        out = t.detach().clone()
+        if self.dp_world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self.dp_group)
+        return out
+
+    def warm_up(self) -> None:
+        """Optional: run one throw-away step (lr 0, state dropped) so lazy allocations and kernel
+        selection happen while the first rollout is generated. Must leave the model unchanged."""
 
     def destroy(self) -> None:
         """Free process groups and memory."""

@@ -1,13 +1,30 @@
-"""``engine`` group: which training backend runs the model and how."""
+"""``engine`` group: which training backend runs the model and how.
+
+The top level holds knobs every backend reads. Knobs that belong to one backend live in that
+backend's own section (``engine.deepspeed.*``, ``engine.megatron.*``), named by its registry entry
+(:data:`areal_cli.engines.ENGINE_SPECS`); setting another backend's section is a validation error,
+never silently ignored.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 3  # ZeRO 1 (optimizer), 2 (+gradients), 3 (+parameters) sharded over d×c
+
+
+@dataclass
+class MegatronConfig:
+    sequence_parallel: bool = False  # shard activations of norms/dropout over the t ranks
+    recompute_granularity: str = "selective"  # selective | full
 
 
 @dataclass
 class EngineConfig:
-    name: str = "fsdp"  # fsdp | megatron | archon | deepspeed
+    name: str = "fsdp"  # a registered backend (fsdp | archon | megatron | deepspeed) or pkg.module:Class
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16
     mixed_precision: bool = False  # compute in bfloat16 with fp32 master weights
     gradient_checkpointing: bool = False
@@ -17,7 +34,5 @@ class EngineConfig:
     # Samples that share a prompt (a GRPO group) run it once per micro-batch: exact, fewer tokens.
     shared_prefix: bool = True
     attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2
-    # Megatron/DeepSpeed/Archon-specific knobs ride here too; unused ones are ignored by other engines.
-    zero_stage: int = 3  # deepspeed
-    sequence_parallel: bool = False  # megatron
-    recompute_granularity: str = "selective"  # megatron
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)

@@ -22,13 +22,13 @@ from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec,
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
 from areal_cli.config.schema import ExperimentConfig
+from areal_cli.engines import ENGINE_SPECS, engine_dims, get_engine_spec
 from areal_cli.errors import ConfigError
 
 # Extra rules other modules can register: fn(cfg, plan) raising ConfigError or appending warnings.
 EXTRA_RULES: list[Callable[[ExperimentConfig, Plan], None]] = []
 CHOICES = {
     "cluster.device": ("cpu", "cuda"),
-    "engine.name": TRAIN_BACKENDS,
     "engine.dtype": ("float32", "bfloat16", "float16"),
     "launcher.name": ("local", "slurm", "skypilot"),
     "rollout.weight_update": ("distributed", "disk"),
@@ -105,6 +105,23 @@ def _check_scalars(cfg: ExperimentConfig) -> None:
                           f"set engine.max_tokens_per_mb={seq} or more")
 
 
+def _check_engine_sections(cfg: ExperimentConfig) -> None:
+    """The backend exists, and no other backend's own section was changed (it would be ignored)."""
+    import dataclasses
+
+    spec = get_engine_spec(cfg.engine.name)  # an unknown backend or import path fails here, by name
+    for other in ENGINE_SPECS.values():
+        key = other.config_key
+        if key is None or key == spec.config_key:
+            continue
+        section = getattr(cfg.engine, key)
+        default = type(section)()
+        for f in dataclasses.fields(section):
+            if getattr(section, f.name) != getattr(default, f.name):
+                raise ConfigError(f"engine.{key}.{f.name}", f"is set, but engine={cfg.engine.name} does not "
+                                  f"read the {other.name} section", f"drop it, or train with engine={other.name}")
+
+
 class _SpecChecker:
     def __init__(self, spec: AllocationSpec, cfg: ExperimentConfig):
         self.spec, self.cfg, self.m = spec, cfg, cfg.model
@@ -124,8 +141,9 @@ class _SpecChecker:
     def check(self, c: Component) -> None:
         m, d = self.m, c.dims
         backend = c.backend or self.cfg.engine.name
+        allowed = BACKEND_DIMS[backend] if c.kind == "inference" else engine_dims(backend)
         for letter in "dtpce":
-            if d.get(letter) > 1 and letter not in BACKEND_DIMS[backend]:
+            if d.get(letter) > 1 and letter not in allowed:
                 raise self.err(f"engine {backend} does not support {DIM_NAMES[letter]} parallelism "
                                f"({letter}{d.get(letter)})",
                                f"drop {letter}{d.get(letter)} or use an engine that supports it "
@@ -228,6 +246,7 @@ def _micro_batch(cfg: ExperimentConfig, dp: int, c: Component) -> MicroBatch:
 
 def validate(cfg: ExperimentConfig) -> Plan:
     """Check every cross-group rule and return the placement plan with estimates."""
+    _check_engine_sections(cfg)
     _check_scalars(cfg)
     spec = _resolved_spec(cfg)
     checker = _SpecChecker(spec, cfg)
@@ -255,8 +274,8 @@ def validate(cfg: ExperimentConfig) -> Plan:
         ffn = (ParallelStrategy(dp=c.ffn.d, tp=c.ffn.t, pp=c.ffn.p, cp=1, ep=c.ffn.e)
                if c.ffn is not None else None)
         mb = _micro_batch(cfg, par.dp, c)
-        mem = train_memory(facts, backend, par, ffn.tp if ffn else par.tp, cfg.engine.dtype,
-                           cfg.engine.zero_stage, mb.tokens_per_mb, mb.n_micro_batches,
+        mem = train_memory(facts, get_engine_spec(backend).sharding(cfg.engine), par,
+                           ffn.tp if ffn else par.tp, cfg.engine.dtype, mb.tokens_per_mb, mb.n_micro_batches,
                            cfg.engine.gradient_checkpointing, dev_gb)
         plan.trains.append(TrainPart(c.name or backend, backend, par, c.world_size, pl.by_node, ffn, mb,
                                      mem))

@@ -1,30 +1,126 @@
-"""Training backends, looked up by name (``engine.name``).
+"""Training backends behind one registry: one :class:`EngineSpec` per backend.
 
-Import-light: backends are imported only when asked for, so the CLI can list names without torch.
+The spec is the single place that says what a backend is. The allocation parser reads its dims, the
+validator its dims and config section, the memory estimator its sharding model, and the trainer its
+class. Import-light: no torch here, so the CLI can validate without it; the class is imported only
+when a trainer process builds the engine.
+
+A backend outside this package is named by import path, ``engine.name=pkg.module:Class``; the trainer's
+child processes import it by that name, so nothing needs registering in them. Its class may declare
+``dims`` (the allocation dims it runs, default ``"d"``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import import_module
+from typing import Any, Callable
 
 from areal_cli.errors import ConfigError
 
-# name → "module:Class"; only registered backends that exist in this package are listed.
-ENGINES: dict[str, str] = {
-    "fsdp": "areal_cli.engines.fsdp:FSDPEngine",
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which training state a backend shards over the data-parallel (× context) ranks, for the
+    memory estimate; tensor and pipeline sharding follow from the dims themselves."""
+
+    weights: bool
+    grads: bool
+    optimizer: bool
+    gathers_layers: bool  # unsharded layers are gathered one or two at a time (FSDP-style prefetch)
+
+
+FULL_SHARD = Sharding(weights=True, grads=True, optimizer=True, gathers_layers=True)
+
+
+def _deepspeed_sharding(engine_cfg: Any) -> Sharding:
+    z = int(getattr(getattr(engine_cfg, "deepspeed", None), "zero_stage", 3))
+    return Sharding(weights=z >= 3, grads=z >= 2, optimizer=z >= 1, gathers_layers=z >= 3)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    target: str | None  # "module:Class"; None: planned and validated, not trainable in this release
+    dims: str  # allocation dims it runs, a subset of "dtpce" (d is always allowed)
+    sharding: Callable[[Any], Sharding]  # engine config -> what is sharded over d×c
+    config_key: str | None = None  # engine.<key>: the dataclass section holding its own knobs
+    summary: str = ""
+
+    @property
+    def trainable(self) -> bool:
+        return self.target is not None
+
+
+ENGINE_SPECS: dict[str, EngineSpec] = {
+    spec.name: spec for spec in (
+        EngineSpec("fsdp", "areal_cli.engines.fsdp:FSDPEngine", "dc", lambda _: FULL_SHARD, None,
+                   "PyTorch FSDP2 data parallel with Ulysses context parallel"),
+        EngineSpec("megatron", None, "dtpce",
+                   lambda _: Sharding(weights=False, grads=False, optimizer=True, gathers_layers=False),
+                   "megatron", "megatron-core TP/PP/DP with a distributed optimizer"),
+        EngineSpec("archon", None, "dtpc", lambda _: FULL_SHARD, None,
+                   "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP"),
+        EngineSpec("deepspeed", None, "dc", _deepspeed_sharding, "deepspeed", "DeepSpeed ZeRO-1/2/3"),
+    )
 }
+BUILTIN_ENGINES = tuple(ENGINE_SPECS)
 
 
-def register_engine(name: str, target: str) -> None:
-    """Register ``"module:Class"`` under ``name`` (used by other backends and plugins)."""
-    ENGINES[name] = target
+def is_import_path(name: str) -> bool:
+    return ":" in name and all(part.strip() for part in name.split(":", 1))
+
+
+def get_engine_spec(name: str) -> EngineSpec:
+    """The spec for a built-in backend name or a ``pkg.module:Class`` import path."""
+    spec = ENGINE_SPECS.get(name)
+    if spec is not None:
+        return spec
+    if is_import_path(name):
+        cls = _import_class(name)
+        return EngineSpec(name, name, str(getattr(cls, "dims", "d")), lambda _: FULL_SHARD, None,
+                          (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
+    from areal_cli.allocation.parser import did_you_mean
+
+    raise ConfigError("engine.name", f"unknown training engine {name!r}",
+                      f"{did_you_mean(name, ENGINE_SPECS)}use one of: {', '.join(ENGINE_SPECS)}, "
+                      "or a TrainEngine subclass as pkg.module:Class")
+
+
+def engine_dims(name: str) -> str:
+    return get_engine_spec(name).dims
+
+
+def trainable_engines() -> list[str]:
+    return [n for n, s in ENGINE_SPECS.items() if s.trainable]
+
+
+def register_engine(spec: EngineSpec) -> None:
+    """Register a backend spec under ``spec.name`` (in-process only: child processes see built-ins
+    and import paths, so a plugin meant for ``areal train`` is named by its import path)."""
+    ENGINE_SPECS[spec.name] = spec
 
 
 def get_engine_cls(name: str):
-    """The TrainEngine subclass registered as ``name``."""
-    target = ENGINES.get(name)
-    if target is None:
-        raise ConfigError("engine.name", f"unknown training engine {name!r}",
-                          f"use one of: {', '.join(sorted(ENGINES))}")
-    mod, cls = target.split(":")
-    return getattr(import_module(mod), cls)
+    """The TrainEngine subclass for ``name``; a typed error for a planned or unknown backend."""
+    spec = get_engine_spec(name)
+    if spec.target is None:
+        raise ConfigError("engine.name", f"the {name!r} training backend is validated and planned "
+                          "(validate-config, train --dry-run) but cannot train in this release",
+                          f"train with engine={' or engine='.join(trainable_engines())}")
+    return _import_class(spec.target)
+
+
+def _import_class(target: str):
+    from areal_cli.api.engine_api import TrainEngine
+
+    mod, _, attr = target.partition(":")
+    try:
+        cls = getattr(import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError("engine.name", f"cannot import the training engine {target!r} ({e})",
+                          "check the module path and that the package is installed in this environment") from None
+    if not (isinstance(cls, type) and issubclass(cls, TrainEngine)):
+        raise ConfigError("engine.name", f"{target!r} is not a TrainEngine subclass",
+                          "point engine.name at a class that implements areal_cli.api.engine_api.TrainEngine")
+    return cls

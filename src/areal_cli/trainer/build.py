@@ -151,7 +151,7 @@ def build_actor(cfg: Any, engine: Any, ref_engine: Any | None) -> Any:
 
     # Each rank holds whole groups of the step's batch, so batch-level statistics (batch mean/std,
     # REINFORCE++ whitening, adv_norm) need a sum over the data-parallel ranks.
-    reduce = getattr(engine, "dp_all_reduce", None) if getattr(engine, "dp_world_size", 1) > 1 else None
+    reduce = engine.dp_all_reduce if engine.dp_world_size > 1 else None
     return PPOActor(cfg.algo, engine, ref_engine=ref_engine, group_size=cfg.rollout.group_size,
                     max_new_tokens=cfg.rollout.gconfig.max_new_tokens, dp_allreduce=reduce)
 

@@ -81,12 +81,12 @@ def prepare_run_dir(cfg: Any, run_dir: str) -> None:
 
 def check_engine_available(cfg: Any) -> None:
     """Refuse, before anything starts, a training backend this release can plan but not run."""
-    from areal_cli.engines import ENGINES
+    from areal_cli.engines import get_engine_spec, trainable_engines
 
-    if cfg.engine.name not in ENGINES:
+    if not get_engine_spec(cfg.engine.name).trainable:
         raise ConfigError("engine.name", f"the {cfg.engine.name!r} training backend is validated and planned "
                           "(validate-config, train --dry-run) but cannot train in this release",
-                          f"train with engine={' or engine='.join(sorted(ENGINES))}")
+                          f"train with engine={' or engine='.join(trainable_engines())}")
 
 
 def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) -> int:

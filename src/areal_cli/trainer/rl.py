@@ -47,22 +47,39 @@ def broadcast_obj(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, rank: int, world: int) -> dict[str, Any]:
-    """Rank 0 splits ``batch`` (rows grouped by episode) into ``world`` equal runs of episodes."""
+def dp_rank_table(engine: Any) -> list[int]:
+    """The data-parallel rank of every global rank (collective; once per engine)."""
+    dist = _dist()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [engine.dp_rank]
+    table: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(table, int(engine.dp_rank))
+    return [int(r) for r in table]
+
+
+def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, dp_of_rank: list[int]) -> dict[str, Any]:
+    """Rank 0 splits ``batch`` (rows grouped by episode) into one equal run of episodes per
+    data-parallel replica; every rank of a replica (its tp/pp/cp ranks) receives that replica's run.
+
+    Splitting over the global world instead would hand the ranks of one replica different episodes,
+    and an engine that makes them agree (the replica's head wins) would silently drop the rest.
+    """
+    world = len(dp_of_rank)
     if world == 1:
-        assert batch is not None
+        if batch is None:
+            raise RuntimeError("internal: rank 0 has no batch to train on")
         return batch
     dist = _dist()
     parts: list[Any] | None = None
-    if rank == 0:
-        assert batch is not None
+    if dist.get_rank() == 0:
+        if batch is None:
+            raise RuntimeError("internal: rank 0 has no batch to train on")
+        dp = max(dp_of_rank) + 1
         rows = int(batch["input_ids"].shape[0])
-        per_ep = rows // n_episodes
-        eps_per_rank = n_episodes // world
-        parts = []
-        for r in range(world):
-            lo, hi = r * eps_per_rank * per_ep, (r + 1) * eps_per_rank * per_ep
-            parts.append({k: v[lo:hi] for k, v in batch.items()})
+        per_ep, eps_per_dp = rows // n_episodes, n_episodes // dp
+        runs = [{k: v[r * eps_per_dp * per_ep:(r + 1) * eps_per_dp * per_ep] for k, v in batch.items()}
+                for r in range(dp)]
+        parts = [runs[d] for d in dp_of_rank]
     out: list[Any] = [None]
     dist.scatter_object_list(out, parts, src=0)
     return out[0]
@@ -287,6 +304,7 @@ class RLTrainer:
         engine = build.build_engine(cfg, self.layout, policy_path)
         ref_engine = build.build_engine(cfg, self.layout, policy_path) if cfg.algo.kl_coef > 0 else None
         actor = build.build_actor(cfg, engine, ref_engine)
+        self.dp_of_rank = dp_rank_table(engine)
         critic_engine = None
         if cfg.algo.use_critic:
             optim = dataclasses.replace(cfg.algo.optim, lr=cfg.algo.critic_lr)
@@ -311,9 +329,7 @@ class RLTrainer:
             self.rollout.set_version(start_step)
             self.rollout.resume()
 
-        warm_up = getattr(engine, "warm_up", None)
-        if warm_up is not None:
-            warm_up()  # overlaps the servers' first batch (or the evaluation below)
+        engine.warm_up()  # overlaps the servers' first batch (or the evaluation below)
         if start_step == 0:
             before = self.evaluate(tokenizer, test_items, 0, phase="sft" if policy_path != self.model_path else "rl")
             if self.rank == 0 and before:
@@ -342,7 +358,7 @@ class RLTrainer:
         if self.rank == 0:
             gen_stats["rollout/server_restarts"] = float(self.restarts_synced)
         t_gen = time.perf_counter() - t0
-        local = scatter_batch(batch, self.cfg.algo.batch_size, self.rank, self.world)
+        local = scatter_batch(batch, self.cfg.algo.batch_size, self.dp_of_rank)
         t1 = time.perf_counter()
         train_stats = _ppo_step(actor, self.critic, local)
         t_train = time.perf_counter() - t1
@@ -353,7 +369,7 @@ class RLTrainer:
         gen_stats.pop("version", None)  # the executor's view; the step's policy version is `step`
         rec: dict[str, Any] = {**gen_stats, **{f"train/{k}" if "/" not in k else k: v
                                                for k, v in train_stats.items()}, "version": step}
-        rec.update(_batch_stats(local, self.world))
+        rec.update(_batch_stats(local, engine))
         step_s = time.perf_counter() - t0
         rec["perf/step_s"] = step_s
         rec["perf/gen_wait_s"] = t_gen
@@ -417,19 +433,17 @@ def _ppo_step(actor: Any, critic: Any | None, batch: dict[str, Any]) -> dict[str
     return stats
 
 
-def _batch_stats(batch: dict[str, Any], world: int) -> dict[str, float]:
-    """Reward/length stats of the local batch, summed or averaged over ranks."""
+def _batch_stats(batch: dict[str, Any], engine: Any) -> dict[str, float]:
+    """Reward/length stats of the step's batch: the local replica's run, summed over the data-parallel
+    replicas (the tp/pp/cp ranks of one replica hold the same rows and are counted once)."""
     import torch
 
-    dist = _dist()
     rew = batch["rewards"].float()
     gen = batch["loss_mask"].float().sum(dim=1)
     vec = torch.tensor([rew.sum().item(), float(rew.numel()), gen.sum().item(),
                         float(batch["attention_mask"].sum().item()), (rew > 0.5).float().sum().item()],
                        dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(vec)
-    s, n, g, tok, ok = vec.tolist()
+    s, n, g, tok, ok = engine.dp_all_reduce(vec).tolist()
     return {"reward/mean": s / max(n, 1), "reward/accuracy": ok / max(n, 1), "gen/mean_len": g / max(n, 1),
             "_tokens": tok, "_gen_tokens": g, "_rows": n}
 

@@ -3,7 +3,8 @@
 An SFT example is ``prompt (chat template) + target + eos``; the loss is the token-mean negative
 log-likelihood of the target and eos tokens (``algorithms.actor.sft_step``), normalised by
 the global token count inside ``engine.train_batch``. Every rank draws the same deterministic
-prompt stream and trains on its own slice of each batch, so no data has to be scattered.
+prompt stream; each data-parallel replica trains on its own slice of each batch (all ranks of a
+replica on the same slice), so no data has to be scattered.
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ def make_sft_batch(items: list[dict[str, Any]], tokenizer: Any, use_chat_templat
 
 
 def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: int, batch_size: int,
-                  rank: int, world: int, stats: Any, use_chat_template: bool = True,
-                  kind: str = "sft", first_step: int = 1) -> dict[str, float]:
+                  stats: Any, use_chat_template: bool = True, kind: str = "sft", first_step: int = 1) -> dict[str, float]:
     """``steps`` optimizer steps; logs ``sft/loss`` per step. Returns the last step's stats."""
     from areal_cli.algorithms.actor import sft_step
 
@@ -73,11 +73,11 @@ def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: i
         t0 = time.perf_counter()
         items = stream.take(batch_size)
         stream.mark_consumed([it["_pos"] for it in items])
-        mine = items[rank::world]
+        mine = items[engine.dp_rank::engine.dp_world_size]  # every rank of a replica trains its replica's items
         batch = make_sft_batch(mine, tokenizer, use_chat_template)
         out = sft_step(engine, batch)
         dt = time.perf_counter() - t0
-        tokens = float(batch["attention_mask"].sum()) * world
+        tokens = float(batch["attention_mask"].sum()) * engine.dp_world_size
         last = {"sft/loss": float(out.get("loss", out.get("nll", 0.0))), "sft/lr": out.get("lr"),
                 "sft/grad_norm": out.get("grad_norm"), "perf/train_tokens_per_s": tokens / max(dt, 1e-9),
                 "perf/step_s": dt}
@@ -109,7 +109,7 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     with torch_threads(max(1, (os.cpu_count() or 1) // local_world)):
         last = run_sft_steps(engine, stream, tokenizer, steps=tc.sft_warmup_steps,
-                             batch_size=tc.sft_batch_size, rank=rank, world=world, stats=stats,
+                             batch_size=tc.sft_batch_size, stats=stats,
                              use_chat_template=cfg.dataset.use_chat_template)
     from areal_cli.api.io_struct import SaveLoadMeta
 
@@ -179,8 +179,8 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
         for boundary in (tc.recover_every, tc.eval_every, tc.save_every):
             if boundary:
                 chunk = min(chunk, boundary - step % boundary)
-        run_sft_steps(engine, stream, tokenizer, steps=chunk, batch_size=cfg.algo.batch_size, rank=rank,
-                      world=world, stats=stats, use_chat_template=cfg.dataset.use_chat_template,
+        run_sft_steps(engine, stream, tokenizer, steps=chunk, batch_size=cfg.algo.batch_size, stats=stats,
+                      use_chat_template=cfg.dataset.use_chat_template,
                       first_step=step + 1)
         step += chunk
         engine.set_version(step)
