@@ -1,0 +1,82 @@
+"""Apply Archon's parallelisms to an HF causal LM or to one pipeline stage of it, in torchtitan's
+order: tensor parallel → activation checkpointing → FSDP2.
+
+TP first, because FSDP2 shards the TP DTensors once more over the ``dp×cp`` mesh (2-D parameters);
+checkpointing before FSDP, so the recompute sits inside the FSDP unit and re-uses its gathered
+parameters. Checkpointing uses HF's own per-layer hook (``GradientCheckpointingLayer``) rather than
+torch's ``checkpoint_wrapper``, which would rename every parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch.nn as nn
+
+from areal_cli.engines.archon import tp_plans
+from areal_cli.engines.archon.mesh import ArchonMesh
+
+
+def _owned_layers(model: nn.Module) -> list[nn.Module]:
+    """Decoder layers that hold parameters (a pipeline stage skips the others)."""
+    return [layer for layer in model.model.layers if any(True for _ in layer.parameters())]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (non-reentrant checkpoint, parameter names kept)."""
+    from torch.utils.checkpoint import checkpoint
+
+    fn = functools.partial(checkpoint, use_reentrant=False)
+    for layer in _owned_layers(model):
+        if not hasattr(layer, "_gradient_checkpointing_func") and not hasattr(type(layer), "gradient_checkpointing"):
+            raise TypeError(f"{type(layer).__name__} is not an HF GradientCheckpointingLayer")
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = fn
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+
+
+def apply_fsdp(model: nn.Module, fsdp_mesh: Any, *, param_dtype=None, reduce_dtype=None,
+               reshard_after_forward: bool = True) -> None:
+    """``fully_shard`` every owned decoder layer, then the root (embeddings, final norm, head).
+
+    Gradients are summed over ranks (divide factor 1, plain SUM collectives as gloo has no AVG):
+    the engine scales each micro-batch loss by its share of the global weight already.
+    Under pipelining pass ``reshard_after_forward=False``: several micro-batches run forward
+    before their backward, and re-gathering the parameters for each would multiply the traffic.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in _owned_layers(model):
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model: nn.Module, mesh: ArchonMesh, *, activation_checkpointing: bool = False,
+                param_dtype=None, reduce_dtype=None, vocab_parallel: bool = True,
+                pipelined: bool = False, force_fsdp: bool = False) -> nn.Module:
+    """TP → activation checkpointing → FSDP2 on ``model`` (in place; returned for chaining).
+
+    ``model``: an HF causal LM or a :class:`~.pipeline.StageModule`. FSDP is skipped when ``dp×cp``
+    is one rank and no mixed precision is asked (as torchtitan: nothing to shard, and FSDP's hooks
+    cost time), unless ``force_fsdp``.
+    """
+    from areal_cli.engines.archon.pipeline import StageModule
+
+    if mesh.dims.tp > 1:
+        tp_plans.apply_tp(model, mesh.tp_mesh, vocab_parallel=vocab_parallel)
+        if isinstance(model, StageModule):
+            model.seq_mesh = mesh.tp_mesh  # hidden states between stages are sequence slices
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    mixed = param_dtype is not None or reduce_dtype is not None
+    if mesh.fsdp_mesh.size() > 1 or mixed or force_fsdp:
+        apply_fsdp(model, mesh.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   reshard_after_forward=not pipelined)
+    return model

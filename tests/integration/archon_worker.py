@@ -1,0 +1,294 @@
+"""Worker process for the Archon parallelism tests (one process per rank, gloo on CPU).
+
+Run through :func:`fsdp_worker.launch` with a JSON spec whose ``variants`` each name a layout. Every
+variant builds the same tiny model from config (fp32, seed 0), runs two training steps on the same
+global batches as :func:`reference` (the one-process HF model), and rank 0 saves loss, full
+gradients after the first backward, gradient norms and full weights after the second step to
+``<out>/<name>.pt``. The ``vocab`` variant checks vocab-parallel logprobs/entropy and their
+gradients against the full-vocabulary computation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+V = 256
+ROWS = 8  # global batch rows
+MB_ROWS = 2  # rows per micro-batch
+STEP_LENS = (24, 16)  # a new sequence length each step
+TEMPERATURE = 0.7
+MAX_NORM = 1.0  # below the gradient norm, so clipping scales the gradients
+LR = 1e-3
+# Adam's update g/(|g|+eps) turns fp32 rounding noise on gradients that are zero up to rounding
+# (1e-9, from cancellation) into O(lr) weight differences when eps is tiny; eps=1e-5 keeps the
+# comparison about the parallelism, not about dividing noise by noise.
+ADAM_EPS = 1e-5
+
+
+def build_model(family: str = "qwen2", tied: bool = False, layers: int = 4):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=tied, pad_token_id=0, attn_implementation="sdpa")
+    cfg = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[family](**common)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def make_batch(step: int):
+    """Right-padded rows; loss on every real token after the first 4 (as an RL completion)."""
+    import torch
+
+    L = STEP_LENS[step]
+    g = torch.Generator().manual_seed(100 + step)
+    lens = torch.randint(L // 2, L + 1, (ROWS,), generator=g)
+    lens[0] = L
+    am = torch.arange(L)[None] < lens[:, None]
+    ids = torch.randint(1, V, (ROWS, L), generator=g) * am
+    lm = am.float()
+    lm[:, :4] = 0
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "advantages": torch.randn(ROWS, L, generator=g)}
+
+
+def mb_loss(lp, ent, mb):
+    """Mean over the micro-batch's loss tokens (position ``t`` predicts token ``t+1``)."""
+    m = mb["loss_mask"][:, 1:]
+    n = m.sum().clamp(min=1)
+    pg = -(lp * mb["advantages"][:, 1:] * m).sum() / n
+    return pg - 0.01 * (ent * m).sum() / n
+
+
+def mb_weight(mb) -> float:
+    return float(mb["loss_mask"][:, 1:].sum())
+
+
+def masks_and_positions(batch):
+    import torch
+
+    from areal_cli.data.packing import padded_causal_mask
+
+    B, L = batch["input_ids"].shape
+    return padded_causal_mask(batch["attention_mask"]), torch.arange(L)[None].expand(B, L).contiguous()
+
+
+def split_rows(batch, lo: int, hi: int):
+    return {k: v[lo:hi] for k, v in batch.items()}
+
+
+def reference(family: str, tied: bool) -> dict:
+    """One process, plain HF model and torch's clip_grad_norm_: the numbers every layout must match."""
+    import torch
+
+    from areal_cli.engines.archon.vocab_parallel import full_logprobs_entropy
+
+    torch.manual_seed(0)
+    model = build_model(family, tied)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, foreach=False)
+    res: dict = {"losses": [], "grad_norms": []}
+    for step in range(len(STEP_LENS)):
+        batch = make_batch(step)
+        mask, pos = masks_and_positions(batch)
+        total_w = mb_weight(batch)
+        loss_sum = 0.0
+        for lo in range(0, ROWS, MB_ROWS):
+            mb = split_rows(batch, lo, lo + MB_ROWS)
+            logits = model(input_ids=mb["input_ids"], position_ids=pos[lo:lo + MB_ROWS],
+                           attention_mask=mask[lo:lo + MB_ROWS], use_cache=False).logits
+            lp, ent = full_logprobs_entropy(logits[:, :-1], mb["input_ids"][:, 1:], TEMPERATURE)
+            loss = mb_loss(lp, ent, mb) * (mb_weight(mb) / total_w)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        res["losses"].append(loss_sum)
+        if step == 0:
+            res["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        res["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=False)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    res["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return res
+
+
+# ---------------------------------------------------------------------------- parallel side
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _gather_named(named, mesh, what: str) -> dict | None:
+    """Full tensors (``what`` = "grad" or "data") of this rank's parameters, merged on rank 0."""
+    import torch.distributed as dist
+
+    mine = {}
+    for name, p in named:
+        t = p.grad if what == "grad" else p.data
+        if t is None:
+            continue
+        full = _full(t).detach().clone()  # collective over the parameter's own mesh
+        if mesh.dp_rank == 0 and mesh.tp_rank == 0:
+            mine[name] = full
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    if dist.get_rank() != 0:
+        return None
+    out: dict = {}
+    for d in parts:
+        for k, v in d.items():
+            if k in out:
+                assert (out[k] - v).abs().max() == 0, k  # a stage's copies agree
+            out[k] = v
+    return out
+
+
+def _named(model, pipe, tied: bool):
+    """HF names; the last stage's tied copy of the embedding is reported as ``tied_copy``."""
+    items = list(pipe.named_parameters()) if pipe is not None else list(model.named_parameters())
+    out = []
+    for m_name, p in items:
+        if pipe is not None and tied and m_name == "lm_head.weight":
+            out.append(("tied_copy", p))
+        else:
+            out.append((m_name, p))
+    return out
+
+
+def run_variant(v: dict, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.engines.archon import clip, pipeline, vocab_parallel
+    from areal_cli.engines.archon.mesh import ParallelDims
+    from areal_cli.engines.archon.parallelize import parallelize
+
+    dims = ParallelDims(pp=v.get("pp", 1), dp=v.get("dp", 1), tp=v.get("tp", 1))
+    mesh = dims.build("cpu")
+    family, tied = v.get("family", "qwen2"), v.get("tied", False)
+    model = build_model(family, tied)
+    ac = v.get("ac", False)
+    pipe = None
+    if dims.pp > 1:
+        mods = pipeline.build_stage_modules(model, pp_rank=mesh.pp_rank, pp_size=dims.pp,
+                                            schedule=v["schedule"], virtual_stages=v.get("virtual", 1),
+                                            layers_per_stage=v.get("layers_per_stage"))
+        for m in mods:
+            parallelize(m, mesh, activation_checkpointing=ac, pipelined=True)
+        pipe = pipeline.Pipeline(mods, mesh, v["schedule"], torch.device("cpu"))
+        params, norm_params = pipe.parameters(), pipe.norm_parameters()
+    else:
+        parallelize(model, mesh, activation_checkpointing=ac)
+        params = norm_params = list(model.parameters())
+    model.train()
+    if pipe is not None:
+        for m in pipe.modules:
+            m.train()
+    opt = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS, foreach=False)
+    tp_group = mesh.tp_group if dims.tp > 1 else None
+    rows = ROWS // dims.dp
+    res: dict = {"losses": [], "grad_norms": []}
+    for step in range(len(STEP_LENS)):
+        gbatch = make_batch(step)
+        total_w = mb_weight(gbatch)
+        mask, pos = masks_and_positions(gbatch)
+        lo0 = mesh.dp_rank * rows
+        batch = split_rows(gbatch, lo0, lo0 + rows)
+        mask, pos = mask[lo0:lo0 + rows], pos[lo0:lo0 + rows]
+        mbs = [split_rows(batch, lo, lo + MB_ROWS) for lo in range(0, rows, MB_ROWS)]
+
+        def logp_ent(logits, mb):
+            return vocab_parallel.logprobs_entropy(logits[:, :-1], mb["input_ids"][:, 1:], TEMPERATURE,
+                                                   group=tp_group, vocab_size=V)
+
+        mine = 0.0
+        if pipe is not None:
+            loss = pipeline.MicroBatchLoss(lambda out, i: (mb_loss(*logp_ent(out, mbs[i]), mbs[i]), {}),
+                                           [mb_weight(mb) for mb in mbs], total_w)
+            pipe.train_step(batch["input_ids"], n_microbatches=len(mbs), loss=loss, position_ids=pos,
+                            attention_mask=mask)
+            if pipe.has_last and mesh.tp_rank == 0:
+                assert sorted(loss.scaled_losses) == list(range(len(mbs)))
+                mine = sum(loss.scaled_losses.values())
+        else:
+            for k, mb in enumerate(mbs):
+                sl = slice(k * MB_ROWS, (k + 1) * MB_ROWS)
+                logits = model(input_ids=mb["input_ids"], position_ids=pos[sl], attention_mask=mask[sl],
+                               use_cache=False).logits
+                lo = mb_loss(*logp_ent(logits, mb), mb) * (mb_weight(mb) / total_w)
+                lo.backward()
+                mine += float(lo.detach()) if mesh.tp_rank == 0 else 0.0
+        t = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(t)
+        res["losses"].append(float(t))
+        if step == 0:
+            res["grads"] = _gather_named(_named(model, pipe, tied), mesh, "grad")
+        res["grad_norms"].append(clip.clip_grad_norm_(params, MAX_NORM, pp_group=mesh.pp_group,
+                                                      norm_parameters=norm_params))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    res["weights"] = _gather_named(_named(model, pipe, tied), mesh, "data")
+    res["coords"] = _coords(mesh)
+    if dist.get_rank() == 0:
+        import torch as _t
+
+        _t.save(res, Path(out_dir) / f"{v['name']}.pt")
+    dist.barrier()
+
+
+def _coords(mesh) -> list:
+    import torch.distributed as dist
+
+    me = {"rank": dist.get_rank(), "pp": mesh.pp_rank, "dp": mesh.dp_rank, "cp": mesh.cp_rank,
+          "tp": mesh.tp_rank, "head": mesh.is_dp_head, "head_rank": mesh.dp_head_rank,
+          "tp_ranks": mesh.ranks("tp"), "fsdp_ranks": mesh.ranks("dp_cp")}
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, me)
+    return out
+
+
+def run_vocab(v: dict, out_dir: str) -> None:
+    """Vocab-parallel logprobs/entropy and their gradients vs the full vocabulary (even and uneven
+    vocab slices)."""
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.engines.archon.vocab_parallel import full_logprobs_entropy, logprobs_entropy, vocab_range
+
+    res = {}
+    for vocab in (256, 251):
+        g = torch.Generator().manual_seed(vocab)
+        full = torch.randn(3, 10, vocab, generator=g) * 3
+        tgt = torch.randint(0, vocab, (3, 10), generator=g)
+        w_lp, w_ent = torch.randn(3, 10, generator=g), torch.randn(3, 10, generator=g)
+        ref = full.clone().requires_grad_(True)
+        lp_r, ent_r = full_logprobs_entropy(ref, tgt, TEMPERATURE)
+        ((lp_r * w_lp).sum() + (ent_r * w_ent).sum()).backward()
+        start, end = vocab_range(vocab, dist.group.WORLD)
+        local = full[..., start:end].clone().requires_grad_(True)
+        lp, ent = logprobs_entropy(local, tgt, TEMPERATURE, group=dist.group.WORLD, vocab_size=vocab)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local.grad)
+        res[vocab] = {"lp": (lp - lp_r).abs().max().item(), "ent": (ent - ent_r).abs().max().item(),
+                      "grad": (torch.cat(parts, dim=-1) - ref.grad).abs().max().item(),
+                      "grad_scale": ref.grad.abs().max().item()}
+    if dist.get_rank() == 0:
+        torch.save(res, Path(out_dir) / f"{v['name']}.pt")
+    dist.barrier()
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    spec = json.loads(sys.argv[1])
+    sys.path.insert(0, str(Path(__file__).parent))
+    from areal_cli.engines.dist import init_distributed
+
+    init_distributed("gloo")
+    for v in spec["variants"]:
+        (run_vocab if v.get("kind") == "vocab" else run_variant)(v, spec["out"])
+
+
+if __name__ == "__main__":
+    main()
