@@ -34,6 +34,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from areal_cli.rewards.outcome import Reward
 from areal_cli.utils.procs import die_with_parent
 
 _FENCE_RE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -270,7 +271,7 @@ def _compiles(program: str) -> bool:
 
 
 def code_reward(prompt: str, completion: str, answer: str, timeout_s: float = 5.0, memory_mb: int = 512,
-                **_) -> float:
+                **_) -> Reward:
     """1.0 if the completion's program passes every test, else 0.0 (see :func:`parse_tests`).
 
     An unrecognised reference raises ValueError. An empty or unparseable program scores 0 without
@@ -280,14 +281,14 @@ def code_reward(prompt: str, completion: str, answer: str, timeout_s: float = 5.
     tests = parse_tests(answer)
     program = extract_code(completion)
     if not program.strip() or not _compiles(program):
-        return 0.0
+        return Reward.of(False)
     if tests.cases is not None:
         for stdin, want in tests.cases:
             res = run_sandboxed(program, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb)
             if not res.ok or not _same_output(res.stdout, want):
-                return 0.0
-        return 1.0
+                return Reward.of(False)
+        return Reward.of(True)
     token = secrets.token_hex(16)
     payload = json.dumps({"program": program, "tests": tests.code, "token": token})
     res = run_sandboxed(_ASSERT_HARNESS, stdin=payload, timeout_s=timeout_s, memory_mb=memory_mb)
-    return float(res.ok and res.stdout.rstrip().endswith(token))
+    return Reward.of(res.ok and res.stdout.rstrip().endswith(token))

@@ -10,6 +10,7 @@ import threading
 
 from areal_cli.rewards.builtin import numeric_reward
 from areal_cli.rewards.extract import extract_after_hashes, parse_number, reference_answer
+from areal_cli.rewards.outcome import Reward
 
 
 def _gold_text(answer: str) -> str:
@@ -19,7 +20,7 @@ def _gold_text(answer: str) -> str:
     return f"${ref}$" if "\\" in ref else ref
 
 
-def math_reward(prompt: str, completion: str, answer: str, **_) -> float:
+def math_reward(prompt: str, completion: str, answer: str, **_) -> Reward:
     """1.0 if math-verify finds the completion's answer equivalent to the reference."""
     from math_verify import parse, verify
 
@@ -33,5 +34,5 @@ def math_reward(prompt: str, completion: str, answer: str, **_) -> float:
     marked = None if "\\boxed" in completion else extract_after_hashes(completion)
     pred = parse(marked if marked else completion, parsing_timeout=t)
     if not pred:
-        return 0.0
-    return float(verify(gold, pred, timeout_seconds=t))
+        return Reward.of(False)
+    return Reward.of(bool(verify(gold, pred, timeout_seconds=t)))

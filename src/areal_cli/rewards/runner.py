@@ -4,7 +4,8 @@ Workers are started with ``spawn`` (or ``forkserver``), never ``fork``: the trai
 threads. Each worker serves one call at a time over a pipe. A call that raises, hangs past
 ``timeout_s`` (its worker is killed and replaced), kills its worker, or returns something that is
 not a finite number yields reward 0.0 and is counted in :attr:`AsyncRewardRunner.stats`; nothing
-propagates to the caller.
+propagates to the caller. A result that states its correctness (:class:`~areal_cli.rewards.outcome.Reward`
+or a bool) keeps it; a failed call is 0.0 with unknown correctness.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import signal
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
+
+from areal_cli.rewards.outcome import as_outcome, correctness
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +213,7 @@ class AsyncRewardRunner:
             if val is None:
                 return self._fail("garbage", f"not a finite number: {payload!r:.200}")
             self.stats.ok += 1
-            return val
+            return as_outcome(payload) if correctness(payload) is not None else val
         return self._fail("garbage" if kind == "garbage" else "error", str(payload))
 
     async def score_many(self, items: list[tuple[str, str, str]], **kw: Any) -> list[float]:

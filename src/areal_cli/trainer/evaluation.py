@@ -1,10 +1,13 @@
 """Held-out evaluation through the inference servers (so it measures exactly what they serve).
 
 - ``eval/pass@1``: one greedy completion per test item (``rollout.eval_gconfig``), correct when the
-  reward is > 0.5.
+  reward function says so (``rewards.outcome``; every built-in reward does). ``eval/reward_mean`` is
+  the greedy completions' mean reward.
 - with ``trainer.eval_n_samples = n > 1``: ``n`` sampled completions per item at the rollout
   temperature; ``eval/pass@n`` is the fraction of items with at least one correct sample and
   ``eval/mean@n`` the mean per-sample accuracy (the unbiased pass@1 estimate under sampling).
+- A reward function that returns plain numbers states no correctness: the pass/mean metrics count
+  only completions whose correctness is known and are left out when there are none.
 
 Runs on trainer rank 0 with its own client on its own event loop; it does not touch the rollout
 executor's queues beyond pausing admissions, so the staleness accounting is unaffected.
@@ -20,6 +23,7 @@ from typing import Any
 async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
                       reward_fn: Any, concurrency: int) -> dict[str, float]:
     from areal_cli.api.io_struct import ModelRequest
+    from areal_cli.rewards.outcome import correctness
     from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
     from areal_cli.trainer import build
 
@@ -29,23 +33,29 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
     sampled = with_eos_stop(build.build_gconfig(cfg.rollout.gconfig, tokenizer, greedy=False), tokenizer)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(item: dict, gconfig: Any) -> tuple[bool, int]:
+    async def one(item: dict, gconfig: Any) -> tuple[bool | None, int, float]:
         prompt = build_prompt(tokenizer, item, cfg.dataset.use_chat_template)
         async with sem:
             resp = await client.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=gconfig))
         reward = await call_reward(reward_fn, prompt.text, decode(tokenizer, resp.output_tokens),
                                    item.get("answer"))
-        return float(reward) > 0.5, len(resp.output_tokens)
+        return correctness(reward), len(resp.output_tokens), float(reward)
 
     try:
         greedy_res = await asyncio.gather(*[one(it, greedy) for it in items])
-        out = {"eval/pass@1": sum(ok for ok, _ in greedy_res) / len(items),
-               "eval/mean_len": sum(ln for _, ln in greedy_res) / len(items), "eval/n_items": float(len(items))}
+        out = {"eval/reward_mean": sum(r for _, _, r in greedy_res) / len(items),
+               "eval/mean_len": sum(ln for _, ln, _ in greedy_res) / len(items), "eval/n_items": float(len(items))}
+        known = [ok for ok, _, _ in greedy_res if ok is not None]
+        if known:
+            out["eval/pass@1"] = sum(known) / len(known)
         if n > 1:
             per_item = await asyncio.gather(*[asyncio.gather(*[one(it, sampled) for _ in range(n)])
                                               for it in items])
-            out[f"eval/pass@{n}"] = sum(any(ok for ok, _ in r) for r in per_item) / len(items)
-            out[f"eval/mean@{n}"] = sum(ok for r in per_item for ok, _ in r) / (len(items) * n)
+            per_item = [[ok for ok, _, _ in r if ok is not None] for r in per_item]
+            judged = [r for r in per_item if r]
+            if judged:
+                out[f"eval/pass@{n}"] = sum(any(r) for r in judged) / len(judged)
+                out[f"eval/mean@{n}"] = sum(sum(r) for r in judged) / sum(len(r) for r in judged)
     finally:
         close = getattr(client, "aclose", None) or getattr(client, "close", None)
         if close is not None:

@@ -438,14 +438,19 @@ def _batch_stats(batch: dict[str, Any], engine: Any) -> dict[str, float]:
     replicas (the tp/pp/cp ranks of one replica hold the same rows and are counted once)."""
     import torch
 
+    from areal_cli.rewards.outcome import correct_counts
+
     rew = batch["rewards"].float()
     gen = batch["loss_mask"].float().sum(dim=1)
     vec = torch.tensor([rew.sum().item(), float(rew.numel()), gen.sum().item(),
-                        float(batch["attention_mask"].sum().item()), (rew > 0.5).float().sum().item()],
+                        float(batch["attention_mask"].sum().item()), *correct_counts(batch)],
                        dtype=torch.float64)
-    s, n, g, tok, ok = engine.dp_all_reduce(vec).tolist()
-    return {"reward/mean": s / max(n, 1), "reward/accuracy": ok / max(n, 1), "gen/mean_len": g / max(n, 1),
-            "_tokens": tok, "_gen_tokens": g, "_rows": n}
+    s, n, g, tok, ok, known = engine.dp_all_reduce(vec).tolist()
+    out = {"reward/mean": s / max(n, 1), "gen/mean_len": g / max(n, 1), "_tokens": tok, "_gen_tokens": g,
+           "_rows": n}
+    if known:  # correctness as the reward function stated it (rewards.outcome), over the rows that did
+        out["reward/accuracy"] = ok / known
+    return out
 
 
 def _prune_weight_dirs(root: Path, keep: int) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.io_struct import GenerationConfig
 from areal_cli.errors import ConfigError, DataError
+from areal_cli.rewards.outcome import as_outcome, correct_code
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -137,14 +138,16 @@ def is_async_callable(fn: Any) -> bool:
 
 
 async def call_reward(fn: RewardFn, prompt: str, completion: str, answer: Any) -> float:
-    """Await an async reward callable; run a sync one in a worker thread so the loop keeps going."""
+    """Await an async reward callable; run a sync one in a worker thread so the loop keeps going.
+
+    The result keeps the correctness the function stated (a :class:`~areal_cli.rewards.outcome.Reward`)."""
     if is_async_callable(fn):
         res = await fn(prompt, completion, answer)  # type: ignore[misc]
     else:
         res = await asyncio.to_thread(fn, prompt, completion, answer)
         if inspect.isawaitable(res):
             res = await res
-    return float(res)
+    return as_outcome(res)
 
 
 async def call_rewards(fn: RewardFn, prompt: str, completions: list[str], answer: Any) -> list[float]:
@@ -158,7 +161,7 @@ async def call_rewards(fn: RewardFn, prompt: str, completions: list[str], answer
 
     out = []
     for res in await asyncio.to_thread(run):
-        out.append(float(await res) if inspect.isawaitable(res) else float(res))
+        out.append(as_outcome(await res) if inspect.isawaitable(res) else as_outcome(res))
     return out
 
 
@@ -209,8 +212,12 @@ def build_row(segments: list[Segment]) -> "dict[str, torch.Tensor]":
 
 def stack_rows(rows: list["dict[str, torch.Tensor]"], rewards: list[float], no_eos: list[bool],
                group_id: int, pad_id: int, meta: dict[str, Any] | None = None,
-               extra: "dict[str, torch.Tensor] | None" = None) -> "Trajectory":
-    """Right-pad rows into one group :class:`Trajectory` with per-sequence rewards and masks."""
+               extra: "dict[str, torch.Tensor] | None" = None,
+               correct: list[bool | None] | None = None) -> "Trajectory":
+    """Right-pad rows into one group :class:`Trajectory` with per-sequence rewards and masks.
+
+    ``correct`` [G] (int8: 1 correct, 0 wrong, -1 unknown) comes from ``correct`` when given, else
+    from the correctness each reward carries (:mod:`areal_cli.rewards.outcome`)."""
     import torch
 
     from areal_cli.api.workflow_api import Trajectory
@@ -225,6 +232,8 @@ def stack_rows(rows: list["dict[str, torch.Tensor]"], rewards: list[float], no_e
     n = len(rows)
     data["rewards"] = torch.tensor(rewards, dtype=torch.float32)
     data["seq_no_eos_mask"] = torch.tensor(no_eos, dtype=torch.bool)
+    data["correct"] = torch.tensor([correct_code(c) for c in (rewards if correct is None else correct)],
+                                   dtype=torch.int8)
     data["group_id"] = torch.full((n,), group_id, dtype=torch.long)
     if extra:
         data.update(extra)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
+from areal_cli.rewards.outcome import correctness
 from areal_cli.rollout.workflows.common import (
     check_group_and_reward,
     Prompt,
@@ -36,6 +37,7 @@ class _Dialogue:
     segments: list[Segment]
     reward: float = 0.0
     raw_reward: float = 0.0
+    correct: bool | None = None  # the last attempt's, as the reward function stated it
     turns: int = 0
     no_eos: bool = False
     n_resumes: int = 0
@@ -46,7 +48,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
     """Up to ``max_turns`` attempts per sample; after a wrong attempt the chat gets
     ``{"role": "user", "content": feedback}`` and the model answers again in the same sequence.
 
-    An attempt is correct when its reward is ``>= success_threshold``. The sample's reward is the last
+    An attempt is correct when the reward function says so (:class:`~areal_cli.rewards.outcome.Reward`,
+    as every built-in reward returns); for a function that returns a plain number, when its reward is
+    ``>= success_threshold``. The sample's reward is the last
     attempt's reward times ``turn_discount ** (turns - 1)``. ``loss_mask`` is True only on tokens the model
     generated; feedback and chat-template tokens are context (version -1, logprob 0). Data items are the
     same as for :class:`~areal_cli.rollout.workflows.rlvr.RLVRWorkflow`; ``group_size`` dialogues run
@@ -89,7 +93,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
                 "n_resumes": sum(d.n_resumes for d in dialogues),
                 "raw_rewards": [d.raw_reward for d in dialogues]}
         return stack_rows(rows, [d.reward for d in dialogues], [d.no_eos for d in dialogues],
-                          next_group_id(), self.pad_id, meta, extra)
+                          next_group_id(), self.pad_id, meta, extra, correct=[d.correct for d in dialogues])
 
     async def _dialogue(self, engine: "InferenceEngine", prompt: Prompt, answer: Any) -> _Dialogue:
         d = _Dialogue(segments=[Segment(list(prompt.ids))])
@@ -105,7 +109,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
             completion = decode(self.tokenizer, out)
             d.completions.append(completion)
             d.raw_reward = await call_reward(self.reward_fn, prompt.text, completion, answer)
-            if d.raw_reward >= self.success_threshold or turn + 1 == self.max_turns:
+            d.correct = correctness(d.raw_reward)
+            solved = d.correct if d.correct is not None else d.raw_reward >= self.success_threshold
+            if solved or turn + 1 == self.max_turns:
                 break
             tail = self._feedback_ids(messages, out, completion)
             if self.max_context_len is not None and \
