@@ -65,7 +65,8 @@ from areal_cli.errors import ConfigError  # noqa: E402
     ["algo=rloo"],
     ["algo=reinforce_pp", "algo.adv_estimator=reinforce_pp_baseline"],
     ["algo=grpo", "algo.mean_level=batch"],  # std over a group of one is 0: A = (r - mean) / eps
-    ["algo=dapo", "algo.ppo_n_minibatches=1"],  # dynamic sampling drops every group of one (its rewards are trivially equal)
+    # dynamic sampling drops every group of one (its rewards are trivially equal)
+    ["algo=dapo", "algo.ppo_n_minibatches=1"],
 ])
 def test_group_size_one_is_a_config_error(overrides):
     """With one sample per prompt the group baseline is the sample itself: training would run on

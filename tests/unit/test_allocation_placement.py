@@ -141,7 +141,7 @@ def test_default_plan_is_the_cpu_default():
     (("algo.temperature=0.5",), "algo.temperature", "differs from rollout.gconfig.temperature", None),
     (("engine.max_tokens_per_mb=16",), "engine.max_tokens_per_mb", "smaller than one sequence", None),
     (("cluster.device=gpu",), "cluster.device", "unknown value 'gpu'", None),
-    (("rollout.group_size=0",), "rollout.group_size", "must be at least 1", None),
+    (("rollout.group_size=0",), "rollout.group_size", "out of range: must be in [1, inf)", None),
     (("model.num_key_value_heads=3",), "model.num_key_value_heads", "does not divide", None),
     (("cluster=gpu_1x8", "allocation_mode=sglang:d4+megatron:d3e2", "model=qwen3_30b_a3b"),
      "allocation_mode.spec", "expert parallel e=2 must divide d×c=3", "e"),

@@ -42,7 +42,8 @@ def tok(tiny_model_dir):
     ("numeric", "#### 5", "5", True), ("numeric", "#### 6", "5", False),
     ("exact", "Paris", "Paris", True), ("exact", "Lyon", "Paris", False),
     ("math", r"\boxed{\frac{1}{2}}", "0.5", True), ("math", r"\boxed{3}", "0.5", False),
-    ("code", "```python\nprint(int(input()) * 2)\n```", json.dumps({"inputs": ["2"], "outputs": ["4"]}), True),
+    ("code", "```python\nprint(int(input()) * 2)\n```", json.dumps({"inputs": ["2"], "outputs": ["4"]}),
+     True),
     ("code", "```python\nprint(3)\n```", json.dumps({"inputs": ["2"], "outputs": ["4"]}), False),
 ])
 def test_builtin_rewards_return_their_correctness(name, completion, answer, ok):
@@ -66,7 +67,8 @@ def test_correctness_crosses_the_reward_worker_processes():
 def test_rlvr_trajectory_carries_the_reward_functions_correctness(tok):
     eng = FakeEngine(token_delay=0)
     eos = tok.eos_token_id
-    eng.scripted = [tok.encode("5", add_special_tokens=False) + [eos], tok.encode("6", add_special_tokens=False) + [eos]]
+    eng.scripted = [tok.encode("5", add_special_tokens=False) + [eos],
+                    tok.encode("6", add_special_tokens=False) + [eos]]
     wf = RLVRWorkflow(partial_credit, GenerationConfig(max_new_tokens=4), tok, group_size=2)
     traj = asyncio.run(wf.arun_episode(eng, {"prompt": "2+3?", "answer": "5"}))
     assert traj.data["rewards"].tolist() == pytest.approx([0.3, 0.9])
@@ -121,7 +123,8 @@ def test_evaluation_uses_the_reward_functions_correctness(tok, monkeypatch):
                        "trainer.eval_n_samples=2"])
     eos = tok.eos_token_id
     eng = FakeEngine(token_delay=0)
-    five, six = tok.encode("5", add_special_tokens=False) + [eos], tok.encode("6", add_special_tokens=False) + [eos]
+    five = tok.encode("5", add_special_tokens=False) + [eos]
+    six = tok.encode("6", add_special_tokens=False) + [eos]
     # Greedy: "5" for both items (right, reward 0.3). Samples: item 1 "6", "5"; item 2 "6", "6"
     # (a wrong "6" earns 0.9).
     eng.scripted = [five, five, six, five, six, six]

@@ -41,7 +41,8 @@ FORMATS = {
 }
 # A correct solution in every format: stdin programs for the I/O formats, a function for asserts.
 SOLUTION = ("```python\ndef double(x):\n    return 2 * x\n\nif __name__ == '__main__':\n"
-            "    import sys\n    data = sys.stdin.read().split()\n    if data:\n        print(double(int(data[0])))\n```")
+            "    import sys\n    data = sys.stdin.read().split()\n    if data:\n"
+            "        print(double(int(data[0])))\n```")
 WRONG = SOLUTION.replace("2 * x", "x + 2")  # right on the first case only
 
 

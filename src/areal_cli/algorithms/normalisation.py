@@ -115,7 +115,8 @@ LOSS_AGG: dict[str, Callable[..., torch.Tensor]] = {
 NORMED_LOSS_AGGS = ("seq-mean-token-sum-norm",)
 
 
-def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm: float | None = None) -> torch.Tensor:
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
+                   norm: float | None = None) -> torch.Tensor:
     """Reduce a per-token ``[B, L]`` loss to a scalar: a mean over this batch's units.
 
     ``norm`` is the constant of ``seq-mean-token-sum-norm`` (the trainer passes
@@ -126,7 +127,8 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm: floa
         raise KeyError(f"unknown loss_agg {mode!r}; known: {sorted(LOSS_AGG)}") from None
     if mode in NORMED_LOSS_AGGS:
         if norm is None or not norm > 0:
-            raise ValueError(f"loss_agg={mode} needs a positive constant norm (the generation budget), got {norm!r}")
+            raise ValueError(f"loss_agg={mode} needs a positive constant norm (the generation budget), "
+                             f"got {norm!r}")
         return fn(loss, mask, float(norm))
     return fn(loss, mask)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_cli.config.ranges import check_ranges, ranged
 from areal_cli.errors import ConfigError
 
 ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none")
@@ -28,15 +29,15 @@ KL_CLAMP = 10.0
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    lr: float = ranged(1e-5, gt=0.0, le=1.0)
+    weight_decay: float = ranged(0.0, ge=0.0, le=1.0)
+    beta1: float = ranged(0.9, ge=0.0, lt=1.0)
+    beta2: float = ranged(0.999, ge=0.0, lt=1.0)
+    eps: float = ranged(1e-8, gt=0.0, le=1.0)
+    grad_clip: float = ranged(1.0, ge=0.0, why="0 disables gradient clipping")
     lr_scheduler: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
+    warmup_steps: int = ranged(0, ge=0)
+    min_lr_ratio: float = ranged(0.0, ge=0.0, le=1.0)
 
 
 @dataclass
@@ -44,25 +45,29 @@ class AlgoConfig:
     name: str = "grpo"
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Prompts consumed per training step (each expands to rollout.group_size samples).
-    batch_size: int = 8
-    ppo_n_minibatches: int = 1  # optimiser steps per training step
+    batch_size: int = ranged(8, ge=1)
+    ppo_n_minibatches: int = ranged(1, ge=1)  # optimiser steps per training step
     # --- advantages ---
     adv_estimator: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | gae | none
     mean_level: str = "group"  # group | batch | none
     std_level: str = "group"  # group | batch | none
     std_unbiased: bool = True  # Bessel-corrected std (verl/TRL use torch.std, which is unbiased)
-    adv_std_eps: float = 1e-6  # (r - mean) / (std + eps)
-    gamma: float = 1.0
-    lam: float = 1.0
+    adv_std_eps: float = ranged(1e-6, gt=0.0, le=1.0)  # (r - mean) / (std + eps)
+    gamma: float = ranged(1.0, ge=0.0, le=1.0)
+    lam: float = ranged(1.0, ge=0.0, le=1.0)
     adv_norm: bool = False  # whiten advantages over the batch's tokens after estimation
-    reward_scaling: float = 1.0
-    reward_bias: float = 0.0
-    reward_clip: float = 20.0
+    reward_scaling: float = ranged(1.0, gt=0.0, le=1e6)
+    reward_bias: float = ranged(0.0, ge=-1e6, le=1e6)
+    reward_clip: float = ranged(20.0, gt=0.0, le=1e6)
     # --- policy loss ---
     policy_loss: str = "ppo"  # ppo | gspo | sft
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None  # DAPO clip-higher; None → eps_clip
-    c_clip: float | None = None  # dual clip; None disables
+    eps_clip: float = ranged(0.2, gt=0.0, lt=1.0, why="PPO uses 0.2")
+    # DAPO clip-higher; None → eps_clip
+    eps_clip_high: float | None = ranged(None, gt=0.0, le=10.0,
+                                         why="DAPO uses 0.28; null falls back to eps_clip")
+    # dual clip; None disables
+    c_clip: float | None = ranged(None, gt=1.0, le=1e3,
+                                  why="dual clip needs c_clip > 1: 3.0 (Ye et al. 2020)")
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (token sum over
     # the constant rollout.gconfig.max_new_tokens, Dr.GRPO)
     loss_agg: str = "token-mean"
@@ -72,25 +77,30 @@ class AlgoConfig:
     # ratio then uses the recomputed logp, and a set behav_imp_weight_cap corrects the
     # inference/trainer mismatch (truncated importance sampling).
     recompute_logprob: bool = False
-    behav_imp_weight_cap: float | None = None  # behaviour IS correction cap; None disables the cap
+    # behaviour IS correction cap; None disables the cap
+    behav_imp_weight_cap: float | None = ranged(None, gt=0.0, le=1e6,
+                                                why="AReaL uses 5.0; null disables the cap")
     behav_imp_weight_mode: str = "truncate"  # truncate | mask
     behav_imp_weight_level: str = "token"  # token | sequence
-    entropy_coef: float = 0.0
-    temperature: float = 1.0  # must match rollout.gconfig.temperature (validated)
+    entropy_coef: float = ranged(0.0, ge=-1.0, le=1.0)
+    temperature: float = ranged(1.0, gt=0.0, le=100.0)  # must match rollout.gconfig.temperature (validated)
     # --- KL to a reference model ---
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, ge=0.0, le=1e3, why="0 disables the KL term")
     kl_estimator: str = "k1"  # k1 | k2 | k3
     kl_in_reward: bool = False
-    kl_clamp: float = KL_CLAMP  # clamp every per-token KL estimate (k1, k2, k3) to [-c, c]; 0 disables
+    # clamp every per-token KL estimate (k1, k2, k3) to [-c, c]; 0 disables
+    kl_clamp: float = ranged(KL_CLAMP, ge=0.0, le=1e6, why="0 disables the clamp")
     # --- DAPO ---
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
-    overlong_buffer_len: int = 0  # tokens; 0 → use overlong_buffer_ratio
-    overlong_buffer_ratio: float = 0.0  # fraction of max_new_tokens; 0 with len 0 disables
-    overlong_penalty_factor: float = 1.0
+    # tokens; 0 → use overlong_buffer_ratio
+    overlong_buffer_len: int = ranged(0, ge=0, why="0 disables the overlong penalty (with ratio 0)")
+    # fraction of max_new_tokens; 0 with len 0 disables
+    overlong_buffer_ratio: float = ranged(0.0, ge=0.0, lt=1.0, why="DAPO uses 0.2 (4096 of 20480 tokens)")
+    overlong_penalty_factor: float = ranged(1.0, ge=0.0, le=1e3)
     # --- critic (PPO with GAE) ---
     use_critic: bool = False
-    value_clip: float = 0.2
-    critic_lr: float = 5e-6
+    value_clip: float = ranged(0.2, gt=0.0, le=1e3, why="PPO uses 0.2")
+    critic_lr: float = ranged(5e-6, gt=0.0, le=1.0)
 
 
 def _one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -100,6 +110,7 @@ def _one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def validate_algo_config(cfg: AlgoConfig, prefix: str = "algo") -> None:
     """Raise :class:`ConfigError` for a bad ``algo`` section. Import-light (no torch)."""
+    check_ranges(cfg, prefix)  # every numeric knob against the range declared next to it
     p = prefix + "."
     _one_of(p + "adv_estimator", cfg.adv_estimator, ADV_ESTIMATORS)
     _one_of(p + "mean_level", cfg.mean_level, NORM_LEVELS)
@@ -110,52 +121,15 @@ def validate_algo_config(cfg: AlgoConfig, prefix: str = "algo") -> None:
     _one_of(p + "prox_logp_method", cfg.prox_logp_method, PROX_LOGP_METHODS)
     _one_of(p + "behav_imp_weight_mode", cfg.behav_imp_weight_mode, BEHAV_IMP_WEIGHT_MODES)
     _one_of(p + "behav_imp_weight_level", cfg.behav_imp_weight_level, BEHAV_IMP_WEIGHT_LEVELS)
-    if cfg.batch_size < 1:
-        raise ConfigError(p + "batch_size", f"must be >= 1, got {cfg.batch_size}", "set algo.batch_size=8")
-    if cfg.ppo_n_minibatches < 1:
-        raise ConfigError(p + "ppo_n_minibatches", f"must be >= 1, got {cfg.ppo_n_minibatches}",
-                          "set algo.ppo_n_minibatches=1")
-    if not 0.0 < cfg.eps_clip < 1.0:
-        raise ConfigError(p + "eps_clip", f"must be in (0, 1), got {cfg.eps_clip}", "PPO uses 0.2")
-    if cfg.eps_clip_high is not None and cfg.eps_clip_high <= 0:
-        raise ConfigError(p + "eps_clip_high", f"must be > 0, got {cfg.eps_clip_high}",
-                          "DAPO uses 0.28; null falls back to eps_clip")
-    if cfg.c_clip is not None and cfg.c_clip <= 1.0:
-        raise ConfigError(p + "c_clip", f"dual clip needs c_clip > 1, got {cfg.c_clip}",
-                          "use 3.0 (Ye et al. 2020) or null to disable")
-    if cfg.behav_imp_weight_cap is not None and cfg.behav_imp_weight_cap <= 0:
-        raise ConfigError(p + "behav_imp_weight_cap", f"must be > 0, got {cfg.behav_imp_weight_cap}",
-                          "AReaL uses 5.0; null disables the cap")
-    for name in ("gamma", "lam"):
-        v = getattr(cfg, name)
-        if not 0.0 <= v <= 1.0:
-            raise ConfigError(p + name, f"must be in [0, 1], got {v}", f"set algo.{name}=1.0")
-    if cfg.kl_coef < 0:
-        raise ConfigError(p + "kl_coef", f"must be >= 0, got {cfg.kl_coef}", "0 disables the KL term")
-    if cfg.adv_std_eps <= 0:
-        raise ConfigError(p + "adv_std_eps", f"must be > 0, got {cfg.adv_std_eps}", "use 1e-6")
-    if cfg.reward_clip <= 0:
-        raise ConfigError(p + "reward_clip", f"must be > 0, got {cfg.reward_clip}", "use 20.0")
-    if cfg.overlong_buffer_len < 0:
-        raise ConfigError(p + "overlong_buffer_len", f"must be >= 0, got {cfg.overlong_buffer_len}",
-                          "0 disables the overlong penalty")
-    if not 0.0 <= cfg.overlong_buffer_ratio < 1.0:
-        raise ConfigError(p + "overlong_buffer_ratio", f"must be in [0, 1), got {cfg.overlong_buffer_ratio}",
-                          "DAPO uses 0.2 (4096 of 20480 tokens)")
     if cfg.adv_estimator == "gae" and not cfg.use_critic:
         raise ConfigError(p + "use_critic", "adv_estimator=gae needs a value model",
                           "set algo.use_critic=true (or algo=ppo), or pick a critic-free estimator like grpo")
     if cfg.use_critic and cfg.adv_estimator != "gae":
         raise ConfigError(p + "adv_estimator", f"use_critic=true but adv_estimator={cfg.adv_estimator!r} "
                           "ignores values", "set algo.adv_estimator=gae or algo.use_critic=false")
-    if cfg.value_clip <= 0:
-        raise ConfigError(p + "value_clip", f"must be > 0, got {cfg.value_clip}", "PPO uses 0.2")
     if cfg.prox_logp_method == "loglinear" and not cfg.use_decoupled_loss:
         raise ConfigError(p + "prox_logp_method", "loglinear approximates the proximal policy of the "
                           "decoupled loss, which is off", "set algo.use_decoupled_loss=true")
-    if cfg.temperature <= 0:
-        raise ConfigError(p + "temperature", f"must be > 0, got {cfg.temperature}",
-                          "match rollout.gconfig.temperature (1.0)")
 
 
 def validate_group_size(cfg: AlgoConfig, group_size: int, path: str = "rollout.group_size") -> None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_cli.config.ranges import ranged
+
 
 @dataclass
 class ClusterConfig:
-    n_nodes: int = 1
-    n_gpus_per_node: int = 2  # on cpu: processes ("devices") per node
+    n_nodes: int = ranged(1, ge=1)
+    n_gpus_per_node: int = ranged(2, ge=1)  # on cpu: processes ("devices") per node
     device: str = "cpu"  # cpu | cuda
-    gpu_memory_gb: float = 80.0
+    gpu_memory_gb: float = ranged(80.0, gt=0.0, le=1e5, why="the GPU's memory in GB")
     fileroot: str = "~/.cache/areal"
     hosts: list[str] = field(default_factory=list)  # explicit host list (non-SLURM multi-node)
     name_resolve: str = "file"  # file | etcd

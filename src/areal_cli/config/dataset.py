@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_cli.config.ranges import ranged
+
 
 @dataclass
 class DatasetConfig:
@@ -15,9 +17,10 @@ class DatasetConfig:
     answer_field: str = "answer"  # GSM8K-style "... #### 42" answers are parsed
     use_chat_template: bool = True
     system_prompt: str | None = None
-    max_prompt_len: int = 256
+    max_prompt_len: int = ranged(256, ge=1)
     shuffle: bool = True
     drop_last: bool = True
-    train_size: int = 20000  # builtin only
-    test_size: int = 200  # builtin only
-    eval_size: int | None = None  # cap on evaluated test items
+    train_size: int = ranged(20000, ge=1)  # builtin only
+    test_size: int = ranged(200, ge=0)  # builtin only
+    # cap on evaluated test items
+    eval_size: int | None = ranged(None, ge=0, why="null evaluates every test item")

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_cli.config.ranges import ranged
+
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = 3  # ZeRO 1 (optimizer), 2 (+gradients), 3 (+parameters) sharded over d×c
+    # ZeRO 1 (optimizer), 2 (+gradients), 3 (+parameters) sharded over d×c
+    zero_stage: int = ranged(3, ge=0, le=3)  # 0: plain data parallelism
 
 
 @dataclass
@@ -28,8 +31,8 @@ class EngineConfig:
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16
     mixed_precision: bool = False  # compute in bfloat16 with fp32 master weights
     gradient_checkpointing: bool = False
-    max_tokens_per_mb: int = 4096  # token budget per micro-batch (FFD packing)
-    pad_to_multiple_of: int = 1
+    max_tokens_per_mb: int = ranged(4096, ge=1)  # token budget per micro-batch (FFD packing)
+    pad_to_multiple_of: int = ranged(1, ge=1)
     padding_free: bool = True  # pack sequences without padding where the attention path allows
     # Samples that share a prompt (a GRPO group) run it once per micro-batch: exact, fewer tokens.
     shared_prefix: bool = True

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_cli.config.ranges import ranged
+
 
 @dataclass
 class SlurmConfig:
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
-    time_min: int = 60
-    cpus_per_task: int = 2
-    mem_gb: int = 16
-    gpus_per_node: int | None = None  # None → cluster.n_gpus_per_node
+    time_min: int = ranged(60, ge=1)
+    cpus_per_task: int = ranged(2, ge=1)
+    mem_gb: int = ranged(16, ge=1)
+    gpus_per_node: int | None = ranged(None, ge=0, why="null uses cluster.n_gpus_per_node")
     requeue: bool = True
-    max_requeues: int = 3
+    max_requeues: int = ranged(3, ge=0)
     extra_sbatch: dict[str, str] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)  # shell lines run before the job
 
@@ -35,9 +37,9 @@ class SkyPilotConfig:
 @dataclass
 class LauncherConfig:
     name: str = "local"  # local | slurm | skypilot
-    server_startup_timeout_s: float = 300.0
+    server_startup_timeout_s: float = ranged(300.0, gt=0.0)
     restart_dead_servers: bool = True
-    max_server_restarts: int = 3
+    max_server_restarts: int = ranged(3, ge=0)
     trainer_env: dict[str, str] = field(default_factory=dict)
     server_env: dict[str, str] = field(default_factory=dict)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -4,26 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_cli.config.ranges import ranged
+
 
 @dataclass
 class GenerationSettings:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 32
-    min_new_tokens: int = 0
+    temperature: float = ranged(1.0, gt=0.0, le=100.0,
+                                why="greedy decoding is greedy=true, not temperature 0")
+    top_p: float = ranged(1.0, gt=0.0, le=1.0, why="1.0 keeps the whole distribution")
+    top_k: int = ranged(-1, ge=1, also=(-1,), why="-1 keeps every token")
+    max_new_tokens: int = ranged(32, ge=1)
+    min_new_tokens: int = ranged(0, ge=0)
     stop: list[str] = field(default_factory=list)
     greedy: bool = False
 
 
 @dataclass
 class RolloutConfig:
-    max_head_offpolicyness: int = 2  # staleness bound in policy versions; 0 = synchronous
-    max_concurrent_rollouts: int = 64
-    group_size: int = 8  # samples per prompt
-    queue_size: int | None = None  # bounded result queue; None → 4 × batch
-    request_timeout_s: float = 300.0
-    request_retries: int = 3
+    # staleness bound in policy versions; 0 = synchronous
+    max_head_offpolicyness: int = ranged(2, ge=0, why="0 is synchronous RL")
+    max_concurrent_rollouts: int = ranged(64, ge=1)
+    group_size: int = ranged(8, ge=1)  # samples per prompt
+    queue_size: int | None = ranged(None, ge=1, why="null sizes it at 4 x the batch")  # bounded result queue
+    request_timeout_s: float = ranged(300.0, gt=0.0)
+    request_retries: int = ranged(3, ge=0)
     routing: str = "least_loaded"  # least_loaded | round_robin
     weight_update: str = "distributed"  # distributed | disk
     weight_update_dtype: str = "float32"

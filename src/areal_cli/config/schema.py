@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_cli.config.ranges import ranged
+
 from areal_cli.config.algo import AlgoConfig
 from areal_cli.config.allocation import AllocationModeConfig
 from areal_cli.config.cluster import ClusterConfig
@@ -25,7 +27,7 @@ from areal_cli.config.workflow import WorkflowConfig
 class ExperimentConfig:
     experiment_name: str = "areal"
     trial_name: str = "default"
-    seed: int = 1
+    seed: int = ranged(1, ge=0, le=2**32 - 1)
     # none | auto (continue the latest recover state in the run dir) | <path to a recover dir>
     resume: str = "none"
     skip_storage_check: bool = False

@@ -21,6 +21,7 @@ from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
 from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec, Component, Dims
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
+from areal_cli.config.ranges import check_ranges
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.engines import ENGINE_SPECS, engine_dims, get_engine_spec
 from areal_cli.errors import ConfigError
@@ -61,23 +62,7 @@ def _check_scalars(cfg: ExperimentConfig) -> None:
         raise ConfigError("workflow.name", f"unknown workflow '{w}'",
                           f"{did_you_mean(w, ['rlvr', 'multi_turn'])}use rlvr, multi_turn or a dotted "
                           "import path to a RolloutWorkflow subclass")
-    minimums = {"cluster.n_nodes": 1, "cluster.n_gpus_per_node": 1, "algo.batch_size": 1,
-                "rollout.group_size": 1, "rollout.max_concurrent_rollouts": 1,
-                "rollout.max_head_offpolicyness": 0, "algo.ppo_n_minibatches": 1,
-                "engine.max_tokens_per_mb": 1, "rollout.gconfig.max_new_tokens": 1,
-                "dataset.max_prompt_len": 1, "trainer.total_steps": 0, "trainer.sft_warmup_steps": 0}
-    for path, lo in minimums.items():
-        v = _get(cfg, path)
-        if v < lo:
-            raise ConfigError(path, f"must be at least {lo}, got {v}", f"set {path}={max(lo, 1)} or more")
-    if cfg.cluster.device == "cuda" and cfg.cluster.gpu_memory_gb <= 0:
-        raise ConfigError("cluster.gpu_memory_gb", "must be positive", "set it to the GPU's memory in GB")
     m = cfg.model
-    for path in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "hidden_size",
-                 "vocab_size"):
-        if getattr(m, path) < 1:
-            raise ConfigError(f"model.{path}", f"must be at least 1, got {getattr(m, path)}",
-                              "use a model preset or a local model dir with config.json")
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads",
                           f"{m.num_key_value_heads} does not divide num_attention_heads="
@@ -246,6 +231,7 @@ def _micro_batch(cfg: ExperimentConfig, dp: int, c: Component) -> MicroBatch:
 
 def validate(cfg: ExperimentConfig) -> Plan:
     """Check every cross-group rule and return the placement plan with estimates."""
+    check_ranges(cfg)  # every numeric knob of every group, against the range declared next to it
     _check_engine_sections(cfg)
     _check_scalars(cfg)
     spec = _resolved_spec(cfg)

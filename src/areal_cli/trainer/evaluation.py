@@ -44,7 +44,8 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
     try:
         greedy_res = await asyncio.gather(*[one(it, greedy) for it in items])
         out = {"eval/reward_mean": sum(r for _, _, r in greedy_res) / len(items),
-               "eval/mean_len": sum(ln for _, ln, _ in greedy_res) / len(items), "eval/n_items": float(len(items))}
+               "eval/mean_len": sum(ln for _, ln, _ in greedy_res) / len(items),
+               "eval/n_items": float(len(items))}
         known = [ok for ok, _, _ in greedy_res if ok is not None]
         if known:
             out["eval/pass@1"] = sum(known) / len(known)
