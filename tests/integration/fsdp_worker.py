@@ -124,13 +124,16 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
 
     from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
     from areal_cli.config.algo import OptimConfig
-    from areal_cli.config.engine import EngineConfig
+    from areal_cli.config.engine import ArchonConfig, EngineConfig
     from areal_cli.data.packing import split_batch_for_dp
-    from areal_cli.engines.fsdp import FSDPEngine
+    from areal_cli.engines import get_engine_cls
 
-    ecfg = EngineConfig(**v.get("engine", {}))
+    ekw = dict(v.get("engine", {}))
+    if "archon" in ekw:
+        ekw["archon"] = ArchonConfig(**ekw["archon"])
+    ecfg = EngineConfig(**ekw)
     ocfg = OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
-    engine = FSDPEngine(ecfg, ocfg, total_steps=v.get("total_steps", 4), seed=0)
+    engine = get_engine_cls(v.get("cls", "fsdp"))(ecfg, ocfg, total_steps=v.get("total_steps", 4), seed=0)
     engine.initialize(ParallelStrategy(**v.get("parallel", {})), model_dir)
     res: dict = {}
 
@@ -146,6 +149,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         engine.warm_up()
     if v.get("load"):
         engine.load(SaveLoadMeta(path=v["load"], weight_format="dcp"))
+    if v.get("fwd", False):
+        res["logprobs"] = engine.forward(batch_fn(0) if engine.is_dp_head else None)
     if v.get("probe", False):
         res["logprobs"] = engine.forward(batch_fn(0) if engine.is_dp_head else None)
         engine._accumulate_grads(local(0), loss_fn, loss_weight_fn, 1.0)
@@ -176,7 +181,8 @@ def main() -> None:
 
     init_distributed(spec.get("backend", "gloo"))
     for v in spec["variants"]:
-        (run_critic if v.get("critic") else run_variant)(v, spec["model_dir"], spec["out"])
+        model_dir = spec.get("model_dirs", {}).get(v.get("model"), spec["model_dir"])
+        (run_critic if v.get("critic") else run_variant)(v, model_dir, spec["out"])
 
 
 def launch(spec: dict, world_size: int, timeout: float = 300.0, expect_kill: bool = False,

@@ -1,7 +1,7 @@
 """``engine`` group: which training backend runs the model and how.
 
 The top level holds knobs every backend reads. Knobs that belong to one backend live in that
-backend's own section (``engine.deepspeed.*``, ``engine.megatron.*``), named by its registry entry
+backend's own section (``engine.archon.*``, ``engine.deepspeed.*``, ``engine.megatron.*``), named by its registry entry
 (:data:`areal_cli.engines.ENGINE_SPECS`); setting another backend's section is a validation error,
 never silently ignored.
 """
@@ -17,6 +17,15 @@ from areal_cli.config.ranges import ranged
 class DeepSpeedConfig:
     # ZeRO 1 (optimizer), 2 (+gradients), 3 (+parameters) sharded over d×c
     zero_stage: int = ranged(3, ge=0, le=3)  # 0: plain data parallelism
+
+
+@dataclass
+class ArchonConfig:
+    pp_schedule: str = "1F1B"  # 1F1B | Interleaved1F1B | GPipe (with p > 1)
+    # Stages per pipeline rank: 1 for 1F1B/GPipe, 2 or more for Interleaved1F1B (virtual stages).
+    pp_virtual_stages: int = ranged(1, ge=1)
+    # Decoder layers per stage, first to last (p × virtual stages entries); empty = split evenly.
+    pp_layers: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -37,5 +46,6 @@ class EngineConfig:
     # Samples that share a prompt (a GRPO group) run it once per micro-batch: exact, fewer tokens.
     shared_prefix: bool = True
     attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2
+    archon: ArchonConfig = field(default_factory=ArchonConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

@@ -127,6 +127,12 @@ class _SpecChecker:
         m, d = self.m, c.dims
         backend = c.backend or self.cfg.engine.name
         allowed = BACKEND_DIMS[backend] if c.kind == "inference" else engine_dims(backend)
+        constraint = get_engine_spec(backend).constraint if c.kind == "train" else None
+        why = constraint(d) if constraint is not None else None
+        if why:
+            reason, _, fix = why.partition("; ")
+            raise self.err(f"engine {backend} cannot run {c.dims_text()}: {reason}", fix or "change the dims",
+                           d, "c", c)
         for letter in "dtpce":
             if d.get(letter) > 1 and letter not in allowed:
                 raise self.err(f"engine {backend} does not support {DIM_NAMES[letter]} parallelism "

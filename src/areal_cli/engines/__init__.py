@@ -46,6 +46,8 @@ class EngineSpec:
     sharding: Callable[[Any], Sharding]  # engine config -> what is sharded over d×c
     config_key: str | None = None  # engine.<key>: the dataclass section holding its own knobs
     summary: str = ""
+    # dims (d, t, p, c, e attributes) -> why this combination cannot run, or None
+    constraint: Callable[[Any], str | None] | None = None
 
     @property
     def trainable(self) -> bool:
@@ -59,8 +61,10 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
         EngineSpec("megatron", None, "dtpce",
                    lambda _: Sharding(weights=False, grads=False, optimizer=True, gathers_layers=False),
                    "megatron", "megatron-core TP/PP/DP with a distributed optimizer"),
-        EngineSpec("archon", None, "dtpc", lambda _: FULL_SHARD, None,
-                   "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP"),
+        EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpc", lambda _: FULL_SHARD,
+                   "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP",
+                   lambda d: "archon runs context parallelism without pipelining only; drop c or p"
+                   if d.p > 1 and d.c > 1 else None),
         EngineSpec("deepspeed", None, "dc", _deepspeed_sharding, "deepspeed", "DeepSpeed ZeRO-1/2/3"),
     )
 }

@@ -57,7 +57,7 @@ class FSDPEngine(TrainEngine):
 
     # ------------------------------------------------------------------ setup
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         from areal_cli.engines.dist import default_device, init_distributed
 
@@ -75,15 +75,7 @@ class FSDPEngine(TrainEngine):
             if hf_cfg.num_attention_heads % parallel.cp:
                 raise ConfigError("allocation_mode", f"c{parallel.cp} does not divide num_attention_heads="
                                   f"{hf_cfg.num_attention_heads}", "pick c that divides the head count")
-        attn = ulysses.register()
-        dtype = par.torch_dtype(self.cfg.dtype)
-        torch.manual_seed(self.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
-        self.pad_token_id = model.config.pad_token_id or 0
-        self.arch = list(model.config.architectures or [type(model).__name__])
-        self.generation_config = getattr(model, "generation_config", None)
-        if self.critic:
-            self._attach_value_head(model, model_path, dtype)
+        model, dtype = self._load_hf_model(model_path)
         model.to(self.device)
         if self.cfg.gradient_checkpointing:
             par.enable_gradient_checkpointing(model)
@@ -95,13 +87,32 @@ class FSDPEngine(TrainEngine):
             par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=torch.bfloat16 if mp else None,
                            reduce_dtype=torch.float32 if mp else None)
         self.model = model
+        self._build_optimizer(model.parameters())
+        self.hf_config = model.config
+
+    def _load_hf_model(self, model_path: str):
+        """The HF causal LM on CPU in ``engine.dtype`` (value head attached for a critic), with the
+        Ulysses-aware attention registered. Returns ``(model, dtype)``."""
+        from transformers import AutoModelForCausalLM
+
+        attn = ulysses.register()
+        dtype = par.torch_dtype(self.cfg.dtype)
+        torch.manual_seed(self.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
+        self.pad_token_id = model.config.pad_token_id or 0
+        self.arch = list(model.config.architectures or [type(model).__name__])
+        self.generation_config = getattr(model, "generation_config", None)
+        if self.critic:
+            self._attach_value_head(model, model_path, dtype)
+        return model, dtype
+
+    def _build_optimizer(self, params) -> None:
         if self.optim_cfg is not None:
             from areal_cli.utils.optim import build_optimizer
 
-            self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.optim_cfg, self.total_steps)
-        else:
-            model.eval()
-        self.hf_config = model.config
+            self.optimizer, self.scheduler = build_optimizer(params, self.optim_cfg, self.total_steps)
+        elif self.model is not None:
+            self.model.eval()
 
     def _attach_value_head(self, model, model_path: str, dtype) -> None:
         hidden = model.config.hidden_size
@@ -158,6 +169,13 @@ class FSDPEngine(TrainEngine):
             raise ValueError("train_batch/forward: the data-parallel head must pass a batch")
         return batch
 
+    def _seq_multiple(self) -> int:
+        """Every packed forward's length is a multiple of this (Ulysses splits the sequence over cp)."""
+        return self.parallel.cp
+
+    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+        return _logprobs_entropy(logits, targets, temperature)
+
     def _shares_prefix(self, output: str) -> bool:
         return (self.cfg.shared_prefix and self.cfg.padding_free and self.parallel.cp == 1
                 and self.cfg.pad_to_multiple_of <= 1 and output == "logprobs")
@@ -213,8 +231,8 @@ class FSDPEngine(TrainEngine):
             sp = packing.pack_shared(mb, loss_only=loss_only)
             if sp is not None:
                 return self._forward_shared(sp, mb, temperature)
-        if self.cfg.padding_free or cp > 1:
-            mult = max(1, self.cfg.pad_to_multiple_of) * cp
+        if self.cfg.padding_free or self._seq_multiple() > 1:
+            mult = max(1, self.cfg.pad_to_multiple_of) * self._seq_multiple()
             pk = packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id)
             if ulysses.varlen_is_cheaper(pk.lengths, pk.input_ids.shape[1]):
                 ulysses.set_varlen(pk.lengths)
@@ -235,9 +253,9 @@ class FSDPEngine(TrainEngine):
                 return {"values": packing.unpack_shifted(vals, pk, max_len)}
             tgt = ulysses.slice_for_rank(packing.next_token_targets(pk), group, dim=0).to(self.device)
             if keep is None:
-                lp, ent = _logprobs_entropy(logits, tgt, temperature)
+                lp, ent = self._logprobs_entropy(logits, tgt, temperature)
             else:  # logits exist at the kept positions only; the rest stay zero
-                lp_k, ent_k = _logprobs_entropy(logits, tgt.index_select(0, keep), temperature)
+                lp_k, ent_k = self._logprobs_entropy(logits, tgt.index_select(0, keep), temperature)
                 lp = lp_k.new_zeros(tgt.shape[0]).index_put((keep,), lp_k)
                 ent = ent_k.new_zeros(tgt.shape[0]).index_put((keep,), ent_k)
             lp = packing.unpack_shifted(ulysses.gather_seq(lp, group), pk, max_len)
@@ -253,7 +271,7 @@ class FSDPEngine(TrainEngine):
         if output == "values":
             return {"values": packing.shift_padded(logits[..., 0].float()) * am}
         tgt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
-        lp, ent = _logprobs_entropy(logits, tgt, temperature)
+        lp, ent = self._logprobs_entropy(logits, tgt, temperature)
         return {"logprobs": packing.shift_padded(lp) * am, "entropy": packing.shift_padded(ent) * am}
 
     def _forward_shared(self, sp: packing.SharedPack, mb: Batch, temperature: float) -> dict[str, torch.Tensor]:

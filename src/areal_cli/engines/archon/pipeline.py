@@ -106,6 +106,36 @@ def valid_microbatch_count(schedule: str, pp_size: int, n: int) -> int:
     return n
 
 
+def pad_stack(tensors: Sequence[torch.Tensor], *, length: int | None = None, dims: Sequence[int] = (1,),
+              value: Any = 0) -> torch.Tensor:
+    """Right-pad every tensor along ``dims`` to ``length`` (default: the longest) and concatenate
+    along dim 0: a step's micro-batches as the one tensor the schedule splits."""
+    length = length or max(t.shape[d] for t in tensors for d in dims)
+    out = []
+    for t in tensors:
+        for d in dims:
+            if t.shape[d] < length:
+                shape = list(t.shape)
+                shape[d] = length - t.shape[d]
+                t = torch.cat([t, t.new_full(shape, value)], dim=d)
+        out.append(t)
+    return torch.cat(out, dim=0)
+
+
+def pad_stack_masks(masks: Sequence[torch.Tensor], *, length: int | None = None) -> torch.Tensor:
+    """:func:`pad_stack` for boolean ``[b, 1, T, T]`` attention masks: padded positions attend to
+    themselves only (an all-False row would make softmax NaN)."""
+    length = length or max(m.shape[-1] for m in masks)
+    out = pad_stack(masks, length=length, dims=(2, 3), value=False)
+    eye = torch.eye(length, dtype=torch.bool, device=out.device)
+    pad = torch.zeros(out.shape[0], 1, length, 1, dtype=torch.bool, device=out.device)
+    row = 0
+    for m in masks:
+        pad[row:row + m.shape[0], :, m.shape[-1]:] = True
+        row += m.shape[0]
+    return out | (eye & pad)
+
+
 class _SkippedLayer(nn.Module):
     """A decoder layer another stage owns: hands the hidden states through."""
 
@@ -121,7 +151,8 @@ class StageModule(nn.Module):
     ``attention_mask`` is an explicit boolean ``[b, 1, T, T]`` mask (True = attend) used for every
     layer type, or ``None`` to let HF build its causal (or, from restarting ``position_ids``,
     packed-sequence) mask. The last stage returns logits (this rank's vocab slice under TP), or
-    ``output_fn(logits)`` when that is set. Other stages return hidden states; under sequence
+    ``output_fn(logits, targets)`` when that is set (``targets``: this micro-batch's slice of the
+    ``targets`` keyword, e.g. next-token ids for logprobs; ignored by the other stages). Other stages return hidden states; under sequence
     parallelism they travel as this rank's sequence slice (``seq_mesh``).
     """
 
@@ -136,7 +167,7 @@ class StageModule(nn.Module):
         self.layer_range = layers
         self.tied_copy = tied_copy
         self.seq_mesh = None  # set by parallelize when hidden states are sequence-sharded DTensors
-        self.output_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.output_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -147,7 +178,8 @@ class StageModule(nn.Module):
         return self.stage_index == self.num_stages - 1
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, **model_kwargs: Any) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                **model_kwargs: Any) -> torch.Tensor:
         # A 4-D mask passes through HF's mask creation unchanged for every family (a dict of masks
         # per layer type is understood by Qwen2/Qwen3 but not by Llama).
         masks = attention_mask
@@ -165,7 +197,7 @@ class StageModule(nn.Module):
         if not self.is_last:
             return h.to_local() if hasattr(h, "to_local") else h
         logits = self.lm_head(h)
-        return self.output_fn(logits) if self.output_fn is not None else logits
+        return self.output_fn(logits, targets) if self.output_fn is not None else logits
 
 
 def _detach_parts(base: nn.Module) -> dict[str, Any]:
@@ -292,11 +324,12 @@ class Pipeline:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None, *, n_microbatches: int,
-                output_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                output_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
                 **model_kwargs: Any) -> torch.Tensor | None:
         """Forward only. On the last stage's ranks returns the outputs of all micro-batches
-        concatenated along dim 0 (``output_fn(logits)`` when given: keep it small, e.g. per-token
-        logprobs, rather than ``[T, V]`` logits); ``None`` on other ranks."""
+        concatenated along dim 0: ``output_fn(logits, targets)`` when given (keep it small, e.g.
+        per-token logprobs and entropy, rather than ``[T, V]`` logits; pass ``targets=`` among the
+        keywords to have it split per micro-batch), else the logits. ``None`` on other ranks."""
         for m in self.modules:
             if m.is_last:
                 m.output_fn = output_fn
@@ -323,6 +356,11 @@ class Pipeline:
             g = p.grad
             if g is None:
                 g = torch.zeros_like(p)
+                p.grad = g
+            if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+                # Under TP the embedding's gradient comes back Replicate while the parameter (and the
+                # head's copy) is vocab-sharded: bring both copies to the same local layout first.
+                g = g.redistribute(p.device_mesh, p.placements)
                 p.grad = g
             local = g.to_local() if hasattr(g, "to_local") else g
             dist.all_reduce(local, group=self._embedding_group)

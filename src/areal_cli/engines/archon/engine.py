@@ -1,0 +1,285 @@
+"""The Archon engine: FSDP2 × DTensor TP × pipelining × Ulysses CP on the plain HF module tree.
+
+Parallelism is applied from outside (torchtitan style, see the sibling modules): one ``(pp, dp, cp,
+tp)`` mesh, the family's TP plan, activation checkpointing, FSDP2 over ``dp×cp``, and with ``p > 1``
+the model cut into pipeline stages driven by a fresh ``torch.distributed.pipelining`` schedule each
+step. Parameter names stay HF names on every rank, so HF export, weight sync and checkpoints need no
+key mapping.
+
+What it shares with :class:`~areal_cli.engines.fsdp.FSDPEngine` (micro-batching, the global loss
+normalisation, optimizer and schedules, checkpoints, the weight-sync senders) it inherits; it
+overrides the mesh, the forward (vocab-parallel logprobs, the pipeline path), gradient clipping over
+several meshes and stages, and the full-tensor stream (gathered over TP, sent from the stage that owns
+each tensor).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_cli.api.engine_api import Batch
+from areal_cli.api.io_struct import ParallelStrategy
+from areal_cli.data import packing
+from areal_cli.engines import parallelize as fsdp_par
+from areal_cli.engines import ulysses
+from areal_cli.engines.archon import clip, pipeline, vocab_parallel
+from areal_cli.engines.archon.mesh import ArchonMesh, ParallelDims
+from areal_cli.engines.archon.parallelize import parallelize
+from areal_cli.engines.fsdp import FSDPEngine, _full
+from areal_cli.errors import ConfigError
+
+
+class ArchonEngine(FSDPEngine):
+    """PyTorch-native 4-D parallel training of HF decoder models (Qwen2/2.5, Qwen3, Llama)."""
+
+    dims = "dtpc"
+
+    def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
+        from transformers import AutoConfig
+
+        from areal_cli.engines.dist import default_device, init_distributed
+
+        init_distributed()
+        self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
+        self.parallel, self.model_path = parallel, model_path
+        if not (Path(model_path) / "config.json").is_file():
+            raise ConfigError("model.path", f"{model_path} is not an HF model dir (no config.json)",
+                              "point model.path at a local dir with config.json and safetensors")
+        dims = ParallelDims.from_strategy(parallel)
+        dims.check_model(AutoConfig.from_pretrained(model_path))
+        if dims.pp > 1 and dims.cp > 1:
+            raise ConfigError("allocation_mode", "archon runs context parallelism without pipelining only "
+                              f"(got p{dims.pp} c{dims.cp})", "drop c or p")
+        self.mesh: ArchonMesh = dims.build(self.device.type)
+        m = self.mesh
+        self._meshes = fsdp_par.Meshes(mesh=m.world, fsdp_mesh=m.fsdp_mesh, dp_group=m.dp_group,
+                                       cp_group=m.cp_group, dp_rank=m.dp_rank, cp_rank=m.cp_rank)
+        ulysses.set_ulysses_group(m.cp_group if dims.cp > 1 else None)
+        model, dtype = self._load_hf_model(model_path)
+        self.hf_config = model.config
+        model.to(self.device)
+        mp = self.cfg.mixed_precision and dtype == torch.float32
+        opts = dict(activation_checkpointing=self.cfg.gradient_checkpointing, vocab_parallel=not self.critic,
+                    param_dtype=torch.bfloat16 if mp else None, reduce_dtype=torch.float32 if mp else None)
+        self.pipe: pipeline.Pipeline | None = None
+        if dims.pp > 1:
+            a = self.cfg.archon
+            stages = pipeline.build_stage_modules(
+                model, pp_rank=m.pp_rank, pp_size=dims.pp, schedule=a.pp_schedule,
+                virtual_stages=a.pp_virtual_stages, layers_per_stage=list(a.pp_layers) or None)
+            for s in stages:
+                parallelize(s, m, pipelined=True, **opts)
+            self.pipe = pipeline.Pipeline(stages, m, a.pp_schedule, self.device)
+            self.model = torch.nn.ModuleDict({f"stage{s.stage_index}": s for s in stages})
+        else:
+            self.model = parallelize(model, m, **opts)
+        self._build_optimizer(self.model.parameters())
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def is_dp_head(self) -> bool:
+        return self.mesh.is_dp_head
+
+    def _share_batch(self, batch: Batch | None) -> Batch:
+        """Every rank of a replica (pp×cp×tp) works on the head's batch."""
+        if self.mesh.replica_mesh.size() > 1:
+            obj = [None if batch is None else {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                               for k, v in batch.items()}]
+            dist.broadcast_object_list(obj, src=self.mesh.dp_head_rank, group=self.mesh.replica_group)
+            batch = obj[0]
+        if batch is None:
+            raise ValueError("train_batch/forward: the data-parallel head must pass a batch")
+        return batch
+
+    def _seq_multiple(self) -> int:
+        # Ulysses cuts the sequence over cp, sequence parallelism over tp.
+        return self.parallel.cp * self.parallel.tp
+
+    def _shares_prefix(self, output: str) -> bool:
+        return self.parallel.tp == 1 and super()._shares_prefix(output)
+
+    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+        if self.parallel.tp == 1 or self.critic:
+            return super()._logprobs_entropy(logits, targets, temperature)
+        return vocab_parallel.logprobs_entropy(logits, targets, temperature, group=self.mesh.tp_group,
+                                               vocab_size=int(self.hf_config.vocab_size))
+
+    def _clip_grads(self) -> float:
+        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        if self.pipe is not None:
+            return clip.clip_grad_norm_(self.pipe.parameters(), max_norm, pp_group=self.mesh.pp_group,
+                                        norm_parameters=self.pipe.norm_parameters())
+        return clip.clip_grad_norm_(list(self.model.parameters()), max_norm)
+
+    # ------------------------------------------------------------------ pipeline path
+    def _accumulate_grads(self, batch, loss_fn, loss_weight_fn, temperature):
+        if self.pipe is None:
+            return super()._accumulate_grads(batch, loss_fn, loss_weight_fn, temperature)
+        self.model.train()
+        batch = self._share_batch(batch)
+        output = "values" if self.critic else "logprobs"
+        bins, n_mb = self._split(batch, output)
+        mbs = [packing.select_rows(batch, b) for b in bins]
+        weights = [float(loss_weight_fn(mb)) for mb in mbs]
+        total_w = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64)).item())
+        denom = total_w if total_w > 0 else 1.0
+        n_sched = pipeline.valid_microbatch_count(self.pipe.schedule, self.parallel.pp, n_mb)
+        mbs += [self._dummy_mb() for _ in range(n_sched - len(mbs))]
+        weights += [0.0] * (n_sched - len(weights))
+        inputs = self._pipeline_inputs(mbs)
+
+        def mb_loss(logits: torch.Tensor, i: int):
+            out = self._unpack_outputs(logits, inputs, i, output, temperature)
+            if weights[i] == 0.0:
+                return sum(v.sum() for v in out.values()) * 0.0, {}
+            return loss_fn(out, {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                                 for k, v in mbs[i].items()})
+
+        loss = pipeline.MicroBatchLoss(mb_loss, weights, denom)
+        self.pipe.train_step(inputs["input_ids"], n_microbatches=n_sched, loss=loss,
+                             position_ids=inputs["position_ids"], attention_mask=inputs["mask"])
+        loss_sum = sum(loss.scaled_losses.values())
+        stat_sums: dict[str, float] = {}
+        for i, st in loss.stats.items():
+            for k, v in st.items():
+                stat_sums[k] = stat_sums.get(k, 0.0) + float(v) * weights[i]
+        loss_sum, stat_sums = self._from_last_stage((loss_sum, stat_sums))
+        return loss_sum, stat_sums, denom, n_mb
+
+    def _pipeline_inputs(self, mbs: list[Batch]) -> dict[str, Any]:
+        """Each micro-batch packed into one row, padded to a common length (a multiple of tp); the
+        block-diagonal masks are explicit, so no module-global attention state crosses micro-batches."""
+        mult = max(1, self.cfg.pad_to_multiple_of) * self._seq_multiple()
+        packs = [packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id) for mb in mbs]
+        length = max(p.input_ids.shape[1] for p in packs)
+        length = -(-length // mult) * mult
+        ulysses.set_varlen(None)
+        dev = self.device
+        return {
+            "packs": packs, "mbs": mbs, "length": length,
+            "input_ids": pipeline.pad_stack([p.input_ids for p in packs], length=length,
+                                            value=self.pad_token_id).to(dev),
+            "position_ids": pipeline.pad_stack([p.position_ids for p in packs], length=length).to(dev),
+            "mask": pipeline.pad_stack_masks([packing.packed_causal_mask(p.seq_ids) for p in packs],
+                                             length=length).to(dev),
+        }
+
+    def _unpack_outputs(self, logits: torch.Tensor, inputs: dict, i: int, output: str,
+                        temperature: float) -> dict[str, torch.Tensor]:
+        pk, mb = inputs["packs"][i], inputs["mbs"][i]
+        T = pk.input_ids.shape[1]
+        max_len = mb["input_ids"].shape[1]
+        logits = logits[0, :T]
+        if output == "values":
+            return {"values": packing.unpack_shifted(logits[:, 0].float(), pk, max_len)}
+        tgt = packing.next_token_targets(pk).to(self.device)
+        lp, ent = self._logprobs_entropy(logits, tgt, temperature)
+        return {"logprobs": packing.unpack_shifted(lp, pk, max_len),
+                "entropy": packing.unpack_shifted(ent, pk, max_len)}
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """``obj`` as computed on this replica's last pipeline stage, on every rank of the stage group."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.mesh.pp_group, self.parallel.pp - 1),
+                                   group=self.mesh.pp_group)
+        return box[0]
+
+    @torch.no_grad()
+    def forward(self, batch: Batch | None, output: str = "logprobs", temperature: float = 1.0):
+        if self.pipe is None:
+            return super().forward(batch, output, temperature)
+        if output not in ("logprobs", "values"):
+            raise ValueError(f"output must be 'logprobs' or 'values', got {output!r}")
+        was_training = self.model.training
+        self.model.eval()
+        batch = self._share_batch(batch)
+        bins, n_mb = self._split(batch, output)
+        mbs = [packing.select_rows(batch, b) for b in bins]
+        n_sched = pipeline.valid_microbatch_count(self.pipe.schedule, self.parallel.pp, n_mb)
+        mbs += [self._dummy_mb() for _ in range(n_sched - len(mbs))]
+        inputs = self._pipeline_inputs(mbs)
+        results: dict[int, dict[str, torch.Tensor]] = {}
+
+        def out_fn(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            i = int(index.reshape(-1)[0])  # the schedule hands each micro-batch its row of `targets`
+            results[i] = {k: v.cpu() for k, v in self._unpack_outputs(logits, inputs, i, output, temperature).items()}
+            return logits.new_zeros(1)
+
+        self.pipe.forward(inputs["input_ids"], n_microbatches=n_sched, output_fn=out_fn,
+                          position_ids=inputs["position_ids"], attention_mask=inputs["mask"],
+                          targets=torch.arange(n_sched, device=self.device).view(n_sched, 1))
+        results = self._from_last_stage(results)
+        B, L = batch["input_ids"].shape
+        keys = ("values",) if output == "values" else ("logprobs", "entropy")
+        res = {k: torch.zeros(B, L, dtype=torch.float32) for k in keys}
+        for i, rows in enumerate(bins):
+            idx = torch.tensor(rows)
+            for k in keys:
+                res[k][idx, : results[i][k].shape[1]] = results[i][k].float()
+        self.model.train(was_training)
+        return res
+
+    # ------------------------------------------------------------------ full weights
+    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True):
+        """``(HF name, full tensor)`` on global rank 0, ``(name, None)`` elsewhere, one tensor at a time:
+        each is gathered over its stage's FSDP×TP mesh and sent from the stage that owns it, so no rank
+        holds more than one full tensor beyond its own shards. Tied weights appear once."""
+        if self.pipe is None:
+            yield from super()._named_full_tensors(include_value_head, to_cpu)
+            return
+        mine = [(n, p) for s in self.model.values() for n, p in s.named_parameters()
+                if not (s.tied_copy and n == "lm_head.weight")]
+        table: list[Any] = [None] * self.parallel.pp
+        dist.all_gather_object(table, [n for n, _ in mine], group=self.mesh.pp_group)
+        src_rank0 = dist.get_rank() == 0
+        head_of = [dist.get_global_rank(self.mesh.pp_group, r) for r in range(self.parallel.pp)]
+        for stage_rank, stage_names in enumerate(table):
+            for j, name in enumerate(stage_names):
+                if self.critic and name.startswith("lm_head.") and not include_value_head:
+                    continue
+                full = None
+                if self.mesh.pp_rank == stage_rank:  # a collective over this stage's FSDP×TP mesh
+                    full = _full(mine[j][1]).detach().cpu()
+                if self.mesh.is_stage_head or src_rank0:
+                    full = self._to_rank0(full, head_of[stage_rank], name)
+                yield name, (full if src_rank0 else None)
+
+    def _to_rank0(self, t: torch.Tensor | None, owner: int, name: str) -> torch.Tensor | None:
+        """Point-to-point from the owning stage's head to global rank 0 (only those two call it)."""
+        me = dist.get_rank()
+        if owner == 0:
+            return t
+        if me == owner:
+            meta = [tuple(t.shape), t.dtype]
+            dist.send_object_list(meta, dst=0)
+            dist.send(t.contiguous(), dst=0)
+            return None
+        if me == 0:
+            meta: list[Any] = [None, None]
+            dist.recv_object_list(meta, src=owner)
+            out = torch.empty(meta[0], dtype=meta[1])
+            dist.recv(out, src=owner)
+            return out
+        return None
+
+    def _load_hf(self, path: str) -> None:
+        if self.pipe is None:
+            return super()._load_hf(path)
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(path).glob("model*.safetensors")):
+            full.update(load_file(str(f)))
+        if "lm_head.weight" not in full and "model.embed_tokens.weight" in full:
+            full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        for stage in self.model.values():
+            names = {n for n, _ in stage.named_parameters()}
+            set_model_state_dict(stage, {k: v for k, v in full.items() if k in names},
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+
