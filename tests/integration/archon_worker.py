@@ -10,6 +10,7 @@ gradients against the full-vocabulary computation.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -88,7 +89,7 @@ def reference(family: str, tied: bool) -> dict:
     torch.manual_seed(0)
     model = build_model(family, tied)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, foreach=False)
-    res: dict = {"losses": [], "grad_norms": []}
+    res: dict = {"losses": [], "grad_norms": [], "probe_before": _ref_probe(model)}
     for step in range(len(STEP_LENS)):
         batch = make_batch(step)
         mask, pos = masks_and_positions(batch)
@@ -109,7 +110,20 @@ def reference(family: str, tied: bool) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     res["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res["probe_after"] = _ref_probe(model)
     return res
+
+
+def _ref_probe(model):
+    import torch
+
+    from areal_cli.engines.archon.vocab_parallel import full_logprobs_entropy
+
+    batch = make_batch(0)
+    mask, pos = masks_and_positions(batch)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=pos, attention_mask=mask, use_cache=False).logits
+        return torch.stack(full_logprobs_entropy(logits[:, :-1], batch["input_ids"][:, 1:], TEMPERATURE), -1)
 
 
 # ---------------------------------------------------------------------------- parallel side
@@ -154,84 +168,183 @@ def _named(model, pipe, tied: bool):
     return out
 
 
-def run_variant(v: dict, out_dir: str) -> None:
-    import torch
-    import torch.distributed as dist
+class Setup:
+    """One layout: the mesh, the parallelised model (or this rank's pipeline) and its optimizer."""
 
-    from areal_cli.engines.archon import clip, pipeline, vocab_parallel
-    from areal_cli.engines.archon.mesh import ParallelDims
-    from areal_cli.engines.archon.parallelize import parallelize
+    def __init__(self, v: dict):
+        import torch
 
-    dims = ParallelDims(pp=v.get("pp", 1), dp=v.get("dp", 1), tp=v.get("tp", 1))
-    mesh = dims.build("cpu")
-    family, tied = v.get("family", "qwen2"), v.get("tied", False)
-    model = build_model(family, tied)
-    ac = v.get("ac", False)
-    pipe = None
-    if dims.pp > 1:
-        mods = pipeline.build_stage_modules(model, pp_rank=mesh.pp_rank, pp_size=dims.pp,
-                                            schedule=v["schedule"], virtual_stages=v.get("virtual", 1),
-                                            layers_per_stage=v.get("layers_per_stage"))
-        for m in mods:
-            parallelize(m, mesh, activation_checkpointing=ac, pipelined=True)
-        pipe = pipeline.Pipeline(mods, mesh, v["schedule"], torch.device("cpu"))
-        params, norm_params = pipe.parameters(), pipe.norm_parameters()
-    else:
-        parallelize(model, mesh, activation_checkpointing=ac)
-        params = norm_params = list(model.parameters())
-    model.train()
-    if pipe is not None:
-        for m in pipe.modules:
-            m.train()
-    opt = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS, foreach=False)
-    tp_group = mesh.tp_group if dims.tp > 1 else None
-    rows = ROWS // dims.dp
-    res: dict = {"losses": [], "grad_norms": []}
-    for step in range(len(STEP_LENS)):
+        from areal_cli.engines.archon import pipeline
+        from areal_cli.engines.archon.mesh import ParallelDims
+        from areal_cli.engines.archon.parallelize import parallelize
+
+        self.dims = ParallelDims(pp=v.get("pp", 1), dp=v.get("dp", 1), tp=v.get("tp", 1))
+        self.mesh = self.dims.build("cpu")
+        self.tied = v.get("tied", False)
+        self.model = build_model(v.get("family", "qwen2"), self.tied)
+        ac = v.get("ac", False)
+        self.pipe = None
+        if self.dims.pp > 1:
+            mods = pipeline.build_stage_modules(self.model, pp_rank=self.mesh.pp_rank, pp_size=self.dims.pp,
+                                                schedule=v["schedule"], virtual_stages=v.get("virtual", 1),
+                                                layers_per_stage=v.get("layers_per_stage"))
+            for m in mods:
+                parallelize(m, self.mesh, activation_checkpointing=ac, pipelined=True)
+                m.train()
+            self.pipe = pipeline.Pipeline(mods, self.mesh, v["schedule"], torch.device("cpu"))
+            self.params, self.norm_params = self.pipe.parameters(), self.pipe.norm_parameters()
+        else:
+            parallelize(self.model, self.mesh, activation_checkpointing=ac)
+            self.model.train()
+            self.params = self.norm_params = list(self.model.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=LR, eps=ADAM_EPS, foreach=False)
+        self.tp_group = self.mesh.tp_group if self.dims.tp > 1 else None
+        self.rows = ROWS // self.dims.dp
+
+    def local(self, step: int):
+        """This data-parallel replica's rows of the global batch, its masks and the global weight."""
         gbatch = make_batch(step)
-        total_w = mb_weight(gbatch)
         mask, pos = masks_and_positions(gbatch)
-        lo0 = mesh.dp_rank * rows
-        batch = split_rows(gbatch, lo0, lo0 + rows)
-        mask, pos = mask[lo0:lo0 + rows], pos[lo0:lo0 + rows]
-        mbs = [split_rows(batch, lo, lo + MB_ROWS) for lo in range(0, rows, MB_ROWS)]
+        lo = self.mesh.dp_rank * self.rows
+        sl = slice(lo, lo + self.rows)
+        return split_rows(gbatch, lo, lo + self.rows), mask[sl], pos[sl], mb_weight(gbatch)
 
-        def logp_ent(logits, mb):
-            return vocab_parallel.logprobs_entropy(logits[:, :-1], mb["input_ids"][:, 1:], TEMPERATURE,
-                                                   group=tp_group, vocab_size=V)
+    def logp_ent(self, logits, ids):
+        from areal_cli.engines.archon import vocab_parallel
 
+        return vocab_parallel.logprobs_entropy(logits[:, :-1], ids[:, 1:], TEMPERATURE, group=self.tp_group,
+                                               vocab_size=V)
+
+    def train_step(self, step: int) -> float:
+        """Forward+backward of one global batch in micro-batches; returns the global loss."""
+        import torch
+        import torch.distributed as dist
+
+        batch, mask, pos, total_w = self.local(step)
+        mbs = [split_rows(batch, lo, lo + MB_ROWS) for lo in range(0, self.rows, MB_ROWS)]
         mine = 0.0
-        if pipe is not None:
-            loss = pipeline.MicroBatchLoss(lambda out, i: (mb_loss(*logp_ent(out, mbs[i]), mbs[i]), {}),
-                                           [mb_weight(mb) for mb in mbs], total_w)
-            pipe.train_step(batch["input_ids"], n_microbatches=len(mbs), loss=loss, position_ids=pos,
-                            attention_mask=mask)
-            if pipe.has_last and mesh.tp_rank == 0:
+        if self.pipe is not None:
+            from areal_cli.engines.archon import pipeline
+
+            loss = pipeline.MicroBatchLoss(lambda out, i: (mb_loss(*self.logp_ent(out, mbs[i]["input_ids"]), mbs[i]),
+                                                           {}), [mb_weight(mb) for mb in mbs], total_w)
+            ids, pos_s, mask_s = self._trimmed_then_padded(mbs, mask, pos)
+            self.pipe.train_step(ids, n_microbatches=len(mbs), loss=loss, position_ids=pos_s, attention_mask=mask_s)
+            if self.pipe.has_last and self.mesh.tp_rank == 0:
                 assert sorted(loss.scaled_losses) == list(range(len(mbs)))
                 mine = sum(loss.scaled_losses.values())
         else:
             for k, mb in enumerate(mbs):
                 sl = slice(k * MB_ROWS, (k + 1) * MB_ROWS)
-                logits = model(input_ids=mb["input_ids"], position_ids=pos[sl], attention_mask=mask[sl],
-                               use_cache=False).logits
-                lo = mb_loss(*logp_ent(logits, mb), mb) * (mb_weight(mb) / total_w)
-                lo.backward()
-                mine += float(lo.detach()) if mesh.tp_rank == 0 else 0.0
+                logits = self.model(input_ids=mb["input_ids"], position_ids=pos[sl], attention_mask=mask[sl],
+                                    use_cache=False).logits
+                scaled = mb_loss(*self.logp_ent(logits, mb["input_ids"]), mb) * (mb_weight(mb) / total_w)
+                scaled.backward()
+                mine += float(scaled.detach()) if self.mesh.tp_rank == 0 else 0.0
         t = torch.tensor([mine], dtype=torch.float64)
         dist.all_reduce(t)
-        res["losses"].append(float(t))
-        if step == 0:
-            res["grads"] = _gather_named(_named(model, pipe, tied), mesh, "grad")
-        res["grad_norms"].append(clip.clip_grad_norm_(params, MAX_NORM, pp_group=mesh.pp_group,
-                                                      norm_parameters=norm_params))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    res["weights"] = _gather_named(_named(model, pipe, tied), mesh, "data")
-    res["coords"] = _coords(mesh)
-    if dist.get_rank() == 0:
-        import torch as _t
+        return float(t)
 
-        _t.save(res, Path(out_dir) / f"{v['name']}.pt")
+    @staticmethod
+    def _trimmed_then_padded(mbs, mask, pos):
+        """Cut every micro-batch to its own longest row, then pad back with the pipeline helpers:
+        the step's micro-batches have different lengths, as an engine's packed ones do."""
+        from areal_cli.data.packing import padded_causal_mask
+        from areal_cli.engines.archon.pipeline import pad_stack, pad_stack_masks
+
+        ids, poss, masks = [], [], []
+        for k, mb in enumerate(mbs):
+            n = int(mb["attention_mask"].sum(1).max())
+            ids.append(mb["input_ids"][:, :n])
+            poss.append(pos[k * MB_ROWS:(k + 1) * MB_ROWS, :n])
+            masks.append(padded_causal_mask(mb["attention_mask"][:, :n]))
+        L = mask.shape[-1]
+        return pad_stack(ids, length=L), pad_stack(poss, length=L), pad_stack_masks(masks, length=L)
+
+    def probe(self):
+        """Per-token logprob and entropy ``[rows, L-1, 2]`` of step 0's global batch (rank 0)."""
+        import torch
+        import torch.distributed as dist
+
+        batch, mask, pos, _ = self.local(0)
+        with torch.no_grad():
+            if self.pipe is not None:
+                out = self.pipe.forward(batch["input_ids"], n_microbatches=self.rows // MB_ROWS,
+                                        output_fn=lambda lg, tg: torch.stack(self.logp_ent(lg, tg), -1),
+                                        position_ids=pos, attention_mask=mask, targets=batch["input_ids"])
+                mine = out if (self.pipe.has_last and self.mesh.tp_rank == 0) else None
+            else:
+                logits = self.model(input_ids=batch["input_ids"], position_ids=pos, attention_mask=mask,
+                                    use_cache=False).logits
+                out = torch.stack(self.logp_ent(logits, batch["input_ids"]), -1)  # collective over tp
+                mine = out if self.mesh.tp_rank == 0 else None
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (self.mesh.dp_rank, mine))
+        got = sorted((d, t) for d, t in parts if t is not None)
+        return torch.cat([t for _, t in got], dim=0) if dist.get_rank() == 0 else None
+
+
+def run_variant(v: dict, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.engines.archon import clip
+
+    s = Setup(v)
+    res: dict = {"losses": [], "grad_norms": [], "probe_before": s.probe()}
+    calls = [0]
+    first = next(m for m in (s.pipe.modules[0] if s.pipe else s.model).model.layers if len(list(m.parameters())))
+    # A pre-hook: checkpoint recompute stops early, once the last saved tensor is back, which is
+    # before the mlp would return (a forward hook would not see the recompute).
+    hook = first.mlp.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    for step in range(len(STEP_LENS)):
+        res["losses"].append(s.train_step(step))
+        if step == 0:
+            hook.remove()
+            res["mlp_calls"] = calls[0]  # activation checkpointing runs each layer twice
+            res["grads"] = _gather_named(_named(s.model, s.pipe, s.tied), s.mesh, "grad")
+        res["grad_norms"].append(clip.clip_grad_norm_(s.params, MAX_NORM, pp_group=s.mesh.pp_group,
+                                                      norm_parameters=s.norm_params))
+        s.opt.step()
+        s.opt.zero_grad(set_to_none=True)
+    res["weights"] = _gather_named(_named(s.model, s.pipe, s.tied), s.mesh, "data")
+    res["probe_after"] = s.probe()
+    res["coords"] = _coords(s.mesh)
+    if dist.get_rank() == 0:
+        torch.save(res, Path(out_dir) / f"{v['name']}.pt")
+    dist.barrier()
+
+
+def run_errors(v: dict, out_dir: str) -> None:
+    """Typed errors: a family without a TP plan, a bad schedule name, bad layer counts."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from areal_cli.engines.archon import pipeline
+    from areal_cli.engines.archon.mesh import ParallelDims
+    from areal_cli.engines.archon.parallelize import parallelize
+    from areal_cli.errors import ConfigError
+
+    mesh = ParallelDims(tp=dist.get_world_size()).build("cpu")
+    cfg = MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    res = {}
+    checks = {
+        "no_plan": lambda: parallelize(AutoModelForCausalLM.from_config(cfg), mesh),
+        "schedule": lambda: pipeline.schedule_class("ZeroBubble"),
+        "layers": lambda: pipeline.split_layers(4, 2, [3, 2]),
+        "world": lambda: ParallelDims(dp=3).build("cpu"),
+        "dims": lambda: ParallelDims(tp=0),
+    }
+    for name, fn in checks.items():
+        try:
+            fn()
+            res[name] = None
+        except ConfigError as e:
+            res[name] = (type(e).__name__, str(e))
+    if dist.get_rank() == 0:
+        torch.save(res, Path(out_dir) / f"{v['name']}.pt")
     dist.barrier()
 
 
@@ -282,12 +395,15 @@ def main() -> None:
 
     torch.set_num_threads(1)
     spec = json.loads(sys.argv[1])
+    # A collective that never completes would hang the test until its global timeout: dump every
+    # thread's stack and exit instead, so the failure shows where.
+    faulthandler.dump_traceback_later(float(spec.get("hang_s", 240)), exit=True)
     sys.path.insert(0, str(Path(__file__).parent))
     from areal_cli.engines.dist import init_distributed
 
     init_distributed("gloo")
     for v in spec["variants"]:
-        (run_vocab if v.get("kind") == "vocab" else run_variant)(v, spec["out"])
+        {"vocab": run_vocab, "errors": run_errors}.get(v.get("kind"), run_variant)(v, spec["out"])
 
 
 if __name__ == "__main__":
