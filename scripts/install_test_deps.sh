@@ -4,6 +4,8 @@
 # - s3fs + moto: check-storage against a local S3-compatible server (botocore pinned to what awscli
 #   on the machine wants; a plain `pip install s3fs` would upgrade it)
 # - skypilot in its own venv: installing it globally downgrades click and uvicorn
+# - sglang's own request models, routes and weight-update helper for the SGLang contract tests:
+#   scripts/setup_sglang_contract.sh (pinned, --no-deps, into .venv-sglang/site; never a torch)
 # - slurm-wlm + munge come from slurm/local-cluster.sh, which the slurm suite runs itself
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +23,6 @@ if [ ! -x "$SKY/bin/sky" ]; then
   (python -m venv "$SKY" && "$SKY/bin/pip" install -q skypilot) >/dev/null 2>&1 \
     || echo "install_test_deps: skypilot venv not created; SkyPilot YAML validation tests will skip"
 fi
+bash scripts/setup_sglang_contract.sh \
+  || echo "install_test_deps: sglang contract packages not installed; SGLang contract tests will fail in CI"
 exit 0

@@ -4,7 +4,6 @@ rollout that spans a weight update. The test process plays trainer rank 0 itself
 from __future__ import annotations
 
 import asyncio
-import datetime
 import os
 import threading
 import time
@@ -18,6 +17,7 @@ from areal_cli.errors import InferenceError
 from areal_cli.inference.client import RemoteInferenceEngine
 from areal_cli.inference.server.weights import broadcast_from_root
 from areal_cli.utils.network import find_free_port
+from areal_cli.weight_sync.group import make_group
 
 from hf_server_helpers import hf_greedy, prompts, start_hf_server, teacher_forced_logprobs
 
@@ -104,12 +104,17 @@ def test_disk_update_rejects_bad_shapes_and_paths_without_half_applying(server, 
 
 
 def _trainer_group(port: int, world: int, group: str):
-    import torch.distributed as dist
+    """Rank 0 as the trainer builds it (the steps of SGLang's init_custom_process_group)."""
+    return None, make_group("gloo", "127.0.0.1", port, world, 0, group, 60.0)
 
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(group, store), 0, world, timeout)
-    return store, pg
+
+async def _in_session(engine, *coros):
+    """SGLang's weight-update session around the update(s): begin, the work, end (even on failure)."""
+    await engine.begin_weight_update()
+    try:
+        return await asyncio.gather(*coros)
+    finally:
+        await engine.end_weight_update()
 
 
 def _join_group(engine, meta):
@@ -138,7 +143,7 @@ def test_distributed_update_over_gloo(server, models, tok):
             broadcast_from_root(pg, t.contiguous().clone())
 
     async def push(m, sp, tensors):
-        await asyncio.gather(engine.update_weights_from_distributed(m, sp), asyncio.to_thread(broadcast, tensors))
+        await _in_session(engine, engine.update_weights_from_distributed(m, sp), asyncio.to_thread(broadcast, tensors))
 
     asyncio.run(push(meta, specs, [new[s.name] for s in specs]))
     assert _version(server) == "21"
@@ -163,7 +168,8 @@ def test_distributed_update_over_gloo(server, models, tok):
 
 
 def test_flattened_bucket_extension(server, models, tok):
-    """hf extension: one broadcast per dtype per bucket (here bf16 on the wire into the fp32 model)."""
+    """SGLang's load_format="flattened_bucket": the bucket's bytes in one uint8 broadcast (here bf16 on the
+    wire into the fp32 model)."""
     import copy
 
     engine = _engine(server)
@@ -176,9 +182,9 @@ def test_flattened_bucket_extension(server, models, tok):
     new = {k: v.detach().to(torch.bfloat16) for k, v in models[1].state_dict().items()}
 
     async def push(m, sp, tensors):
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        await asyncio.gather(engine.update_weights_from_distributed(m, sp, flattened_bucket=True),
-                             asyncio.to_thread(broadcast_from_root, pg, flat))
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+        await _in_session(engine, engine.update_weights_from_distributed(m, sp, flattened_bucket=True),
+                          asyncio.to_thread(broadcast_from_root, pg, flat))
 
     # A flat bucket with a wrong shape is drained as one broadcast and rejected whole.
     bad = [ParamSpec("model.norm.weight", "bfloat16", [3]),

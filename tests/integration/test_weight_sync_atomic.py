@@ -8,14 +8,13 @@ lost the group fails the push at once (the next push rebuilds the group)."""
 from __future__ import annotations
 
 import asyncio
-import datetime
+import multiprocessing as mp
 import threading
 import time
 
 import httpx
 import pytest
 import torch
-import torch.distributed as dist
 
 from areal_cli.api.inference_api import InferenceEngine
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest, WeightUpdateMeta
@@ -23,6 +22,7 @@ from areal_cli.errors import InferenceError, WeightSyncError
 from areal_cli.inference.client import RemoteInferenceEngine
 from areal_cli.utils.network import find_free_port
 from areal_cli.weight_sync.common import LoopRunner
+from areal_cli.weight_sync.group import make_group
 from areal_cli.weight_sync.senders import DistributedSender
 
 from hf_server_helpers import UnroutableServer, hf_greedy, prompts, start_hf_server, teacher_forced_logprobs
@@ -202,6 +202,16 @@ def test_explicit_path_when_atomic_is_off(server, models, prompt, sync):
     assert _greedy(server, prompt) == hf_greedy(models[1], prompt, 16)
 
 
+def _join_rank1(conn, address, port, world, group_name):
+    """A server's side of the group, the way a server joins (SGLang's helper's steps); then waits."""
+    make_group("gloo", address, port, world, 1, group_name, 30.0)
+    conn.send("joined")
+    try:
+        conn.recv()  # until the test closes its end
+    except EOFError:
+        pass
+
+
 class _RefusingPeer(UnroutableServer, InferenceEngine):
     """Joins the real gloo group (rank 1, in a thread) but refuses every update request at once, so
     the trainer's broadcast would wait for a receive that never comes."""
@@ -215,11 +225,14 @@ class _RefusingPeer(UnroutableServer, InferenceEngine):
         raise NotImplementedError("not used by the sender")
 
     async def init_weights_update_group(self, meta):
-        def join():
-            store = dist.TCPStore(meta.master_address, meta.master_port, meta.world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=30))
-            self.held.append((store, dist.ProcessGroupGloo(dist.PrefixStore(meta.group_name, store), 1,
-                                                           meta.world_size, datetime.timedelta(seconds=30))))
+        def join():  # rank 1 in its own process (torch keeps one group per name and process)
+            ctx = mp.get_context("spawn")
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_join_rank1, args=(child, meta.master_address, meta.master_port,
+                                                         meta.world_size, meta.group_name), daemon=True)
+            proc.start()
+            self.held.append((proc, parent))
+            parent.recv()  # joined
 
         await asyncio.to_thread(join)
 
@@ -243,9 +256,13 @@ def test_refused_request_fails_the_push_without_waiting_for_the_broadcast():
     meta = WeightUpdateMeta(type="distributed", version=1, master_port=find_free_port(), world_size=2,
                             timeout_s=30)
     t0 = time.monotonic()
-    err = sender.send(meta, [_RefusingPeer()], iter([("w", torch.ones(8 * 1024 * 1024))]), is_src=True)
+    peer = _RefusingPeer()
+    err = sender.send(meta, [peer], iter([("w", torch.ones(8 * 1024 * 1024))]), is_src=True)
     elapsed = time.monotonic() - t0
     runner.close()
+    for proc, conn in peer.held:
+        conn.close()
+        proc.join(timeout=30)
     assert isinstance(err, WeightSyncError) and "10.9.8.7:4321" in str(err) and "no weight-update group" in str(err)
     assert elapsed < 10, f"took {elapsed:.1f}s: waited for the broadcast instead of failing on the refusal"
     assert sender.pg is None  # rebuilt by the next push

@@ -97,7 +97,10 @@ class RemoteInferenceEngine(InferenceEngine):
     def __init__(self, addresses: list[str], backend: str = "hf", *, timeout_s: float = 300.0,
                  retries: int = 3, routing: str = "least_loaded", api_key: str | None = None,
                  backoff_s: float = 0.5, health_interval_s: float = 5.0, max_resumes: int = 1000,
-                 admin_timeout_s: float = 600.0, flattened_bucket: bool = True, atomic_update: bool = True):
+                 admin_timeout_s: float = 600.0, flattened_bucket: bool = True, atomic_update: bool = True,
+                 tp_sizes: list[int] | int = 1):
+        """``tp_sizes``: tensor-parallel size of each server (one int: all the same). Every TP rank of
+        an SGLang server joins the weight-update group, so it sets the group's ranks and size."""
         if routing not in ("least_loaded", "round_robin"):
             raise InferenceError(f"routing must be least_loaded or round_robin, got {routing!r}")
         if not addresses:
@@ -116,6 +119,8 @@ class RemoteInferenceEngine(InferenceEngine):
         self.max_resumes = max_resumes
         self._servers: dict[str, _ServerState] = {a: _ServerState(a) for a in addresses}
         self._order: list[str] = list(addresses)
+        self._tp = self._tp_list(tp_sizes, len(addresses))
+        self._checked_versions: set[str] = set()
         self._rr = itertools.count()
         self._version = 0
         self._clients: dict[int, aiohttp.ClientSession] = {}
@@ -127,10 +132,24 @@ class RemoteInferenceEngine(InferenceEngine):
     def addresses(self) -> list[str]:
         return list(self._order)
 
+    @staticmethod
+    def _tp_list(tp_sizes: list[int] | int, n: int) -> list[int]:
+        tps = [int(tp_sizes)] * n if isinstance(tp_sizes, int) else [int(t) for t in tp_sizes]
+        if len(tps) != n or any(t < 1 for t in tps):
+            raise InferenceError(f"tp_sizes={tp_sizes!r} must be one positive size per server ({n} servers)")
+        return tps
+
+    @property
+    def weight_group_world_size(self) -> int:
+        """World size of the weight-update group: the trainer plus every TP rank of every server."""
+        return self.backend.group_ranks(self._tp)[1]
+
     def set_addresses(self, addresses: list[str]) -> None:
         """Replace the server set (e.g. after the launcher restarted one); new ones start healthy."""
         if not addresses:
             raise InferenceError("set_addresses needs at least one address")
+        if len(addresses) != len(self._order):
+            self._tp = self._tp_list(self._tp[0] if len(set(self._tp)) == 1 else 1, len(addresses))
         self._servers = {a: self._servers.get(a) or _ServerState(a) for a in addresses}
         for s in self._servers.values():
             s.healthy, s.failures = True, 0
@@ -382,17 +401,48 @@ class RemoteInferenceEngine(InferenceEngine):
                         "update_weights_from_disk")
         self._version = meta.version
 
+    async def check_server_versions(self) -> dict[str, str]:
+        """SGLang only: read every server's version (``/server_info``) once and refuse one outside
+        the supported range (``backends.sglang.SUPPORTED_VERSIONS``)."""
+        check = getattr(self.backend, "check_server_version", None)
+        todo = [a for a in self._order if a not in self._checked_versions]
+        if check is None or not todo:
+            return {}
+        res = await asyncio.gather(*(self._send_retry(a, self.backend.build_server_info(), 30.0) for a in todo))
+        out = {a: check(r, a) for a, r in zip(todo, res)}
+        self._checked_versions.update(todo)
+        return out
+
+    async def begin_weight_update(self) -> None:
+        """Open the weight-update session SGLang requires around distributed/disk updates."""
+        await self.check_server_versions()
+        if hasattr(self.backend, "build_begin_update"):  # vLLM opens its own in each update call
+            await self._all([self.backend.build_begin_update() for _ in self._order], "begin_weight_update")
+
+    async def end_weight_update(self) -> None:
+        if hasattr(self.backend, "build_end_update"):
+            await self._all([self.backend.build_end_update() for _ in self._order], "end_weight_update")
+
+    async def release_memory_occupation(self) -> None:
+        """Free the servers' accelerator memory for a colocated trainer (SGLang ``--enable-memory-saver``)."""
+        await self._all([self.backend.build_release_memory() for _ in self._order], "release_memory_occupation")
+
+    async def resume_memory_occupation(self) -> None:
+        await self._all([self.backend.build_resume_memory() for _ in self._order], "resume_memory_occupation")
+
     async def init_weights_update_group(self, meta: WeightUpdateMeta) -> None:
-        if meta.world_size != 1 + len(self._order):
-            raise InferenceError(f"WeightUpdateMeta.world_size={meta.world_size} but there are "
-                                 f"{len(self._order)} servers; it must be 1 + number of servers")
+        offsets, world = self.backend.group_ranks(self._tp)
+        if meta.world_size != world:
+            raise InferenceError(f"WeightUpdateMeta.world_size={meta.world_size} but the {len(self._order)} "
+                                 f"server(s) have TP sizes {self._tp}; it must be 1 + their sum = {world}")
+        await self.check_server_versions()
         # Collectives are never resent: a second request would wait for peers that already moved on.
-        await self._all([self.backend.build_init_group(meta, i) for i in range(len(self._order))],
+        await self._all([self.backend.build_init_group(meta, off) for off in offsets],
                         "init_weights_update_group", retries=0)
 
     @property
     def supports_flattened_bucket(self) -> bool:
-        """Whether the backend takes ``flattened_bucket`` (hf only; SGLang/vLLM never get it)."""
+        """Whether the backend takes ``load_format="flattened_bucket"`` (SGLang and hf; not vLLM)."""
         return self.allow_flattened_bucket and bool(getattr(self.backend, "SUPPORTS_FLATTENED_BUCKET", False))
 
     @property
@@ -405,14 +455,14 @@ class RemoteInferenceEngine(InferenceEngine):
     async def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: list[ParamSpec], *,
                                               flattened_bucket: bool = False, pause_generation: bool = False,
                                               continue_generation: bool = False) -> None:
-        """``flattened_bucket``: the trainer broadcasts one flat buffer per dtype of the bucket
-        (hf extension); only allowed when :attr:`supports_flattened_bucket`.
+        """``flattened_bucket``: the trainer broadcasts the bucket as one uint8 buffer (SGLang's
+        ``load_format="flattened_bucket"``); only allowed when :attr:`supports_flattened_bucket`.
         ``pause_generation`` / ``continue_generation``: the server pauses right before applying this
         bucket and/or continues right after it, at one token boundary (hf extension); only allowed
         when :attr:`supports_atomic_update`."""
         if flattened_bucket and not self.supports_flattened_bucket:
-            raise InferenceError("flattened_bucket weight updates are an hf-server extension; "
-                                 f"backend {self.backend.NAME!r} takes one broadcast per tensor")
+            raise InferenceError(f"backend {self.backend.NAME!r} does not take flattened_bucket weight updates; "
+                                 "it takes one broadcast per tensor")
         if (pause_generation or continue_generation) and not self.supports_atomic_update:
             raise InferenceError("pause_generation/continue_generation inside a weight update are an hf-server "
                                  f"extension; backend {self.backend.NAME!r} needs explicit pause/continue calls")

@@ -10,9 +10,12 @@ Protocols (SGLang's, spoken by the built-in ``hf`` server too):
 
 - disk: write ``<meta.path>/v<version>/`` (HF layout), then pause → ``update_weights_from_disk`` →
   continue.
-- distributed: pause → (first time) ``init_weights_update_group`` on the servers while rank 0
-  creates the TCPStore master + process group → per bucket, ``update_weights_from_distributed``
-  (HTTP) concurrently with one ``broadcast`` per tensor → continue.
+- distributed: pause → ``begin_weight_update`` → (first time) ``init_weights_update_group`` on the
+  servers while rank 0 joins the group as SGLang's helper builds it (``weight_sync/group.py``) → per
+  bucket, ``update_weights_from_distributed`` (HTTP) concurrently with the broadcast → ``end_weight_update``
+  (always, once begun: SGLang refuses a second begin while a session is open) → continue. A bucket
+  is one broadcast per tensor, or with ``load_format="flattened_bucket"`` (SGLang and hf) one uint8
+  broadcast of the tensors' bytes in request order, each at an offset aligned to its dtype.
 
   Servers that advertise ``supports_atomic_update`` (the built-in ``hf`` server) get no separate
   pause/continue calls: every bucket request asks the server to pause right before applying it and
@@ -98,10 +101,10 @@ class DiskSender:
 class _Bucket:
     """Tensors of one broadcast bucket as they go on the wire.
 
-    Tensors are cast straight into a slot of a flat per-dtype staging buffer (no temporary, no page
-    faults after the first sync). Per-tensor mode (SGLang's protocol) sends a tensor that is already
-    in wire dtype/device and contiguous as is (zero-copy); ``flat`` mode (hf extension) always
-    stages, so the bucket goes out as one broadcast per dtype."""
+    Tensors are cast straight into a slot of a flat staging buffer (no temporary, no page faults
+    after the first sync). Per-tensor mode sends a tensor that is already in wire dtype/device and
+    contiguous as is (zero-copy); ``flat`` mode (``load_format="flattened_bucket"``) always stages
+    into one uint8 buffer, so the bucket goes out as one broadcast."""
 
     def __init__(self, sender: "DistributedSender", parity: int, flat: bool):
         self.sender = sender
@@ -111,11 +114,23 @@ class _Bucket:
         self.tensors: list = []
         self.nbytes = 0
         self.fill: dict = {}  # dtype -> elements used in this bucket's staging buffer (first-use order)
+        self.byte_fill = 0  # flat mode: bytes used in the uint8 staging buffer
+
+    def aligned_for(self, dtype) -> bool:
+        """Flat mode: whether a tensor of ``dtype`` can start at the current end (SGLang's receiver
+        refuses a tensor at an offset that is not a multiple of its dtype's size)."""
+        return not self.flat or self.byte_fill % dtype.itemsize == 0
 
     def add(self, name: str, t, dtype, bucket_bytes: int) -> None:
         import torch
 
-        if not self.flat and t.dtype == dtype and t.device == torch.device(self.sender.device) \
+        if self.flat:
+            off, nb = self.byte_fill, t.numel() * dtype.itemsize
+            buf = self.sender._staging(self.parity, torch.uint8, max(bucket_bytes, off + nb))
+            out = buf[off:off + nb].view(dtype).view(t.shape)
+            out.copy_(t)
+            self.byte_fill = off + nb
+        elif t.dtype == dtype and t.device == torch.device(self.sender.device) \
                 and t.is_contiguous():
             out = t
         else:
@@ -130,9 +145,11 @@ class _Bucket:
 
     def wire(self) -> list:
         """What to broadcast, in order: the flat per-dtype prefixes, or every tensor."""
+        import torch
+
         if not self.flat:
             return list(self.tensors)
-        return [self.sender._staging(self.parity, d, n)[:n] for d, n in self.fill.items()]
+        return [self.sender._staging(self.parity, torch.uint8, self.byte_fill)[:self.byte_fill]]
 
 
 class DistributedSender:
@@ -163,19 +180,11 @@ class DistributedSender:
 
     # -- group ----------------------------------------------------------------------------------
     def _make_group(self, meta: WeightUpdateMeta):
-        import torch.distributed as dist
+        """Rank 0 of the group, hosting its store; the same steps as SGLang's receiver."""
+        from areal_cli.weight_sync.group import make_group
 
-        timeout = datetime.timedelta(seconds=meta.timeout_s)
-        store = dist.TCPStore(meta.master_address, meta.master_port, meta.world_size, is_master=True,
-                              timeout=timeout, wait_for_workers=False)
-        prefix = dist.PrefixStore(meta.group_name, store)
-        if meta.backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefix, 0, meta.world_size, opts)
-        else:
-            pg = dist.ProcessGroupGloo(prefix, 0, meta.world_size, timeout)
-        return store, pg
+        return None, make_group(meta.backend, meta.master_address, meta.master_port, meta.world_size, 0,
+                                meta.group_name, meta.timeout_s)
 
     def _key(self, meta: WeightUpdateMeta, clients: list) -> tuple:
         # The port only serves the rendezvous: an established group stays valid when a later meta
@@ -241,7 +250,7 @@ class DistributedSender:
         asks the servers to pause before applying it, and if ``final`` to continue after."""
         specs = [ParamSpec(n, str(t.dtype).replace("torch.", ""), list(t.shape))
                  for n, t in zip(bucket.names, bucket.tensors)]
-        kw = {"flattened_bucket": True} if bucket.flat else {}
+        kw = {"flattened_bucket": True} if bucket.flat else {}  # the client sends load_format=flattened_bucket
         if atomic:
             kw.update(pause_generation=True, continue_generation=final)
             self._open_pause = self._open_pause or not final
@@ -300,11 +309,14 @@ class DistributedSender:
         err: WeightSyncError | None = None
         t0 = time.perf_counter()
         tp = t0
+        session: list = []  # clients whose weight-update session was opened (and must be closed)
         if is_src:
             try:
                 if not atomic:
                     self.runner.run(call_all(clients, "pause_generation", timeout=meta.timeout_s))
                 tp = time.perf_counter()
+                session = [c for c in clients if hasattr(c, "begin_weight_update")]
+                self.runner.run(call_all(session, "begin_weight_update", timeout=meta.timeout_s))
                 if not self.has_group(meta, clients):  # checked here: no hop through the event loop
                     self.runner.run(self._ensure_group(meta, clients))
             except WeightSyncError as e:
@@ -321,7 +333,7 @@ class DistributedSender:
             t = t.detach()
             dtype = wire if (wire is not None and t.is_floating_point()) else t.dtype
             nbytes = t.numel() * dtype.itemsize
-            if bucket.names and bucket.nbytes + nbytes > meta.bucket_bytes:
+            if bucket.names and (bucket.nbytes + nbytes > meta.bucket_bytes or not bucket.aligned_for(dtype)):
                 err = self._flush(meta, clients, bucket, final=False, atomic=atomic)
                 n_buckets += 1
                 bucket = _Bucket(self, n_buckets % 2, flat)
@@ -342,6 +354,11 @@ class DistributedSender:
             last_reply = self._phase.pop("last_reply", time.perf_counter())
             bcast_end = self._phase.pop("bcast_end", last_reply)
             tc = time.perf_counter()
+            if session:  # closed even after a failure: SGLang refuses to open a second one
+                try:
+                    self.runner.run(call_all(session, "end_weight_update", timeout=meta.timeout_s))
+                except WeightSyncError as e:
+                    err = err or e
             # Atomic pushes resume in their last request; only a failure after a bucket that paused
             # the servers (and before the one that resumes them) leaves them paused.
             if not atomic or (err is not None and self._open_pause):
@@ -409,6 +426,10 @@ class DistributedSender:
         return err
 
     def close(self) -> None:
+        from areal_cli.weight_sync.group import destroy_group
+
+        if self.pg is not None:
+            destroy_group(self.pg)
         self.pg = None
         self.store = None
         self._buffers.clear()

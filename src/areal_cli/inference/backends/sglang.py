@@ -1,14 +1,22 @@
-"""SGLang's native HTTP protocol: ``/generate``, pause/continue and weight-update endpoints.
+"""SGLang's native HTTP protocol: ``/generate``, pause/continue and the weight-update session.
 
-Schema references (sglang ``srt/managers/io_struct.py`` and ``srt/entrypoints/http_server.py``):
-``GenerateReqInput`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``rid``),
-``meta_info.output_token_logprobs = [[logprob, token_id, text|None], ...]``,
-``meta_info.finish_reason = {"type": "stop"|"length"|"abort", ...}``, ``meta_info.weight_version``;
-``UpdateWeightFromDiskReqInput`` (``model_path``, ``load_format``, ``abort_all_requests``,
-``weight_version``); ``InitWeightsUpdateGroupReqInput`` (``master_address``, ``master_port``,
-``rank_offset``, ``world_size``, ``group_name``, ``backend``); ``UpdateWeightsFromDistributedReqInput``
-(``names``, ``dtypes``, ``shapes``, ``group_name``, ``flush_cache``, ``weight_version``);
-``PauseGenerationReqInput`` (``mode``: abort|retract|in_place); ``GET /get_weight_version``.
+Checked against sglang 0.5.23 by the contract tests, which send every payload built here through
+SGLang's own routes and request models (``srt/entrypoints/http_server.py``,
+``srt/managers/io_struct.py``; tests/integration/test_sglang_contract.py). Supported servers:
+``SUPPORTED_VERSIONS`` (read from ``GET /server_info``).
+
+- ``/generate``: ``GenerateReqInput`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``rid``);
+  SGLang rejects unknown sampling keys and ``min_new_tokens > max_new_tokens`` with a 400.
+- A distributed push is a session: ``/pause_generation`` → ``/begin_weight_update`` →
+  (first time) ``/init_weights_update_group`` → ``/update_weights_from_distributed`` per bucket →
+  ``/end_weight_update`` → ``/continue_generation``. Without the session SGLang answers updates
+  with ``success=false`` (HTTP 400).
+- Group ranks: every TP rank of a server joins the group at ``rank_offset + tp_rank``; the trainer is
+  rank 0, server ``i`` gets ``rank_offset = 1 + sum(tp of servers before i)``, and the world size
+  is ``1 + sum(tp)``.
+- ``load_format="flattened_bucket"``: the bucket's tensors travel as one uint8 broadcast, their bytes
+  concatenated in request order (each tensor at an offset aligned to its dtype's size).
+- The weight version is ``weight_version`` in ``GET /model_info``.
 """
 
 from __future__ import annotations
@@ -21,12 +29,20 @@ from areal_cli.inference.backends.base import HttpCall, Segment, version_from
 
 NAME = "sglang"
 HEALTH = HttpCall("GET", "/health")
+SUPPORTS_FLATTENED_BUCKET = True
+SUPPORTS_ATOMIC_UPDATE = False
+# Inclusive lower bound, exclusive upper bound. The lower bound is the release the contract tests run
+# (begin/end_weight_update, weight_version in /model_info); the upper one the next minor series.
+SUPPORTED_VERSIONS = ((0, 5, 23), (0, 6, 0))
+SERVER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}  # /health must not queue behind a pause
 
 
 def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> dict[str, Any]:
+    budget = g.max_new_tokens if max_new_tokens is None else max_new_tokens
     sp: dict[str, Any] = {
-        "max_new_tokens": g.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        "min_new_tokens": g.min_new_tokens,
+        "max_new_tokens": budget,
+        # SGLang answers min_new_tokens > max_new_tokens with a 400; a resumed request can get there.
+        "min_new_tokens": min(g.min_new_tokens, budget),
         "temperature": 0.0 if g.greedy else g.temperature,
         "top_p": 1.0 if g.greedy else g.top_p,
         "top_k": 1 if g.greedy else (g.top_k if g.top_k and g.top_k > 0 else -1),
@@ -105,27 +121,78 @@ def build_update_from_disk(meta: WeightUpdateMeta) -> HttpCall:
                      "weight_version": str(meta.version)})
 
 
-def build_init_group(meta: WeightUpdateMeta, server_index: int) -> HttpCall:
+def build_begin_update() -> HttpCall:
+    return HttpCall("POST", "/begin_weight_update", {})
+
+
+def build_end_update() -> HttpCall:
+    return HttpCall("POST", "/end_weight_update", {})
+
+
+def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """``(rank_offset per server, world size)`` of the weight-update group: trainer rank 0, then
+    each server's TP ranks at ``rank_offset + tp_rank``."""
+    offsets, nxt = [], 1
+    for tp in tp_sizes:
+        offsets.append(nxt)
+        nxt += int(tp)
+    return offsets, nxt
+
+
+def build_init_group(meta: WeightUpdateMeta, rank_offset: int) -> HttpCall:
     return HttpCall("POST", "/init_weights_update_group", {
         "master_address": meta.master_address, "master_port": int(meta.master_port),
-        "rank_offset": 1 + server_index, "world_size": int(meta.world_size),
+        "rank_offset": int(rank_offset), "world_size": int(meta.world_size),
         "group_name": meta.group_name, "backend": meta.backend})
 
 
-def build_update_distributed(meta: WeightUpdateMeta, specs: list[ParamSpec], *,
-                             flush_cache: bool = True) -> HttpCall:
-    return HttpCall("POST", "/update_weights_from_distributed", {
+def build_update_distributed(meta: WeightUpdateMeta, specs: list[ParamSpec], *, flush_cache: bool = True,
+                             flattened_bucket: bool = False) -> HttpCall:
+    body: dict[str, Any] = {
         "names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
         "shapes": [list(s.shape) for s in specs], "group_name": meta.group_name,
-        "flush_cache": flush_cache, "weight_version": str(meta.version)})
+        "flush_cache": flush_cache, "weight_version": str(meta.version)}
+    if flattened_bucket:
+        body["load_format"] = "flattened_bucket"
+    return HttpCall("POST", "/update_weights_from_distributed", body)
 
 
 def build_get_version() -> HttpCall:
-    return HttpCall("GET", "/get_weight_version")
+    return HttpCall("GET", "/model_info")
 
 
 def parse_version(resp: dict[str, Any]) -> int | None:
     return version_from(resp.get("weight_version"))
+
+
+def build_server_info() -> HttpCall:
+    return HttpCall("GET", "/server_info")
+
+
+def check_server_version(resp: Any, address: str) -> str:
+    """The server's SGLang version from ``/server_info``; raises if it is outside ``SUPPORTED_VERSIONS``."""
+    lo, hi = SUPPORTED_VERSIONS
+    want = f">={'.'.join(map(str, lo))},<{'.'.join(map(str, hi))}"
+    raw = resp.get("version") if isinstance(resp, dict) else None
+    try:
+        got = tuple(int(x) for x in str(raw).split("+")[0].split(".")[:3])
+    except ValueError:
+        got = ()
+    if len(got) != 3 or not (lo <= got < hi):
+        raise InferenceError(f"SGLang server {address} reports version {raw!r}; areal-cli speaks the weight-update "
+                             f"protocol of sglang {want} (begin/end_weight_update, weight_version in /model_info). "
+                             f"Run a supported sglang, or use the hf/vllm backend")
+    return str(raw)
+
+
+def build_release_memory() -> HttpCall:
+    """Free the server's GPU memory (weights and KV cache) for a colocated trainer; needs
+    ``--enable-memory-saver``. Generation must be paused first."""
+    return HttpCall("POST", "/release_memory_occupation", {})
+
+
+def build_resume_memory() -> HttpCall:
+    return HttpCall("POST", "/resume_memory_occupation", {})
 
 
 def build_set_version(version: int) -> HttpCall:

@@ -24,6 +24,7 @@ from typing import Any
 from areal_cli.api.io_struct import GenerationConfig, ParamSpec, WeightUpdateMeta
 from areal_cli.errors import InferenceError
 from areal_cli.inference.backends.base import HttpCall, Segment, version_from
+from areal_cli.inference.backends.sglang import group_ranks  # noqa: F401  (same rank layout)
 
 NAME = "vllm"
 HEALTH = HttpCall("GET", "/health")
@@ -107,10 +108,11 @@ def build_reset_prefix_cache() -> HttpCall:
     return HttpCall("POST", "/reset_prefix_cache")
 
 
-def build_init_group(meta: WeightUpdateMeta, server_index: int) -> HttpCall:
+def build_init_group(meta: WeightUpdateMeta, rank_offset: int) -> HttpCall:
+    """``rank_offset`` from :func:`group_ranks` (each server's workers take consecutive ranks)."""
     return HttpCall("POST", "/init_weight_transfer_engine", {"init_info": {
         "master_address": meta.master_address, "master_port": int(meta.master_port),
-        "rank_offset": 1 + server_index, "world_size": int(meta.world_size)}})
+        "rank_offset": int(rank_offset), "world_size": int(meta.world_size)}})
 
 
 def build_update_distributed(meta: WeightUpdateMeta, specs: list[ParamSpec]) -> list[HttpCall]:

@@ -12,7 +12,6 @@ fresh allocations would page-fault on every push, and the apply step is then one
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import tempfile
 import threading
 import weakref
@@ -159,11 +158,8 @@ def load_from_disk(model, path: str, roots: list[str]) -> dict[str, torch.Tensor
 
 def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[torch.dtype, int, int]],
                                                                        dict[torch.dtype, int]]:
-    """Where each tensor of a bucket sits in the flat per-dtype buffers: ``[(dtype, offset, numel)]``
-    in request order, and the total element count per dtype (in order of first appearance).
-
-    This is also the wire layout of the ``flattened_bucket`` extension: one broadcast per dtype of
-    the bucket's tensors of that dtype concatenated in request order."""
+    """Where each tensor of a bucket sits in the per-dtype staging buffers: ``[(dtype, offset, numel)]``
+    in request order, and the total element count per dtype (in order of first appearance)."""
     slots: list[tuple[torch.dtype, int, int]] = []
     totals: dict[torch.dtype, int] = {}
     for dt, shp in zip(dtypes, shapes):
@@ -175,6 +171,24 @@ def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tupl
         slots.append((d, off, n))
         totals[d] = off + n
     return slots, totals
+
+
+def flat_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[torch.dtype, int, int]], int]:
+    """SGLang's ``load_format="flattened_bucket"`` wire layout: one uint8 buffer with the tensors'
+    bytes concatenated in request order; ``[(dtype, byte offset, numel)]`` and the total bytes.
+    Like SGLang's receiver, refuses a tensor whose offset is not a multiple of its dtype's size."""
+    slots, off = [], 0
+    for dt, shp in zip(dtypes, shapes):
+        d = parse_dtype(dt)
+        n = 1
+        for x in shp:
+            n *= int(x)
+        if off % d.itemsize:
+            raise WeightUpdateRejected(f"flattened_bucket: a {dt} tensor at byte offset {off} is not aligned to "
+                                       f"{d.itemsize} bytes")
+        slots.append((d, off, n))
+        off += n * d.itemsize
+    return slots, off
 
 
 @dataclass
@@ -199,23 +213,16 @@ class DistributedReceiver:
     @classmethod
     def join(cls, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str, backend: str = "gloo", timeout_s: float = 120.0) -> "DistributedReceiver":
-        import torch.distributed as dist
+        """Join as rank ``rank_offset`` (one process, so TP rank 0), exactly as SGLang's servers join."""
+        from areal_cli.weight_sync.group import make_group
 
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(master_address, int(master_port), int(world_size), is_master=False,
-                              timeout=timeout)
-        prefix = dist.PrefixStore(group_name, store)
-        if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefix, int(rank_offset), int(world_size), timeout)
-        elif backend == "nccl":
-            if not torch.cuda.is_available():
-                raise WeightUpdateRejected("backend 'nccl' needs CUDA; this server runs on CPU — use 'gloo'")
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefix, int(rank_offset), int(world_size), opts)
-        else:
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise WeightUpdateRejected("backend 'nccl' needs CUDA; this server runs on CPU — use 'gloo'")
+        if backend not in ("gloo", "nccl"):
             raise WeightUpdateRejected(f"unknown backend {backend!r}; expected gloo or nccl")
-        return cls(group_name, int(rank_offset), int(world_size), backend, pg, store)
+        pg = make_group(backend, master_address, int(master_port), int(world_size), int(rank_offset), group_name,
+                        timeout_s)
+        return cls(group_name, int(rank_offset), int(world_size), backend, pg, None)
 
     def _flat(self, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         device = "cuda" if self.backend == "nccl" else "cpu"
@@ -229,13 +236,19 @@ class DistributedReceiver:
 
     def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], flattened: bool,
                  flat_buffer: Callable[[torch.dtype, int], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One ``broadcast(root=0)`` per tensor, in order (SGLang's protocol), or with ``flattened``
-        one per dtype of the concatenated tensors (see :func:`bucket_layout`)."""
+        """One ``broadcast(root=0)`` per tensor, in order, or with ``flattened`` one of the whole
+        bucket as bytes (see :func:`flat_layout`)."""
+        if flattened:
+            fslots, nbytes = flat_layout(dtypes, shapes)
+            buf = flat_buffer(torch.uint8, nbytes)[:nbytes]
+            self.pg.broadcast(buf, 0).wait()
+            return {n: buf[off:off + k * d.itemsize].view(d).view([int(x) for x in shp])
+                    for n, (d, off, k), shp in zip(names, fslots, shapes)}
         slots, totals = bucket_layout(dtypes, shapes)
         flats = {d: flat_buffer(d, n) for d, n in totals.items()}
         views = [flats[d][off:off + k].view([int(x) for x in shp]) for (d, off, k), shp in zip(slots, shapes)]
         # (tensor, root) overload; a list would need BroadcastOptions
-        for t in ([flats[d][:n] for d, n in totals.items()] if flattened else views):
+        for t in views:
             self.pg.broadcast(t, 0).wait()
         return dict(zip(names, views))
 
@@ -276,14 +289,10 @@ class DistributedReceiver:
         self.receive(names, dtypes, shapes, flattened)
 
     def close(self) -> None:
-        self._staging = [{}, {}]
-        try:
-            import torch.distributed as dist
+        from areal_cli.weight_sync.group import destroy_group
 
-            if hasattr(dist, "destroy_process_group") and hasattr(self.pg, "shutdown"):
-                self.pg.shutdown()
-        except Exception:
-            pass
+        self._staging = [{}, {}]
+        destroy_group(self.pg)
 
 
 def broadcast_from_root(pg, tensor: torch.Tensor) -> None:

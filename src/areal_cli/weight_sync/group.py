@@ -1,0 +1,61 @@
+"""The weight-update process group, built the way SGLang's receiver builds it.
+
+SGLang's servers join with ``sglang.srt.utils.init_custom_process_group(backend, init_method=
+"tcp://ADDR:PORT", world_size, rank=rank_offset + tp_rank, group_name)``: torch's ``tcp://``
+rendezvous, a ``PrefixStore(group_name, store)``, then torch's own group creation, which adds its
+own key prefixes. The trainer (rank 0) and the built-in ``hf`` server must take exactly the same
+steps, or their store keys never meet (both sides then wait until the timeout). This is an
+independent implementation of those steps on torch's API; the contract test runs it against
+SGLang's helper itself (tests/integration/test_sglang_contract.py).
+
+No default process group is needed: the group is registered with torch under ``group_name`` only.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+
+def tcp_init_method(address: str, port: int) -> str:
+    """``tcp://host:port``, with IPv6 literals bracketed (what SGLang's ``NetworkAddress.to_tcp`` sends)."""
+    host = address.strip("[]")
+    return f"tcp://[{host}]:{int(port)}" if ":" in host else f"tcp://{host}:{int(port)}"
+
+
+def _drop_named(group_name: str) -> None:
+    """torch refuses a second group under a name still registered in this process (a group left
+    behind by a failed push); destroy that one first."""
+    from torch.distributed.distributed_c10d import _world
+
+    for pg, name in list(_world.pg_names.items()):
+        if name == group_name:
+            destroy_group(pg)
+
+
+def make_group(backend: str, address: str, port: int, world_size: int, rank: int, group_name: str,
+               timeout_s: float) -> Any:
+    """Join (rank 0: create and host the store of) the weight-update group; blocks until all
+    ``world_size`` ranks have joined or ``timeout_s`` passes. Returns the process group."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _drop_named(group_name)
+    store, rank, world_size = next(rendezvous(tcp_init_method(address, port), int(rank), int(world_size),
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_group(pg: Any) -> None:
+    """Unregister and shut down a weight-update group; never raises (the group may be broken)."""
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # a half-failed group: nothing more to release
+        pass
