@@ -380,6 +380,7 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
     async def health():
         return Response(status_code=200)
 
+    @app.get("/model_info")  # SGLang's name; the client reads weight_version here
     @app.get("/get_model_info")
     async def model_info():
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
@@ -476,6 +477,26 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
                              f"{body['master_address']}:{body['master_port']}: {e}")
         return {"success": True, "message": f"joined {body['group_name']} as rank {body['rank_offset']}"}
 
+    # SGLang's weight-update session: distributed updates only between begin and end, and no
+    # second begin while one is open (a trainer that forgets either fails here as on SGLang).
+    session = {"open": False}
+
+    @app.post("/begin_weight_update")
+    async def begin_update(request: Request):
+        await _json(request)
+        if session["open"]:
+            return _err(400, "a weight-update session is already open; call /end_weight_update first")
+        session["open"] = True
+        return {"success": True, "message": "weight-update session opened"}
+
+    @app.post("/end_weight_update")
+    async def end_update(request: Request):
+        await _json(request)
+        if not session["open"]:
+            return _err(400, "no weight-update session is open; call /begin_weight_update first")
+        session["open"] = False
+        return {"success": True, "message": "weight-update session closed"}
+
     @app.post("/destroy_weights_update_group")
     async def destroy_group(request: Request):
         await _json(request)
@@ -490,15 +511,24 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise BadRequest("names, dtypes and shapes (lists) are required")
+        if not session["open"]:
+            return _err(400, "update_weights_from_distributed must run between /begin_weight_update and "
+                             "/end_weight_update")
         rec = state.receiver
         if rec is None:
             return _err(400, "no weight-update group: call /init_weights_update_group first")
         gname = body.get("group_name")
         if gname is not None and gname != rec.group_name:
             return _err(400, f"group_name {gname!r} does not match the joined group {rec.group_name!r}")
+        # SGLang's load_format="flattened_bucket" (one uint8 broadcast); the older hf-only
+        # "flattened_bucket": true is accepted as the same thing.
+        load_format = body.get("load_format")
+        if load_format not in (None, "flattened_bucket"):
+            raise BadRequest(f"load_format {load_format!r} is not supported; use 'flattened_bucket' or leave it out")
         flattened = body.get("flattened_bucket", False)
         if not isinstance(flattened, bool):
             raise BadRequest("flattened_bucket (bool) must be true or false")
+        flattened = flattened or load_format == "flattened_bucket"
         # hf extension: pause right before / continue right after applying this bucket (saves the
         # trainer two round trips per push; see W.queue_apply)
         pause_gen, cont_gen = body.get("pause_generation", False), body.get("continue_generation", False)
@@ -508,6 +538,11 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
         problem = W.check_update_request(eng.model, names, dtypes, shapes)
         drainable = len(names) == len(dtypes) == len(shapes) and all(
             isinstance(s, list) for s in shapes)
+        if problem is None and flattened:
+            try:
+                W.flat_layout(dtypes, shapes)
+            except W.WeightUpdateRejected as e:  # no layout to drain into either
+                problem, drainable = str(e), False
 
         def apply(tensors):
             return W.queue_apply(eng, tensors, version, pause=pause_gen, resume=cont_gen)
