@@ -149,6 +149,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         engine.warm_up()
     if v.get("load"):
         engine.load(SaveLoadMeta(path=v["load"], weight_format="dcp"))
+    if v.get("load_hf"):
+        engine.load(SaveLoadMeta(path=v["load_hf"], weight_format="hf"))
     if v.get("fwd", False):
         res["logprobs"] = engine.forward(batch_fn(0) if engine.is_dp_head else None)
     if v.get("probe", False):
@@ -164,6 +166,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     res["weights"] = full_weights(engine)
     if v.get("save"):
         engine.save(SaveLoadMeta(path=v["save"], weight_format="dcp"))
+    if v.get("export"):
+        engine.save(SaveLoadMeta(path=v["export"], weight_format="hf"))
     if dist.get_rank() == 0:
         torch.save(res, Path(out_dir) / f"{v['name']}.pt")
     dist.barrier()
@@ -181,7 +185,7 @@ def main() -> None:
 
     init_distributed(spec.get("backend", "gloo"))
     for v in spec["variants"]:
-        model_dir = spec.get("model_dirs", {}).get(v.get("model"), spec["model_dir"])
+        model_dir = v.get("model") or spec["model_dir"]
         (run_critic if v.get("critic") else run_variant)(v, model_dir, spec["out"])
 
 

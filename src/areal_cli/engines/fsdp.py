@@ -479,6 +479,10 @@ class FSDPEngine(TrainEngine):
         dcp.save(state, checkpoint_id=meta.path)
         extra = {"step": self.step, "version": self._version, "rng": _rng_state(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                 # DCP's flattened optimizer state can drop a group's float hyperparameters (lr, betas,
+                 # eps) on a rank whose parameters differ from rank 0's (pipeline stages): keep them here.
+                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                  for g in self.optimizer.param_groups] if self.optimizer else None,
                  "extra_state": meta.extra_state}
         torch.save(extra, Path(meta.path) / f"extra_rank{dist.get_rank()}.pt")
         dist.barrier()
@@ -509,6 +513,9 @@ class FSDPEngine(TrainEngine):
             dcp.load(state, checkpoint_id=meta.path)
             set_model_state_dict(self.model, state["model"])
         extra = torch.load(extra_file, weights_only=False)
+        if self.optimizer is not None and extra.get("param_groups"):
+            for group, saved in zip(self.optimizer.param_groups, extra["param_groups"], strict=True):
+                group.update(saved)
         self.step = extra["step"]
         self._version = extra["version"]
         if self.scheduler is not None and extra["scheduler"] is not None:
