@@ -27,7 +27,7 @@ def main() -> None:
     from areal_cli.config.engine import EngineConfig
     from areal_cli.data.packing import split_batch_for_dp
     from areal_cli.engines.dist import init_distributed
-    from areal_cli.engines.fsdp import FSDPEngine
+    from areal_cli.engines import get_engine_cls
     from areal_cli.errors import WeightSyncError
     from areal_cli.inference.client import RemoteInferenceEngine
 
@@ -35,8 +35,8 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     rank, world = init_distributed("gloo")
     out = Path(spec["out"])
-    engine = FSDPEngine(EngineConfig(), OptimConfig(lr=5e-2), total_steps=10, seed=0)
-    engine.initialize(ParallelStrategy(dp=world), spec["model_dir"])
+    engine = get_engine_cls(spec.get("engine", "fsdp"))(EngineConfig(), OptimConfig(lr=5e-2), total_steps=10, seed=0)
+    engine.initialize(ParallelStrategy(**spec.get("parallel", {"dp": world})), spec["model_dir"])
     client = RemoteInferenceEngine([spec["address"]], timeout_s=60, retries=1, backoff_s=0.2)
     res: dict = {"pushes": [], "failures": []}
     from areal_cli.weight_sync.common import LoopRunner
@@ -58,8 +58,8 @@ def main() -> None:
     res["before"] = server_state()
     for step, (kind, dtype) in enumerate([("disk", "float32"), ("distributed", "float32"),
                                           ("distributed", "float32")]):
-        b = split_batch_for_dp(make_batch(step), world)[engine.dp_rank]
-        engine.train_batch(b, loss_fn, loss_weight_fn)
+        b = split_batch_for_dp(make_batch(step), engine.dp_world_size)[engine.dp_rank]
+        engine.train_batch(b if engine.is_dp_head else None, loss_fn, loss_weight_fn)
         meta = WeightUpdateMeta(type=kind, path=str(out / "weights"), master_port=spec["group_port"],
                                 dtype=dtype, timeout_s=60, bucket_bytes=64 * 1024)
         engine.update_weights(meta, [client], loop=runner.loop)
@@ -70,6 +70,12 @@ def main() -> None:
             res["pushes"].append({"kind": kind, "version": v, "client_version": client.get_version(),
                                   "server_versions": sv, "tokens": toks, "token_versions": vers,
                                   "seconds": engine.last_sync_seconds})
+    if not spec.get("kill", True):
+        if rank == 0:
+            (out / "sync.json").write_text(json.dumps(res))
+        dist.barrier()
+        engine.destroy()
+        return
     if rank == 0:
         os.kill(spec["server_pid"], signal.SIGKILL)
         time.sleep(0.5)

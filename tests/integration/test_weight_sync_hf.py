@@ -11,10 +11,27 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 from fsdp_worker import launch  # noqa: E402
 
 DEAD_TIMEOUT = 10.0
+
+
+def _check_pushes(res: dict, tmp_path: Path, ps: list) -> None:
+    from hf_server_helpers import hf_greedy, load_model
+
+    assert [p["kind"] for p in res["pushes"]] == ["disk", "distributed", "distributed"]
+    for i, push in enumerate(res["pushes"]):
+        v = i + 1
+        assert push["version"] == v and push["client_version"] == v
+        assert list(push["server_versions"].values()) == [v]
+        assert all(set(tv) == {v} for tv in push["token_versions"])
+        ref = load_model(str(tmp_path / f"hf_v{v}"))
+        expected = [hf_greedy(ref, p, 12) for p in ps]
+        assert push["tokens"] == expected, f"push {v} ({push['kind']}): server greedy != trainer greedy"
+    assert res["pushes"][0]["tokens"] != res["before"][0], "the server's output did not change at all"
 
 
 def test_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
@@ -22,7 +39,7 @@ def test_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
 
     from areal_cli.inference.launch import launch_server
     from areal_cli.utils.network import find_free_port
-    from hf_server_helpers import hf_greedy, load_model, prompts
+    from hf_server_helpers import prompts
 
     ps = prompts(AutoTokenizer.from_pretrained(tiny_model_dir), 3)
     server = launch_server("hf", tiny_model_dir_b, log_dir=str(tmp_path), timeout_s=180)
@@ -34,17 +51,7 @@ def test_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
     finally:
         server.stop()
     res = json.loads((tmp_path / "sync.json").read_text())
-    before_tokens = res["before"][0]
-    assert [p["kind"] for p in res["pushes"]] == ["disk", "distributed", "distributed"]
-    for i, push in enumerate(res["pushes"]):
-        v = i + 1
-        assert push["version"] == v and push["client_version"] == v
-        assert list(push["server_versions"].values()) == [v]
-        assert all(set(tv) == {v} for tv in push["token_versions"])
-        ref = load_model(str(tmp_path / f"hf_v{v}"))
-        expected = [hf_greedy(ref, p, 12) for p in ps]
-        assert push["tokens"] == expected, f"push {v} ({push['kind']}): server greedy != trainer greedy"
-    assert res["pushes"][0]["tokens"] != before_tokens, "the server's output did not change at all"
+    _check_pushes(res, tmp_path, ps)
     assert (tmp_path / "weights" / "v1" / "model.safetensors").is_file()
 
     assert [f["kind"] for f in res["failures"]] == ["distributed", "disk"]
@@ -52,3 +59,25 @@ def test_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
         assert f["error"] is not None, f"{f['kind']} push to a dead server succeeded"
         assert server.address in f["error"], f["error"]
         assert f["seconds"] < DEAD_TIMEOUT + 15, f"{f['kind']} took {f['seconds']:.1f}s"
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}], ids=["archon_t2", "archon_p2"])
+def test_archon_sync_into_hf_server(parallel, tiny_model_dir, tiny_model_dir_b, tmp_path):
+    """Full tensors gathered over TP, or streamed from the pipeline stage that owns them, reach the
+    server in both modes: its greedy output afterwards equals the trained model's."""
+    from transformers import AutoTokenizer
+
+    from areal_cli.inference.launch import launch_server
+    from areal_cli.utils.network import find_free_port
+    from hf_server_helpers import prompts
+
+    ps = prompts(AutoTokenizer.from_pretrained(tiny_model_dir), 3)
+    server = launch_server("hf", tiny_model_dir_b, log_dir=str(tmp_path), timeout_s=180)
+    try:
+        spec = {"model_dir": tiny_model_dir, "out": str(tmp_path), "address": server.address, "kill": False,
+                "server_pid": server.proc.pid, "group_port": find_free_port(), "prompts": ps,
+                "engine": "archon", "parallel": parallel}
+        launch(spec, 2, timeout=600, script=str(Path(__file__).parent / "sync_worker.py"))
+    finally:
+        server.stop()
+    _check_pushes(json.loads((tmp_path / "sync.json").read_text()), tmp_path, ps)
