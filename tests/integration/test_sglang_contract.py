@@ -18,6 +18,7 @@ the tests skip, except under CI, where they fail.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -252,3 +253,28 @@ def test_bucketed_push_to_sglang_receivers(servers, flat, wire):
     inits = [b for b in _contract(servers[1])["/init_weights_update_group"]["bodies"] if "rank_offset" in b]
     assert inits[-1]["rank_offset"] == 1 + TP and inits[-1]["world_size"] == 5
     assert asyncio.run(eng.get_server_versions()) == {a: version for a in servers}
+
+
+def test_launch_argv_parses_with_sglangs_own_parser():
+    """Every flag launch.py emits for SGLang (p included, plus launcher.server_args) is one
+    ``sglang.launch_server`` accepts: parsed by SGLang's own ``ServerArgs.add_cli_args``."""
+    _require_sglang()
+    from areal_cli.inference.launch import build_server_cmd
+
+    argv, env = build_server_cmd("sglang", "/m", "127.0.0.1", 30000, tp=2, pp=2, dtype="bf16", device="cuda",
+                                 seed=5, api_key="k", context_length=2048,
+                                 extra=["--mem-fraction-static", "0.8", "--trust-remote-code", "--enable-memory-saver"])
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    code = ("import argparse, json, sys; import sglang_harness; sglang_harness.bootstrap(); "
+            "from sglang.srt.server_args import ServerArgs; p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p); "
+            "ns = p.parse_args(json.loads(sys.argv[1])); "
+            "print(json.dumps({k: getattr(ns, k) for k in ('tp_size', 'pp_size', 'dtype', 'random_seed', 'device', "
+            "'context_length', 'mem_fraction_static', 'trust_remote_code', 'enable_memory_saver', "
+            "'skip_server_warmup', 'api_key')}))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(argv[3:])], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ns = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ns == {"tp_size": 2, "pp_size": 2, "dtype": "bfloat16", "random_seed": 5, "device": "cuda",
+                  "context_length": 2048, "mem_fraction_static": 0.8, "trust_remote_code": True,
+                  "enable_memory_saver": True, "skip_server_warmup": True, "api_key": "k"}

@@ -39,6 +39,31 @@ def test_sglang_cmd():
     assert _flag(argv, "--device") == "cuda" and _flag(argv, "--host") == "0.0.0.0"
 
 
+
+def test_sglang_cmd_pp_health_and_extra_flags():
+    argv, env = build_server_cmd("sglang", "/m", "127.0.0.1", 30000, tp=2, pp=2,
+                                 extra=["--mem-fraction-static", "0.8", "--trust-remote-code"])
+    assert _flag(argv, "--pp-size") == "2" and _flag(argv, "--tp-size") == "2"
+    assert argv[-3:] == ["--mem-fraction-static", "0.8", "--trust-remote-code"]  # last: they win
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    vargv, _ = build_server_cmd("vllm", "/m", "127.0.0.1", 8000, pp=3, python="/p")
+    assert _flag(vargv, "--pipeline-parallel-size") == "3"
+    with pytest.raises(LaunchError, match="pp=2"):
+        build_server_cmd("hf", "/m", "127.0.0.1", 1, pp=2)
+
+
+def test_launcher_server_args_reach_every_server(tmp_path):
+    from areal_cli.config.schema import ExperimentConfig
+    from areal_cli.launchers.base import ServerSpec
+    from areal_cli.launchers.local import server_argv
+
+    cfg = ExperimentConfig()
+    cfg.launcher.server_args = ["--max-running-requests", "4"]
+    spec = ServerSpec(index=0, backend="hf", tp=1, pp=1)
+    argv, _ = server_argv(cfg, spec, 1234, str(tmp_path / "m"), "127.0.0.1", str(tmp_path))
+    assert argv[-2:] == ["--max-running-requests", "4"]
+
+
 def test_vllm_cmd_env_for_cpu(tmp_path):
     argv, env = build_server_cmd("vllm", "/m", "127.0.0.1", 8000, dtype="float32", device="cpu",
                                  cache_root=str(tmp_path), python="/venv/bin/python", context_length=256)

@@ -25,7 +25,7 @@ def test_hf_payload_has_the_fields_only_when_asked():
     assert plain == sglang.build_update_distributed(META, SPECS).json
     body = hf.build_update_distributed(META, SPECS, flattened_bucket=True, pause_generation=True,
                                        continue_generation=True).json
-    assert body == {**plain, "flattened_bucket": True, "pause_generation": True, "continue_generation": True}
+    assert body == {**plain, "load_format": "flattened_bucket", "pause_generation": True, "continue_generation": True}
     assert "continue_generation" not in hf.build_update_distributed(META, SPECS, pause_generation=True).json
 
 

@@ -42,5 +42,8 @@ class LauncherConfig:
     max_server_restarts: int = ranged(3, ge=0)
     trainer_env: dict[str, str] = field(default_factory=dict)
     server_env: dict[str, str] = field(default_factory=dict)
+    # Extra command-line flags for every inference server, appended last (so they override the
+    # launcher's own), e.g. ["--mem-fraction-static", "0.8", "--trust-remote-code"] for SGLang.
+    server_args: list[str] = field(default_factory=list)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     skypilot: SkyPilotConfig = field(default_factory=SkyPilotConfig)

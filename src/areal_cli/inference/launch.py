@@ -37,11 +37,12 @@ def vllm_python() -> str:
 
 
 def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp: int = 1,
-                     tp_size: int | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+                     tp_size: int | None = None, pp: int = 1, dtype: str = "auto", device: str = "cpu", seed: int = 0,
                      api_key: str | None = None, context_length: int | None = None,
                      extra: list[str] | tuple[str, ...] = (), python: str | None = None,
                      cache_root: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """``(argv, env)`` for one server. ``env`` holds only the variables to add to the parent's."""
+    """``(argv, env)`` for one server. ``env`` holds only the variables to add to the parent's.
+    ``extra`` (e.g. ``launcher.server_args``) comes last, so it can override any flag set here."""
     if backend not in BACKENDS:
         raise LaunchError(f"unknown inference backend {backend!r}; expected one of {BACKENDS}")
     tp = tp_size if tp_size is not None else tp
@@ -50,6 +51,9 @@ def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp:
     dt = _DTYPES[dtype]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
+    if pp < 1 or (pp > 1 and backend == "hf"):
+        raise LaunchError(f"pp={pp}: the hf server runs one process per replica (pp 1); use sglang or vllm "
+                          "for pipeline-parallel servers")
     if backend == "hf":
         argv = [python or sys.executable, "-m", "areal_cli.inference.hf_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--dtype", dt, "--device", device,
@@ -58,13 +62,17 @@ def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp:
             argv += ["--context-length", str(context_length)]
     elif backend == "sglang":
         argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-                "--host", host, "--port", str(port), "--tp-size", str(tp), "--dtype", dt,
+                "--host", host, "--port", str(port), "--tp-size", str(tp), "--pp-size", str(pp), "--dtype", dt,
                 "--random-seed", str(seed), "--device", device, "--skip-server-warmup"]
         if context_length:
             argv += ["--context-length", str(context_length)]
+        # SGLang's /health generates a token by default, which waits while a weight push holds
+        # generation paused; the client's 5 s probe would then drop paused servers from routing.
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
     else:
         argv = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp), "--dtype", dt,
+                "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp),
+                "--pipeline-parallel-size", str(pp), "--dtype", dt,
                 "--seed", str(seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]
         if context_length:
             argv += ["--max-model-len", str(context_length)]

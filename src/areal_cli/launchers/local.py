@@ -65,9 +65,10 @@ def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: st
         extra = ["--allowed-weight-roots", *roots]
         if cfg.cluster.device == "cpu":
             extra += ["--num-threads", os.environ.get("AREAL_SERVER_THREADS", "1")]
+    extra += [str(a) for a in cfg.launcher.server_args]  # last: the user's flags win
     return inf_launch.build_server_cmd(
-        spec.backend, model_path, host, port, tp=spec.tp, dtype=cfg.engine.dtype, device=cfg.cluster.device,
-        seed=cfg.seed + spec.index, extra=extra)
+        spec.backend, model_path, host, port, tp=spec.tp, pp=spec.pp, dtype=cfg.engine.dtype,
+        device=cfg.cluster.device, seed=cfg.seed + spec.index, extra=extra)
 
 
 def trainer_argv(layout: JobLayout, config_path: str, node_rank: int, master_addr: str,

@@ -95,11 +95,13 @@ def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | N
     return engine
 
 
-def build_client(cfg: Any, addresses: list[str], backend: str) -> Any:
+def build_client(cfg: Any, addresses: list[str], backend: str, tp_sizes: list[int] | int = 1) -> Any:
+    """``tp_sizes``: each server's TP size (every TP rank joins the weight-update group)."""
     from areal_cli.inference.client import RemoteInferenceEngine
 
     return RemoteInferenceEngine(addresses, backend=backend, timeout_s=cfg.rollout.request_timeout_s,
-                                 retries=cfg.rollout.request_retries, routing=cfg.rollout.routing)
+                                 retries=cfg.rollout.request_retries, routing=cfg.rollout.routing,
+                                 tp_sizes=tp_sizes)
 
 
 def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:

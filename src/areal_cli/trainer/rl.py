@@ -122,7 +122,8 @@ class RLTrainer:
         self.server_epochs = {r["index"]: r["epoch"] for r in recs}
         backend = recs[0].get("backend", "hf")
         addresses = [r["address"] for r in recs]
-        self.client = build.build_client(self.cfg, addresses, backend)
+        tps = {sp.index: sp.tp for sp in self.layout.servers}
+        self.client = build.build_client(self.cfg, addresses, backend, [tps.get(r["index"], 1) for r in recs])
         self.control = LoopRunner()
         self.rollout = start_rollout(self.cfg, addresses, backend, self.model_path, train_items)
 
@@ -209,10 +210,13 @@ class RLTrainer:
             path = os.path.join(self.run_dir, "weight_sync", f"v{version:06d}")
             return WeightUpdateMeta(type="disk", version=version, path=path)
         from areal_cli.utils.network import find_free_port
+        from areal_cli.weight_sync.group import trainer_address
 
-        return WeightUpdateMeta(type="distributed", version=version, master_address="127.0.0.1",
+        # Every TP rank of every server joins the group (SGLang places them at rank_offset + tp_rank).
+        return WeightUpdateMeta(type="distributed", version=version,
+                                master_address=trainer_address(self.client.addresses if self.client else []),
                                 master_port=find_free_port() if self.rank == 0 else 0,
-                                world_size=1 + len(self.layout.servers),
+                                world_size=1 + sum(sp.tp for sp in self.layout.servers),
                                 dtype=self.cfg.rollout.weight_update_dtype,
                                 backend="nccl" if self.layout.device == "cuda" else "gloo")
 

@@ -59,3 +59,19 @@ def destroy_group(pg: Any) -> None:
         dist.destroy_process_group(pg)
     except Exception:  # a half-failed group: nothing more to release
         pass
+
+
+def trainer_address(server_addresses: list[str]) -> str:
+    """The address the servers dial to reach the trainer's group store: loopback when every server
+    runs on this host, else this node's outward-facing IP (servers on other nodes cannot reach
+    127.0.0.1)."""
+    from areal_cli.utils.network import local_ip
+
+    def host(addr: str) -> str:
+        a = addr.split("://", 1)[-1]
+        return a.rsplit(":", 1)[0].strip("[]") if ":" in a else a
+
+    loopback = ("127.", "localhost", "::1")
+    if server_addresses and all(host(a).startswith(loopback) for a in server_addresses):
+        return "127.0.0.1"
+    return local_ip()

@@ -126,7 +126,7 @@ class _Bucket:
 
         if self.flat:
             off, nb = self.byte_fill, t.numel() * dtype.itemsize
-            buf = self.sender._staging(self.parity, torch.uint8, max(bucket_bytes, off + nb))
+            buf = self.sender._staging(self.parity, torch.uint8, max(bucket_bytes, off + nb), keep=off)
             out = buf[off:off + nb].view(dtype).view(t.shape)
             out.copy_(t)
             self.byte_fill = off + nb
@@ -136,7 +136,7 @@ class _Bucket:
         else:
             off = self.fill.get(dtype, 0)
             cap = max(bucket_bytes // dtype.itemsize, off + t.numel())
-            out = self.sender._staging(self.parity, dtype, cap)[off:off + t.numel()].view(t.shape)
+            out = self.sender._staging(self.parity, dtype, cap, keep=off)[off:off + t.numel()].view(t.shape)
             out.copy_(t)
             self.fill[dtype] = off + t.numel()
         self.names.append(name)
@@ -375,17 +375,20 @@ class DistributedSender:
                                  "wait_last_broadcast": tb, "server_tail": max(0.0, last_reply - bcast_end)}
         return err
 
-    def _staging(self, parity: int, dtype, numel: int):
+    def _staging(self, parity: int, dtype, numel: int, keep: int = 0):
         """Flat wire buffer ``parity`` (0/1: the bucket being filled vs the one in flight) for
-        ``dtype``, kept across syncs; ``torch.empty`` only reserves, pages are touched as filled."""
+        ``dtype``, kept across syncs; ``torch.empty`` only reserves, pages are touched as filled.
+        Growing it keeps its first ``keep`` elements (the part of the bucket already staged)."""
         import torch
 
         key = (parity, dtype)
         buf = self._buffers.get(key)
         dev = torch.device(self.device)
         if buf is None or buf.numel() < numel or buf.device != dev:
-            self._buffers.pop(key, None)
+            old = self._buffers.pop(key, None)
             buf = torch.empty(numel, dtype=dtype, device=dev)
+            if old is not None and keep:
+                buf[:keep].copy_(old[:keep])
             self._buffers[key] = buf
         return buf
 
