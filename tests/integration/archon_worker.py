@@ -18,7 +18,7 @@ from pathlib import Path
 V = 256
 ROWS = 8  # global batch rows
 MB_ROWS = 2  # rows per micro-batch
-STEP_LENS = (24, 16)  # a new sequence length each step
+STEP_LENS = (24, 16, 16)  # a new sequence length, then the same one again (schedule reuse)
 TEMPERATURE = 0.7
 MAX_NORM = 1.0  # below the gradient norm, so clipping scales the gradients
 LR = 1e-3
@@ -309,6 +309,11 @@ def run_variant(v: dict, out_dir: str) -> None:
         s.opt.zero_grad(set_to_none=True)
     res["weights"] = _gather_named(_named(s.model, s.pipe, s.tied), s.mesh, "data")
     res["probe_after"] = s.probe()
+    if s.pipe is not None:
+        built = s.pipe.schedules_built
+        again = s.probe()  # same shapes and mode as the last call: the schedule is reused
+        res["schedules"] = (built, s.pipe.schedules_built)
+        res["probe_again"] = again
     res["coords"] = _coords(s.mesh)
     if dist.get_rank() == 0:
         torch.save(res, Path(out_dir) / f"{v['name']}.pt")

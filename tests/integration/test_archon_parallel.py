@@ -2,8 +2,8 @@
 
 Two launches feed every test (process start-up dominates on CPU): 2 ranks (t2 for Qwen2/Qwen3/Llama,
 p2 under 1F1B, Interleaved1F1B and GPipe, tied embeddings, activation checkpointing, vocab-parallel
-logprobs, typed errors) and 4 ranks (d2t2, d2p2, t2p2 with tied embeddings). Each layout trains two
-steps (sequence length 24, then 16) with gradient clipping and AdamW on the same global batches as
+logprobs, typed errors) and 4 ranks (d2t2, d2p2, t2p2 with tied embeddings). Each layout trains three
+steps (sequence lengths 24, 16, 16) with gradient clipping and AdamW on the same global batches as
 :func:`archon_worker.reference`; see ``archon_worker.py`` for the exact setup.
 """
 
@@ -101,6 +101,14 @@ def test_layout_matches_one_process_reference(runs, refs, name):
         # The last stage's own copy of the tied embedding got the summed gradient and the same step.
         assert _max_diff(tied_copy[0], ref["grads"]["model.embed_tokens.weight"]) <= TOL
         assert _max_diff(tied_copy[1], ref["weights"]["model.embed_tokens.weight"]) <= TOL
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if SPECS[n].get("pp", 1) > 1])
+def test_pipeline_reuses_schedule_for_same_shapes(runs, name):
+    """Schedules built: eval L=24, train L=24, train L=16; the second L=16 step and a repeated eval
+    reuse the last one (no extra shape-inference pass) and give the same results."""
+    assert runs[name]["schedules"] == (4, 4)
+    assert torch.equal(runs[name]["probe_again"], runs[name]["probe_after"])
 
 
 def test_reference_actually_clips_and_moves(refs):

@@ -5,9 +5,10 @@ model, with the decoder layers other stages own replaced by parameter-free pass-
 the last stage, ``.lm_head``. Parameter names therefore stay HF names (``model.layers.7.mlp...``),
 with the original layer indices, on every stage.
 
-Per training step the engine builds a fresh schedule (:meth:`Pipeline.train_step`), so every step
-may have its own sequence length; within a step all micro-batches share one shape (pad them with
-:func:`pad_stack`). Losses go through the schedule with ``scale_grads=False``: the loss of
+Each step may have its own sequence length: a step whose shapes differ from the last one gets a
+fresh schedule (:meth:`Pipeline.train_step`), which re-infers the stages' activation shapes (pad
+lengths to a few buckets to reuse schedules). Within a step all micro-batches share one shape (pad
+them with :func:`pad_stack`). Losses go through the schedule with ``scale_grads=False``: the loss of
 micro-batch ``i`` is scaled by ``weight_i / global_weight`` (:class:`MicroBatchLoss`), the engine's
 global normalisation, so gradients add up exactly as without pipelining.
 
@@ -274,7 +275,7 @@ class MicroBatchLoss:
 
 
 class Pipeline:
-    """This rank's stages and their ``PipelineStage`` wrappers; one schedule per step."""
+    """This rank's stages and their ``PipelineStage`` wrappers; a schedule per step shape."""
 
     def __init__(self, modules: list[StageModule], mesh: Any, schedule: str, device: torch.device):
         from torch.distributed.pipelining import PipelineStage
@@ -288,6 +289,9 @@ class Pipeline:
         self.has_first = any(m.is_first for m in modules)
         self.has_last = any(m.is_last for m in modules)
         self._embedding_group = _embedding_group(mesh) if _is_tied(modules) else None
+        self._loss_slot = _LossSlot()
+        self._last: tuple | None = None  # (key, schedule) of the schedule that last set up the stages
+        self.schedules_built = 0
 
     # ---- parameters
     def named_parameters(self):
@@ -305,21 +309,41 @@ class Pipeline:
                 if not (m.tied_copy and n == "lm_head.weight")]
 
     # ---- steps
-    def _schedule(self, n_microbatches: int, loss_fn):
+    def _schedule(self, mode: str, n_microbatches: int, input_ids: torch.Tensor | None, kwargs: dict):
+        """The last schedule again when this step has the same mode and shapes on every rank, else a
+        fresh one. A fresh schedule makes torch infer the stage's activation shapes by running one
+        extra forward (and input backward) of micro-batch 0, which costs ~1/n of the step; reuse
+        is safe only for the schedule that last initialised the stages (their buffers are its)."""
+        key = (mode, n_microbatches, _shapes(input_ids if self.has_first else None), _shapes(kwargs))
+        same = torch.tensor([1 if self._last is not None and self._last[0] == key else 0])
+        # Every rank decides alike: a skipped shape inference on one rank would leave its peers'
+        # metadata exchange (and FSDP collectives in the inference forward) unanswered.
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        if bool(same.item()):
+            return self._last[1]
         cls = schedule_class(self.schedule)
         stages = self.stages if is_multi_stage(self.schedule) else self.stages[0]
-        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        loss_fn = self._loss_slot if mode == "train" else None
+        sched = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._last = (key, sched)
+        self.schedules_built += 1
+        return sched
 
     def train_step(self, input_ids: torch.Tensor | None, *, n_microbatches: int, loss: MicroBatchLoss,
                    **model_kwargs: Any) -> None:
         """Forward and backward of ``n_microbatches`` micro-batches (row blocks of ``input_ids``
         ``[n·b, T]`` and of every tensor in ``model_kwargs``); gradients accumulate into the stage
         parameters, tied-embedding gradients are summed. ``input_ids`` is needed on the first stage's
-        ranks only; ``model_kwargs`` (``position_ids``, ``attention_mask``, ...) on every rank."""
-        sched = self._schedule(n_microbatches, loss)
+        ranks only; ``model_kwargs`` (``position_ids``, ``attention_mask``, ...) on every rank.
+        Collective over the whole world (all ranks call it, each with its replica's batch)."""
+        sched = self._schedule("train", n_microbatches, input_ids, model_kwargs)
+        self._loss_slot.fn = loss
         args = (input_ids,) if self.has_first else ()
         target = torch.arange(n_microbatches) if self.has_last else None
-        sched.step(*args, target=target, return_outputs=False, **model_kwargs)
+        try:
+            sched.step(*args, target=target, return_outputs=False, **model_kwargs)
+        finally:
+            self._loss_slot.fn = None
         self.sync_tied_grads()
 
     @torch.no_grad()
@@ -334,7 +358,7 @@ class Pipeline:
             if m.is_last:
                 m.output_fn = output_fn
         try:
-            sched = self._schedule(n_microbatches, None)
+            sched = self._schedule("eval", n_microbatches, input_ids, model_kwargs)
             args = (input_ids,) if self.has_first else ()
             out = sched.step(*args, **model_kwargs)
         finally:
@@ -364,6 +388,28 @@ class Pipeline:
                 p.grad = g
             local = g.to_local() if hasattr(g, "to_local") else g
             dist.all_reduce(local, group=self._embedding_group)
+
+
+class _LossSlot:
+    """The loss_fn a cached schedule holds on to; each step plugs its own loss in."""
+
+    def __init__(self):
+        self.fn: Callable | None = None
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.fn is None:
+            raise RuntimeError("pipeline loss called outside train_step")
+        return self.fn(output, target)
+
+
+def _shapes(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype)
+    if isinstance(x, dict):
+        return tuple((k, _shapes(v)) for k, v in sorted(x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(_shapes(v) for v in x)
+    return repr(x)
 
 
 def _is_tied(modules: list[StageModule]) -> bool:
