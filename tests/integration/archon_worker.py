@@ -183,18 +183,20 @@ class Setup:
         self.tied = v.get("tied", False)
         self.model = build_model(v.get("family", "qwen2"), self.tied)
         ac = v.get("ac", False)
+        # Mixed precision: bf16 compute, fp32 master weights and gradient reduction (FSDP's policy).
+        mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if v.get("mp") else {}
         self.pipe = None
         if self.dims.pp > 1:
             mods = pipeline.build_stage_modules(self.model, pp_rank=self.mesh.pp_rank, pp_size=self.dims.pp,
                                                 schedule=v["schedule"], virtual_stages=v.get("virtual", 1),
                                                 layers_per_stage=v.get("layers_per_stage"))
             for m in mods:
-                parallelize(m, self.mesh, activation_checkpointing=ac, pipelined=True)
+                parallelize(m, self.mesh, activation_checkpointing=ac, pipelined=True, **mp)
                 m.train()
             self.pipe = pipeline.Pipeline(mods, self.mesh, v["schedule"], torch.device("cpu"))
             self.params, self.norm_params = self.pipe.parameters(), self.pipe.norm_parameters()
         else:
-            parallelize(self.model, self.mesh, activation_checkpointing=ac)
+            parallelize(self.model, self.mesh, activation_checkpointing=ac, **mp)
             self.model.train()
             self.params = self.norm_params = list(self.model.parameters())
         self.opt = torch.optim.AdamW(self.params, lr=LR, eps=ADAM_EPS, foreach=False)

@@ -1,10 +1,11 @@
 """Archon's parallelism library under gloo, ranks as real processes, against the one-process HF model.
 
 Two launches feed every test (process start-up dominates on CPU): 2 ranks (t2 for Qwen2/Qwen3/Llama,
-p2 under 1F1B, Interleaved1F1B and GPipe, tied embeddings, activation checkpointing, vocab-parallel
-logprobs, typed errors) and 4 ranks (d2t2, d2p2, t2p2 with tied embeddings). Each layout trains three
-steps (sequence lengths 24, 16, 16) with gradient clipping and AdamW on the same global batches as
-:func:`archon_worker.reference`; see ``archon_worker.py`` for the exact setup.
+p2 under 1F1B, Interleaved1F1B and GPipe, tied embeddings, activation checkpointing, bf16 mixed
+precision, vocab-parallel logprobs, typed errors) and 4 ranks (d2t2, d2p2, t2p2 with tied
+embeddings). Each layout trains three steps (sequence lengths 24, 16, 16) with gradient clipping
+and AdamW on the same global batches as :func:`archon_worker.reference`; see ``archon_worker.py``
+for the exact setup.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ W2 = [
     {"name": "p2_1f1b_tied", "pp": 2, "schedule": "1F1B", "tied": True},
     {"name": "p2_interleaved_tied_llama", "pp": 2, "schedule": "Interleaved1F1B", "virtual": 2, "tied": True,
      "family": "llama"},
+    {"name": "d2_mp", "dp": 2, "mp": True},
+    {"name": "p2_mp", "pp": 2, "schedule": "1F1B", "mp": True},
     {"name": "vocab", "kind": "vocab"},
     {"name": "errors", "kind": "errors"},
 ]
@@ -44,7 +47,8 @@ W4 = [
     {"name": "d2p2", "dp": 2, "pp": 2, "schedule": "1F1B"},
     {"name": "t2p2_tied", "tp": 2, "pp": 2, "schedule": "1F1B", "tied": True},
 ]
-LAYOUTS = [v["name"] for v in W2 + W4 if "kind" not in v]
+LAYOUTS = [v["name"] for v in W2 + W4 if "kind" not in v and not v.get("mp")]
+MIXED = [v["name"] for v in W2 + W4 if v.get("mp")]
 SPECS = {v["name"]: v for v in W2 + W4}
 
 
@@ -103,12 +107,22 @@ def test_layout_matches_one_process_reference(runs, refs, name):
         assert _max_diff(tied_copy[1], ref["weights"]["model.embed_tokens.weight"]) <= TOL
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if SPECS[n].get("pp", 1) > 1])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS + MIXED if SPECS[n].get("pp", 1) > 1])
 def test_pipeline_reuses_schedule_for_same_shapes(runs, name):
     """Schedules built: eval L=24, train L=24, train L=16; the second L=16 step and a repeated eval
     reuse the last one (no extra shape-inference pass) and give the same results."""
     assert runs[name]["schedules"] == (4, 4)
     assert torch.equal(runs[name]["probe_again"], runs[name]["probe_after"])
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_mixed_precision_runs_in_bf16_with_fp32_master_weights(runs, refs, name):
+    """bf16 compute (results move off the fp32 reference by bf16 rounding, no more), fp32 weights."""
+    run, ref = runs[name], refs(name)
+    diffs = [abs(a - b) for a, b in zip(run["losses"], ref["losses"], strict=True)]
+    assert max(diffs) > 1e-6 and max(diffs) < 5e-3, diffs
+    assert all(t.dtype == torch.float32 for t in run["weights"].values())
+    assert 1e-4 < _max_diff(run["probe_before"], ref["probe_before"]) < 5e-2
 
 
 def test_reference_actually_clips_and_moves(refs):

@@ -130,6 +130,9 @@ def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
     lm_head = getattr(model, "lm_head", None)
     tied = (lm_head is not None and getattr(base, "embed_tokens", None) is not None
             and lm_head.weight is base.embed_tokens.weight)
+    if tied and not vocab_parallel:
+        raise ConfigError("model.path", "tied embeddings need the vocab-parallel lm_head under tensor parallelism",
+                          "keep vocab_parallel=True, or untie the head first")
     if getattr(base, "embed_tokens", None) is not None:
         # Global-shape DTensor out: HF builds masks and rotary embeddings from inputs_embeds' shape.
         parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
