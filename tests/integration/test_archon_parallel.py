@@ -2,8 +2,8 @@
 
 Two launches feed every test (process start-up dominates on CPU): 2 ranks (t2 for Qwen2/Qwen3/Llama,
 p2 under 1F1B, Interleaved1F1B and GPipe, tied embeddings, activation checkpointing, bf16 mixed
-precision, vocab-parallel logprobs, typed errors) and 4 ranks (d2t2, d2p2, t2p2 with tied
-embeddings). Each layout trains three steps (sequence lengths 24, 16, 16) with gradient clipping
+precision, vocab-parallel logprobs, typed errors) and 4 ranks (d2t2, d2p2, t2p2 and p4 with
+tied embeddings). Each layout trains three steps (sequence lengths 24, 16, 16) with gradient clipping
 and AdamW on the same global batches as :func:`archon_worker.reference`; see ``archon_worker.py``
 for the exact setup.
 """
@@ -46,6 +46,8 @@ W4 = [
     {"name": "d2t2", "dp": 2, "tp": 2, "family": "qwen3"},
     {"name": "d2p2", "dp": 2, "pp": 2, "schedule": "1F1B"},
     {"name": "t2p2_tied", "tp": 2, "pp": 2, "schedule": "1F1B", "tied": True},
+    # Four stages: the tied embedding's gradient is summed over a first/last pair group, not all of pp.
+    {"name": "p4_tied_gpipe", "pp": 4, "schedule": "GPipe", "tied": True},
 ]
 LAYOUTS = [v["name"] for v in W2 + W4 if "kind" not in v and not v.get("mp")]
 MIXED = [v["name"] for v in W2 + W4 if v.get("mp")]
