@@ -52,7 +52,8 @@ def make_batch(step: int):
     ids = torch.randint(1, V, (ROWS, L), generator=g) * am
     lm = am.float()
     lm[:, :4] = 0
-    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "advantages": torch.randn(ROWS, L, generator=g)}
+    adv = torch.randn(ROWS, L, generator=g)
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "advantages": adv}
 
 
 def mb_loss(lp, ent, mb):
@@ -106,7 +107,8 @@ def reference(family: str, tied: bool) -> dict:
         res["losses"].append(loss_sum)
         if step == 0:
             res["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        res["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=False)))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=False)
+        res["grad_norms"].append(float(norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
     res["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -122,7 +124,8 @@ def _ref_probe(model):
     batch = make_batch(0)
     mask, pos = masks_and_positions(batch)
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], position_ids=pos, attention_mask=mask, use_cache=False).logits
+        logits = model(input_ids=batch["input_ids"], position_ids=pos, attention_mask=mask,
+                       use_cache=False).logits
         return torch.stack(full_logprobs_entropy(logits[:, :-1], batch["input_ids"][:, 1:], TEMPERATURE), -1)
 
 
@@ -228,10 +231,13 @@ class Setup:
         if self.pipe is not None:
             from areal_cli.engines.archon import pipeline
 
-            loss = pipeline.MicroBatchLoss(lambda out, i: (mb_loss(*self.logp_ent(out, mbs[i]["input_ids"]), mbs[i]),
-                                                           {}), [mb_weight(mb) for mb in mbs], total_w)
+            def fn(out, i):
+                return mb_loss(*self.logp_ent(out, mbs[i]["input_ids"]), mbs[i]), {}
+
+            loss = pipeline.MicroBatchLoss(fn, [mb_weight(mb) for mb in mbs], total_w)
             ids, pos_s, mask_s = self._trimmed_then_padded(mbs, mask, pos)
-            self.pipe.train_step(ids, n_microbatches=len(mbs), loss=loss, position_ids=pos_s, attention_mask=mask_s)
+            self.pipe.train_step(ids, n_microbatches=len(mbs), loss=loss, position_ids=pos_s,
+                                 attention_mask=mask_s)
             if self.pipe.has_last and self.mesh.tp_rank == 0:
                 assert sorted(loss.scaled_losses) == list(range(len(mbs)))
                 mine = sum(loss.scaled_losses.values())
@@ -295,7 +301,8 @@ def run_variant(v: dict, out_dir: str) -> None:
     s = Setup(v)
     res: dict = {"losses": [], "grad_norms": [], "probe_before": s.probe()}
     calls = [0]
-    first = next(m for m in (s.pipe.modules[0] if s.pipe else s.model).model.layers if len(list(m.parameters())))
+    root = s.pipe.modules[0] if s.pipe else s.model
+    first = next(m for m in root.model.layers if len(list(m.parameters())))
     # A pre-hook: checkpoint recompute stops early, once the last saved tensor is back, which is
     # before the mlp would return (a forward hook would not see the recompute).
     hook = first.mlp.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))

@@ -193,7 +193,8 @@ def test_pad_stack_masks():
     b = torch.ones(2, 5, dtype=torch.long)
     out = pad_stack([a, b], value=7)
     assert out.shape == (3, 5) and out[0].tolist() == [1, 1, 1, 7, 7]
-    m = pad_stack_masks([torch.ones(1, 1, 3, 3, dtype=torch.bool).tril(), torch.ones(2, 1, 5, 5, dtype=torch.bool)])
+    m = pad_stack_masks([torch.ones(1, 1, 3, 3, dtype=torch.bool).tril(),
+                         torch.ones(2, 1, 5, 5, dtype=torch.bool)])
     assert m.shape == (3, 1, 5, 5)
     assert m[0, 0, 4].tolist() == [False, False, False, False, True]  # a padded query sees itself only
     assert m[0, 0, 2].tolist() == [True, True, True, False, False]

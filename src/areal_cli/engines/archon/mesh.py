@@ -32,7 +32,8 @@ class ParallelDims:
         for name in DIM_NAMES:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError("allocation_mode", f"archon dim {name} must be a positive integer, got {v!r}",
+                raise ConfigError("allocation_mode",
+                                  f"archon dim {name} must be a positive integer, got {v!r}",
                                   f"set {name[0]}1 or larger")
 
     @classmethod

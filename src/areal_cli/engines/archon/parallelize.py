@@ -26,10 +26,11 @@ def _owned_layers(model: nn.Module) -> list[nn.Module]:
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer in backward (non-reentrant checkpoint, parameter names kept)."""
     from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     fn = functools.partial(checkpoint, use_reentrant=False)
     for layer in _owned_layers(model):
-        if not hasattr(layer, "_gradient_checkpointing_func") and not hasattr(type(layer), "gradient_checkpointing"):
+        if not isinstance(layer, GradientCheckpointingLayer):
             raise TypeError(f"{type(layer).__name__} is not an HF GradientCheckpointingLayer")
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = fn

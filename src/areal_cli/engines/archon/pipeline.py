@@ -57,7 +57,8 @@ def stages_per_rank(schedule: str, virtual_stages: int) -> int:
                               f"got {virtual_stages}", "set engine.pp_virtual_stages=2 or use 1F1B")
         return virtual_stages
     if virtual_stages != 1:
-        raise ConfigError("engine.pp_virtual_stages", f"{schedule} runs one stage per rank, got {virtual_stages}",
+        raise ConfigError("engine.pp_virtual_stages",
+                          f"{schedule} runs one stage per rank, got {virtual_stages}",
                           "use Interleaved1F1B for virtual stages, or set engine.pp_virtual_stages=1")
     return 1
 
@@ -153,8 +154,9 @@ class StageModule(nn.Module):
     layer type, or ``None`` to let HF build its causal (or, from restarting ``position_ids``,
     packed-sequence) mask. The last stage returns logits (this rank's vocab slice under TP), or
     ``output_fn(logits, targets)`` when that is set (``targets``: this micro-batch's slice of the
-    ``targets`` keyword, e.g. next-token ids for logprobs; ignored by the other stages). Other stages return hidden states; under sequence
-    parallelism they travel as this rank's sequence slice (``seq_mesh``).
+    ``targets`` keyword, e.g. next-token ids for logprobs; ignored by the other stages). Other
+    stages return hidden states; under sequence parallelism they travel as this rank's sequence
+    slice (``seq_mesh``).
     """
 
     def __init__(self, base: nn.Module, lm_head: nn.Module | None, config: Any, *, stage_index: int,
@@ -192,8 +194,8 @@ class StageModule(nn.Module):
                 from torch.distributed.tensor import DTensor, Shard
 
                 x = DTensor.from_local(x, self.seq_mesh, [Shard(1)], run_check=False)
-            out = self.model(inputs_embeds=x, position_ids=position_ids, attention_mask=masks, use_cache=False,
-                             **model_kwargs)
+            out = self.model(inputs_embeds=x, position_ids=position_ids, attention_mask=masks,
+                             use_cache=False, **model_kwargs)
         h = out.last_hidden_state
         if not self.is_last:
             return h.to_local() if hasattr(h, "to_local") else h
@@ -234,7 +236,8 @@ def build_stage_modules(model: nn.Module, *, pp_rank: int, pp_size: int, schedul
         lo, hi = ranges[sid]
         first, last = sid == 0, sid == n_stages - 1
         b = copy.deepcopy(skeleton)
-        b.layers = nn.ModuleList([parts["layers"][j] if lo <= j < hi else _SkippedLayer() for j in range(n_layers)])
+        b.layers = nn.ModuleList([parts["layers"][j] if lo <= j < hi else _SkippedLayer()
+                                  for j in range(n_layers)])
         b.embed_tokens = parts["embed_tokens"] if first else None
         b.norm = parts["norm"] if last else _SkippedLayer()
         head, tied_copy = None, False

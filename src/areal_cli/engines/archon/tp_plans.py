@@ -39,7 +39,8 @@ class NoTensorParallelPlan(ConfigError):
 
     def __init__(self, model_type: str):
         self.model_type = model_type
-        super().__init__("allocation_mode", f"archon has no tensor-parallel plan for model_type {model_type!r}",
+        super().__init__("allocation_mode",
+                         f"archon has no tensor-parallel plan for model_type {model_type!r}",
                          f"use t1, or a model of a supported family: {', '.join(SUPPORTED)}")
 
 
@@ -131,7 +132,8 @@ def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
     tied = (lm_head is not None and getattr(base, "embed_tokens", None) is not None
             and lm_head.weight is base.embed_tokens.weight)
     if tied and not vocab_parallel:
-        raise ConfigError("model.path", "tied embeddings need the vocab-parallel lm_head under tensor parallelism",
+        raise ConfigError("model.path",
+                          "tied embeddings need the vocab-parallel lm_head under tensor parallelism",
                           "keep vocab_parallel=True, or untie the head first")
     if getattr(base, "embed_tokens", None) is not None:
         # Global-shape DTensor out: HF builds masks and rotary embeddings from inputs_embeds' shape.

@@ -84,10 +84,13 @@ def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     vocab_size = vocab_size if vocab_size is not None else z.shape[-1] * world
     start, end = vocab_range(vocab_size, group)
     if z.shape[-1] != end - start:
-        raise ValueError(f"local logits have {z.shape[-1]} columns but this rank's slice of a {vocab_size}-token "
-                         f"vocabulary is [{start}, {end})")
+        raise ValueError(f"local logits have {z.shape[-1]} columns but this rank's slice of a "
+                         f"{vocab_size}-token vocabulary is [{start}, {end})")
     with torch.no_grad():
-        m = z.max(dim=-1, keepdim=True).values if z.shape[-1] else z.new_full((*z.shape[:-1], 1), -float("inf"))
+        if z.shape[-1]:
+            m = z.max(dim=-1, keepdim=True).values
+        else:  # an empty slice (more ranks than ceil-sized chunks) contributes nothing
+            m = z.new_full((*z.shape[:-1], 1), -float("inf"))
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     zc = z - m
     e = zc.exp()
