@@ -295,6 +295,8 @@ class Pipeline:
         self._loss_slot = _LossSlot()
         self._last: tuple | None = None  # (key, schedule) of the schedule that last set up the stages
         self.schedules_built = 0
+        # NCCL reduces device tensors only; the reuse flag goes where the default group can reduce it.
+        self._flag_device = device if "nccl" in str(dist.get_backend()) else torch.device("cpu")
 
     # ---- parameters
     def named_parameters(self):
@@ -318,11 +320,12 @@ class Pipeline:
         extra forward (and input backward) of micro-batch 0, which costs ~1/n of the step; reuse
         is safe only for the schedule that last initialised the stages (their buffers are its)."""
         key = (mode, n_microbatches, _shapes(input_ids if self.has_first else None), _shapes(kwargs))
-        same = torch.tensor([1 if self._last is not None and self._last[0] == key else 0])
+        hit = self._last is not None and self._last[0] == key
+        same = torch.tensor([1 if hit else 0], device=self._flag_device)
         # Every rank decides alike: a skipped shape inference on one rank would leave its peers'
         # metadata exchange (and FSDP collectives in the inference forward) unanswered.
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        if bool(same.item()):
+        if bool(same.cpu().item()):
             return self._last[1]
         cls = schedule_class(self.schedule)
         stages = self.stages if is_multi_stage(self.schedule) else self.stages[0]
