@@ -208,9 +208,12 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("flat,wire", [(False, "float32"), (True, "float32"), (True, "bfloat16")])
-def test_bucketed_push_to_sglang_receivers(servers, flat, wire):
+def test_bucketed_push_to_sglang_receivers(servers, flat, wire, monkeypatch):
     """The project's sender → 2 servers × TP 2 (world size 5) that join with SGLang's helper and
     receive with SGLang's updater; every rank gets exactly the trainer's tensors."""
+    # The trainer runs under torchrun, whose agent-store variable turns torch's tcp:// rendezvous
+    # into a client of torchrun's store; the sender must still host the group's store.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     eng = _client(servers, flattened_bucket=flat)
     assert eng.weight_group_world_size == 1 + N_SERVERS * TP == 5
     version = {(False, "float32"): 21, (True, "float32"): 22, (True, "bfloat16"): 23}[(flat, wire)]

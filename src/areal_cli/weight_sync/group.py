@@ -2,8 +2,8 @@
 
 SGLang's servers join with ``sglang.srt.utils.init_custom_process_group(backend, init_method=
 "tcp://ADDR:PORT", world_size, rank=rank_offset + tp_rank, group_name)``: torch's ``tcp://``
-rendezvous, a ``PrefixStore(group_name, store)``, then torch's own group creation, which adds its
-own key prefixes. The trainer (rank 0) and the built-in ``hf`` server must take exactly the same
+rendezvous (a ``TCPStore`` hosted by rank 0), a ``PrefixStore(group_name, store)``, then torch's own
+group creation, which adds its own key prefixes. The trainer (rank 0) and the built-in ``hf`` server must take exactly the same
 steps, or their store keys never meet (both sides then wait until the timeout). This is an
 independent implementation of those steps on torch's API; the contract test runs it against
 SGLang's helper itself (tests/integration/test_sglang_contract.py).
@@ -14,13 +14,8 @@ No default process group is needed: the group is registered with torch under ``g
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
-
-
-def tcp_init_method(address: str, port: int) -> str:
-    """``tcp://host:port``, with IPv6 literals bracketed (what SGLang's ``NetworkAddress.to_tcp`` sends)."""
-    host = address.strip("[]")
-    return f"tcp://[{host}]:{int(port)}" if ":" in host else f"tcp://{host}:{int(port)}"
 
 
 def _drop_named(group_name: str) -> None:
@@ -37,13 +32,18 @@ def make_group(backend: str, address: str, port: int, world_size: int, rank: int
                timeout_s: float) -> Any:
     """Join (rank 0: create and host the store of) the weight-update group; blocks until all
     ``world_size`` ranks have joined or ``timeout_s`` passes. Returns the process group."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    rank, world_size = int(rank), int(world_size)
     _drop_named(group_name)
-    store, rank, world_size = next(rendezvous(tcp_init_method(address, port), int(rank), int(world_size),
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    # What torch's tcp:// rendezvous builds in a process outside torchrun (SGLang's servers): rank 0
+    # hosts a multi-tenant store, the others connect. Built here directly because under torchrun
+    # (the trainer) that rendezvous would make rank 0 a client of torchrun's agent store instead
+    # (TORCHELASTIC_USE_AGENT_STORE), and nobody would host the group's store.
+    store = TCPStore(host_name=address.strip("[]"), port=int(port), world_size=world_size, is_master=rank == 0,
+                     timeout=timeout, multi_tenant=True, use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
                                       backend_options=None, timeout=timeout)
