@@ -83,7 +83,7 @@ class AlgoConfig:
     behav_imp_weight_mode: str = "truncate"  # truncate | mask
     behav_imp_weight_level: str = "token"  # token | sequence
     entropy_coef: float = ranged(0.0, ge=-1.0, le=1.0)
-    temperature: float = ranged(1.0, gt=0.0, le=100.0)  # must match rollout.gconfig.temperature (validated)
+    temperature: float = ranged(1.0, ge=1e-5, le=100.0)  # must match rollout.gconfig.temperature (validated)
     # --- KL to a reference model ---
     kl_coef: float = ranged(0.0, ge=0.0, le=1e3, why="0 disables the KL term")
     kl_estimator: str = "k1"  # k1 | k2 | k3

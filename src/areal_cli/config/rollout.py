@@ -9,7 +9,7 @@ from areal_cli.config.ranges import ranged
 
 @dataclass
 class GenerationSettings:
-    temperature: float = ranged(1.0, gt=0.0, le=100.0,
+    temperature: float = ranged(1.0, ge=1e-5, le=100.0,
                                 why="greedy decoding is greedy=true, not temperature 0")
     top_p: float = ranged(1.0, gt=0.0, le=1.0, why="1.0 keeps the whole distribution")
     top_k: int = ranged(-1, ge=1, also=(-1,), why="-1 keeps every token")

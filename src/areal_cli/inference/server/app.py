@@ -27,6 +27,9 @@ ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/update_weights_fro
                "/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache",
                "/update_weight_version", "/destroy_weights_update_group"}
 OPEN_PATHS = {"/health", "/health_generate"}
+# Sequences one request may start (``n`` x prompts): a request for a million samples would fill the
+# engine's queue and starve every other caller (found by the HTTP fuzz test).
+MAX_SEQS_PER_REQUEST = 1024
 
 
 @dataclass
@@ -54,13 +57,26 @@ async def _json(request: Request) -> dict:
     return _parse_json(await request.body())
 
 
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v - v != 0.0:  # inf (1e400 overflows): NaN never gets here, it is a constant
+        raise BadRequest(f"number {text[:40]} is out of range (numbers must be finite)")
+    return v
+
+
 def _parse_json(raw: bytes) -> dict:
     if not raw:
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON body: {e}") from None
+    except RecursionError:  # json's recursive decoder on "[[[[..." thousands deep
+        raise BadRequest("JSON body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -181,8 +197,8 @@ def _helpers(state: ServerState) -> SimpleNamespace:
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by the hf server")
         n = body.get("n", 1) or 1
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise BadRequest(f"n must be a positive integer, got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SEQS_PER_REQUEST:
+            raise BadRequest(f"n must be an integer in [1, {MAX_SEQS_PER_REQUEST}], got {n!r}")
         return n
 
     def parse_version(body: dict, key: str = "weight_version") -> int | None:
@@ -190,9 +206,12 @@ def _helpers(state: ServerState) -> SimpleNamespace:
         if v is None:
             return None
         try:
-            return int(v)
-        except (TypeError, ValueError):
+            out = int(v)
+        except (TypeError, ValueError, OverflowError):
             raise BadRequest(f"{key} must be an integer (or its string form), got {v!r}") from None
+        if not 0 <= out < 2**63:  # versions travel as int64 tensors on the trainer side
+            raise BadRequest(f"{key} must be in [0, 2**63), got {v!r}")
+        return out
 
     def set_version(v: int | None):
         if v is not None:
@@ -238,6 +257,8 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
             sps = [parse_sampling(x) for x in raw_sp]
         else:
             sps = [sp] * len(prompts)
+        if len(prompts) > MAX_SEQS_PER_REQUEST:
+            raise BadRequest(f"a batch of {len(prompts)} prompts exceeds {MAX_SEQS_PER_REQUEST} per request")
         for p, s in zip(prompts, sps):
             check_context(len(p), s.max_new_tokens, state.context_length)
         if batch:
@@ -396,6 +417,22 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
         return {**eng.load(), "paused": eng.paused, "stats": dict(eng.stats)}
 
 
+def _check_group_request(body: dict) -> None:
+    """Values of a typed ``/init_weights_update_group`` body that cannot form a group (400s)."""
+    for k in ("master_address", "group_name"):
+        if not body[k].strip():
+            raise BadRequest(f"{k} must be a non-empty string")
+    if not 1 <= body["master_port"] <= 65535:
+        raise BadRequest(f"master_port must be in [1, 65535], got {body['master_port']}")
+    ws, rank = body["world_size"], body["rank_offset"]
+    if ws < 2 or not 1 <= rank < ws:
+        raise BadRequest(f"need world_size >= 2 and 1 <= rank_offset < world_size (the trainer is rank 0), "
+                         f"got rank_offset={rank}, world_size={ws}")
+    t = body.get("timeout_s", 120.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 86400:
+        raise BadRequest(f"timeout_s must be a number of seconds in (0, 86400], got {t!r}")
+
+
 def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
     eng = state.engine
     parse_version, set_version = h.parse_version, h.set_version
@@ -462,6 +499,7 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
         for k, t in need.items():
             if not isinstance(body.get(k), t) or isinstance(body.get(k), bool):
                 raise BadRequest(f"{k} ({t.__name__}) is required")
+        _check_group_request(body)
         backend = body.get("backend", "gloo")
         if state.receiver is not None:
             state.receiver.close()
@@ -472,6 +510,11 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
                 body["world_size"], body["group_name"], backend, float(body.get("timeout_s", 120.0)))
         except W.WeightUpdateRejected as e:
             return _err(400, str(e))
+        except (OSError, RuntimeError, ValueError) as e:
+            # The master named in the request could not be resolved, reached or joined in time
+            # (TCPStore raises these): the request's peer, not this server, is what failed.
+            return _err(400, f"could not join weight-update group {body['group_name']} at "
+                             f"{body['master_address']}:{body['master_port']}: {e}")
         except Exception as e:
             return _err(500, f"could not join weight-update group {body['group_name']} at "
                              f"{body['master_address']}:{body['master_port']}: {e}")

@@ -16,6 +16,9 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "top_p": (int, float), "top_k": (int,), "stop": (str, list), "stop_token_ids": (list,),
     "ignore_eos": (bool,), "skip_special_tokens": (bool,), "sampling_seed": (int,),
 }
+# The smallest non-zero temperature: below it logits / T overflows float32 to inf and the step's
+# sampling fails for every sequence in the batch (found by the HTTP fuzz test). 0 is greedy.
+MIN_TEMPERATURE = 1e-5
 # Accepted for compatibility with SGLang clients when left at their neutral value.
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
             "n": 1, "no_stop_trim": False, "spaces_between_special_tokens": True}
@@ -56,8 +59,8 @@ def parse_sampling(sp: Any, *, default_max_new_tokens: int = 128) -> SamplingPar
         setattr(out, k, v)
     if out.max_new_tokens < 0 or out.min_new_tokens < 0:
         raise BadRequest("max_new_tokens and min_new_tokens must be >= 0")
-    if out.temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {out.temperature}")
+    if out.temperature < 0 or 0 < out.temperature < MIN_TEMPERATURE:
+        raise BadRequest(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {out.temperature}")
     if not 0.0 < out.top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {out.top_p}")
     if out.top_k < -1:
