@@ -115,7 +115,7 @@ valid_bodies = {
         optional={"temperature": st.floats(0, 2), "n": st.integers(1, 2), "logprobs": st.integers(0, 2),
                   "top_p": st.floats(0.1, 1)}),
     "/v1/chat/completions": st.fixed_dictionaries(
-        {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=20)}),
+        {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": texts}),
                               min_size=1, max_size=2),
          "max_tokens": st.integers(0, 6)},
         optional={"temperature": st.floats(0, 2), "n": st.integers(1, 2), "logprobs": st.booleans()}),
