@@ -57,15 +57,21 @@ def _weights(run_dir):
     return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
 
 
-def test_kill9_and_resume_is_bit_identical(tmp_path, tiny_model_dir):
+LAYOUTS = {"fsdp": {}, "archon_d1t2": {"engine": "archon", "allocation_mode": "hf:d1+d1t2",
+                                       "cluster.n_gpus_per_node": 3}}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_kill9_and_resume_is_bit_identical(tmp_path, tiny_model_dir, layout):
     ref_root, cut_root = tmp_path / "ref", tmp_path / "cut"
     env = _env_with_reward(tmp_path)
-    ref = _train(ref_root, tiny_model_dir, env)
+    lay = LAYOUTS[layout]
+    ref = _train(ref_root, tiny_model_dir, env, **lay)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
 
     run_dir = cut_root / "runs" / "itest" / "t0"
     proc = subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "train",
-                             *_overrides(cut_root, tiny_model_dir, **SYNC)], stdout=subprocess.PIPE,
+                             *_overrides(cut_root, tiny_model_dir, **{**SYNC, **lay})], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     deadline = time.time() + 400
     while not (run_dir / "recover" / "latest.json").exists():
@@ -78,7 +84,7 @@ def test_kill9_and_resume_is_bit_identical(tmp_path, tiny_model_dir):
     recovered = json.loads((run_dir / "recover" / "latest.json").read_text())["step"]
     assert recovered in (2, 4)
 
-    res = _train(cut_root, tiny_model_dir, env, resume="auto")
+    res = _train(cut_root, tiny_model_dir, env, resume="auto", **lay)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     a, b = _weights(ref_root / "runs" / "itest" / "t0"), _weights(run_dir)
     assert a.keys() == b.keys()

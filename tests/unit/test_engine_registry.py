@@ -67,3 +67,29 @@ def test_import_path_engine_declares_its_dims(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="does not support tensor parallelism"):
         validate(load_config(["allocation_mode=hf:d1+d1t2", "cluster.n_gpus_per_node=3",
                               "engine.name=my_engine:MyEngine"]))
+
+
+ARCHON = ["engine=archon", "cluster.n_gpus_per_node=5"]
+
+
+@pytest.mark.parametrize("spec,extra,path,needle", [
+    ("hf:d1+archon:d1p2c2", [], "allocation_mode.spec", "without pipelining only"),
+    ("hf:d1+archon:d1p3", [], "allocation_mode.spec", "3 pipeline stages for 2 layers"),
+    ("hf:d1+archon:d1p2", ["engine.archon.pp_schedule=ZeroBubble"], "engine.archon.pp_schedule", "unknown"),
+    ("hf:d1+archon:d1p2", ["engine.archon.pp_schedule=Interleaved1F1B"], "engine.archon.pp_virtual_stages",
+     "at least 2"),
+    ("hf:d1+archon:d1p2", ["engine.archon.pp_virtual_stages=2"], "engine.archon.pp_virtual_stages",
+     "one stage per rank"),
+    ("hf:d1+archon:d1p2", ["engine.archon.pp_layers=[2,1]"], "engine.archon.pp_layers", "summing to"),
+    ("hf:d1+fsdp:d2", ["engine.archon.pp_schedule=GPipe"], "engine.archon.pp_schedule", "engine=fsdp does not read"),
+])
+def test_validate_refuses_what_archon_cannot_run(spec, extra, path, needle):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(ARCHON[1:] + [f"allocation_mode={spec}", *extra]))
+    assert info.value.path == path and needle in str(info.value), str(info.value)
+
+
+def test_validate_accepts_what_archon_runs():
+    for spec, extra in (("hf:d1+archon:d1p2", ["engine.archon.pp_layers=[0,2]"]),
+                        ("hf:d1+archon:d2t2", []), ("hf:d1+archon:d1t2c2", [])):
+        validate(load_config(ARCHON[1:] + [f"allocation_mode={spec}", *extra]))

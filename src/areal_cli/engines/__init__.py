@@ -33,6 +33,35 @@ class Sharding:
 FULL_SHARD = Sharding(weights=True, grads=True, optimizer=True, gathers_layers=True)
 
 
+ARCHON_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
+
+
+def _archon_layers(engine_cfg: Any, dims: Any, n_layers: int) -> None:
+    """Archon cuts layers into p × virtual stages, evenly (remainder allowed) or as configured."""
+    a = engine_cfg.archon
+    if a.pp_schedule not in ARCHON_SCHEDULES:
+        raise ConfigError("engine.archon.pp_schedule", f"unknown pipeline schedule {a.pp_schedule!r}",
+                          f"use one of: {', '.join(ARCHON_SCHEDULES)}")
+    v = int(a.pp_virtual_stages)
+    if a.pp_schedule == "Interleaved1F1B" and v < 2:
+        raise ConfigError("engine.archon.pp_virtual_stages", f"Interleaved1F1B needs at least 2 stages per rank, "
+                          f"got {v}", "set engine.archon.pp_virtual_stages=2 or use pp_schedule=1F1B")
+    if a.pp_schedule != "Interleaved1F1B" and v != 1:
+        raise ConfigError("engine.archon.pp_virtual_stages", f"{a.pp_schedule} runs one stage per rank, got {v}",
+                          "use pp_schedule=Interleaved1F1B for virtual stages, or set pp_virtual_stages=1")
+    stages = dims.p * v
+    if list(a.pp_layers):
+        counts = [int(x) for x in a.pp_layers]
+        if dims.p == 1 or len(counts) != stages or min(counts) < 0 or sum(counts) != n_layers:
+            raise ConfigError("engine.archon.pp_layers", f"{counts} is not {stages} non-negative layer counts "
+                              f"summing to num_hidden_layers={n_layers}",
+                              f"give {stages} counts (p × pp_virtual_stages) that add up to {n_layers}, or leave "
+                              "it empty for an even split")
+    elif stages > n_layers:
+        raise ConfigError("allocation_mode.spec", f"p{dims.p} × {v} virtual stages = {stages} pipeline stages for "
+                          f"{n_layers} layers", "use fewer stages: p × pp_virtual_stages ≤ num_hidden_layers")
+
+
 def _deepspeed_sharding(engine_cfg: Any) -> Sharding:
     z = int(getattr(getattr(engine_cfg, "deepspeed", None), "zero_stage", 3))
     return Sharding(weights=z >= 3, grads=z >= 2, optimizer=z >= 1, gathers_layers=z >= 3)
@@ -48,6 +77,8 @@ class EngineSpec:
     summary: str = ""
     # dims (d, t, p, c, e attributes) -> why this combination cannot run, or None
     constraint: Callable[[Any], str | None] | None = None
+    # (engine config, dims, num_hidden_layers) -> raises ConfigError; replaces "p divides the layers"
+    check_layers: Callable[[Any, Any, int], None] | None = None
 
     @property
     def trainable(self) -> bool:
@@ -64,7 +95,7 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
         EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpc", lambda _: FULL_SHARD,
                    "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP",
                    lambda d: "archon runs context parallelism without pipelining only; drop c or p"
-                   if d.p > 1 and d.c > 1 else None),
+                   if d.p > 1 and d.c > 1 else None, _archon_layers),
         EngineSpec("deepspeed", None, "dc", _deepspeed_sharding, "deepspeed", "DeepSpeed ZeRO-1/2/3"),
     )
 }

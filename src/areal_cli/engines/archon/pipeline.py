@@ -38,7 +38,7 @@ def schedule_class(name: str):
 
     classes = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B, "GPipe": ScheduleGPipe}
     if name not in classes:
-        raise ConfigError("engine.pp_schedule", f"unknown pipeline schedule {name!r}",
+        raise ConfigError("engine.archon.pp_schedule", f"unknown pipeline schedule {name!r}",
                           f"use one of {', '.join(SCHEDULES)}")
     return classes[name]
 
@@ -53,13 +53,13 @@ def is_multi_stage(name: str) -> bool:
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:
     if is_multi_stage(schedule):
         if virtual_stages < 2:
-            raise ConfigError("engine.pp_virtual_stages", f"{schedule} needs at least 2 stages per rank, "
-                              f"got {virtual_stages}", "set engine.pp_virtual_stages=2 or use 1F1B")
+            raise ConfigError("engine.archon.pp_virtual_stages", f"{schedule} needs at least 2 stages per rank, "
+                              f"got {virtual_stages}", "set engine.archon.pp_virtual_stages=2 or use 1F1B")
         return virtual_stages
     if virtual_stages != 1:
-        raise ConfigError("engine.pp_virtual_stages",
+        raise ConfigError("engine.archon.pp_virtual_stages",
                           f"{schedule} runs one stage per rank, got {virtual_stages}",
-                          "use Interleaved1F1B for virtual stages, or set engine.pp_virtual_stages=1")
+                          "use Interleaved1F1B for virtual stages, or set engine.archon.pp_virtual_stages=1")
     return 1
 
 
@@ -73,7 +73,7 @@ def split_layers(n_layers: int, n_stages: int,
     if layers_per_stage is not None:
         counts = [int(c) for c in layers_per_stage]
         if len(counts) != n_stages or any(c < 0 for c in counts) or sum(counts) != n_layers:
-            raise ConfigError("engine.pp_layers_per_stage", f"{list(layers_per_stage)} is not {n_stages} "
+            raise ConfigError("engine.archon.pp_layers", f"{list(layers_per_stage)} is not {n_stages} "
                               f"non-negative layer counts summing to num_hidden_layers={n_layers}",
                               f"give {n_stages} counts that add up to {n_layers}, or leave it empty")
     else:

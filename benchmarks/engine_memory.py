@@ -1,0 +1,176 @@
+"""Per-rank training-state memory and step time of the Archon engine's layouts, in one run.
+
+    python benchmarks/engine_memory.py                  # 59M-parameter Qwen2, layouts d1 t2 p2 d2
+    python benchmarks/engine_memory.py --tied           # the same size with tied embeddings
+    python benchmarks/engine_memory.py --layouts d1 t2 --steps 4
+
+For each layout the script starts its ranks (gloo on CPU, one thread each), builds the engine on the
+same randomly initialised model, runs ``--steps`` AdamW steps on the same global batch and reports,
+on the rank holding the most:
+
+- parameter + gradient + optimizer-state bytes held by that rank (local shards of DTensors,
+  measured after the last step, when all three exist);
+- the median step time (wall clock of ``train_batch``, steps after the first).
+
+Ratios are against d1 measured in the same run. Targets (issue 15): t2 and p2 at most 0.6x of d1's
+memory. Step times on a 2-core machine with a 4-process layout mostly measure process contention;
+they are printed for what they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+LAYOUTS = {"d1": {}, "t2": {"tp": 2}, "p2": {"pp": 2}, "d2": {"dp": 2}, "t2p2": {"tp": 2, "pp": 2}}
+
+
+def make_model(out: str, tied: bool) -> int:
+    """A ~59M-parameter Qwen2 with random weights; returns its parameter count. Untied (the default,
+    as in Qwen2.5-7B and larger): 7 layers; tied: 11 layers. Under pipelining a tied model keeps a
+    vocab × hidden matrix on both end stages (the embedding and the head's copy of it), so its p2
+    share cannot fall much below (V·h + layers/2) / total."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=2048,
+                      num_hidden_layers=11 if tied else 7, num_attention_heads=8, num_key_value_heads=4,
+                      max_position_embeddings=1024, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _bytes(t) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def worker(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.data.packing import split_batch_for_dp
+    from areal_cli.engines.archon.engine import ArchonEngine
+    from areal_cli.engines.dist import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed("gloo")
+    engine = ArchonEngine(EngineConfig(max_tokens_per_mb=spec["mb_tokens"]), OptimConfig(lr=1e-4),
+                          total_steps=spec["steps"], seed=0)
+    engine.initialize(ParallelStrategy(**spec["parallel"]), spec["model"])
+    g = torch.Generator().manual_seed(0)
+    B, L = spec["rows"], spec["seq"]
+    batch = {"input_ids": torch.randint(1, 32000, (B, L), generator=g),
+             "attention_mask": torch.ones(B, L, dtype=torch.bool), "loss_mask": torch.ones(B, L)}
+    batch["loss_mask"][:, : L // 2] = 0
+    adv = torch.randn(B, L, generator=g)
+
+    def loss_fn(out, mb):
+        m = mb["loss_mask"]
+        return -(out["logprobs"] * mb["adv"] * m).sum() / m.sum().clamp(min=1), {}
+
+    batch["adv"] = adv
+    local = split_batch_for_dp(batch, engine.dp_world_size)[engine.dp_rank]
+    times = []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        engine.train_batch(local if engine.is_dp_head else None, loss_fn, lambda mb: float(mb["loss_mask"].sum()))
+        times.append(time.perf_counter() - t0)
+    params = list(engine.model.parameters())
+    # train_batch frees gradients after its step: one more forward/backward, to count them held.
+    engine._accumulate_grads(local if engine.is_dp_head else None, loss_fn,
+                             lambda mb: float(mb["loss_mask"].sum()), 1.0)
+    mem = {"params": sum(_bytes(p) for p in params),
+           "grads": sum(_bytes(p.grad) for p in params if p.grad is not None),
+           "optim": sum(_bytes(v) for st in engine.optimizer.state.values() for v in st.values()
+                        if torch.is_tensor(v) and v.dim() > 0)}
+    engine.optimizer.zero_grad(set_to_none=True)
+    mem["total"] = mem["params"] + mem["grads"] + mem["optim"]
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, mem)
+    if dist.get_rank() == 0:
+        worst = max(box, key=lambda m: m["total"])
+        with open(spec["out"], "w") as f:
+            json.dump({"mem": worst, "per_rank": [m["total"] for m in box],
+                       "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}, f)
+    dist.barrier()
+    engine.destroy()
+
+
+def run_layout(name: str, model: str, args, tmp: str) -> dict:
+    from areal_cli.utils.network import find_free_port
+
+    parallel = LAYOUTS[name]
+    world = 1
+    for v in parallel.values():
+        world *= v
+    out = os.path.join(tmp, f"{name}.json")
+    spec = {"parallel": parallel, "model": model, "steps": args.steps, "rows": args.rows, "seq": args.seq,
+            "mb_tokens": args.rows * args.seq // 4, "out": out}
+    port = find_free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=1800)[1] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"layout {name} failed:\n" + "\n".join(e[-3000:] for e in errs))
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", nargs="+", default=["d1", "t2", "p2", "d2"], choices=sorted(LAYOUTS))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--tied", action="store_true", help="tied embeddings (11 layers instead of 7)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = os.path.join(tmp, "model59m")
+        n = make_model(model, args.tied)
+        res = {name: run_layout(name, model, args, tmp) for name in ["d1"] + [x for x in args.layouts if x != "d1"]}
+    base = res["d1"]
+    table = Table(title=f"Archon per-rank training state, {n / 1e6:.1f}M-parameter Qwen2 "
+                        f"({'tied' if args.tied else 'untied'}), fp32 + AdamW")
+    for col in ("layout", "params MB", "grads MB", "optim MB", "total MB", "vs d1", "step s", "step vs d1"):
+        table.add_column(col, justify="right")
+    mb = 1024 ** 2
+    for name, r in res.items():
+        m = r["mem"]
+        table.add_row(name, f"{m['params'] / mb:.1f}", f"{m['grads'] / mb:.1f}", f"{m['optim'] / mb:.1f}",
+                      f"{m['total'] / mb:.1f}", f"{m['total'] / base['mem']['total']:.2f}x", f"{r['step_s']:.2f}",
+                      f"{r['step_s'] / base['step_s']:.2f}x")
+    Console().print(table)
+    for name in ("t2", "p2"):
+        if name in res:
+            ratio = res[name]["mem"]["total"] / base["mem"]["total"]
+            print(f"{name}: {ratio:.2f}x of d1 (target <= 0.6x): {'met' if ratio <= 0.6 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
