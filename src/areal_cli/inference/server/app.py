@@ -25,7 +25,8 @@ log = logging.getLogger("areal_cli.hf_server")
 
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/update_weights_from_disk",
                "/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache",
-               "/update_weight_version", "/destroy_weights_update_group"}
+               "/update_weight_version", "/destroy_weights_update_group", "/begin_weight_update",
+               "/end_weight_update"}
 OPEN_PATHS = {"/health", "/health_generate"}
 # Sequences one request may start (``n`` x prompts): a request for a million samples would fill the
 # engine's queue and starve every other caller (found by the HTTP fuzz test).
