@@ -12,13 +12,12 @@ import os
 
 import torch.distributed as dist
 
+from areal_cli.engines.archon.engine import ArchonEngine
 from areal_cli.engines.fsdp import FSDPEngine
 
 
-class RecordingEngine(FSDPEngine):
-    """FSDP2 that logs the rows and loss tokens each rank trains on."""
-
-    dims = "dc"
+class _Recording:
+    """Logs the rows and loss tokens each rank trains on, then trains."""
 
     def train_batch(self, batch, loss_fn, loss_weight_fn, temperature: float = 1.0):
         rec = {"rank": dist.get_rank(), "dp_rank": self.dp_rank,
@@ -27,3 +26,15 @@ class RecordingEngine(FSDPEngine):
         with open(os.environ["AREAL_TEST_RECORD"], "a") as f:
             f.write(json.dumps(rec) + "\n")
         return super().train_batch(batch, loss_fn, loss_weight_fn, temperature=temperature)
+
+
+class RecordingEngine(_Recording, FSDPEngine):
+    """FSDP2 that logs what each rank trains on."""
+
+    dims = "dc"
+
+
+class RecordingArchon(_Recording, ArchonEngine):
+    """Archon that logs what each rank trains on."""
+
+    dims = "dtpc"

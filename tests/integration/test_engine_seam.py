@@ -15,13 +15,14 @@ pytestmark = pytest.mark.timeout(400)
 HERE = Path(__file__).parent
 
 
-def test_plugin_engine_at_d1c2_trains_every_episode(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["RecordingEngine", "RecordingArchon"], ids=["fsdp", "archon"])
+def test_plugin_engine_at_d1c2_trains_every_episode(tiny_model_dir, tmp_path, engine):
     record = tmp_path / "trained.jsonl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "AREAL_TEST_RECORD": str(record),
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     steps, batch, group = 2, 2, 2
     args = {"cluster.fileroot": tmp_path, "model.path": tiny_model_dir, "experiment_name": "seam",
-            "trial_name": "c2", "allocation_mode": "hf:d1+d1c2", "engine.name": "plugin_engine:RecordingEngine",
+            "trial_name": "c2", "allocation_mode": "hf:d1+d1c2", "engine.name": f"plugin_engine:{engine}",
             "trainer.total_steps": steps, "trainer.sft_warmup_steps": 0, "trainer.eval_every": 0,
             "trainer.recover_every": 0, "trainer.save_every": 0, "algo.batch_size": batch,
             "rollout.group_size": group, "rollout.gconfig.max_new_tokens": 6, "dataset.train_size": 50,

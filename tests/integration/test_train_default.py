@@ -32,3 +32,24 @@ def test_default_run_learns(tmp_path):
     assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.40, summary
     assert (runs[0].parent / "learning_curve.png").exists()
     assert (runs[0].parent / "checkpoints" / "final" / "config.json").exists()
+
+
+def _default_gain(tmp_path, *overrides: str) -> tuple[float, float]:
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", f"cluster.fileroot={tmp_path}",
+                          *overrides], capture_output=True, text=True, env=_env(), timeout=1700)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    (summary_path,) = (tmp_path / "runs").glob("*/*/summary.json")
+    s = json.loads(summary_path.read_text())
+    return s["accuracy_after"] - s["accuracy_before"], time.time() - t0
+
+
+@pytest.mark.parametrize("spec", ["hf:d1+archon:d1t2", "hf:d1+archon:d1p2"])
+def test_archon_default_run_learns_as_much_as_fsdp(tmp_path, spec):
+    """The embedded default under archon tensor or pipeline parallelism: held-out gain within 10 points
+    of fsdp's with the same seed (both measured here, one after the other)."""
+    fsdp_gain, fsdp_wall = _default_gain(tmp_path / "fsdp")
+    gain, wall = _default_gain(tmp_path / "archon", "engine=archon", f"allocation_mode={spec}",
+                               "cluster.n_gpus_per_node=3")
+    print(f"\n{spec}: gain {gain:+.1%} in {wall:.0f}s; fsdp {fsdp_gain:+.1%} in {fsdp_wall:.0f}s")
+    assert gain >= 0.40 and abs(gain - fsdp_gain) <= 0.10, (gain, fsdp_gain)
