@@ -52,4 +52,6 @@ def test_archon_default_run_learns_as_much_as_fsdp(tmp_path, spec):
     gain, wall = _default_gain(tmp_path / "archon", "engine=archon", f"allocation_mode={spec}",
                                "cluster.n_gpus_per_node=3")
     print(f"\n{spec}: gain {gain:+.1%} in {wall:.0f}s; fsdp {fsdp_gain:+.1%} in {fsdp_wall:.0f}s")
-    assert gain >= 0.40 and abs(gain - fsdp_gain) <= 0.10, (gain, fsdp_gain)
+    # One-sided: runs of one seed still differ by about ±10 points (async batching and reduction order
+    # change the sampled tokens), and learning more than fsdp is no defect of the engine.
+    assert gain >= 0.40 and gain >= fsdp_gain - 0.10, (gain, fsdp_gain)
