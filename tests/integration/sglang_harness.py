@@ -29,6 +29,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import platform
+import signal
 import sys
 import types
 from pathlib import Path
@@ -102,6 +103,11 @@ def bootstrap() -> None:
 # ---------------------------------------------------------------------------------------- TP ranks
 def _rank_main(conn, tp_rank: int, tp: int, tp_port: int) -> None:
     """One TP rank of a simulated server: SGLang's ``WeightUpdater`` driven over a pipe."""
+    from areal_cli.utils.procs import die_with_parent
+
+    arm = die_with_parent(signal.SIGKILL, parent=os.getppid())  # no orphan if the server is killed
+    if arm is not None:
+        arm()
     bootstrap()
     import torch
     import torch.distributed as dist

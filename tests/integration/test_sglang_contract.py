@@ -36,6 +36,7 @@ from areal_cli.errors import InferenceError
 from areal_cli.inference.backends import sglang as sgl
 from areal_cli.inference.client import RemoteInferenceEngine
 from areal_cli.utils.network import find_free_port
+from areal_cli.utils.procs import die_with_parent
 from areal_cli.weight_sync.common import LoopRunner
 from areal_cli.weight_sync.senders import DistributedSender
 
@@ -66,7 +67,7 @@ def servers(tmp_path_factory):
             procs.append((subprocess.Popen(
                 [sys.executable, str(Path(sglang_harness.__file__)), "--port", str(port), "--tp", str(TP),
                  "--tp-port", str(tp_port)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True), logs / f"server{i}.log"))
+                start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL)), logs / f"server{i}.log"))
             addrs.append(f"127.0.0.1:{port}")
         deadline = time.monotonic() + 240
         for (p, log), a in zip(procs, addrs):
