@@ -2,7 +2,9 @@
 the same loss and the same updated weights (fp32, 1e-5), and forward logprobs equal the reference's.
 
 Three launches feed the module: world 1 (the FSDP d1 reference), world 2 (t2, p2 under each
-schedule, c2, d2 with mixed precision) and world 4 (d2t2, d2p2, t2p2). The model is a 4-layer tiny
+schedule, c2, d2 with mixed precision) and world 4 (d2t2, d2p2, t2p2, and c2p2 with activation
+recomputation: Ulysses under a pipeline schedule, where several micro-batches run between a forward and
+its backward). The model is a 4-layer tiny
 Qwen2 with tied embeddings, so Interleaved1F1B gets two one-layer virtual stages per rank.
 """
 
@@ -51,7 +53,8 @@ def runs(model4, tmp_path_factory):
           {"name": "fsdp_d2_mp", "parallel": {"dp": 2}, "engine": {"max_tokens_per_mb": BIG, "mixed_precision": True},
            **STEPS}]
     w4 = [_archon("d2t2", {"dp": 2, "tp": 2}), _archon("d2p2", {"dp": 2, "pp": 2}, mb=SMALL),
-          _archon("t2p2", {"tp": 2, "pp": 2}, mb=SMALL)]
+          _archon("t2p2", {"tp": 2, "pp": 2}, mb=SMALL),
+          _archon("c2p2", {"cp": 2, "pp": 2}, mb=SMALL, engine={"gradient_checkpointing": True})]
     for world, variants in ((1, w1), (2, w2), (4, w4)):
         launch({"model_dir": model4, "out": str(out), "variants": variants}, world, timeout=600)
     return {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
@@ -68,7 +71,7 @@ def _close(a: dict, b: dict, tol: float = TOL) -> None:
         assert diff <= tol, f"{k}: max diff {diff:.3g} > {tol}"
 
 
-LAYOUTS = ["t2", "t2_x8", "p2_1f1b", "p2_gpipe", "p2_interleaved", "c2", "d2t2", "d2p2", "t2p2"]
+LAYOUTS = ["t2", "t2_x8", "p2_1f1b", "p2_gpipe", "p2_interleaved", "c2", "d2t2", "d2p2", "t2p2", "c2p2"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -73,7 +73,6 @@ ARCHON = ["engine=archon", "cluster.n_gpus_per_node=5"]
 
 
 @pytest.mark.parametrize("spec,extra,path,needle", [
-    ("hf:d1+archon:d1p2c2", [], "allocation_mode.spec", "without pipelining only"),
     ("hf:d1+archon:d1p3", [], "allocation_mode.spec", "3 pipeline stages for 2 layers"),
     ("hf:d1+archon:d1p2", ["engine.archon.pp_schedule=ZeroBubble"], "engine.archon.pp_schedule", "unknown"),
     ("hf:d1+archon:d1p2", ["engine.archon.pp_schedule=Interleaved1F1B"], "engine.archon.pp_virtual_stages",
@@ -91,5 +90,5 @@ def test_validate_refuses_what_archon_cannot_run(spec, extra, path, needle):
 
 def test_validate_accepts_what_archon_runs():
     for spec, extra in (("hf:d1+archon:d1p2", ["engine.archon.pp_layers=[0,2]"]),
-                        ("hf:d1+archon:d2t2", []), ("hf:d1+archon:d1t2c2", [])):
+                        ("hf:d1+archon:d2t2", []), ("hf:d1+archon:d1t2c2", []), ("hf:d1+archon:d1p2c2", [])):
         validate(load_config(ARCHON[1:] + [f"allocation_mode={spec}", *extra]))

@@ -94,8 +94,7 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
                    "megatron", "megatron-core TP/PP/DP with a distributed optimizer"),
         EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpc", lambda _: FULL_SHARD,
                    "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP",
-                   lambda d: "archon runs context parallelism without pipelining only; drop c or p"
-                   if d.p > 1 and d.c > 1 else None, _archon_layers),
+                   check_layers=_archon_layers),
         EngineSpec("deepspeed", None, "dc", _deepspeed_sharding, "deepspeed", "DeepSpeed ZeRO-1/2/3"),
     )
 }

@@ -52,9 +52,6 @@ class ArchonEngine(FSDPEngine):
                               "point model.path at a local dir with config.json and safetensors")
         dims = ParallelDims.from_strategy(parallel)
         dims.check_model(AutoConfig.from_pretrained(model_path))
-        if dims.pp > 1 and dims.cp > 1:
-            raise ConfigError("allocation_mode", "archon runs context parallelism without pipelining only "
-                              f"(got p{dims.pp} c{dims.cp})", "drop c or p")
         self.mesh: ArchonMesh = dims.build(self.device.type)
         m = self.mesh
         self._meshes = fsdp_par.Meshes(mesh=m.world, fsdp_mesh=m.fsdp_mesh, dp_group=m.dp_group,
@@ -152,33 +149,45 @@ class ArchonEngine(FSDPEngine):
         return loss_sum, stat_sums, denom, n_mb
 
     def _pipeline_inputs(self, mbs: list[Batch]) -> dict[str, Any]:
-        """Each micro-batch packed into one row, padded to a common length (a multiple of tp); the
-        block-diagonal masks are explicit, so no module-global attention state crosses micro-batches."""
+        """Each micro-batch packed into one row, padded to a common length (a multiple of cp·tp).
+
+        The block-diagonal masks are explicit arguments of every stage's forward, so no module-global
+        attention state has to survive from a micro-batch's forward to its backward or its recompute
+        (several run in between under a pipeline schedule). Under Ulysses each rank takes its slice
+        of the tokens and positions; the mask stays whole, as the attention gathers the sequence.
+        """
         mult = max(1, self.cfg.pad_to_multiple_of) * self._seq_multiple()
         packs = [packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id) for mb in mbs]
         length = max(p.input_ids.shape[1] for p in packs)
         length = -(-length // mult) * mult
+        cp_group = self.cp_group if self.parallel.cp > 1 else None
+        ulysses.set_ulysses_group(cp_group)
         ulysses.set_varlen(None)
         dev = self.device
+        ids = pipeline.pad_stack([p.input_ids for p in packs], length=length, value=self.pad_token_id)
+        pos = pipeline.pad_stack([p.position_ids for p in packs], length=length)
         return {
-            "packs": packs, "mbs": mbs, "length": length,
-            "input_ids": pipeline.pad_stack([p.input_ids for p in packs], length=length,
-                                            value=self.pad_token_id).to(dev),
-            "position_ids": pipeline.pad_stack([p.position_ids for p in packs], length=length).to(dev),
+            "packs": packs, "mbs": mbs, "length": length, "cp_group": cp_group,
+            "input_ids": ulysses.slice_for_rank(ids, cp_group, dim=1).to(dev),
+            "position_ids": ulysses.slice_for_rank(pos, cp_group, dim=1).to(dev),
             "mask": pipeline.pad_stack_masks([packing.packed_causal_mask(p.seq_ids) for p in packs],
                                              length=length).to(dev),
         }
 
     def _unpack_outputs(self, logits: torch.Tensor, inputs: dict, i: int, output: str,
                         temperature: float) -> dict[str, torch.Tensor]:
-        pk, mb = inputs["packs"][i], inputs["mbs"][i]
-        T = pk.input_ids.shape[1]
+        pk, mb, group = inputs["packs"][i], inputs["mbs"][i], inputs["cp_group"]
+        T, L = pk.input_ids.shape[1], inputs["length"]
         max_len = mb["input_ids"].shape[1]
-        logits = logits[0, :T]
+        logits = logits[0]  # this rank's slice of the padded row under Ulysses: [L / cp, ...]
         if output == "values":
-            return {"values": packing.unpack_shifted(logits[:, 0].float(), pk, max_len)}
-        tgt = packing.next_token_targets(pk).to(self.device)
-        lp, ent = self._logprobs_entropy(logits, tgt, temperature)
+            vals = ulysses.gather_seq(logits[:, 0].float(), group)[:T]
+            return {"values": packing.unpack_shifted(vals, pk, max_len)}
+        tgt = packing.next_token_targets(pk)
+        tgt = torch.cat([tgt, tgt.new_zeros(L - T)]) if L > T else tgt
+        lp, ent = self._logprobs_entropy(logits, ulysses.slice_for_rank(tgt, group, dim=0).to(self.device),
+                                         temperature)
+        lp, ent = ulysses.gather_seq(lp, group)[:T], ulysses.gather_seq(ent, group)[:T]
         return {"logprobs": packing.unpack_shifted(lp, pk, max_len),
                 "entropy": packing.unpack_shifted(ent, pk, max_len)}
 
