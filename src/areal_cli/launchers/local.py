@@ -203,13 +203,21 @@ class NodeRunner:
         del t
 
     def _trainer_failure(self, code: int | None) -> LaunchError:
-        """Name the rank that failed first and show its traceback tail."""
+        """Name the rank that failed first and show its traceback tail.
+
+        A rank killed by a signal (SIGKILL, the OOM killer) leaves no traceback, while its peers then
+        fail with collective errors that do: torchrun's first observed failure names the real cause.
+        """
         assert self.trainer is not None
-        culprit, tail = _find_failed_rank(self.run_dir)
-        if culprit is None:
-            culprit, tail = _torchrun_culprit(self.trainer.tail(200), self.run_dir,
-                                              self.layout.trainer.nproc_per_node,
-                                              self.node_rank - self.layout.trainer.first_node)
+        killed, killed_tail, how = _torchrun_culprit(self.trainer.tail(200), self.run_dir,
+                                                     self.layout.trainer.nproc_per_node,
+                                                     self.node_rank - self.layout.trainer.first_node)
+        if killed is not None and how < 0:
+            culprit, tail = killed, killed_tail
+        else:
+            culprit, tail = _find_failed_rank(self.run_dir)
+            if culprit is None:
+                culprit, tail = killed, killed_tail
         if culprit is None:
             culprit, tail = "trainer (torchrun)", self.trainer.tail(40)
         return LaunchError(f"{culprit} failed ({describe_exit(code)}); everything was stopped. "
@@ -316,18 +324,20 @@ def _find_failed_rank(run_dir: str) -> tuple[str | None, str]:
     return (best[1], best[2]) if best else (None, "")
 
 
-def _torchrun_culprit(torchrun_log: str, run_dir: str, nproc: int, node_index: int) -> tuple[str | None, str]:
-    """A rank that died without a traceback (e.g. SIGKILL, OOM killer), from torchrun's report."""
+def _torchrun_culprit(torchrun_log: str, run_dir: str, nproc: int,
+                      node_index: int) -> tuple[str | None, str, int]:
+    """torchrun's first observed failure: ``(description, log tail, exit code)``; a negative code is a
+    signal (SIGKILL, OOM killer), a death that leaves no traceback in the rank's log."""
     m = re.search(r"exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)", torchrun_log)
     if m is None:
-        return None, ""
+        return None, "", 0
     code, local, pid = int(m.group(1)), int(m.group(2)), m.group(3)
     rank = node_index * nproc + local
     log = logs_dir(run_dir) / f"trainer_rank{rank}.log"
     how = describe_exit(code)
     if code == -9:
         how += " — killed from outside, or by the kernel's OOM killer (check `dmesg`)"
-    return f"trainer rank {rank} (pid {pid}, {how}; log {log})", tail_file(log, 20)
+    return f"trainer rank {rank} (pid {pid}, {how}; log {log})", tail_file(log, 20), code
 
 
 def _server_hint(tail: str) -> str:
