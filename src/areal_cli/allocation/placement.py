@@ -71,16 +71,19 @@ def _fits(start: int, size: int, block: int, n_per_node: int) -> bool:
     return True
 
 
-def place(spec: AllocationSpec, n_nodes: int, n_per_node: int) -> list[Placement]:
-    """Placement per component (same order as ``spec.components``) or a ConfigError."""
+def place(spec: AllocationSpec, n_nodes: int, n_per_node: int, device: str = "cuda") -> list[Placement]:
+    """Placement per component (same order as ``spec.components``) or a ConfigError. On ``device="cpu"``
+    a device is one process slot, so the fix offers more slots per node before more nodes."""
     total = n_nodes * n_per_node
     need = sum(spec.components[g[0]].world_size for g in spec.groups)
     cluster_txt = (f"the cluster has {total} (cluster.n_nodes={n_nodes} × "
                    f"cluster.n_gpus_per_node={n_per_node})")
     if need > total:
         nodes_needed = -(-need // n_per_node)
-        raise ConfigError(SPEC_PATH, f"the spec needs {need} devices but {cluster_txt}",
-                          f"set cluster.n_nodes={nodes_needed} or shrink the dims",
+        fix = (f"set cluster.n_gpus_per_node={need} (on CPU a device is a process slot), "
+               f"cluster.n_nodes={nodes_needed}, or shrink the dims" if device == "cpu"
+               else f"set cluster.n_nodes={nodes_needed} or shrink the dims")
+        raise ConfigError(SPEC_PATH, f"the spec needs {need} devices but {cluster_txt}", fix,
                           text=spec.text, column=spec.components[0].column)
     result: list[Placement | None] = [None] * len(spec.components)
     cursor = 0

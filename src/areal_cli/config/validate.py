@@ -248,7 +248,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     for c in spec.components:
         checker.check(c)
     n_nodes, per_node = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
-    placements = place(spec, n_nodes, per_node)
+    placements = place(spec, n_nodes, per_node, cfg.cluster.device)
     facts = ModelFacts.from_config(cfg.model)
     dev_gb = device_memory_gb(cfg.cluster.device, cfg.cluster.gpu_memory_gb, per_node)
     seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
