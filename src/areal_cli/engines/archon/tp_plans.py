@@ -140,6 +140,7 @@ def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
         parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
                                                                        output_layouts=Shard(1),
                                                                        use_local_output=False))
+        base.embed_tokens.weight.register_post_accumulate_grad_hook(_grad_to_param_layout)
     plan = layer_plan(family)
     for layer in base.layers:
         if not any(True for _ in layer.parameters()):
@@ -155,6 +156,15 @@ def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
         parallelize_module(lm_head, tp_mesh, vp.lm_head_style())
         if tied:
             lm_head.weight = base.embed_tokens.weight
+
+
+def _grad_to_param_layout(p: Any) -> None:
+    """The embedding lookup's weight gradient comes back replicated over tp while the weight is
+    vocab-sharded: keep only this rank's shard (a local slice, no communication), so the gradient and
+    the optimizer step take 1/t of the memory, as for every other parameter."""
+    g = p.grad
+    if g is not None and hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def _has_params(module: Any) -> bool:
