@@ -30,6 +30,7 @@ from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn, TrainEngine
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
 from areal_cli.data import packing
 from areal_cli.engines import parallelize as par
+from areal_cli.engines import sampling_mask
 from areal_cli.engines import ulysses
 from areal_cli.errors import ConfigError, WeightSyncError
 
@@ -173,7 +174,11 @@ class FSDPEngine(TrainEngine):
         """Every packed forward's length is a multiple of this (Ulysses splits the sequence over cp)."""
         return self.parallel.cp
 
-    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          cutoffs: torch.Tensor | None = None):
+        """``cutoffs``: Keep-Sampling-Mask thresholds aligned with ``targets`` (see engines/sampling_mask.py)."""
+        if cutoffs is not None:
+            return sampling_mask.masked_logprobs_entropy(logits, targets, temperature, cutoffs.to(logits.device))
         return _logprobs_entropy(logits, targets, temperature)
 
     def _shares_prefix(self, output: str) -> bool:
@@ -252,10 +257,15 @@ class FSDPEngine(TrainEngine):
                 vals = ulysses.gather_seq(logits[:, 0].float(), group)
                 return {"values": packing.unpack_shifted(vals, pk, max_len)}
             tgt = ulysses.slice_for_rank(packing.next_token_targets(pk), group, dim=0).to(self.device)
+            cut = mb.get(sampling_mask.KEY)
+            if cut is not None:
+                cut = sampling_mask.next_token_values(cut, pk.lengths, pk.input_ids.shape[1])
+                cut = ulysses.slice_for_rank(cut, group, dim=0).to(self.device)
             if keep is None:
-                lp, ent = self._logprobs_entropy(logits, tgt, temperature)
+                lp, ent = self._logprobs_entropy(logits, tgt, temperature, cut)
             else:  # logits exist at the kept positions only; the rest stay zero
-                lp_k, ent_k = self._logprobs_entropy(logits, tgt.index_select(0, keep), temperature)
+                lp_k, ent_k = self._logprobs_entropy(logits, tgt.index_select(0, keep), temperature,
+                                                     None if cut is None else cut.index_select(0, keep))
                 lp = lp_k.new_zeros(tgt.shape[0]).index_put((keep,), lp_k)
                 ent = ent_k.new_zeros(tgt.shape[0]).index_put((keep,), ent_k)
             lp = packing.unpack_shifted(ulysses.gather_seq(lp, group), pk, max_len)
@@ -271,7 +281,9 @@ class FSDPEngine(TrainEngine):
         if output == "values":
             return {"values": packing.shift_padded(logits[..., 0].float()) * am}
         tgt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
-        lp, ent = self._logprobs_entropy(logits, tgt, temperature)
+        cut = mb.get(sampling_mask.KEY)
+        lp, ent = self._logprobs_entropy(logits, tgt, temperature,
+                                         None if cut is None else sampling_mask.shifted_padded(cut))
         return {"logprobs": packing.shift_padded(lp) * am, "entropy": packing.shift_padded(ent) * am}
 
     def _forward_shared(self, sp: packing.SharedPack, mb: Batch, temperature: float) -> dict[str, torch.Tensor]:
@@ -281,12 +293,17 @@ class FSDPEngine(TrainEngine):
         logits = self.model(input_ids=sp.input_ids.to(dev), position_ids=sp.position_ids.to(dev), use_cache=False,
                             logits_to_keep=sp.keep.to(dev),
                             attention_mask={"full_attention": None, "sliding_attention": None}).logits[0]
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        ent_u = -(logp.exp() * logp).sum(-1)
         m = sp.map.to(dev)
-        lp_e = logp[m, sp.targets.to(dev)]
         idx = (sp.rows.to(dev), sp.cols.to(dev))
         shape = tuple(mb["input_ids"].shape)
+        cut = mb.get(sampling_mask.KEY)
+        if cut is not None:  # one kept set per entry: rows sharing a position may have drawn under different ones
+            lp_e, ent_e = self._logprobs_entropy(logits[m], sp.targets.to(dev), temperature, cut[sp.rows, sp.cols])
+            return {"logprobs": lp_e.new_zeros(shape).index_put(idx, lp_e),
+                    "entropy": ent_e.new_zeros(shape).index_put(idx, ent_e)}
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        ent_u = -(logp.exp() * logp).sum(-1)
+        lp_e = logp[m, sp.targets.to(dev)]
         return {"logprobs": lp_e.new_zeros(shape).index_put(idx, lp_e),
                 "entropy": ent_u.new_zeros(shape).index_put(idx, ent_u[m])}
 

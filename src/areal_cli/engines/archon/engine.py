@@ -26,7 +26,7 @@ from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.data import packing
 from areal_cli.engines import parallelize as fsdp_par
-from areal_cli.engines import ulysses
+from areal_cli.engines import sampling_mask, ulysses
 from areal_cli.engines.archon import clip, pipeline, vocab_parallel
 from areal_cli.engines.archon.mesh import ArchonMesh, ParallelDims
 from areal_cli.engines.archon.parallelize import parallelize
@@ -100,11 +100,13 @@ class ArchonEngine(FSDPEngine):
     def _shares_prefix(self, output: str) -> bool:
         return self.parallel.tp == 1 and super()._shares_prefix(output)
 
-    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          cutoffs: torch.Tensor | None = None):
         if self.parallel.tp == 1 or self.critic:
-            return super()._logprobs_entropy(logits, targets, temperature)
+            return super()._logprobs_entropy(logits, targets, temperature, cutoffs)
         return vocab_parallel.logprobs_entropy(logits, targets, temperature, group=self.mesh.tp_group,
-                                               vocab_size=int(self.hf_config.vocab_size))
+                                               vocab_size=int(self.hf_config.vocab_size),
+                                               cutoffs=None if cutoffs is None else cutoffs.to(logits.device))
 
     def _clip_grads(self) -> float:
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
@@ -185,8 +187,12 @@ class ArchonEngine(FSDPEngine):
             return {"values": packing.unpack_shifted(vals, pk, max_len)}
         tgt = packing.next_token_targets(pk)
         tgt = torch.cat([tgt, tgt.new_zeros(L - T)]) if L > T else tgt
+        cut = mb.get(sampling_mask.KEY)
+        if cut is not None:  # Keep-Sampling-Mask thresholds in the same packed, padded, sliced layout
+            cut = sampling_mask.next_token_values(cut, pk.lengths, L)
+            cut = ulysses.slice_for_rank(cut, group, dim=0).to(self.device)
         lp, ent = self._logprobs_entropy(logits, ulysses.slice_for_rank(tgt, group, dim=0).to(self.device),
-                                         temperature)
+                                         temperature, cut)
         lp, ent = ulysses.gather_seq(lp, group)[:T], ulysses.gather_seq(ent, group)[:T]
         return {"logprobs": packing.unpack_shifted(lp, pk, max_len),
                 "entropy": packing.unpack_shifted(ent, pk, max_len)}

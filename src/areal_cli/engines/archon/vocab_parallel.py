@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areal_cli.engines import sampling_mask
+
 
 def lm_head_style():
     """``ColwiseParallel`` for ``lm_head``: full hidden states in (the final norm gathers them), plain
@@ -65,19 +67,26 @@ def vocab_range(vocab_size: int, group: Any) -> tuple[int, int]:
 
 
 def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                     group: Any = None, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     group: Any = None, vocab_size: int | None = None,
+                     cutoffs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``targets`` and entropy of ``softmax(logits / temperature)``, in fp32.
 
     ``logits`` ``[..., V_local]`` is this rank's vocab slice (the whole vocabulary when ``group`` is
     ``None`` or has one rank); ``targets`` ``[...]`` holds global token ids. ``vocab_size`` is the full
     vocabulary (default ``V_local × t``). Returns two ``[...]`` tensors, equal on every rank of the
     group, differentiable with respect to ``logits``.
+
+    ``cutoffs`` ``[...]`` (Keep-Sampling-Mask, engines/sampling_mask.py): the distribution is restricted
+    to each row's kept set. Each rank masks its own columns (a threshold needs no other shard); the
+    max and the sums then run over kept columns only, so the reductions are the same three all-reduces.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     z = logits.float() / temperature
     world = _group_size(group)
     if world == 1:
+        if cutoffs is not None:
+            return sampling_mask.masked_logprobs_entropy(logits, targets, temperature, cutoffs)
         logp = torch.log_softmax(z, dim=-1)
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return lp, -(logp.exp() * logp).sum(-1)
@@ -86,14 +95,19 @@ def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     if z.shape[-1] != end - start:
         raise ValueError(f"local logits have {z.shape[-1]} columns but this rank's slice of a "
                          f"{vocab_size}-token vocabulary is [{start}, {end})")
+    keep = None if cutoffs is None else sampling_mask.keep_mask(z, targets, cutoffs, start)
     with torch.no_grad():
         if z.shape[-1]:
-            m = z.max(dim=-1, keepdim=True).values
+            m = (z if keep is None else z.masked_fill(~keep, -float("inf"))).max(dim=-1, keepdim=True).values
         else:  # an empty slice (more ranks than ceil-sized chunks) contributes nothing
             m = z.new_full((*z.shape[:-1], 1), -float("inf"))
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     zc = z - m
-    e = zc.exp()
+    if keep is None:
+        e = zc.exp()
+    else:  # masked columns: zero mass and zero gradient (no exp(-inf) * -inf anywhere)
+        zc = zc.masked_fill(~keep, 0.0)
+        e = zc.exp() * keep
     s = _AllReduceSum.apply(e.sum(-1), group)
     num = _AllReduceSum.apply((e * zc).sum(-1), group)
     own = (targets >= start) & (targets < end)

@@ -131,7 +131,8 @@ def _helpers(state: ServerState) -> SimpleNamespace:
     eng = state.engine
 
     async def run(ids: list[int], sp: SamplingParams, rid: str | None = None,
-                  request: Request | None = None, gone: asyncio.Future | None = None) -> Sequence:
+                  request: Request | None = None, gone: asyncio.Future | None = None,
+                  record_mask: bool = False) -> Sequence:
         """Generate ``ids``; a caller that hung up (``request.is_disconnected()``, polled each second,
         or ``gone`` completing) frees its batch slot."""
         check_context(len(ids), sp.max_new_tokens, state.context_length)
@@ -141,7 +142,8 @@ def _helpers(state: ServerState) -> SimpleNamespace:
         def done(seq: Sequence) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(seq))
 
-        seq = Sequence(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=sp, on_done=done)
+        seq = Sequence(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=sp, on_done=done,
+                       record_mask=record_mask)
         if sp.max_new_tokens == 0:
             seq.finish = {"type": "length", "length": 0}
             return seq
@@ -170,7 +172,7 @@ def _helpers(state: ServerState) -> SimpleNamespace:
             text = text[: text.index(m)]
         return text
 
-    def sglang_out(seq: Sequence, return_logprob: bool) -> dict:
+    def sglang_out(seq: Sequence, return_logprob: bool, return_mask: bool = False) -> dict:
         meta = {
             "id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt_ids),
             "completion_tokens": len(seq.out_ids), "cached_tokens": seq.cached_tokens,
@@ -181,6 +183,9 @@ def _helpers(state: ServerState) -> SimpleNamespace:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.out_logprobs, seq.out_ids)]
+        if return_mask:  # an hf-server extension (Keep-Sampling-Mask); SGLang has no such field
+            meta["output_token_sampling_cutoffs"] = list(seq.out_cutoffs)
+            meta["output_token_sampling_logprobs"] = list(seq.out_masked_logprobs)
         return {"text": text_of(seq), "output_ids": list(seq.out_ids), "meta_info": meta}
 
     def usage(seqs: list[Sequence]) -> dict:
@@ -235,6 +240,9 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
         ret_lp = body.get("return_logprob", False)
         if not isinstance(ret_lp, bool):
             raise BadRequest(f"return_logprob must be a boolean, got {ret_lp!r}")
+        ret_mask = body.get("return_sampling_mask", False)
+        if not isinstance(ret_mask, bool):
+            raise BadRequest(f"return_sampling_mask must be a boolean, got {ret_mask!r}")
         raw_sp = body.get("sampling_params")
         sp = None if isinstance(raw_sp, list) else parse_sampling(raw_sp)
         if body.get("input_ids") is not None:
@@ -263,9 +271,9 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
         for p, s in zip(prompts, sps):
             check_context(len(p), s.max_new_tokens, state.context_length)
         if batch:
-            seqs = await asyncio.gather(*[run(p, s, None, request, gone) for p, s in zip(prompts, sps)])
-            return [sglang_out(s, ret_lp) for s in seqs]
-        return sglang_out(await run(prompts[0], sps[0], rid, request, gone), ret_lp)
+            seqs = await asyncio.gather(*[run(p, s, None, request, gone, ret_mask) for p, s in zip(prompts, sps)])
+            return [sglang_out(s, ret_lp, ret_mask) for s in seqs]
+        return sglang_out(await run(prompts[0], sps[0], rid, request, gone, ret_mask), ret_lp, ret_mask)
 
     @app.post("/generate")
     async def generate_route(request: Request):

@@ -47,6 +47,11 @@ class Sequence:
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     out_versions: list[int] = field(default_factory=list)
+    # Keep-Sampling-Mask (``return_sampling_mask``): per token, the kept set's logit cutoff at the
+    # sampling temperature (None: nothing cut) and the logprob under the truncated distribution.
+    record_mask: bool = False
+    out_cutoffs: list[float | None] = field(default_factory=list)
+    out_masked_logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
@@ -293,10 +298,17 @@ class GenerationEngine:
 
     def _sample_and_append(self, logits: torch.Tensor, rows: list[int]) -> None:
         seqs = [self._running[i] for i in rows]
-        next_ids, logps = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
-                                      self.eos_ids, self.generator,
-                                      positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs],
-                                      seeded=self.seeded_sampling)
+        with_mask = any(s.record_mask for s in seqs)
+        out = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
+                          self.eos_ids, self.generator,
+                          positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs],
+                          seeded=self.seeded_sampling, with_mask=with_mask)
+        next_ids, logps = out[0], out[1]
+        if with_mask:
+            for s, c, mlp in zip(seqs, out[2].tolist(), out[3].tolist()):
+                if s.record_mask:  # JSON has no -inf: None means nothing was cut
+                    s.out_cutoffs.append(None if c == float("-inf") else c)
+                    s.out_masked_logprobs.append(mlp)
         now = time.monotonic()
         done: list[int] = []
         for row, s, tok, lp in zip(rows, seqs, next_ids.tolist(), logps.tolist()):

@@ -29,8 +29,14 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated: list[int],
                 eos_ids: set[int], generator: torch.Generator,
-                positions: list[int] | None = None, *, seeded: str = "hash") -> tuple[torch.Tensor, torch.Tensor]:
+                positions: list[int] | None = None, *, seeded: str = "hash",
+                with_mask: bool = False) -> tuple[torch.Tensor, ...]:
     """Sample one token per row. Returns ``(token_ids [B], logprobs [B])``.
+
+    ``with_mask``: also return ``(cutoffs [B], masked_logprobs [B])`` (Keep-Sampling-Mask): the row's
+    top-k/top-p kept set is every token whose ``logits / T`` is ``>= cutoffs[i]`` (``-inf``: nothing was
+    cut, greedy rows included), and ``masked_logprobs`` is the chosen token's log-probability under
+    that truncated, renormalised distribution (the behaviour policy).
 
     Logprobs are ``log_softmax(logits / T)`` at the chosen token, before top-k/top-p truncation
     (``T = 1`` for greedy rows). ``min_new_tokens`` masks stop tokens for sampling only.
@@ -61,13 +67,15 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
             if stop_ids:
                 work[i, stop_ids] = float("-inf")
 
+    cutoffs = torch.full((logits.shape[0],), float("-inf"))
     if all(greedy_rows):
         next_ids = work.argmax(dim=-1)
     else:
         top_k = [p.top_k if p.top_k and 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(x < 1.0 for x in top_p):
-            work = _truncate(work, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32))
+            work, cutoffs = _truncate(work, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32))
+            cutoffs = cutoffs.masked_fill(torch.tensor(greedy_rows), float("-inf"))
         # exp(log_softmax) is the softmax; reuse it unless rows were masked or truncated above.
         probs = logprobs.exp() if work is scaled else torch.softmax(work, dim=-1)
         pos = positions if positions is not None else n_generated
@@ -78,7 +86,13 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
         if any(greedy_rows):
             next_ids = torch.where(torch.tensor(greedy_rows), work.argmax(dim=-1), next_ids)
     chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
-    return next_ids, chosen
+    if not with_mask:
+        return next_ids, chosen
+    # Renormalise over the kept set of ``scaled`` (not ``work``: min_new_tokens' stop-token block is not
+    # part of the mask the trainer can rebuild; the config refuses that combination).
+    kept = scaled.masked_fill(scaled < cutoffs.unsqueeze(1), float("-inf"))
+    masked = kept.gather(1, next_ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(kept, dim=-1)
+    return next_ids, chosen, cutoffs, torch.where(torch.isinf(cutoffs), chosen, masked)
 
 
 def _sample_generator(probs: torch.Tensor, params: list[SamplingParams], greedy_rows: list[bool],
@@ -159,8 +173,13 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus (the top token always survives)."""
+def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask logits outside each row's top-k and top-p nucleus (the top token always survives).
+
+    Returns ``(masked, cutoffs)``. The kept set is a threshold: every token whose logit is ``>=`` the
+    smallest kept one, i.e. ``>= cutoffs`` (``-inf`` for rows where nothing is cut). Tokens tied with the last
+    kept one are therefore all kept, whatever order ``sort`` put them in, so the trainer can rebuild
+    exactly this set from one float per token (Keep-Sampling-Mask), on a vocab shard as well."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(scaled.shape[1]).unsqueeze(0)
     remove = ranks >= top_k.unsqueeze(1)
@@ -168,5 +187,16 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     before = probs.cumsum(dim=-1) - probs  # mass strictly before this token
     remove |= before >= top_p.unsqueeze(1)
     remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
+    # ``before`` is non-decreasing, so the kept tokens are a prefix of the sorted row.
+    n_keep = (~remove).sum(dim=-1)
+    lowest = sorted_logits.gather(1, (n_keep - 1).unsqueeze(1))
+    masked = scaled.masked_fill(scaled < lowest, float("-inf"))
+    # The recorded cutoff is the midpoint between the lowest kept and the highest dropped value: the
+    # same set here, and the widest margin for the trainer, whose logits differ from these by rounding
+    # (a cutoff at the lowest kept value itself dropped that token whenever the trainer's was 1e-8 lower).
+    highest_out = sorted_logits.masked_fill(sorted_logits >= lowest, float("-inf")).max(dim=-1).values
+    lowest = lowest.squeeze(1)
+    mid = lowest / 2 + highest_out / 2
+    mid = torch.where((mid > highest_out) & (mid <= lowest), mid, lowest)  # adjacent floats: no room between
+    cutoffs = torch.where(torch.isinf(highest_out), torch.full_like(mid, float("-inf")), mid)
+    return masked, cutoffs
