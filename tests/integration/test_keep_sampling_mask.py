@@ -104,3 +104,51 @@ def test_trainer_logprobs_equal_server_with_mask(server, tiny_model_dir, tmp_pat
     print(f"\n[keep-sampling-mask] {setting} T={TEMPERATURE}: without the mask |trainer - behaviour| "
           f"mean {gap.mean():.4f} max {gap.max():.4f} nats over {int(loss.sum())} tokens")
     assert gap.max().item() > 10 * TOL, "the unmasked logprobs should show the truncation bias"
+
+
+def test_client_and_workflow_carry_the_mask(server, tiny_model_dir):
+    """``GenerationConfig.keep_sampling_mask`` → ``ModelResponse.sampling_cutoffs`` and behaviour logprobs
+    → the trajectory's ``sampling_cutoff`` (-inf on prompts and padding). Off by default: lean responses."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+    from areal_cli.api.workflow_api import Trajectory
+    from areal_cli.inference.client import RemoteInferenceEngine
+    from areal_cli.rollout.workflows.common import Segment, build_row, stack_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = prompts(tok, 1, seed=11)[0]
+    g = GenerationConfig(temperature=TEMPERATURE, top_k=20, max_new_tokens=8, stop_token_ids=[], seed=5)
+    engine = RemoteInferenceEngine([server.address], "hf", timeout_s=300)
+
+    async def go():
+        return await engine.agenerate_group([ModelRequest(input_ids=prompt, gconfig=g.new(keep_sampling_mask=True,
+                                                                                           seed=5 + i))
+                                             for i in range(2)] + [ModelRequest(input_ids=prompt, gconfig=g)])
+
+    masked, masked2, plain = asyncio.run(go())
+    lean = httpx.post(f"http://{server.address}/generate", json={
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "temperature": TEMPERATURE, "top_k": 20}}, timeout=120).json()
+    assert "output_token_sampling_cutoffs" not in lean["meta_info"]  # not asked: not sent
+    assert plain.sampling_cutoffs is None
+    assert masked.sampling_cutoffs is not None and len(masked.sampling_cutoffs) == len(masked.output_tokens)
+    assert all(c > float("-inf") for c in masked.sampling_cutoffs)
+    # the same seed draws the same tokens; the masked response reports the truncated (higher) logprobs
+    same = [(a, b) for a, b in zip(masked.output_logprobs, plain.output_logprobs)]
+    assert masked.output_tokens == plain.output_tokens and all(a > b for a, b in same)
+    rows = [build_row([Segment(prompt), Segment(r.output_tokens, r.output_logprobs, r.output_versions,
+                                                r.sampling_cutoffs)]) for r in (masked, masked2)]
+    rows[1] = {k: v[:-3] for k, v in rows[1].items()}  # a shorter row: stack_rows pads it
+    traj = stack_rows(rows, [0.0, 1.0], [False, False], 0, 0)
+    cut = traj.data["sampling_cutoff"]
+    n = len(prompt)
+    assert torch.isinf(cut[:, :n]).all() and torch.isfinite(cut[0, n:]).all()
+    assert torch.isinf(cut[1, -3:]).all() and (cut[1, -3:] < 0).all()
+    short = stack_rows([rows[1]], [0.0], [False], 1, 0)
+    both = Trajectory.concat([traj, short])
+    assert torch.isinf(both.data["sampling_cutoff"][2, -3:]).all()
+    assert "sampling_cutoff" not in build_row([Segment(prompt), Segment(plain.output_tokens, plain.output_logprobs,
+                                                                        plain.output_versions)])

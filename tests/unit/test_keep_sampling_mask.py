@@ -130,3 +130,26 @@ def test_ties_at_the_cut_are_all_kept():
     kept = (logits / T >= cut.unsqueeze(1))[0]
     assert kept.nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 4]
     assert 1.0 / T < cut.item() < 3.0 / T  # between the lowest kept and the highest dropped value
+
+
+def test_config_option_is_validated():
+    import pytest
+
+    from areal_cli.config.compose import load_config
+    from areal_cli.config.validate import keep_sampling_mask_active, validate
+    from areal_cli.errors import ConfigError
+
+    on = ["rollout.keep_sampling_mask=true", "rollout.gconfig.top_p=0.9"]
+    cfg = load_config(on)
+    assert keep_sampling_mask_active(cfg) and not validate(cfg).warnings
+    assert not keep_sampling_mask_active(load_config(["rollout.gconfig.top_p=0.9"]))  # off by default
+    for noop in (["rollout.keep_sampling_mask=true"], on + ["rollout.gconfig.greedy=true"]):
+        cfg = load_config(noop)
+        assert not keep_sampling_mask_active(cfg)
+        assert any("keep_sampling_mask" in w and "no effect" in w for w in validate(cfg).warnings)
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(on + ["rollout.gconfig.min_new_tokens=2"]))
+    assert e.value.path == "rollout.keep_sampling_mask"
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(on + ["allocation_mode=sglang:d1+fsdp:d1", "cluster.device=cuda"]))
+    assert e.value.path == "rollout.keep_sampling_mask" and "sglang" in str(e.value)

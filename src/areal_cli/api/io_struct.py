@@ -22,6 +22,10 @@ class GenerationConfig:
     ``log softmax(logits / temperature)[token_i]`` *before* top-p/top-k truncation, i.e. the
     log-probability under the distribution the trainer recomputes with the same temperature.
     With ``greedy=True`` temperature is treated as 1.0 for logprobs.
+
+    ``keep_sampling_mask`` (Keep-Sampling-Mask, ``hf`` server only): the response also carries each
+    token's top-k/top-p kept set (``ModelResponse.sampling_cutoffs``) and its ``output_logprobs`` are
+    then under the truncated, renormalised distribution the token was drawn from (the behaviour policy).
     """
 
     n: int = 1
@@ -36,6 +40,7 @@ class GenerationConfig:
     # Per-request sampling seed (SGLang ``sampling_seed``, vLLM ``seed``): the same seed, prompt
     # and weights give the same tokens regardless of batching. None: the server's own RNG stream.
     seed: int | None = None
+    keep_sampling_mask: bool = False
 
     def new(self, **kwargs: Any) -> "GenerationConfig":
         return dataclasses.replace(self, **kwargs)
@@ -68,6 +73,9 @@ class ModelResponse:
     ttft: float = 0.0  # seconds to first token
     n_resumes: int = 0  # abort→resume cycles the client performed
     server: str = ""  # address that produced the final segment
+    # Keep-Sampling-Mask: per token, the kept set is every token with ``logits / T >= cutoff`` (-inf:
+    # nothing was cut). None unless the request asked for it (``GenerationConfig.keep_sampling_mask``).
+    sampling_cutoffs: list[float] | None = None
 
     @property
     def input_len(self) -> int:

@@ -35,4 +35,8 @@ class RolloutConfig:
     # or as a thread sharing the trainer's GIL (false); see trainer/rollout_worker.py.
     process: bool = True
     gconfig: GenerationSettings = field(default_factory=GenerationSettings)
+    # Keep-Sampling-Mask (docs/training.md): the hf server records each token's top-k/top-p kept set
+    # and the trainer renormalises its logprobs over it, so the importance ratio compares the policy
+    # the tokens were drawn from. A no-op without truncation (top_p=1, top_k=-1) or with greedy.
+    keep_sampling_mask: bool = False
     eval_gconfig: GenerationSettings = field(default_factory=lambda: GenerationSettings(greedy=True))

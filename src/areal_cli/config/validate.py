@@ -278,6 +278,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
         if c.backend is None:
             c.backend = cfg.engine.name
     plan.spec = spec.canonical()
+    _check_keep_sampling_mask(cfg, plan)
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
     validate_algo_config(cfg.algo)
@@ -309,6 +310,31 @@ def _memory_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
                 "queue; raise t or d")
     if plan.colocated:
         plan.warnings.append("colocated components share devices: generation pauses while training runs")
+
+
+def keep_sampling_mask_active(cfg: ExperimentConfig) -> bool:
+    """Whether the rollout records the mask: asked for, and the sampler truncates at all."""
+    g = cfg.rollout.gconfig
+    return bool(cfg.rollout.keep_sampling_mask) and not g.greedy and (g.top_p < 1.0 or g.top_k > 0)
+
+
+def _check_keep_sampling_mask(cfg: ExperimentConfig, plan: Plan) -> None:
+    if not cfg.rollout.keep_sampling_mask:
+        return
+    if not keep_sampling_mask_active(cfg):
+        plan.warnings.append("rollout.keep_sampling_mask=true has no effect: rollout.gconfig samples the whole "
+                             "distribution (greedy, or top_p=1 and top_k=-1)")
+        return
+    others = sorted({p.backend for p in plan.inferences if p.backend != "hf"})
+    if others:
+        raise ConfigError("rollout.keep_sampling_mask", f"the {', '.join(others)} server does not record "
+                          "the sampling mask; only the built-in hf server does",
+                          "use the hf inference backend or set rollout.keep_sampling_mask=false")
+    if cfg.rollout.gconfig.min_new_tokens > 0:
+        # min_new_tokens hides stop tokens from the sampler: a mask the trainer's threshold cannot rebuild.
+        raise ConfigError("rollout.keep_sampling_mask", "cannot be combined with rollout.gconfig.min_new_tokens="
+                          f"{cfg.rollout.gconfig.min_new_tokens} (its stop-token block is not part of the mask)",
+                          "set rollout.gconfig.min_new_tokens=0 or rollout.keep_sampling_mask=false")
 
 
 def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:

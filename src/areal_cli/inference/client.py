@@ -81,6 +81,7 @@ class _Partial:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    cutoffs: list[float] | None = None  # Keep-Sampling-Mask, when asked for
     resumes: int = 0
     ttft: float = 0.0
     stop: str | None = None
@@ -335,7 +336,14 @@ class RemoteInferenceEngine(InferenceEngine):
                 if seg.output_tokens and not o.tokens:
                     o.ttft = time.monotonic() - t0
                 o.tokens += seg.output_tokens
-                o.logprobs += seg.output_logprobs
+                if reqs[i].gconfig.keep_sampling_mask:
+                    if seg.sampling_cutoffs is None or seg.sampling_logprobs is None:
+                        raise InferenceError(f"keep_sampling_mask: the {self.backend_name} server returned no "
+                                             "sampling mask (only the hf server records it)")
+                    o.cutoffs = (o.cutoffs or []) + seg.sampling_cutoffs
+                    o.logprobs += seg.sampling_logprobs  # the behaviour policy is the truncated one
+                else:
+                    o.logprobs += seg.output_logprobs
                 o.versions += seg.output_versions
                 if seg.finish != "abort":
                     o.stop = seg.finish
@@ -346,7 +354,8 @@ class RemoteInferenceEngine(InferenceEngine):
         latency = time.monotonic() - t0
         return [ModelResponse(input_tokens=list(r.input_ids), output_tokens=o.tokens, output_logprobs=o.logprobs,
                               output_versions=o.versions, stop_reason=o.stop,  # type: ignore[arg-type]
-                              latency=latency, ttft=o.ttft, n_resumes=o.resumes, server=address)
+                              latency=latency, ttft=o.ttft, n_resumes=o.resumes, server=address,
+                              sampling_cutoffs=o.cutoffs)
                 for r, o in zip(reqs, outs)]
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:

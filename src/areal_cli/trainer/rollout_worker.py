@@ -57,7 +57,10 @@ class RolloutService:
 
         tokenizer = build.build_tokenizer(model_path)
         self.client = build.build_client(cfg, addresses, backend)
-        gconfig = build.build_gconfig(cfg.rollout.gconfig, tokenizer)
+        from areal_cli.config.validate import keep_sampling_mask_active
+
+        gconfig = build.build_gconfig(cfg.rollout.gconfig, tokenizer,
+                                      keep_sampling_mask=keep_sampling_mask_active(cfg))
         self.episodes = EpisodeRunner(build.build_workflow(cfg, tokenizer, gconfig),
                                       retry_window_s=float(cfg.launcher.server_startup_timeout_s) + 60,
                                       seed=cfg.seed)

@@ -28,6 +28,10 @@ class Segment:
     output_versions: list[int]  # per token; filled from the segment version when the server has no per-token tags
     finish: Literal["stop", "length", "abort"]
     version: int | None  # the server's weight version at the end of the segment, if it reports one
+    # Keep-Sampling-Mask (hf server, ``return_sampling_mask``): per token, the kept set's cutoff on
+    # ``logits / T`` (-inf: nothing cut) and the logprob under the truncated distribution. None: not asked.
+    sampling_cutoffs: list[float] | None = None
+    sampling_logprobs: list[float] | None = None
 
 
 def version_from(value: Any) -> int | None:

@@ -60,6 +60,8 @@ def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens:
                    rid: str | None = None) -> HttpCall:
     body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params(g, max_new_tokens),
                             "return_logprob": True, "stream": False}
+    if g.keep_sampling_mask:  # an hf-server field; the config refuses it with other backends
+        body["return_sampling_mask"] = True
     if rid is not None:
         body["rid"] = rid
     return HttpCall("POST", "/generate", body)
@@ -72,6 +74,8 @@ def build_generate_batch(inputs: list[list[int]], gs: list[GenerationConfig],
     body: dict[str, Any] = {"input_ids": [list(x) for x in inputs],
                             "sampling_params": [sampling_params(g, m) for g, m in zip(gs, max_new_tokens)],
                             "return_logprob": True, "stream": False}
+    if any(g.keep_sampling_mask for g in gs):
+        body["return_sampling_mask"] = True
     return HttpCall("POST", "/generate", body)
 
 
@@ -102,7 +106,17 @@ def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segmen
         versions = [int(v) for v in per_tok]
     else:
         versions = [fallback_version if version is None else version] * len(tokens)
-    return Segment(tokens, logprobs, versions, kind, version)
+    seg = Segment(tokens, logprobs, versions, kind, version)
+    cuts, mlps = meta.get("output_token_sampling_cutoffs"), meta.get("output_token_sampling_logprobs")
+    if cuts is not None or mlps is not None:
+        if not (isinstance(cuts, list) and isinstance(mlps, list) and len(cuts) == len(mlps) == len(tokens)):
+            raise InferenceError(f"malformed sampling mask in /generate response: {str(meta)[:300]}")
+        try:
+            seg.sampling_cutoffs = [float("-inf") if c is None else float(c) for c in cuts]
+            seg.sampling_logprobs = [float(x) for x in mlps]
+        except (TypeError, ValueError) as e:
+            raise InferenceError(f"malformed sampling mask in /generate response ({e})") from None
+    return seg
 
 
 def build_pause() -> HttpCall:

@@ -165,6 +165,9 @@ async def call_rewards(fn: RewardFn, prompt: str, completions: list[str], answer
     return out
 
 
+SAMPLING_CUTOFF = "sampling_cutoff"  # the batch key of engines/sampling_mask.py (not imported: no torch here)
+
+
 @dataclass
 class Segment:
     """A run of tokens in a sequence; ``logprobs``/``versions`` only on generated segments."""
@@ -172,6 +175,7 @@ class Segment:
     ids: list[int]
     logprobs: list[float] | None = None
     versions: list[int] | None = None
+    cutoffs: list[float] | None = None  # Keep-Sampling-Mask (ModelResponse.sampling_cutoffs)
 
     @property
     def generated(self) -> bool:
@@ -179,13 +183,17 @@ class Segment:
 
 
 def build_row(segments: list[Segment]) -> "dict[str, torch.Tensor]":
-    """One sequence as 1-D tensors aligned with ``input_ids`` (entry i concerns token i)."""
+    """One sequence as 1-D tensors aligned with ``input_ids`` (entry i concerns token i).
+
+    ``sampling_cutoff`` (Keep-Sampling-Mask) is added when a generated segment carries cutoffs:
+    ``-inf`` (nothing cut) on prompt tokens and on segments without them."""
     import torch
 
     ids: list[int] = []
     lp: list[float] = []
     ver: list[int] = []
     mask: list[bool] = []
+    cut: list[float] = []
     for s in segments:
         n = len(s.ids)
         ids.extend(int(t) for t in s.ids)
@@ -195,19 +203,26 @@ def build_row(segments: list[Segment]) -> "dict[str, torch.Tensor]":
                 raise ValueError(f"generated segment has {n} tokens but {len(s.logprobs)} logprobs and "
                                  f"{len(s.versions)} versions")
             lp.extend(float(x) for x in s.logprobs)
+            if s.cutoffs is not None and len(s.cutoffs) != n:
+                raise ValueError(f"generated segment has {n} tokens but {len(s.cutoffs)} sampling cutoffs")
+            cut.extend([float("-inf")] * n if s.cutoffs is None else [float(x) for x in s.cutoffs])
             ver.extend(int(v) for v in s.versions)
             mask.extend([True] * n)
         else:
             lp.extend([0.0] * n)
             ver.extend([-1] * n)
             mask.extend([False] * n)
-    return {
+            cut.extend([float("-inf")] * n)
+    row = {
         "input_ids": torch.tensor(ids, dtype=torch.long),
         "attention_mask": torch.ones(len(ids), dtype=torch.bool),
         "loss_mask": torch.tensor(mask, dtype=torch.bool),
         "logprobs": torch.tensor(lp, dtype=torch.float32),
         "versions": torch.tensor(ver, dtype=torch.long),
     }
+    if any(s.cutoffs is not None for s in segments):
+        row[SAMPLING_CUTOFF] = torch.tensor(cut, dtype=torch.float32)
+    return row
 
 
 def stack_rows(rows: list["dict[str, torch.Tensor]"], rewards: list[float], no_eos: list[bool],
@@ -224,7 +239,7 @@ def stack_rows(rows: list["dict[str, torch.Tensor]"], rewards: list[float], no_e
 
     from torch.nn.utils.rnn import pad_sequence
 
-    fills = {"input_ids": pad_id, "versions": -1}
+    fills = {"input_ids": pad_id, "versions": -1, SAMPLING_CUTOFF: float("-inf")}
     # One padded stack per key: this runs on the rollout thread, which shares the trainer's GIL.
     data: dict[str, torch.Tensor] = {key: pad_sequence([r[key] for r in rows], batch_first=True,
                                                        padding_value=fills.get(key, 0))

@@ -102,7 +102,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
         for turn in range(self.max_turns):
             resp = await engine.agenerate(ModelRequest(input_ids=list(context), gconfig=self.gconfig))
             out = list(resp.output_tokens)
-            d.segments.append(Segment(out, list(resp.output_logprobs), list(resp.output_versions)))
+            d.segments.append(Segment(out, list(resp.output_logprobs), list(resp.output_versions),
+                                      resp.sampling_cutoffs))
             context.extend(out)
             d.turns, d.no_eos = turn + 1, resp.stop_reason == "length"
             d.n_resumes += resp.n_resumes
