@@ -5,7 +5,10 @@ Batches are dicts of right-padded tensors with a leading batch dim ``[B, L]``:
 - ``input_ids`` (long), ``attention_mask`` (bool; True on real tokens)
 - ``loss_mask`` (float/bool; 1 where token ``i`` is a generated token to train on)
 - optional per-token: ``logprobs`` (behaviour), ``prox_logp``, ``ref_logp``, ``advantages``,
-  ``values``, ``returns``, ``versions`` (-1 on prompt tokens)
+  ``values``, ``returns``, ``versions`` (-1 on prompt tokens), ``sampling_cutoff`` (float;
+  Keep-Sampling-Mask: token ``i`` was drawn from the tokens with ``logits / T >= sampling_cutoff[i]``,
+  ``-inf`` where nothing was cut, on prompts and padding; when present, every logprob and entropy the
+  engine returns is under that truncated, renormalised distribution, see ``engines/sampling_mask.py``)
 - optional per-sequence ``[B]``: ``rewards``, ``seq_no_eos_mask``
 
 Position convention: per-token tensors are aligned with ``input_ids``; entry ``i`` concerns the
