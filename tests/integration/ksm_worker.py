@@ -1,9 +1,11 @@
 """Worker for test_keep_sampling_mask.py: a real FSDP engine (world 1, gloo) recomputes the logprobs
 of a batch the hf server generated, through ``forward`` and through the training path's loss.
 
+Also the Archon engine (``"cls": "archon"``, ``"parallel"``) under ``WORLD_SIZE`` ranks.
+
 argv[1]: JSON ``{"model_dir", "batch", "out", "temperature", "variants": [{"name", "engine"}]}``;
 ``batch`` is a ``torch.save`` of the trainer batch; a variant with ``"mask": false`` drops its
-``sampling_cutoff`` (later variants too: list masked ones first). Writes ``{name: {"forward": [B, L], "train": [B, L]}}``.
+``sampling_cutoff`` (later variants too: list masked ones first). Writes ``{name: {"forward": [B, L], "train": [B, L]}}`` to ``out`` with ``.<rank>`` before ``.pt``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ def main() -> None:
     from areal_cli.api.io_struct import ParallelStrategy
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
-    from areal_cli.engines.fsdp import FSDPEngine
+    import torch.distributed as dist
+
+    from areal_cli.engines import get_engine_cls
 
     spec = json.loads(sys.argv[1])
     batch = torch.load(spec["batch"], weights_only=False)
@@ -27,8 +31,9 @@ def main() -> None:
     for v in spec["variants"]:
         if not v.get("mask", True):
             batch = {k: t for k, t in batch.items() if k != "sampling_cutoff"}
-        engine = FSDPEngine(EngineConfig(**v["engine"]), OptimConfig(lr=1e-3), total_steps=1, seed=0)
-        engine.initialize(ParallelStrategy(), spec["model_dir"])
+        cls = get_engine_cls(v.get("cls", "fsdp"))
+        engine = cls(EngineConfig(**v["engine"]), OptimConfig(lr=1e-3), total_steps=1, seed=0)
+        engine.initialize(ParallelStrategy(**v.get("parallel", {})), spec["model_dir"])
         fwd = engine.forward(dict(batch), temperature=temperature)["logprobs"].cpu()
         seen = torch.zeros_like(fwd)
 
@@ -41,7 +46,8 @@ def main() -> None:
         engine._accumulate_grads(dict(batch), loss_fn, lambda mb: float(mb["loss_mask"].sum()), temperature)
         res[v["name"]] = {"forward": fwd, "train": seen}
         engine.destroy()
-    torch.save(res, spec["out"])
+    # every rank writes its own: under pipelining only the last stage runs the loss
+    torch.save(res, spec["out"].replace(".pt", f".{dist.get_rank()}.pt"))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ at every token: that gap is measured and printed (the bias the mask removes).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,40 @@ VARIANTS = [
     {"name": "padded", "engine": {"max_tokens_per_mb": 100_000, "padding_free": False}},
     {"name": "nomask", "engine": {"max_tokens_per_mb": 100_000}, "mask": False},
 ]
+
+
+# Archon: t2 shards the vocabulary (engines/archon/vocab_parallel.py), p2 runs the pipeline's unpacking
+VARIANTS_2 = [{"name": "archon_t2", "cls": "archon", "parallel": {"tp": 2}, "engine": {"max_tokens_per_mb": 100_000}},
+              {"name": "archon_p2", "cls": "archon", "parallel": {"pp": 2}, "engine": {"max_tokens_per_mb": 100_000}}]
+
+
+def _recompute(model_dir: str, tmp_path: Path, tag: str, variants: list[dict], world: int) -> dict:
+    """Run ksm_worker.py on ``world`` ranks; per variant, rank 0's forward and the training-path logprobs
+    of the rank that ran the loss (the last pipeline stage)."""
+    from areal_cli.utils.network import find_free_port
+
+    out = tmp_path / f"{tag}.pt"
+    spec = {"model_dir": model_dir, "batch": str(tmp_path / "batch.pt"), "out": str(out),
+            "temperature": TEMPERATURE, "variants": variants}
+    port = str(find_free_port())
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "ksm_worker.py"), json.dumps(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": str(r),
+                                   "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": port}) for r in range(world)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n----\n".join(x[-3000:] for x in logs)
+    ranks = [torch.load(str(out).replace(".pt", f".{r}.pt"), weights_only=False) for r in range(world)]
+    res = {}
+    for v in variants:
+        train = max((r[v["name"]]["train"] for r in ranks), key=lambda t: t.abs().sum().item())
+        res[v["name"]] = {"forward": ranks[0][v["name"]]["forward"], "train": train}
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -83,20 +118,13 @@ def test_trainer_logprobs_equal_server_with_mask(server, tiny_model_dir, tmp_pat
     cut = batch["sampling_cutoff"][loss]
     assert torch.isfinite(cut).all(), "every sampled token under truncation records a finite cutoff"
     torch.save(batch, tmp_path / "batch.pt")
-    spec = {"model_dir": tiny_model_dir, "batch": str(tmp_path / "batch.pt"), "out": str(tmp_path / "out.pt"),
-            "temperature": TEMPERATURE, "variants": VARIANTS}
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "ksm_worker.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                               "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": str(__import__("areal_cli.utils.network", fromlist=["x"])
-                                                  .find_free_port())})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = torch.load(tmp_path / "out.pt", weights_only=False)
-    for v in VARIANTS[:-1]:
+    res = _recompute(tiny_model_dir, tmp_path, "w1", VARIANTS, 1)
+    if setting == "both":  # the tensor-parallel vocab-sharded and the pipelined paths (2 ranks)
+        res.update(_recompute(tiny_model_dir, tmp_path, "w2", VARIANTS_2, 2))
+    for name in [v["name"] for v in VARIANTS[:-1]] + ([v["name"] for v in VARIANTS_2] if setting == "both" else []):
         for path in ("forward", "train"):
-            d = (res[v["name"]][path][loss] - masked[loss]).abs().max().item()
-            assert d <= TOL, f"{setting}/{v['name']}/{path}: trainer vs server masked logprobs differ by {d:.3g}"
+            d = (res[name][path][loss] - masked[loss]).abs().max().item()
+            assert d <= TOL, f"{setting}/{name}/{path}: trainer vs server masked logprobs differ by {d:.3g}"
     nomask = res["nomask"]["forward"][loss]
     # apples to apples: unmasked, the trainer reproduces the server's full-softmax logprobs
     assert (nomask - full[loss]).abs().max().item() <= TOL
