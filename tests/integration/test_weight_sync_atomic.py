@@ -202,6 +202,29 @@ def test_explicit_path_when_atomic_is_off(server, models, prompt, sync):
     assert _greedy(server, prompt) == hf_greedy(models[1], prompt, 16)
 
 
+def test_renamed_group_replaces_the_old_one(server, models, prompt, sync):
+    """After a server restart the trainer renames the group (``RLTrainer.weight_group_epoch``): a server
+    that kept the old group joins the new one, the trainer releases the old one, and later pushes
+    reuse the new one."""
+    from torch.distributed.distributed_c10d import _world
+
+    sender, client, _ = sync
+    assert sender.send(_meta(11), [client], _named(models[0]), is_src=True) is None
+    old_name = _meta(0).group_name
+    assert old_name in _world.pg_names.values()
+    client.calls.clear()
+    renamed = f"{old_name}_r1"
+    assert sender.send(_meta(12, group_name=renamed), [client], _named(models[1]), is_src=True) is None
+    assert client.calls[0] == "init_weights_update_group"
+    assert old_name not in _world.pg_names.values(), "the replaced group is still registered"
+    assert _greedy(server, prompt) == hf_greedy(models[1], prompt, 16)
+    client.calls.clear()
+    assert sender.send(_meta(13, group_name=renamed), [client], _named(models[0]), is_src=True) is None
+    assert "init_weights_update_group" not in client.calls
+    assert httpx.get(f"http://{server.address}/get_weight_version").json()["weight_version"] == "13"
+    assert _greedy(server, prompt) == hf_greedy(models[0], prompt, 16)
+
+
 def _join_rank1(conn, address, port, world, group_name):
     """A server's side of the group, the way a server joins (SGLang's helper's steps); then waits."""
     make_group("gloo", address, port, world, 1, group_name, 30.0)

@@ -11,6 +11,11 @@
 
 Runs on trainer rank 0 with its own client on its own event loop; it does not touch the rollout
 executor's queues beyond pausing admissions, so the staleness accounting is unaffected.
+
+A server that dies mid-evaluation fails the call with an ``InferenceError``. The caller then waits
+for the launcher to restart it, brings it to the evaluated weights and calls again with the same
+``done`` dict: completions already scored are kept, only the missing ones are generated
+(``trainer/rl.py`` ``RLTrainer.evaluate``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 
 async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
-                      reward_fn: Any, concurrency: int) -> dict[str, float]:
+                      reward_fn: Any, concurrency: int, done: dict) -> dict[str, float]:
     from areal_cli.api.io_struct import ModelRequest
     from areal_cli.rewards.outcome import correctness
     from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
@@ -33,16 +38,20 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
     sampled = with_eos_stop(build.build_gconfig(cfg.rollout.gconfig, tokenizer, greedy=False), tokenizer)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(item: dict, gconfig: Any) -> tuple[bool | None, int, float]:
+    async def one(key: tuple[int, int], item: dict, gconfig: Any) -> tuple[bool | None, int, float]:
+        """``key`` = (item index, sample index; -1 for the greedy completion)."""
+        if key in done:  # scored before a server restart interrupted an earlier attempt
+            return done[key]
         prompt = build_prompt(tokenizer, item, cfg.dataset.use_chat_template)
         async with sem:
             resp = await client.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=gconfig))
         reward = await call_reward(reward_fn, prompt.text, decode(tokenizer, resp.output_tokens),
                                    item.get("answer"))
-        return correctness(reward), len(resp.output_tokens), float(reward)
+        done[key] = (correctness(reward), len(resp.output_tokens), float(reward))
+        return done[key]
 
     try:
-        greedy_res = await asyncio.gather(*[one(it, greedy) for it in items])
+        greedy_res = await asyncio.gather(*[one((i, -1), it, greedy) for i, it in enumerate(items)])
         out = {"eval/reward_mean": sum(r for _, _, r in greedy_res) / len(items),
                "eval/mean_len": sum(ln for _, ln, _ in greedy_res) / len(items),
                "eval/n_items": float(len(items))}
@@ -50,8 +59,8 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
         if known:
             out["eval/pass@1"] = sum(known) / len(known)
         if n > 1:
-            per_item = await asyncio.gather(*[asyncio.gather(*[one(it, sampled) for _ in range(n)])
-                                              for it in items])
+            per_item = await asyncio.gather(*[asyncio.gather(*[one((i, j), it, sampled) for j in range(n)])
+                                              for i, it in enumerate(items)])
             per_item = [[ok for ok, _, _ in r if ok is not None] for r in per_item]
             judged = [r for r in per_item if r]
             if judged:
@@ -68,8 +77,11 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
 
 def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
                         *, executor: Any | None = None, reward_fn: Any | None = None,
-                        concurrency: int = 64) -> dict[str, float]:
-    """Greedy pass@1 (and pass@n) of the servers' current weights on ``items``."""
+                        concurrency: int = 64, done: dict | None = None) -> dict[str, float]:
+    """Greedy pass@1 (and pass@n) of the servers' current weights on ``items``.
+
+    ``done``: scored completions of an earlier, interrupted call on the same items and weights
+    (filled in as completions are scored); they are not generated again."""
     from areal_cli.trainer import build
 
     if not items:
@@ -80,7 +92,8 @@ def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer:
     if executor is not None:
         executor.pause()
     try:
-        out = asyncio.run(_eval_async(cfg, addresses, backend, tokenizer, items, reward_fn, concurrency))
+        out = asyncio.run(_eval_async(cfg, addresses, backend, tokenizer, items, reward_fn, concurrency,
+                                      {} if done is None else done))
     finally:
         if executor is not None:
             executor.resume()

@@ -100,6 +100,10 @@ class RLTrainer:
         self.weight_mode = cfg.rollout.weight_update
         self.server_epochs: dict[int, int] = {}
         self.restarts_synced = 0
+        # Bumped whenever a restarted server is brought back: the next distributed push then builds a
+        # new weight-update group under a new name, which every server (the restarted one included) joins.
+        self.weight_group_epoch = 0
+        self.last_push_disk = False
         self.rollout: Any = None  # RolloutService or RolloutProcess (rank 0)
         self.client = None  # rank 0's control client: weight updates, health (not generation)
         self.control = None  # the event loop thread that owns ``client``'s HTTP sessions
@@ -139,12 +143,13 @@ class RLTrainer:
     def _sync_restarted(self, engine: Any, version: int) -> None:
         """Collective: bring restarted servers to ``version`` from disk, then route to them again.
 
-        The broadcast group of distributed updates lost a member, so later updates go through disk.
+        The broadcast group of distributed updates lost a member; the next distributed push makes a
+        new group (``weight_group_epoch``) that the restarted server joins like the others.
         """
         from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
         from areal_cli.trainer.checkpoint import _barrier
 
-        self.weight_mode = "disk"
+        self.weight_group_epoch += 1
         path = os.path.join(self.run_dir, "weight_sync", f"restart_v{version:06d}")
         engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=self.model_path))
         if self.rank == 0:
@@ -189,19 +194,31 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ weights
     def _await_restart(self) -> bool:
-        """Rank 0, after a failed push: True once a server the launcher restarted is registered;
-        False at once when every server answers its health check (the failure was something else)."""
+        """Rank 0, after a failed push or evaluation: True once a server the launcher restarted is
+        registered; False at once when every server answers its health check (the failure was
+        something else)."""
         timeout = float(self.cfg.launcher.server_startup_timeout_s)
         deadline = time.monotonic() + timeout
-        if not self._pending_servers():
-            health = self._run(self.client.check_health(), timeout=30)
-            if all(health.values()):
+        recs = read_servers(self.run_dir)
+        # A retracted record means the launcher is restarting that server: wait for it.
+        if not self._pending_servers() and len(recs) >= len(self.layout.servers):
+            if all(self._health(recs).values()):
                 return False
         while time.monotonic() < deadline:
             if self._pending_servers() and len(read_servers(self.run_dir)) >= len(self.layout.servers):
                 return True
             time.sleep(0.5)
         return False
+
+    def _health(self, recs: list[dict[str, Any]]) -> dict[str, bool]:
+        """Health of the servers: through the control client once the rollout side is set up, else
+        (the base model's evaluation) through a short-lived client on ``recs``."""
+        if self.control is not None:
+            return self._run(self.client.check_health(), timeout=30)
+        import asyncio
+
+        client = build.build_client(self.cfg, [r["address"] for r in recs], recs[0].get("backend", "hf"))
+        return asyncio.run(client.check_health())
 
     def _weight_meta(self, version: int, mode: str) -> Any:
         from areal_cli.api.io_struct import WeightUpdateMeta
@@ -213,12 +230,17 @@ class RLTrainer:
         from areal_cli.weight_sync.group import trainer_address
 
         # Every TP rank of every server joins the group (SGLang places them at rank_offset + tp_rank).
-        return WeightUpdateMeta(type="distributed", version=version,
+        meta = WeightUpdateMeta(type="distributed", version=version,
                                 master_address=trainer_address(self.client.addresses if self.client else []),
                                 master_port=find_free_port() if self.rank == 0 else 0,
                                 world_size=1 + sum(sp.tp for sp in self.layout.servers),
                                 dtype=self.cfg.rollout.weight_update_dtype,
                                 backend="nccl" if self.layout.device == "cuda" else "gloo")
+        if self.weight_group_epoch:
+            # After a restart: a new name makes the sender build a new group, and the servers that kept
+            # the old one (SGLang keeps groups by name) join it without clashing with the old name.
+            meta = dataclasses.replace(meta, group_name=f"{meta.group_name}_r{self.weight_group_epoch}")
+        return meta
 
     def _loop(self) -> Any:
         """The control loop: it owns the control client's HTTP sessions."""
@@ -261,19 +283,59 @@ class RLTrainer:
             self._sync_restarted(engine, version)
             return time.perf_counter() - t0 + self.push_weights(engine, version, force_disk=True)
         engine.set_version(version)
+        self.last_push_disk = mode == "disk"
         if mode == "disk" and self.rank == 0:
             _prune_weight_dirs(Path(self.run_dir) / "weight_sync", keep=1)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, tokenizer: Any, test_items: list[dict], step: int, phase: str = "rl") -> dict[str, float]:
+    def evaluate(self, tokenizer: Any, test_items: list[dict], step: int, phase: str = "rl",
+                 engine: Any | None = None) -> dict[str, float]:
+        """Collective: held-out evaluation through the servers (rank 0 runs it).
+
+        A server that dies meanwhile is handled as in rollouts: once the launcher has restarted it,
+        it is brought to ``engine``'s weights (``_sync_restarted``) and the evaluation goes on where it
+        stopped (completions already scored are kept). Without ``engine`` (the base model's
+        evaluation, before any training) the restarted server already serves the evaluated weights.
+        """
+        from areal_cli.errors import InferenceError
         from areal_cli.trainer.evaluation import evaluate_on_servers
 
+        if not test_items:
+            return {}
         out: dict[str, float] = {}
-        if self.rank == 0 and test_items:
-            out = evaluate_on_servers(self.cfg, [r["address"] for r in self._servers()],
-                                      self.layout.servers[0].backend if self.layout.servers else "hf",
-                                      tokenizer, test_items, executor=self.rollout)
+        done: dict = {}  # rank 0: completions scored so far, kept across a server restart
+        restarts = 0
+        t0 = time.perf_counter()
+        while True:
+            status = "ok"
+            if self.rank == 0:
+                recs = self._servers()
+                if not self.server_epochs:  # the base evaluation runs before the rollout side exists
+                    self.server_epochs = {r["index"]: r["epoch"] for r in recs}
+                if self._pending_servers():
+                    status = "sync"  # restarted since the last sync: it holds the base weights
+                else:
+                    try:
+                        out = evaluate_on_servers(self.cfg, [r["address"] for r in recs],
+                                                  recs[0].get("backend", "hf"), tokenizer, test_items,
+                                                  executor=self.rollout, done=done)
+                    except InferenceError as e:
+                        if not self._await_restart():
+                            raise
+                        print(f"[areal] evaluation at step {step} lost a server ({e}); going on on the "
+                              f"restarted server ({len(done)} completions kept)", flush=True)
+                        status = "sync"
+            if broadcast_obj(status) == "ok":
+                break
+            restarts += 1
+            if engine is not None:
+                self._sync_restarted(engine, engine.get_version())
+            elif self.rank == 0:
+                self.server_epochs = {r["index"]: r["epoch"] for r in read_servers(self.run_dir)}
+        if self.rank == 0:
+            out["eval/time_s"] = time.perf_counter() - t0
+            out["eval/server_restarts"] = float(restarts)
             self.stats.log("eval", step, {**out, "phase": phase})
         return broadcast_obj(out)
 
@@ -335,7 +397,8 @@ class RLTrainer:
 
         engine.warm_up()  # overlaps the servers' first batch (or the evaluation below)
         if start_step == 0:
-            before = self.evaluate(tokenizer, test_items, 0, phase="sft" if policy_path != self.model_path else "rl")
+            before = self.evaluate(tokenizer, test_items, 0, phase="sft" if policy_path != self.model_path else "rl",
+                                   engine=engine)
             if self.rank == 0 and before:
                 print(f"[areal] held-out accuracy before RL: {before.get('eval/pass@1', 0):.1%}", flush=True)
         freeze_heap()
@@ -343,7 +406,7 @@ class RLTrainer:
         for step in range(start_step + 1, self.total_steps + 1):
             self.train_step(engine, actor, step, t_start, start_step)
             self._periodic(engine, tokenizer, test_items, step)
-        final = self.evaluate(tokenizer, test_items, self.total_steps)
+        final = self.evaluate(tokenizer, test_items, self.total_steps, engine=engine)
         if self.rank == 0 and final:
             print(f"[areal] held-out accuracy after RL: {final.get('eval/pass@1', 0):.1%}", flush=True)
         out = self.ckpt.export_hf(engine, "final")
@@ -379,6 +442,7 @@ class RLTrainer:
         rec["perf/gen_wait_s"] = t_gen
         rec["perf/train_s"] = t_train
         rec["perf/weight_sync_s"] = sync_s
+        rec["weight_sync/disk"] = float(self.last_push_disk)  # 1: this step's push went through disk
         rec["perf/train_tokens_per_s"] = rec.pop("_tokens", 0.0) / max(t_train, 1e-9)
         rec["perf/gen_tokens_per_s"] = rec.pop("_gen_tokens", 0.0) / max(step_s, 1e-9)
         rec["perf/samples_per_s"] = rec.pop("_rows", 0.0) / max(step_s, 1e-9)
@@ -399,7 +463,7 @@ class RLTrainer:
             self.stats.log("event", step, {"event": "recover_save", "path": path,
                                            "seconds": time.perf_counter() - t0})
         if tc.eval_every and step % tc.eval_every == 0 and step != self.total_steps:
-            self.evaluate(tokenizer, test_items, step)
+            self.evaluate(tokenizer, test_items, step, engine=engine)
 
     def _close_rollout(self) -> None:
         if self.rollout is not None:

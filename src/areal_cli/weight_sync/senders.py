@@ -22,7 +22,8 @@ Protocols (SGLang's, spoken by the built-in ``hf`` server too):
   the last one to continue right after, so a one-bucket push is a single round trip, and the server
   keeps generating while the bucket is on the wire. The group is created once and reused by later
   pushes (the port of a later ``meta`` only matters when a new group must be made); any failure
-  drops it, so the next push rebuilds it.
+  drops it, so the next push rebuilds it. A ``meta`` with another group name or server set (the
+  trainer renames the group after a server restart) replaces it: every server joins the new one.
 """
 
 from __future__ import annotations
@@ -200,6 +201,14 @@ class DistributedSender:
         key = self._key(meta, clients)
         if self.pg is not None and self._group_key == key:
             return
+        if self.pg is not None:
+            # Replaced (another server set or group name, e.g. after a server restart): release the old
+            # group rather than keep it registered for the rest of the run. No work is pending on it:
+            # a failed collective already dropped ``self.pg``.
+            from areal_cli.weight_sync.group import destroy_group
+
+            old, self.pg, self._group_key = self.pg, None, None
+            destroy_group(old)
         loop = asyncio.get_running_loop()
         make = loop.run_in_executor(None, self._make_group, meta)
         join = asyncio.ensure_future(call_all(clients, "init_weights_update_group", meta, timeout=meta.timeout_s))
