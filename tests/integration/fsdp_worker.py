@@ -85,18 +85,22 @@ def run_critic(v: dict, model_dir: str, out_dir: str) -> None:
     from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
-    from areal_cli.engines.fsdp import FSDPEngine
+    from areal_cli.engines import get_engine_cls
 
-    critic = FSDPEngine(EngineConfig(), OptimConfig(lr=1e-3), total_steps=5, seed=0, critic=True)
-    critic.initialize(ParallelStrategy(), model_dir)
+    cls = get_engine_cls(v.get("cls", "fsdp"))
+    parallel = ParallelStrategy(**v.get("parallel", {}))
+    critic = cls(EngineConfig(), OptimConfig(**{"lr": 1e-3, **v.get("optim", {})}), total_steps=5, seed=0,
+                 critic=True)
+    critic.initialize(parallel, model_dir)
     b = make_batch(0)
-    stats = [critic.train_batch(b, value_loss_fn, loss_weight_fn) for _ in range(5)]
-    values = critic.forward(b, output="values")["values"]
-    export = str(Path(out_dir) / "critic_hf")
+    head = critic.is_dp_head
+    stats = [critic.train_batch(b if head else None, value_loss_fn, loss_weight_fn) for _ in range(5)]
+    values = critic.forward(b if head else None, output="values")["values"]
+    export = str(Path(out_dir) / f"{v['name']}_hf")
     critic.save(SaveLoadMeta(path=export, weight_format="hf"))
-    again = FSDPEngine(EngineConfig(), None, seed=123, critic=True)
-    again.initialize(ParallelStrategy(), export)
-    values2 = again.forward(b, output="values")["values"]
+    again = cls(EngineConfig(), None, seed=123, critic=True)
+    again.initialize(parallel, export)
+    values2 = again.forward(b if head else None, output="values")["values"]
     if dist.get_rank() == 0:
         torch.save({"stats": stats, "values": values, "values_reloaded": values2, "batch": b},
                    Path(out_dir) / f"{v['name']}.pt")

@@ -41,8 +41,10 @@ def model4(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def runs(model4, tmp_path_factory):
     out = tmp_path_factory.mktemp("archon_runs")
+    critic = {"critic": True, "optim": STEPS["optim"]}
     w1 = [{"name": "ref", "engine": {"max_tokens_per_mb": BIG}, "fwd": True, **STEPS},
-          {"name": "ref_x8", "engine": {"max_tokens_per_mb": SMALL}, **STEPS}]
+          {"name": "ref_x8", "engine": {"max_tokens_per_mb": SMALL}, **STEPS},
+          {"name": "critic_ref", **critic}]
     w2 = [_archon("t2", {"tp": 2}), _archon("t2_x8", {"tp": 2}, mb=SMALL),
           _archon("p2_1f1b", {"pp": 2}, mb=SMALL),
           _archon("p2_gpipe", {"pp": 2}, mb=SMALL, engine={"archon": {"pp_schedule": "GPipe"}}),
@@ -51,7 +53,9 @@ def runs(model4, tmp_path_factory):
           _archon("c2", {"cp": 2}),
           _archon("d2_mp", {"dp": 2}, engine={"mixed_precision": True}),
           {"name": "fsdp_d2_mp", "parallel": {"dp": 2}, "engine": {"max_tokens_per_mb": BIG, "mixed_precision": True},
-           **STEPS}]
+           **STEPS},
+          {"name": "critic_t2", "cls": "archon", "parallel": {"tp": 2}, **critic},
+          {"name": "critic_p2", "cls": "archon", "parallel": {"pp": 2}, **critic}]
     w4 = [_archon("d2t2", {"dp": 2, "tp": 2}), _archon("d2p2", {"dp": 2, "pp": 2}, mb=SMALL),
           _archon("t2p2", {"tp": 2, "pp": 2}, mb=SMALL),
           _archon("c2p2", {"cp": 2, "pp": 2}, mb=SMALL, engine={"gradient_checkpointing": True})]
@@ -102,3 +106,14 @@ def test_weights_moved(runs, model4):
 
     init = load_file(str(Path(model4) / "model.safetensors"))
     assert max((runs["t2p2"]["weights"][k] - init[k]).abs().max().item() for k in init) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["critic_t2", "critic_p2"])
+def test_critic_matches_reference_and_reloads(runs, name):
+    """A critic (1-wide value head, not vocab-parallel) trains like the one-process one, and its HF
+    export (backbone + value_head.safetensors) rebuilds the same values in the same layout."""
+    ref, got = runs["critic_ref"], runs[name]
+    for s_ref, s_got in zip(ref["stats"], got["stats"], strict=True):
+        assert abs(s_ref["loss"] - s_got["loss"]) <= TOL, (s_ref["loss"], s_got["loss"])
+    assert (ref["values"] - got["values"]).abs().max().item() <= TOL
+    assert (got["values"] - got["values_reloaded"]).abs().max().item() <= TOL
