@@ -57,10 +57,11 @@ def test_interrupted_evaluation_keeps_what_it_scored(tok, monkeypatch):
     dying = DiesAfter(11)
     with pytest.raises(InferenceError):
         run(dying, done)
-    assert len(done) == 11
+    kept = len(done)  # answered and scored before the failure (a reward still running is dropped)
+    assert 0 < kept <= 11
     restarted = DiesAfter(None)
     again = run(restarted, done)
-    assert len(restarted.prompts) == n_requests - 11  # nothing scored before is generated again
+    assert len(restarted.prompts) == n_requests - kept  # nothing scored before is generated again
     assert len(done) == n_requests
     whole.pop("eval/time_s"), again.pop("eval/time_s")
     assert again == whole
