@@ -3,10 +3,12 @@
 - killed *during an evaluation*, the evaluation waits for the restarted server, loads the trainer's
   current weights into it and finishes; the run goes on to the end (issue 22, item 11);
 - killed between steps, the restarted server rejoins the distributed weight-update group at the next
-  push: the pushes after the restart go over the broadcast group again, not through disk (item 12).
+  push: the pushes after the restart go over the broadcast group again, not through disk (item 12);
+- under ``algo=sft``, killed during the disk push or the evaluation after step 2, the evaluation waits,
+  loads the pushed weights into the restarted server and finishes (item 11).
 
 Synchronous mode (k=0), so staleness 0 at every step shows that the server held every pushed version.
-Each run takes about 25-40 s (server and trainer start-up plus one server restart).
+Each run takes about 20-30 s (server and trainer start-up plus one server restart).
 """
 
 from __future__ import annotations
@@ -91,3 +93,23 @@ def test_restarted_server_rejoins_the_weight_update_group(tmp_path, tiny_model_d
     assert [r["weight_sync/disk"] for r in after] == [0.0] * len(after), "pushes after the restart used disk"
     assert all(r["staleness/max"] == 0 for r in train)  # every pushed version reached the server
     assert (run_dir / "logs" / "server0.log").read_text().count("===== start server0") == 2
+
+
+def test_sft_evaluation_survives_a_killed_server(tmp_path, tiny_model_dir):
+    """``algo=sft`` evaluates through the servers after a disk push: a server killed right after step 2
+    (during that push or the evaluation) is waited for, loaded from the pushed dir, and the run ends."""
+    steps, n_eval = 4, 384
+    run_dir = tmp_path / "runs" / "itest" / "t0"
+    proc = _start(_overrides(tmp_path, tiny_model_dir, **{
+        "algo": "sft", "trainer.total_steps": steps, "trainer.eval_every": 2, "trainer.recover_every": 0,
+        "trainer.save_every": 0, "dataset.test_size": n_eval, "rollout.eval_gconfig.max_new_tokens": 128,
+        "rollout.eval_gconfig.min_new_tokens": 128}))
+    _wait_for(lambda: any(r["kind"] == "sft" and r["step"] == 2 for r in _records(run_dir)), proc, 300, "step 2")
+    _kill_server(run_dir)
+    _finish(proc)
+    log = (run_dir / "logs" / "trainer_rank0.log").read_text()
+    assert "evaluation at step 2 lost a server" in log, log[-4000:]
+    evals = {r["step"]: r for r in _records(run_dir) if r["kind"] == "eval"}
+    assert sorted(evals) == [0, 2, 4]
+    assert all(r["eval/n_items"] == n_eval for r in evals.values())
+    assert evals[2]["eval/server_restarts"] >= 1

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_cli.errors import DataError
+from areal_cli.errors import DataError, InferenceError, WeightSyncError
 from areal_cli.launchers.base import JobLayout
 from areal_cli.trainer import build
 from areal_cli.trainer.data_stream import PromptStream
@@ -125,6 +125,40 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     return str(out_dir)
 
 
+def _evaluate_surviving_restarts(cfg: Any, layout: JobLayout, run_dir: str, tokenizer: Any, items: list[dict],
+                                 recs: list[dict], meta: Any, error: Exception | None) -> dict[str, float]:
+    """Rank 0 of ``algo=sft``: evaluate the weights that ``meta`` pushed from disk. A server that dies
+    during the push (``error``) or the evaluation is waited for; once the launcher has restarted it,
+    every server loads the pushed dir again and the evaluation goes on where it stopped."""
+    import asyncio
+
+    from areal_cli.trainer.evaluation import await_restarted_servers, evaluate_on_servers
+
+    done: dict = {}  # completions scored so far, kept across a restart
+    restarts = 0
+    while True:
+        if error is None:
+            try:
+                out = evaluate_on_servers(cfg, [r["address"] for r in recs], recs[0]["backend"], tokenizer, items,
+                                          done=done)
+                out["eval/server_restarts"] = float(restarts)
+                return out
+            except InferenceError as e:
+                error = e
+        pushed = sorted(p for p in Path(meta.path).glob("v*") if p.is_dir())  # written before the load
+        new = await_restarted_servers(cfg, run_dir, {r["index"]: r["epoch"] for r in recs}, len(layout.servers))
+        if new is None or not pushed:
+            raise error
+        print(f"[areal] evaluation at step {meta.version} lost a server ({error}); loading {pushed[-1]} into the "
+              f"restarted server and going on ({len(done)} completions kept)", flush=True)
+        recs, error, restarts = new, None, restarts + 1
+        client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"])
+        try:
+            asyncio.run(client.update_weights_from_disk(dataclasses.replace(meta, path=str(pushed[-1]))))
+        except InferenceError as e:  # died again: wait for the next restart
+            error = e
+
+
 def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int) -> dict[str, Any]:
     """``algo=sft``: ``trainer.total_steps`` SFT steps with recover states and HF exports; evaluated
     through the inference servers (weights pushed from disk) when the allocation has any."""
@@ -164,10 +198,14 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
         client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"]) if rank == 0 else None
         meta = WeightUpdateMeta(type="disk", version=step,
                                 path=os.path.join(run_dir, "weight_sync", f"v{step:06d}"))
-        engine.update_weights(meta, [client] if client is not None else [])
+        error: Exception | None = None
+        try:
+            engine.update_weights(meta, [client] if client is not None else [])
+        except WeightSyncError as e:  # raised on every rank; rank 0 retries the load from disk below
+            error = e
         out = {}
         if rank == 0:
-            out = evaluate_on_servers(cfg, [r["address"] for r in recs], recs[0]["backend"], tokenizer, test_items)
+            out = _evaluate_surviving_restarts(cfg, layout, run_dir, tokenizer, test_items, recs, meta, error)
             stats.log("eval", step, out)
         return broadcast_obj(out)
 
