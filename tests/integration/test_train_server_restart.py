@@ -104,7 +104,8 @@ def test_sft_evaluation_survives_a_killed_server(tmp_path, tiny_model_dir):
         "algo": "sft", "trainer.total_steps": steps, "trainer.eval_every": 2, "trainer.recover_every": 0,
         "trainer.save_every": 0, "dataset.test_size": n_eval, "rollout.eval_gconfig.max_new_tokens": 128,
         "rollout.eval_gconfig.min_new_tokens": 128}))
-    _wait_for(lambda: any(r["kind"] == "sft" and r["step"] == 2 for r in _records(run_dir)), proc, 300, "step 2")
+    _wait_for(lambda: any(r["kind"] == "sft" and r["step"] == 2 for r in _records(run_dir)), proc, 300,
+              "step 2")
     _kill_server(run_dir)
     _finish(proc)
     log = (run_dir / "logs" / "trainer_rank0.log").read_text()

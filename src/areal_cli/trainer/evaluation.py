@@ -101,7 +101,8 @@ def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer:
     return out
 
 
-def await_restarted_servers(cfg: Any, run_dir: str, epochs: dict[int, int], n_servers: int) -> list[dict] | None:
+def await_restarted_servers(cfg: Any, run_dir: str, epochs: dict[int, int],
+                            n_servers: int) -> list[dict] | None:
     """After a failed request: the servers' records once one that the launcher restarted (an epoch
     other than ``epochs``) is published and all ``n_servers`` are; ``None`` at once when every server
     answers its health check (the failure was something else), or at the start-up timeout."""

@@ -197,28 +197,10 @@ class RLTrainer:
         """Rank 0, after a failed push or evaluation: True once a server the launcher restarted is
         registered; False at once when every server answers its health check (the failure was
         something else)."""
-        timeout = float(self.cfg.launcher.server_startup_timeout_s)
-        deadline = time.monotonic() + timeout
-        recs = read_servers(self.run_dir)
-        # A retracted record means the launcher is restarting that server: wait for it.
-        if not self._pending_servers() and len(recs) >= len(self.layout.servers):
-            if all(self._health(recs).values()):
-                return False
-        while time.monotonic() < deadline:
-            if self._pending_servers() and len(read_servers(self.run_dir)) >= len(self.layout.servers):
-                return True
-            time.sleep(0.5)
-        return False
+        from areal_cli.trainer.evaluation import await_restarted_servers
 
-    def _health(self, recs: list[dict[str, Any]]) -> dict[str, bool]:
-        """Health of the servers: through the control client once the rollout side is set up, else
-        (the base model's evaluation) through a short-lived client on ``recs``."""
-        if self.control is not None:
-            return self._run(self.client.check_health(), timeout=30)
-        import asyncio
-
-        client = build.build_client(self.cfg, [r["address"] for r in recs], recs[0].get("backend", "hf"))
-        return asyncio.run(client.check_health())
+        n = len(self.layout.servers)
+        return await_restarted_servers(self.cfg, self.run_dir, self.server_epochs, n) is not None
 
     def _weight_meta(self, version: int, mode: str) -> Any:
         from areal_cli.api.io_struct import WeightUpdateMeta
@@ -397,8 +379,8 @@ class RLTrainer:
 
         engine.warm_up()  # overlaps the servers' first batch (or the evaluation below)
         if start_step == 0:
-            before = self.evaluate(tokenizer, test_items, 0, phase="sft" if policy_path != self.model_path else "rl",
-                                   engine=engine)
+            phase = "sft" if policy_path != self.model_path else "rl"
+            before = self.evaluate(tokenizer, test_items, 0, phase=phase, engine=engine)
             if self.rank == 0 and before:
                 print(f"[areal] held-out accuracy before RL: {before.get('eval/pass@1', 0):.1%}", flush=True)
         freeze_heap()

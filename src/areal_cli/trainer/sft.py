@@ -139,18 +139,19 @@ def _evaluate_surviving_restarts(cfg: Any, layout: JobLayout, run_dir: str, toke
     while True:
         if error is None:
             try:
-                out = evaluate_on_servers(cfg, [r["address"] for r in recs], recs[0]["backend"], tokenizer, items,
-                                          done=done)
+                out = evaluate_on_servers(cfg, [r["address"] for r in recs], recs[0]["backend"], tokenizer,
+                                          items, done=done)
                 out["eval/server_restarts"] = float(restarts)
                 return out
             except InferenceError as e:
                 error = e
         pushed = sorted(p for p in Path(meta.path).glob("v*") if p.is_dir())  # written before the load
-        new = await_restarted_servers(cfg, run_dir, {r["index"]: r["epoch"] for r in recs}, len(layout.servers))
+        epochs = {r["index"]: r["epoch"] for r in recs}
+        new = await_restarted_servers(cfg, run_dir, epochs, len(layout.servers))
         if new is None or not pushed:
             raise error
-        print(f"[areal] evaluation at step {meta.version} lost a server ({error}); loading {pushed[-1]} into the "
-              f"restarted server and going on ({len(done)} completions kept)", flush=True)
+        print(f"[areal] evaluation at step {meta.version} lost a server ({error}); loading {pushed[-1]} "
+              f"into the restarted server and going on ({len(done)} completions kept)", flush=True)
         recs, error, restarts = new, None, restarts + 1
         client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"])
         try:
