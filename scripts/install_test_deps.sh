@@ -6,6 +6,8 @@
 # - skypilot in its own venv: installing it globally downgrades click and uvicorn
 # - sglang's own request models, routes and weight-update helper for the SGLang contract tests:
 #   scripts/setup_sglang_contract.sh (pinned, --no-deps, into .venv-sglang/site; never a torch)
+# - megatron-core, pinned, --no-deps: its deps are numpy, packaging and torch, all present; letting pip
+#   resolve them could swap the CPU torch for a CUDA one
 # - slurm-wlm + munge come from slurm/local-cluster.sh, which the slurm suite runs itself
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +24,10 @@ SKY=~/.cache/areal/skypilot-venv
 if [ ! -x "$SKY/bin/sky" ]; then
   (python -m venv "$SKY" && "$SKY/bin/pip" install -q skypilot) >/dev/null 2>&1 \
     || echo "install_test_deps: skypilot venv not created; SkyPilot YAML validation tests will skip"
+fi
+if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '0.16.1')" 2>/dev/null; then
+  python -m pip install -q --no-deps "megatron-core==0.16.1" \
+    || echo "install_test_deps: megatron-core not installed; megatron tests will skip"
 fi
 bash scripts/setup_sglang_contract.sh \
   || echo "install_test_deps: sglang contract packages not installed; SGLang contract tests will fail in CI"
