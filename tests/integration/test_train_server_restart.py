@@ -32,6 +32,24 @@ def _kill_server(run_dir: Path) -> dict:
     return rec
 
 
+def _hold_then_kill(run_dir: Path, proc, min_queued: int) -> dict:
+    """Pause the server's generation, wait until at least ``min_queued`` requests are held by it, then
+    SIGKILL it. The run cannot move past the held requests, so the kill lands where the test says
+    (inside an evaluation, in the middle of the run) however fast the machine is."""
+    import httpx
+
+    addr = json.loads((run_dir / "servers" / "0.json").read_text())["address"]
+
+    def held() -> bool:
+        # Paused again each time: a weight push of the trainer's own ends with continue_generation.
+        assert httpx.post(f"http://{addr}/pause_generation", json={}, timeout=30).status_code == 200
+        load = httpx.get(f"http://{addr}/get_load", timeout=30).json()
+        return load["paused"] and load["waiting"] + load["running"] >= min_queued
+
+    _wait_for(held, proc, 300, f"{min_queued} requests held by the paused server")
+    return _kill_server(run_dir)
+
+
 def _finish(proc) -> str:
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
@@ -42,8 +60,8 @@ def _finish(proc) -> str:
 def test_server_killed_during_evaluation_is_restarted_and_the_evaluation_finishes(tmp_path, tiny_model_dir):
     steps, batch, n_eval = 3, 2, 384
     run_dir = tmp_path / "runs" / "itest" / "t0"
-    # A long evaluation (384 items, 128 greedy tokens each) starts right after step 2's record is
-    # logged, so the kill lands inside it; the trainer's output below proves that it did.
+    # The evaluation after step 2 sends up to 64 requests at once, the rollout at most batch × group = 4:
+    # 16 requests held by the paused server are the evaluation's.
     proc = _start(_overrides(tmp_path, tiny_model_dir, **{
         "trainer.total_steps": steps, "algo.batch_size": batch, "rollout.max_head_offpolicyness": 0,
         "trainer.recover_every": 0, "trainer.save_every": 0, "trainer.eval_every": 2,
@@ -51,7 +69,7 @@ def test_server_killed_during_evaluation_is_restarted_and_the_evaluation_finishe
         "rollout.eval_gconfig.min_new_tokens": 128, "rollout.gconfig.max_new_tokens": 8}))
     _wait_for(lambda: any(r["kind"] == "train" and r["step"] == 2 for r in _records(run_dir)), proc, 300,
               "step 2")
-    _kill_server(run_dir)
+    _hold_then_kill(run_dir, proc, 16)
     _finish(proc)
     log = (run_dir / "logs" / "trainer_rank0.log").read_text()
     assert "evaluation at step 2 lost a server" in log, log[-4000:]
@@ -71,15 +89,14 @@ def test_server_killed_during_evaluation_is_restarted_and_the_evaluation_finishe
 def test_restarted_server_rejoins_the_weight_update_group(tmp_path, tiny_model_dir):
     steps, batch = 10, 2
     run_dir = tmp_path / "runs" / "itest" / "t0"
-    # Long completions (128 tokens each) keep the steps after the first one busy for seconds, so the
-    # kill lands in the middle of the run, not after its last push.
+    # The paused server holds step 2's rollout, so the kill lands in the middle of the run.
     proc = _start(_overrides(tmp_path, tiny_model_dir, **{
         "trainer.total_steps": steps, "algo.batch_size": batch, "rollout.max_head_offpolicyness": 0,
         "trainer.recover_every": 0, "trainer.save_every": 0, "trainer.eval_every": 0,
         "rollout.weight_update": "distributed", "rollout.gconfig.max_new_tokens": 128,
         "rollout.gconfig.min_new_tokens": 128}))
     _wait_for(lambda: any(r["kind"] == "train" for r in _records(run_dir)), proc, 300, "the first step")
-    _kill_server(run_dir)
+    _hold_then_kill(run_dir, proc, 1)
     _finish(proc)
     train = [r for r in _records(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
@@ -106,7 +123,7 @@ def test_sft_evaluation_survives_a_killed_server(tmp_path, tiny_model_dir):
         "rollout.eval_gconfig.min_new_tokens": 128}))
     _wait_for(lambda: any(r["kind"] == "sft" and r["step"] == 2 for r in _records(run_dir)), proc, 300,
               "step 2")
-    _kill_server(run_dir)
+    _hold_then_kill(run_dir, proc, 16)  # the evaluation after step 2 (SFT sends nothing else)
     _finish(proc)
     log = (run_dir / "logs" / "trainer_rank0.log").read_text()
     assert "evaluation at step 2 lost a server" in log, log[-4000:]
