@@ -1,0 +1,235 @@
+"""CPU compatibility shim for megatron-core 0.16.1: every workaround for its CUDA hard-codes, in one place.
+
+megatron-core assumes a CUDA device in a few places that a CPU/gloo run reaches. Each :class:`Patch` below
+names the file:line of 0.16.1 it works around, can be applied and reverted, and has a test
+(``tests/unit/test_megatron_compat.py``) that runs the real mcore code path *unpatched* and expects the
+CUDA failure, so an upgrade that makes a patch a no-op (or wrong) fails loudly instead of silently
+carrying dead monkey-patches. The patches touch private module globals of one pinned version: any other
+version is refused by :func:`check_version`.
+
+Applied only when CUDA is absent (:func:`apply_cpu_compat` is a no-op on a CUDA machine, where mcore's own
+code paths are the tested ones). Import this module only inside trainer processes, never in the CLI.
+
+Not patches but configuration (set in :mod:`.model`, documented there): ``batch_p2p_comm=False`` (batched
+p2p under gloo with virtual stages swaps activations silently), ``moe_token_dispatcher_type="alltoall"``
+(``variable_seq_lengths`` is otherwise rejected even for dense models), ``perform_initialization=True``
+(otherwise TP attributes are never set), dropout 0 (the RNG tracker below forks nothing).
+Still to come with the engine: sequence parallelism's all-gather buffers
+(``tensor_parallel/layers.py:552, :597, :607``), the DDP grad buffers, optimizer and grad clipping allocate on CUDA
+(``distributed/param_and_grad_buffer.py:768-806``, ``optimizer/optimizer.py:473-485``,
+``optimizer/clip_grads.py:90-174``); they need patches of the same form.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from areal_cli.errors import ConfigError
+
+SUPPORTED_VERSION = "0.16.1"
+
+_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
+                        "empty_like", "full_like", "randn", "rand"})
+
+
+def installed_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return None
+
+
+def check_version() -> str:
+    """Raise a :class:`ConfigError` unless exactly the supported megatron-core is installed."""
+    v = installed_version()
+    if v is None:
+        raise ConfigError("engine.name", "engine=megatron needs megatron-core, which is not installed",
+                          f"pip install --no-deps megatron-core=={SUPPORTED_VERSION}")
+    if v != SUPPORTED_VERSION:
+        raise ConfigError("engine.name", f"megatron-core {v} is installed; engine=megatron supports only "
+                          f"{SUPPORTED_VERSION} (its CPU shim patches that version's private code)",
+                          f"pip install --no-deps megatron-core=={SUPPORTED_VERSION}")
+    return v
+
+
+def _to_cpu(device: Any) -> Any:
+    import torch
+
+    if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+        return "cpu"
+    if isinstance(device, str) and device.startswith("cuda:"):
+        return "cpu"
+    return device
+
+
+class _CPUCuda:
+    """Stand-in for ``torch.cuda`` inside one mcore module: the current device is the CPU, synchronising
+    and cache emptying are no-ops; anything else falls through to the real ``torch.cuda``."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*_a: Any, **_k: Any) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch.cuda, name)
+
+
+class _CPUTorch:
+    """Stand-in for the ``torch`` global of one mcore module: tensor factories given ``device="cuda"``
+    allocate on the CPU and ``torch.cuda`` is :class:`_CPUCuda`. Everything else is the real torch."""
+
+    cuda = _CPUCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        attr = getattr(torch, name)
+        if name not in _FACTORIES:
+            return attr
+
+        def factory(*a: Any, **k: Any) -> Any:
+            if "device" in k:
+                k["device"] = _to_cpu(k["device"])
+            return attr(*a, **k)
+
+        return factory
+
+
+@dataclass
+class Patch:
+    name: str
+    works_around: str  # the mcore 0.16.1 file:line and what it does on a CPU-only torch
+    apply: Callable[[], None]
+    revert: Callable[[], None]
+    applied: bool = field(default=False)
+
+
+def _module_torch_patch(name: str, module: str, works_around: str) -> Patch:
+    """Replace ``module.torch`` by :class:`_CPUTorch` (scoped to that module, not the process)."""
+    state: dict[str, Any] = {}
+
+    def apply() -> None:
+        mod = importlib.import_module(module)
+        state.setdefault("orig", mod.torch)
+        mod.torch = _CPUTorch()
+
+    def revert() -> None:
+        if "orig" in state:
+            importlib.import_module(module).torch = state["orig"]
+
+    return Patch(name, works_around, apply, revert)
+
+
+def _tied_embedding_patch() -> Patch:
+    """``setup_embeddings_and_output_layer`` moves the shared weight with ``.cuda()`` before the
+    first/last-stage all-reduce; run it with ``Tensor.cuda`` as the identity, for that call only."""
+    state: dict[str, Any] = {}
+
+    def apply() -> None:
+        import torch
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+
+        orig = state.setdefault("orig", LanguageModule.setup_embeddings_and_output_layer)
+
+        def setup_embeddings_and_output_layer(self: Any) -> None:
+            real_cuda = torch.Tensor.cuda
+            torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]
+            try:
+                orig(self)
+            finally:
+                torch.Tensor.cuda = real_cuda  # type: ignore[method-assign]
+
+        LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+    def revert() -> None:
+        if "orig" in state:
+            from megatron.core.models.common.language_module.language_module import LanguageModule
+
+            LanguageModule.setup_embeddings_and_output_layer = state["orig"]
+
+    return Patch("tied_embeddings_cuda",
+                 "models/common/language_module/language_module.py:244 weight.data.cuda() for tied embeddings "
+                 "under PP (Torch not compiled with CUDA)", apply, revert)
+
+
+def _rng_tracker_patch() -> Patch:
+    """The default CUDA RNG tracker's ``fork()`` (attention dropout, every forward) needs a CUDA RNG
+    state; mcore's inference tracker forks nothing. Dropout is 0 in RL fine-tuning, so nothing is lost."""
+
+    def apply() -> None:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    def revert() -> None:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        mrandom.initialize_rng_tracker(force_reset=True)
+
+    return Patch("rng_tracker",
+                 "tensor_parallel/random.py:282-343 CudaRNGStatesTracker.fork() via "
+                 "transformer/dot_product_attention.py:217 (cuda rng state not added / torch.cuda.get_rng_state)",
+                 apply, revert)
+
+
+def patches() -> list[Patch]:
+    """The shim's patches, in application order (a fresh list; the module keeps the applied one)."""
+    return [
+        _module_torch_patch("schedules_total_tokens", "megatron.core.pipeline_parallel.schedules",
+                            "pipeline_parallel/schedules.py:596, :983, :2138 total_num_tokens = "
+                            "torch.zeros(..., device='cuda') in all three schedules (hit at PP=1 too)"),
+        _module_torch_patch("p2p_buffers", "megatron.core.pipeline_parallel.p2p_communication",
+                            "pipeline_parallel/p2p_communication.py:190-202, :313, :321 buffers on "
+                            "torch.cuda.current_device(); :242, :398 torch.cuda.synchronize()"),
+        _module_torch_patch("default_causal_mask", "megatron.core.transformer.utils",
+                            "transformer/utils.py:35, :40 the default causal mask is built on device='cuda' "
+                            "when no attention mask is passed"),
+        _module_torch_patch("rotary_inv_freq", "megatron.core.models.common.embeddings.rotary_pos_embedding",
+                            "models/common/embeddings/rotary_pos_embedding.py:162 inv_freq is moved to "
+                            "torch.cuda.current_device() on the first forward"),
+        _module_torch_patch("global_memory_buffer", "megatron.core.utils",
+                            "utils.py:631 GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device() "
+                            "(the attention score buffer, transformer/dot_product_attention.py:189)"),
+        _tied_embedding_patch(),
+        _rng_tracker_patch(),
+    ]
+
+
+_APPLIED: list[Patch] = []
+
+
+def apply_cpu_compat(force: bool = False) -> list[str]:
+    """Check the version, then apply every patch once when CUDA is absent. Returns the applied names
+    (empty on a CUDA machine, or when already applied). ``force`` applies them even with CUDA (tests)."""
+    import torch
+
+    check_version()
+    if _APPLIED or (torch.cuda.is_available() and not force):
+        return []
+    for p in patches():
+        p.apply()
+        p.applied = True
+        _APPLIED.append(p)
+    return [p.name for p in _APPLIED]
+
+
+def revert_cpu_compat() -> None:
+    """Undo :func:`apply_cpu_compat` (tests)."""
+    while _APPLIED:
+        p = _APPLIED.pop()
+        p.revert()
+        p.applied = False

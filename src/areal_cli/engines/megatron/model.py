@@ -1,0 +1,187 @@
+"""Build megatron-core ``GPTModel`` chunks from a Hugging Face config (dense Qwen2/Qwen2.5, Qwen3, Llama).
+
+:func:`hf_arch` reads the HF config into an :class:`HFArch` and refuses what the mcore model cannot
+reproduce exactly (a typed error naming the supported families). :func:`transformer_config` maps it to a
+``TransformerConfig``; :func:`build_chunks` builds this rank's pipeline chunks (one per virtual stage).
+The local layer spec is used on CPU; TransformerEngine's spec only when TE is importable (its fused
+layer-norm parameter names are handled by :mod:`.convert`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from areal_cli.errors import ConfigError
+
+SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama")
+# mcore's RotaryEmbedding._apply_scaling hard-codes Llama-3.1's scaling constants
+# (models/common/embeddings/rotary_pos_embedding.py:92-98); only that rope_type with these values is exact.
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class UnsupportedModelError(ConfigError):
+    """The HF model cannot be built as an mcore GPTModel exactly."""
+
+    def __init__(self, reason: str, hint: str = ""):
+        super().__init__("model.path", reason, hint or f"engine=megatron supports the dense families "
+                         f"{', '.join(SUPPORTED_FAMILIES)}; use engine=fsdp or engine=archon for others")
+
+
+@dataclass(frozen=True)
+class HFArch:
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None  # Llama-3 rope scaling, else None
+    max_position_embeddings: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def _rope(cfg: Any) -> tuple[float, float | None]:
+    # transformers 5 keeps rope in `rope_parameters`; older ones in `rope_theta` + `rope_scaling`
+    rp = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    theta = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    kind = rp.get("rope_type", rp.get("type", "default")) or "default"
+    if kind == "default":
+        return theta, None
+    if kind == "llama3" and all(float(rp.get(k, -1)) == v for k, v in _LLAMA3_ROPE.items()):
+        return theta, float(rp["factor"])
+    raise UnsupportedModelError(f"rope scaling {rp} is not reproduced by megatron-core",
+                                "use a model with default rope or Llama-3.1-style scaling "
+                                f"({_LLAMA3_ROPE})")
+
+
+def hf_arch(cfg: Any) -> HFArch:
+    """Read an HF ``PretrainedConfig`` (or its dict form via ``transformers.AutoConfig``)."""
+    family = getattr(cfg, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(f"model_type {family!r} is not supported by engine=megatron")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r}: only silu (SwiGLU) is supported")
+    if getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0):
+        raise UnsupportedModelError("mixture-of-experts models are not supported yet")
+    if getattr(cfg, "use_sliding_window", False):
+        raise UnsupportedModelError("sliding-window attention is not reproduced by the local layer spec",
+                                    "set use_sliding_window=false in the model's config.json")
+    if family == "qwen2":
+        qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias
+    else:
+        # Qwen3/Llama `attention_bias` also puts a bias on o_proj, which mcore's qkv-only bias cannot hold
+        if getattr(cfg, "attention_bias", False):
+            raise UnsupportedModelError(f"{family} with attention_bias=true is not supported")
+        qkv_bias = False
+    if getattr(cfg, "mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=true is not supported")
+    heads = int(cfg.num_attention_heads)
+    theta, factor = _rope(cfg)
+    return HFArch(
+        family=family, hidden_size=int(cfg.hidden_size), num_layers=int(cfg.num_hidden_layers), num_heads=heads,
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+        ffn_hidden_size=int(cfg.intermediate_size), vocab_size=int(cfg.vocab_size),
+        rms_norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling_factor=factor,
+        max_position_embeddings=int(cfg.max_position_embeddings),
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias, qk_norm=family == "qwen3")
+
+
+def check_layout(arch: HFArch, tp: int, pp: int, vpp: int = 1) -> None:
+    """Refuse a TP/PP/VPP layout the model's shapes cannot be split into."""
+    for what, n in (("num_key_value_heads", arch.num_kv_heads), ("num_attention_heads", arch.num_heads),
+                    ("intermediate_size", arch.ffn_hidden_size), ("vocab_size", arch.vocab_size)):
+        if n % tp:
+            raise ConfigError("allocation_mode.spec", f"t{tp} does not divide {what}={n}",
+                              f"use a tensor-parallel size that divides {n}")
+    stages = pp * vpp
+    if arch.num_layers % stages:
+        raise ConfigError("allocation_mode.spec", f"p{pp} × {vpp} virtual stages does not divide "
+                          f"num_hidden_layers={arch.num_layers}", "use p × virtual stages dividing the layers")
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, sequence_parallel: bool = False,
+                       dtype: Any = None) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    check_layout(arch, tp, pp, vpp)
+    dtype = dtype or torch.float32
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+        # dropout 0: RL fine-tuning uses none, and the CPU RNG tracker (compat) forks nothing
+        hidden_dropout=0.0, attention_dropout=0.0,
+        # the fused kernels are CUDA-only; the unfused paths are the exact ones
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # perform_initialization=False skips set_tensor_model_parallel_attributes (tensor_parallel/layers.py:244,
+        # :855, :1178): sharded weights would count as TP duplicates in grad norms and export gathers
+        perform_initialization=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        variable_seq_lengths=True,
+        # transformer_config.py:1827 rejects variable_seq_lengths with the default allgather dispatcher, even
+        # for dense models
+        moe_token_dispatcher_type="alltoall",
+        # batched p2p under gloo with virtual stages swaps activations and grads silently
+        # (p2p_communication.py:16-46); the unbatched path is exact
+        batch_p2p_comm=False,
+    )
+
+
+def layer_spec(arch: HFArch, use_te: bool | None = None) -> Any:
+    if use_te is None:
+        use_te = te_available()
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+
+
+def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None) -> list[Any]:
+    """This rank's GPTModel chunks (one per virtual stage), after ``initialize_model_parallel``.
+
+    Chunk c of PP rank r holds global layers ``[(c·pp + r)·n, (c·pp + r + 1)·n)`` with n = layers/(pp·vpp);
+    each layer's own ``layer_number`` records that offset, which is what :mod:`.convert` reads.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    spec = layer_spec(arch, use_te)
+    chunks = []
+    for c in range(vpp):
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings, pre_process=pp_rank == 0 and c == 0,
+            post_process=pp_rank == pp - 1 and c == vpp - 1, share_embeddings_and_output_weights=arch.tied,
+            position_embedding_type="rope", rotary_base=arch.rope_theta,
+            rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+            vp_stage=c if vpp > 1 else None))
+    return chunks

@@ -1,0 +1,73 @@
+"""The megatron-core 0.16.1 CPU shim: every patch is still needed (the unpatched mcore code path hits CUDA
+or fails) and still works (the patched path runs and gives the right value). Two gloo processes, TP1 PP2,
+tiny tied Qwen2. Skips when megatron-core 0.16.1 is not installed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fsdp_worker import launch  # noqa: E402
+
+from areal_cli.engines.megatron import compat  # noqa: E402
+from areal_cli.errors import ConfigError  # noqa: E402
+
+needs_mcore = pytest.mark.skipif(compat.installed_version() != compat.SUPPORTED_VERSION,
+                                 reason=f"megatron-core {compat.SUPPORTED_VERSION} is not installed "
+                                        "(scripts/install_test_deps.sh installs it)")
+PATCHES = [p.name for p in compat.patches()]
+# the rank whose code path the patch covers: p2p receive buffers are allocated by the receiving stage
+RANKS = {"p2p_buffers": [1]}
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mcore_compat")
+    launch({"mode": "compat", "out": str(out)}, 2, timeout=300,
+           script=str(Path(__file__).parent / "megatron_worker.py"))
+    return json.loads((out / "result.json").read_text())["ranks"]
+
+
+@needs_mcore
+@pytest.mark.parametrize("name", PATCHES)
+def test_patch_is_needed_and_works(probes, name):
+    for rank in RANKS.get(name, [0, 1]):
+        r = probes[rank][name]
+        # needed: unpatched, mcore 0.16.1 reaches CUDA (or its CUDA RNG tracker) on a CPU-only torch
+        assert "cuda" in r["unpatched"].lower(), f"{name} looks like a no-op now on rank {rank}: {r['unpatched']}"
+        assert r["patched"] == "no error", f"{name} no longer works on rank {rank}: {r['patched']}"
+
+
+def test_wrong_or_missing_version_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.17.0")
+    with pytest.raises(ConfigError, match=r"megatron-core 0\.17\.0 is installed.*supports only 0\.16\.1"):
+        compat.apply_cpu_compat()
+    monkeypatch.setattr(compat, "installed_version", lambda: None)
+    with pytest.raises(ConfigError, match="not installed"):
+        compat.check_version()
+
+
+@needs_mcore
+def test_not_applied_when_cuda_is_present(monkeypatch):
+    import torch
+
+    import megatron.core.pipeline_parallel.schedules as sch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = sch.torch
+    assert compat.apply_cpu_compat() == []
+    assert sch.torch is before and sch.torch is torch
+
+
+def test_cpu_torch_proxy_maps_only_cuda():
+    import torch
+
+    t = compat._CPUTorch()
+    assert t.zeros(2, device="cuda").device.type == "cpu"
+    assert t.ones(1, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert t.cuda.current_device() == "cpu" and t.cuda.synchronize() is None
+    assert t.float32 is torch.float32 and t.matmul is torch.matmul
