@@ -21,8 +21,8 @@ def hf_model(family: str, seed: int = 0):
     import torch
     import transformers
 
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
     if family == "qwen2":  # tied, q/k/v biases
         cfg = transformers.Qwen2Config(tie_word_embeddings=True, **common)
     elif family == "qwen3":  # untied, q/k norms, head_dim ≠ hidden/heads
@@ -30,7 +30,8 @@ def hf_model(family: str, seed: int = 0):
     else:
         cfg = transformers.LlamaConfig(tie_word_embeddings=False, **common)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                          attn_implementation="eager")
     with torch.no_grad():  # norms start at 1: make them random so a swapped norm is visible
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
@@ -68,7 +69,8 @@ def run_forward(models, ids, pos):
 
     its = [iter(data) for _ in models] if len(models) > 1 else iter(data)
     res = get_forward_backward_func()(forward_step_func=step, data_iterator=its, model=models,
-                                      num_microbatches=N_MB, seq_length=L, micro_batch_size=B, forward_only=True)
+                                      num_microbatches=N_MB, seq_length=L, micro_batch_size=B,
+                                      forward_only=True)
     if not mpu.is_pipeline_last_stage(ignore_virtual=True):
         return None
     tp = mpu.get_tensor_model_parallel_world_size()
@@ -120,7 +122,8 @@ def convert_layout(layout: dict, families: list[str]) -> dict:
         report[fam] = {
             "missing": sorted(want - back.keys()), "extra": sorted(back.keys() - want),
             "not_equal": sorted(k for k in want & back.keys() if not torch.equal(back[k], sd[k])),
-            "max_abs_diff": max((float((back[k] - sd[k]).abs().max()) for k in want & back.keys()), default=0.0),
+            "max_abs_diff": max((float((back[k] - sd[k]).abs().max()) for k in want & back.keys()),
+                                default=0.0),
             "logits_max_diff": max(diffs), "logit_ranks": sum(d >= 0 for d in diffs)}
     mpu.destroy_model_parallel()
     return report
@@ -159,7 +162,8 @@ def compat_probes() -> dict:
         dist.barrier()
 
     holder: list = []
-    probe("tied_embeddings_cuda", lambda: mm.build_chunks(arch, cfg), lambda: holder.extend(mm.build_chunks(arch, cfg)))
+    probe("tied_embeddings_cuda", lambda: mm.build_chunks(arch, cfg),
+          lambda: holder.extend(mm.build_chunks(arch, cfg)))
     m = holder[0]
     convert.load_hf([m], {k: v.detach() for k, v in hf.state_dict().items()}, arch, 0, 1)
     ids, pos = batch()
@@ -192,8 +196,8 @@ def compat_probes() -> dict:
         elif not torch.equal(p2p.recv_forward(tuple(sent.shape), is_first_stage=False), sent):
             raise RuntimeError("received activations differ from the sent ones")
 
-    probe("p2p_buffers", (lambda: p2p.recv_forward(tuple(sent.shape), False)) if rank == 1 else (lambda: None),
-          exchange)
+    unpatched_recv = (lambda: p2p.recv_forward(tuple(sent.shape), False)) if rank == 1 else (lambda: None)
+    probe("p2p_buffers", unpatched_recv, exchange)
     out["rank"] = rank
     mpu.destroy_model_parallel()
     return out

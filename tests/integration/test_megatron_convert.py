@@ -94,7 +94,8 @@ def test_layout_the_shapes_cannot_split_is_a_config_error():
 
 def test_megatron_package_imports_neither_torch_nor_megatron():
     code = ("import sys; import areal_cli.engines.megatron.model, areal_cli.engines.megatron.convert, "
-            "areal_cli.engines.megatron.compat; print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+            "areal_cli.engines.megatron.compat; "
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -15,7 +15,8 @@ p2p under gloo with virtual stages swaps activations silently), ``moe_token_disp
 (``variable_seq_lengths`` is otherwise rejected even for dense models), ``perform_initialization=True``
 (otherwise TP attributes are never set), dropout 0 (the RNG tracker below forks nothing).
 Still to come with the engine: sequence parallelism's all-gather buffers
-(``tensor_parallel/layers.py:552, :597, :607``), the DDP grad buffers, optimizer and grad clipping allocate on CUDA
+(``tensor_parallel/layers.py:552, :597, :607``), the DDP grad buffers, optimizer and grad clipping allocate
+on CUDA
 (``distributed/param_and_grad_buffer.py:768-806``, ``optimizer/optimizer.py:473-485``,
 ``optimizer/clip_grads.py:90-174``); they need patches of the same form.
 """
@@ -162,8 +163,8 @@ def _tied_embedding_patch() -> Patch:
             LanguageModule.setup_embeddings_and_output_layer = state["orig"]
 
     return Patch("tied_embeddings_cuda",
-                 "models/common/language_module/language_module.py:244 weight.data.cuda() for tied embeddings "
-                 "under PP (Torch not compiled with CUDA)", apply, revert)
+                 "models/common/language_module/language_module.py:244 weight.data.cuda() for tied "
+                 "embeddings under PP (Torch not compiled with CUDA)", apply, revert)
 
 
 def _rng_tracker_patch() -> Patch:
@@ -182,7 +183,8 @@ def _rng_tracker_patch() -> Patch:
 
     return Patch("rng_tracker",
                  "tensor_parallel/random.py:282-343 CudaRNGStatesTracker.fork() via "
-                 "transformer/dot_product_attention.py:217 (cuda rng state not added / torch.cuda.get_rng_state)",
+                 "transformer/dot_product_attention.py:217 (cuda rng state not added / "
+                 "torch.cuda.get_rng_state)",
                  apply, revert)
 
 
@@ -202,7 +204,8 @@ def patches() -> list[Patch]:
                             "models/common/embeddings/rotary_pos_embedding.py:162 inv_freq is moved to "
                             "torch.cuda.current_device() on the first forward"),
         _module_torch_patch("global_memory_buffer", "megatron.core.utils",
-                            "utils.py:631 GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device() "
+                            "utils.py:631 GlobalMemoryBuffer.get_tensor allocates on "
+                            "torch.cuda.current_device() "
                             "(the attention score buffer, transformer/dot_product_attention.py:189)"),
         _tied_embedding_patch(),
         _rng_tracker_patch(),

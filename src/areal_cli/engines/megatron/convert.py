@@ -21,7 +21,9 @@ from typing import Any
 
 from .model import HFArch
 
-_EMB, _OUT, _NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
+_EMB = "embedding.word_embeddings.weight"
+_OUT = "output_layer.weight"
+_NORM = "decoder.final_layernorm.weight"
 
 
 def _norm_names(model: Any) -> tuple[str, str]:
@@ -71,7 +73,8 @@ def hf_to_mcore(hf: Mapping[str, Any], arch: HFArch, model: Any, tp_rank: int, t
         out[_EMB] = col(hf["model.embed_tokens.weight"])
     if model.post_process:
         out[_NORM] = hf["model.norm.weight"].clone()
-        if not (arch.tied and model.pre_process):  # one stage with tied weights: output_layer is the embedding
+        # one stage with tied weights: output_layer is the embedding itself
+        if not (arch.tied and model.pre_process):
             out[_OUT] = col(hf["model.embed_tokens.weight" if arch.tied else "lm_head.weight"])
     in_norm, mlp_norm = _norm_names(model)
     for j, i in _layer_map(model):

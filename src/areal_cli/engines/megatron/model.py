@@ -85,7 +85,8 @@ def hf_arch(cfg: Any) -> HFArch:
     heads = int(cfg.num_attention_heads)
     theta, factor = _rope(cfg)
     return HFArch(
-        family=family, hidden_size=int(cfg.hidden_size), num_layers=int(cfg.num_hidden_layers), num_heads=heads,
+        family=family, hidden_size=int(cfg.hidden_size), num_layers=int(cfg.num_hidden_layers),
+        num_heads=heads,
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
         ffn_hidden_size=int(cfg.intermediate_size), vocab_size=int(cfg.vocab_size),
@@ -104,7 +105,8 @@ def check_layout(arch: HFArch, tp: int, pp: int, vpp: int = 1) -> None:
     stages = pp * vpp
     if arch.num_layers % stages:
         raise ConfigError("allocation_mode.spec", f"p{pp} × {vpp} virtual stages does not divide "
-                          f"num_hidden_layers={arch.num_layers}", "use p × virtual stages dividing the layers")
+                          f"num_hidden_layers={arch.num_layers}",
+                          "use p × virtual stages dividing the layers")
 
 
 def te_available() -> bool:
@@ -115,8 +117,8 @@ def te_available() -> bool:
     return True
 
 
-def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, sequence_parallel: bool = False,
-                       dtype: Any = None) -> Any:
+def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+                       sequence_parallel: bool = False, dtype: Any = None) -> Any:
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -134,8 +136,9 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, 
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
-        # perform_initialization=False skips set_tensor_model_parallel_attributes (tensor_parallel/layers.py:244,
-        # :855, :1178): sharded weights would count as TP duplicates in grad norms and export gathers
+        # perform_initialization=False skips set_tensor_model_parallel_attributes
+        # (tensor_parallel/layers.py:244, :855, :1178): sharded weights would count as TP duplicates in grad
+        # norms and export gathers
         perform_initialization=True,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
@@ -165,7 +168,7 @@ def layer_spec(arch: HFArch, use_te: bool | None = None) -> Any:
 def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None) -> list[Any]:
     """This rank's GPTModel chunks (one per virtual stage), after ``initialize_model_parallel``.
 
-    Chunk c of PP rank r holds global layers ``[(c·pp + r)·n, (c·pp + r + 1)·n)`` with n = layers/(pp·vpp);
+    Chunk c of PP rank r holds global layers ``[(c·pp + r)·n, (c·pp + r + 1)·n)``, n = layers/(pp·vpp);
     each layer's own ``layer_number`` records that offset, which is what :mod:`.convert` reads.
     """
     from megatron.core import parallel_state as mpu
@@ -182,6 +185,7 @@ def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None) -> li
             max_sequence_length=arch.max_position_embeddings, pre_process=pp_rank == 0 and c == 0,
             post_process=pp_rank == pp - 1 and c == vpp - 1, share_embeddings_and_output_weights=arch.tied,
             position_embedding_type="rope", rotary_base=arch.rope_theta,
-            rope_scaling=arch.rope_scaling_factor is not None, rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+            rope_scaling=arch.rope_scaling_factor is not None,
+            rope_scaling_factor=arch.rope_scaling_factor or 8.0,
             vp_stage=c if vpp > 1 else None))
     return chunks
