@@ -38,7 +38,7 @@ def test_patch_is_needed_and_works(probes, name):
     for rank in RANKS.get(name, [0, 1]):
         r = probes[rank][name]
         # needed: unpatched, mcore 0.16.1 reaches CUDA (or its CUDA RNG tracker) on a CPU-only torch
-        assert "cuda" in r["unpatched"].lower(), \
+        assert any(s in r["unpatched"].lower() for s in ("cuda", "nvidia driver")), \
             f"{name} looks like a no-op now on rank {rank}: {r['unpatched']}"
         assert r["patched"] == "no error", f"{name} no longer works on rank {rank}: {r['patched']}"
 
