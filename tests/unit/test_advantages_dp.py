@@ -3,12 +3,12 @@ statistics of the whole batch in one process."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import torch
 
 from areal_cli.algorithms.advantages import compute_advantages
 from areal_cli.algorithms.normalisation import masked_whiten
+from gloo_ranks import run_ranks
 
 G = 2  # group size; each rank holds whole groups
 
@@ -54,21 +54,7 @@ def _rank_main(rank: int, world: int, port: int, q) -> None:
 
 
 def test_dp_reduced_statistics_equal_full_batch():
-    from areal_cli.utils.network import find_free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = find_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_rank_main, 2)
     rewards, mask = full_batch()
     want = estimates(rewards, mask)
     local0 = estimates(rewards[:4], mask[:4])  # what a rank would compute without the reduction

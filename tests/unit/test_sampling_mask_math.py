@@ -4,12 +4,12 @@ over it like the one-process function, gradients included."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import torch
 
 from areal_cli.engines.sampling_mask import masked_logprobs_entropy
 from areal_cli.inference.server.sampling import SamplingParams, sample_next
+from gloo_ranks import run_ranks
 
 T = 0.7
 
@@ -80,21 +80,7 @@ def _rank_main(rank: int, world: int, port: int, q) -> None:
 
 
 def test_vocab_parallel_t2_masked_equals_full_vocab():
-    from areal_cli.utils.network import find_free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = find_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_rank_main, 2)
     for vocab in (256, 251):
         logits = _logits(vocab, rows=8, seed=vocab)
         ids, _, cut, masked = sample_next(logits, [SamplingParams(temperature=T, top_p=0.9, top_k=20, sampling_seed=i)
