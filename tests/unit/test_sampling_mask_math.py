@@ -55,6 +55,18 @@ def test_no_truncation_and_greedy_are_no_ops():
         assert torch.equal(full, masked)
 
 
+def _sampled_case(vocab: int):
+    """Eight rows sampled under top-p 0.9 and top-k 20: logits, the server's cutoffs and masked
+    logprobs, and targets (row 0's is outside the kept set, which keeps it all the same)."""
+    logits = _logits(vocab, rows=8, seed=vocab)
+    ids, _, cut, masked = sample_next(logits, [SamplingParams(temperature=T, top_p=0.9, top_k=20, sampling_seed=i)
+                                               for i in range(8)], [0] * 8, set(), torch.Generator(),
+                                      positions=list(range(8)), with_mask=True)
+    tgt = ids.clone()
+    tgt[0] = int(logits[0].argmin())
+    return logits, cut, masked, tgt
+
+
 def _rank_main(rank: int, world: int, port: int, q) -> None:
     import torch.distributed as dist
 
@@ -63,12 +75,7 @@ def _rank_main(rank: int, world: int, port: int, q) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out = {}
     for vocab in (256, 251):
-        logits = _logits(vocab, rows=8, seed=vocab)
-        ids, _, cut, _ = sample_next(logits, [SamplingParams(temperature=T, top_p=0.9, top_k=20, sampling_seed=i)
-                                              for i in range(8)], [0] * 8, set(), torch.Generator(),
-                                     positions=list(range(8)), with_mask=True)
-        tgt = ids.clone()
-        tgt[0] = int(logits[0].argmin())  # a target outside the kept set is kept all the same
+        logits, cut, _, tgt = _sampled_case(vocab)
         start, end = vocab_range(vocab, dist.group.WORLD)
         local = logits[:, start:end].clone().requires_grad_(True)
         lp, ent = logprobs_entropy(local, tgt, T, group=dist.group.WORLD, vocab_size=vocab, cutoffs=cut)
@@ -82,12 +89,7 @@ def _rank_main(rank: int, world: int, port: int, q) -> None:
 def test_vocab_parallel_t2_masked_equals_full_vocab():
     results = run_ranks(_rank_main, 2)
     for vocab in (256, 251):
-        logits = _logits(vocab, rows=8, seed=vocab)
-        ids, _, cut, masked = sample_next(logits, [SamplingParams(temperature=T, top_p=0.9, top_k=20, sampling_seed=i)
-                                                   for i in range(8)], [0] * 8, set(), torch.Generator(),
-                                          positions=list(range(8)), with_mask=True)
-        tgt = ids.clone()
-        tgt[0] = int(logits[0].argmin())
+        logits, cut, masked, tgt = _sampled_case(vocab)
         full = logits.clone().requires_grad_(True)
         lp, ent = masked_logprobs_entropy(full, tgt, T, cut)
         (lp.sum() + 0.3 * ent.sum()).backward()
