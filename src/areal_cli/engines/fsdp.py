@@ -337,7 +337,7 @@ class FSDPEngine(TrainEngine):
         stat_sums: dict[str, float] = {}
         loss_sum = 0.0
         for i in range(n_mb):
-            par.set_grad_sync(self.model, i == n_mb - 1)
+            self._begin_micro_batch(last=i == n_mb - 1)
             if i < len(mbs):
                 out = self._forward_mb(mbs[i], output, temperature, loss_only=True)
                 loss, stats = loss_fn(out, mbs[i])
@@ -348,8 +348,16 @@ class FSDPEngine(TrainEngine):
             else:  # this rank ran out of sequences: a zero-weight forward keeps the collectives aligned
                 out = self._forward_mb(self._dummy_mb(), output, temperature)
                 scaled = sum(v.sum() for v in out.values()) * 0.0
-            scaled.backward()
+            self._backward(scaled)
         return loss_sum, stat_sums, denom, n_mb
+
+    def _begin_micro_batch(self, last: bool) -> None:
+        """Before each micro-batch's forward: reduce gradients across ranks on the last one only."""
+        par.set_grad_sync(self.model, last)
+
+    def _backward(self, scaled_loss: torch.Tensor) -> None:
+        """Backward of a micro-batch loss already scaled by ``weight / global_weight``."""
+        scaled_loss.backward()
 
     def warm_up(self, rows: int = 8, prompt_len: int = 32, completion_len: int = 16, group: int = 4) -> None:
         """A whole training step on a synthetic GRPO-shaped batch that changes nothing: zero loss,
