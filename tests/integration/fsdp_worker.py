@@ -128,13 +128,19 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
 
     from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
     from areal_cli.config.algo import OptimConfig
-    from areal_cli.config.engine import ArchonConfig, EngineConfig
+    from areal_cli.config.engine import ArchonConfig, EngineConfig, MegatronConfig
     from areal_cli.data.packing import split_batch_for_dp
     from areal_cli.engines import get_engine_cls
 
     ekw = dict(v.get("engine", {}))
     if "archon" in ekw:
         ekw["archon"] = ArchonConfig(**ekw["archon"])
+    if "deepspeed" in ekw:
+        from areal_cli.config.engine import DeepSpeedConfig
+
+        ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
+    if "megatron" in ekw:
+        ekw["megatron"] = MegatronConfig(**ekw["megatron"])
     ecfg = EngineConfig(**ekw)
     ocfg = OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
     engine = get_engine_cls(v.get("cls", "fsdp"))(ecfg, ocfg, total_steps=v.get("total_steps", 4), seed=0)

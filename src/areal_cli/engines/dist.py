@@ -53,3 +53,25 @@ def destroy_distributed() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def send_to_rank0(t: "torch.Tensor | None", owner: int) -> "torch.Tensor | None":
+    """Move ``t`` from global rank ``owner`` to global rank 0, point to point (only those two call it;
+    the shape and dtype travel first). Returns the tensor on rank 0, None on ``owner`` (unless it is 0)."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    if owner == 0:
+        return t
+    if me == owner:
+        dist.send_object_list([tuple(t.shape), t.dtype], dst=0)
+        dist.send(t.contiguous(), dst=0)
+        return None
+    if me == 0:
+        meta: list = [None, None]
+        dist.recv_object_list(meta, src=owner)
+        out = torch.empty(meta[0], dtype=meta[1])
+        dist.recv(out, src=owner)
+        return out
+    return None

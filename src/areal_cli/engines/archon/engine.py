@@ -30,6 +30,7 @@ from areal_cli.engines import sampling_mask, ulysses
 from areal_cli.engines.archon import clip, pipeline, vocab_parallel
 from areal_cli.engines.archon.mesh import ArchonMesh, ParallelDims
 from areal_cli.engines.archon.parallelize import parallelize
+from areal_cli.engines.dist import send_to_rank0
 from areal_cli.engines.fsdp import FSDPEngine, _full
 from areal_cli.errors import ConfigError
 
@@ -261,26 +262,8 @@ class ArchonEngine(FSDPEngine):
                 if self.mesh.pp_rank == stage_rank:  # a collective over this stage's FSDP×TP mesh
                     full = _full(mine[j][1]).detach().cpu()
                 if self.mesh.is_stage_head or src_rank0:
-                    full = self._to_rank0(full, head_of[stage_rank], name)
+                    full = send_to_rank0(full, head_of[stage_rank])
                 yield name, (full if src_rank0 else None)
-
-    def _to_rank0(self, t: torch.Tensor | None, owner: int, name: str) -> torch.Tensor | None:
-        """Point-to-point from the owning stage's head to global rank 0 (only those two call it)."""
-        me = dist.get_rank()
-        if owner == 0:
-            return t
-        if me == owner:
-            meta = [tuple(t.shape), t.dtype]
-            dist.send_object_list(meta, dst=0)
-            dist.send(t.contiguous(), dst=0)
-            return None
-        if me == 0:
-            meta: list[Any] = [None, None]
-            dist.recv_object_list(meta, src=owner)
-            out = torch.empty(meta[0], dtype=meta[1])
-            dist.recv(out, src=owner)
-            return out
-        return None
 
     def _load_hf(self, path: str) -> None:
         if self.pipe is None:

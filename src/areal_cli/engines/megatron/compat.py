@@ -14,11 +14,9 @@ Not patches but configuration (set in :mod:`.model`, documented there): ``batch_
 p2p under gloo with virtual stages swaps activations silently), ``moe_token_dispatcher_type="alltoall"``
 (``variable_seq_lengths`` is otherwise rejected even for dense models), ``perform_initialization=True``
 (otherwise TP attributes are never set), dropout 0 (the RNG tracker below forks nothing).
-Still to come with the engine: sequence parallelism's all-gather buffers
-(``tensor_parallel/layers.py:552, :597, :607``), the DDP grad buffers, optimizer and grad clipping allocate
-on CUDA
-(``distributed/param_and_grad_buffer.py:768-806``, ``optimizer/optimizer.py:473-485``,
-``optimizer/clip_grads.py:90-174``); they need patches of the same form.
+The training path (mcore's DDP, its optimizers and sequence parallelism) adds patches of the same two
+forms: a module-scoped ``torch`` for allocations on CUDA, and a call-scoped ``Tensor.type`` that names a
+CPU tensor's type as its CUDA twin where mcore checks ``param.type() == 'torch.cuda.FloatTensor'``.
 """
 
 from __future__ import annotations
@@ -167,6 +165,46 @@ def _tied_embedding_patch() -> Patch:
                  "embeddings under PP (Torch not compiled with CUDA)", apply, revert)
 
 
+def _cuda_type_names_patch(name: str, owner: str, attr: str, works_around: str) -> Patch:
+    """Run ``owner.attr`` with ``Tensor.type()`` answering ``torch.cuda.FloatTensor`` (etc.) for CPU tensors,
+    for that call only: mcore 0.16.1 validates parameter dtypes by CUDA type name."""
+    state: dict[str, Any] = {}
+
+    def apply() -> None:
+        import torch
+
+        mod = importlib.import_module(owner.split(":")[0])
+        target = getattr(mod, owner.split(":")[1]) if ":" in owner else mod
+        raw = state.setdefault("orig", target.__dict__[attr] if isinstance(target, type) else getattr(target, attr))
+        state["target"] = target
+        kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+        orig = raw.__func__ if kind is not None else raw
+
+        def cuda_typed(*a: Any, **k: Any) -> Any:
+            real = torch.Tensor.type
+
+            def type_(t: Any, *ta: Any, **tk: Any) -> Any:
+                r = real(t, *ta, **tk)
+                if not ta and not tk and isinstance(r, str) and r.startswith("torch.") \
+                        and not r.startswith("torch.cuda."):
+                    return "torch.cuda." + r[len("torch."):]
+                return r
+
+            torch.Tensor.type = type_  # type: ignore[method-assign]
+            try:
+                return orig(*a, **k)
+            finally:
+                torch.Tensor.type = real  # type: ignore[method-assign]
+
+        setattr(target, attr, kind(cuda_typed) if kind is not None else cuda_typed)
+
+    def revert() -> None:
+        if "orig" in state:
+            setattr(state["target"], attr, state["orig"])
+
+    return Patch(name, works_around, apply, revert)
+
+
 def _rng_tracker_patch() -> Patch:
     """The default CUDA RNG tracker's ``fork()`` (attention dropout, every forward) needs a CUDA RNG
     state; mcore's inference tracker forks nothing. Dropout is 0 in RL fine-tuning, so nothing is lost."""
@@ -209,6 +247,37 @@ def patches() -> list[Patch]:
                             "(the attention score buffer, transformer/dot_product_attention.py:189)"),
         _tied_embedding_patch(),
         _rng_tracker_patch(),
+        # --- the training path: DDP, optimizers, sequence parallelism
+        _module_torch_patch("grad_buffers", "megatron.core.distributed.param_and_grad_buffer",
+                            "distributed/param_and_grad_buffer.py:768-806 the DDP param/grad buffers are "
+                            "allocated on torch.cuda.current_device()"),
+        _module_torch_patch("optimizer_buffers", "megatron.core.optimizer.optimizer",
+                            "optimizer/optimizer.py:473-485, :907 found_inf / loss-scale tensors on "
+                            "device='cuda'"),
+        _module_torch_patch("grad_norm", "megatron.core.optimizer.clip_grads",
+                            "optimizer/clip_grads.py:90, :103, :115, :174 the grad norm and overflow "
+                            "buffers on device='cuda'"),
+        # optimizer.py imports the function by name: patch the name it calls
+        _cuda_type_names_patch("grad_clip_type_check", "megatron.core.optimizer.optimizer",
+                               "clip_grad_by_total_norm_fp32",
+                               "optimizer/clip_grads.py:167 asserts param.grad.type() == "
+                               "'torch.cuda.FloatTensor' (called from optimizer/optimizer.py:215)"),
+        _cuda_type_names_patch("distributed_optimizer_type_check",
+                               "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+                               "_build_model_and_main_param_groups",
+                               "optimizer/distrib_optimizer.py:361, :420 parameters must be "
+                               "torch.cuda.{Float,Half,BFloat16}Tensor"),
+        _cuda_type_names_patch("float16_optimizer_type_check",
+                               "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params",
+                               "__init__",
+                               "optimizer/optimizer.py:671, :690 parameters must be "
+                               "torch.cuda.{Float,Half,BFloat16}Tensor"),
+        _module_torch_patch("sequence_parallel_buffers", "megatron.core.tensor_parallel.layers",
+                            "tensor_parallel/layers.py:552, :597, :607 sequence parallelism all-gathers "
+                            "into buffers on torch.cuda.current_device()"),
+        _module_torch_patch("sequence_parallel_mappings", "megatron.core.tensor_parallel.mappings",
+                            "tensor_parallel/mappings.py:91, :141, :148, :181 sequence-parallel gather and "
+                            "reduce-scatter outputs on torch.cuda.current_device()"),
     ]
 
 

@@ -16,7 +16,7 @@ and would be one more private API pinned with ``--no-deps``. The mapping is smal
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .model import HFArch
@@ -24,6 +24,8 @@ from .model import HFArch
 _EMB = "embedding.word_embeddings.weight"
 _OUT = "output_layer.weight"
 _NORM = "decoder.final_layernorm.weight"
+# a critic's value head (engine.py's ValueHead) replaces the output layer: HF keeps it as lm_head.{weight,bias}
+_VALUE = ("output_layer.head.weight", "output_layer.head.bias")
 
 
 def _norm_names(model: Any) -> tuple[str, str]:
@@ -73,8 +75,10 @@ def hf_to_mcore(hf: Mapping[str, Any], arch: HFArch, model: Any, tp_rank: int, t
         out[_EMB] = col(hf["model.embed_tokens.weight"])
     if model.post_process:
         out[_NORM] = hf["model.norm.weight"].clone()
+        if _VALUE[0] in model.state_dict():  # replicated on every TP rank, like the final norm
+            out[_VALUE[0]], out[_VALUE[1]] = hf["lm_head.weight"].clone(), hf["lm_head.bias"].clone()
         # one stage with tied weights: output_layer is the embedding itself
-        if not (arch.tied and model.pre_process):
+        elif not (arch.tied and model.pre_process):
             out[_OUT] = col(hf["model.embed_tokens.weight" if arch.tied else "lm_head.weight"])
     in_norm, mlp_norm = _norm_names(model)
     for j, i in _layer_map(model):
@@ -118,36 +122,73 @@ def _gather(t: Any, dim: int, group: Any, tp: int) -> Any:
     return torch.cat(parts, dim)
 
 
-def mcore_to_hf(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int) -> dict[str, Any]:
-    """The HF tensors this rank's chunks own, TP-gathered (a collective over ``tp_group``: every TP rank
-    calls it). Each PP stage returns only its own layers; the union over stages is the full HF dict."""
-    out: dict[str, Any] = {}
+def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int) -> list[tuple[str, Callable[[], Any]]]:
+    """``(HF name, thunk)`` for every HF tensor this rank's chunks own, in a fixed order. Calling a thunk
+    TP-gathers that one tensor (a collective over ``tp_group``: every TP rank calls the same thunks in the
+    same order), so an exporter holds one full tensor at a time. Each PP stage lists only its own layers;
+    the union over stages is the full HF dict."""
+    out: list[tuple[str, Callable[[], Any]]] = []
+
+    def add(name: str, fn: Callable[[], Any]) -> None:
+        out.append((name, fn))
+
     for model in models:
         sd = model.state_dict()
         in_norm, mlp_norm = _norm_names(model)
+
+        def gathered(key: str, dim: int, sd=sd) -> Callable[[], Any]:
+            return lambda: _gather(sd[key], dim, tp_group, tp)
+
+        def copied(key: str, sd=sd) -> Callable[[], Any]:
+            return lambda: sd[key].detach().clone()
+
         if model.pre_process:
-            out["model.embed_tokens.weight"] = _gather(sd[_EMB], 0, tp_group, tp)
-        if model.post_process:
-            out["model.norm.weight"] = sd[_NORM].detach().clone()
-            if not arch.tied:
-                out["lm_head.weight"] = _gather(sd[_OUT], 0, tp_group, tp)
+            add("model.embed_tokens.weight", gathered(_EMB, 0))
         for j, i in _layer_map(model):
             p, m = f"model.layers.{i}.", f"decoder.layers.{j}."
             a = p + "self_attn."
-            names = ["q_proj", "k_proj", "v_proj"]
-            qkv = _split_qkv(arch, _gather(sd[m + "self_attention.linear_qkv.weight"], 0, tp_group, tp))
-            out.update({f"{a}{n}.weight": t.clone() for n, t in zip(names, qkv)})
-            if arch.qkv_bias:
-                qkv = _split_qkv(arch, _gather(sd[m + "self_attention.linear_qkv.bias"], 0, tp_group, tp))
-                out.update({f"{a}{n}.bias": t.clone() for n, t in zip(names, qkv)})
+            for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
+                qkv = _qkv_parts(arch, gathered(m + f"self_attention.linear_qkv.{kind}", 0))
+                for n, fn in zip(("q_proj", "k_proj", "v_proj"), qkv):
+                    add(f"{a}{n}.{kind}", fn)
             if arch.qk_norm:
-                out[a + "q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"].detach().clone()
-                out[a + "k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"].detach().clone()
-            out[a + "o_proj.weight"] = _gather(sd[m + "self_attention.linear_proj.weight"], 1, tp_group, tp)
-            gate, up = sd[m + "mlp.linear_fc1.weight"].chunk(2, 0)  # this rank's [gate_shard; up_shard]
-            out[p + "mlp.gate_proj.weight"] = _gather(gate, 0, tp_group, tp)
-            out[p + "mlp.up_proj.weight"] = _gather(up, 0, tp_group, tp)
-            out[p + "mlp.down_proj.weight"] = _gather(sd[m + "mlp.linear_fc2.weight"], 1, tp_group, tp)
-            out[p + "input_layernorm.weight"] = sd[m + in_norm].detach().clone()
-            out[p + "post_attention_layernorm.weight"] = sd[m + mlp_norm].detach().clone()
+                add(a + "q_norm.weight", copied(m + "self_attention.q_layernorm.weight"))
+                add(a + "k_norm.weight", copied(m + "self_attention.k_layernorm.weight"))
+            add(a + "o_proj.weight", gathered(m + "self_attention.linear_proj.weight", 1))
+            fc1 = sd[m + "mlp.linear_fc1.weight"]  # this rank's [gate_shard; up_shard]
+            add(p + "mlp.gate_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[0], 0, tp_group, tp))
+            add(p + "mlp.up_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[1], 0, tp_group, tp))
+            add(p + "mlp.down_proj.weight", gathered(m + "mlp.linear_fc2.weight", 1))
+            add(p + "input_layernorm.weight", copied(m + in_norm))
+            add(p + "post_attention_layernorm.weight", copied(m + mlp_norm))
+        if model.post_process:
+            add("model.norm.weight", copied(_NORM))
+            if _VALUE[0] in sd:
+                add("lm_head.weight", copied(_VALUE[0]))
+                add("lm_head.bias", copied(_VALUE[1]))
+            elif not arch.tied:
+                add("lm_head.weight", gathered(_OUT, 0))
     return out
+
+
+def _qkv_parts(arch: HFArch, fused: Callable[[], Any]) -> list[Callable[[], Any]]:
+    """Three thunks over one gather of the fused qkv tensor (the gather runs on the first call)."""
+    box: list[Any] = []
+
+    def part(k: int) -> Callable[[], Any]:
+        def fn() -> Any:
+            if not box:
+                box.extend(_split_qkv(arch, fused()))
+            t = box[k].clone()
+            if k == 2:
+                box.clear()
+            return t
+        return fn
+
+    return [part(0), part(1), part(2)]
+
+
+def mcore_to_hf(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int) -> dict[str, Any]:
+    """The HF tensors this rank's chunks own, TP-gathered (a collective over ``tp_group``: every TP rank
+    calls it), as one dict; see :func:`hf_tensors`."""
+    return {name: fn() for name, fn in hf_tensors(models, arch, tp_group, tp)}

@@ -153,6 +153,20 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     )
 
 
+def _local_norm_cls() -> Any:
+    """torch's RMSNorm behind mcore's norm constructor. mcore's own torch fallback (``WrappedTorchNorm``)
+    refuses sequence parallelism; this one marks its weight ``sequence_parallel`` instead, which is what
+    ``finalize_model_grads`` reads to sum the norm's gradients over the t ranks (each saw 1/t of the tokens)."""
+    import torch
+
+    class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+        def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any):
+            super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+            self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    return SequenceParallelRMSNorm
+
+
 def layer_spec(arch: HFArch, use_te: bool | None = None) -> Any:
     if use_te is None:
         use_te = te_available()
@@ -162,7 +176,23 @@ def layer_spec(arch: HFArch, use_te: bool | None = None) -> Any:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    norm = _local_norm_cls()
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+    attn = spec.submodules.self_attention.submodules
+    if arch.qk_norm:  # per-head norms see whole sequences; mcore sums their grads over t by name
+        attn.q_layernorm = attn.k_layernorm = norm
+    return spec
+
+
+def _block_spec(layer: Any, config: Any, vp_stage: int | None, use_te: bool) -> Any:
+    """The local spec's block with our norm as the final norm (mcore's default would be WrappedTorchNorm)."""
+    if use_te:
+        return layer
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=_local_norm_cls())
 
 
 def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None) -> list[Any]:
@@ -177,11 +207,13 @@ def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None) -> li
     pp = mpu.get_pipeline_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     vpp = config.virtual_pipeline_model_parallel_size or 1
+    use_te = te_available() if use_te is None else use_te
     spec = layer_spec(arch, use_te)
     chunks = []
     for c in range(vpp):
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
+            config=config, transformer_layer_spec=_block_spec(spec, config, c if vpp > 1 else None, use_te),
+            vocab_size=arch.vocab_size,
             max_sequence_length=arch.max_position_embeddings, pre_process=pp_rank == 0 and c == 0,
             post_process=pp_rank == pp - 1 and c == vpp - 1, share_embeddings_and_output_weights=arch.tied,
             position_embedding_type="rope", rotary_base=arch.rope_theta,

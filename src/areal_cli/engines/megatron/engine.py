@@ -1,0 +1,590 @@
+"""The Megatron engine: megatron-core ``GPTModel`` chunks under mcore's DDP, optimizer and pipeline schedules.
+
+TP, PP (with interleaved virtual stages) and DP come from ``megatron.core.parallel_state``; sequence
+parallelism rides on TP. The same code runs on CUDA/NCCL (TransformerEngine layer spec when installed) and on
+CPU/gloo (the local spec plus :mod:`.compat`'s patches, applied only when CUDA is absent).
+
+What it shares with :class:`~areal_cli.engines.fsdp.FSDPEngine` it inherits: micro-batch splitting and the
+global loss normalisation (``weight / global weight``), stats reduction, HF export and the weight-sync senders
+(fed by :meth:`_named_full_tensors`). What is mcore's own is here:
+
+- Micro-batches are right-padded rows with an explicit ``[b, 1, s, s]`` mask (True = hidden): without
+  TransformerEngine, mcore cannot pack several sequences into one row (rope positions restart per sequence
+  only under TE's THD format).
+- mcore divides each micro-batch loss by the number of micro-batches, and its DDP scales gradients by 1/dp
+  before summing them: the loss handed to mcore is multiplied by both, so the gradients are the engine's
+  global normalisation, as under FSDP.
+- Logprobs and entropy come from vocab-parallel logits ``[b, s, V/t]`` without gathering the vocabulary
+  (the Archon engine's vocab-parallel kernels), and a critic's value head replaces the output layer.
+- Learning-rate schedules are the engine's own (set on the optimizer's param groups before each step);
+  clipping is mcore's (its norm counts TP-sharded parameters once, over TP, PP and, with the distributed
+  optimizer, DP).
+- Checkpoints are per rank (model chunks, the inner optimizers' state and their master weights): they resume
+  bit-exact at the same layout. An HF export loads into any layout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_cli.api.engine_api import Batch
+from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
+from areal_cli.data import packing
+from areal_cli.engines import sampling_mask
+from areal_cli.engines.dist import send_to_rank0
+from areal_cli.engines.fsdp import VALUE_HEAD_FILE, FSDPEngine, _rng_state, _set_rng_state
+from areal_cli.errors import ConfigError
+
+CKPT_FILE = "megatron_rank{rank}.pt"
+_LIVE: list["MegatronEngine"] = []  # engines sharing mcore's process-global parallel state
+
+
+class ValueHead(torch.nn.Module):
+    """A critic's ``Linear(hidden, 1)`` in the output layer's place, replicated on every TP rank.
+
+    Called as mcore calls its output layer (``[s, b, h]`` in, ``(out, bias)`` back). Under sequence
+    parallelism the hidden states arrive cut along the sequence: they are gathered first, so every TP rank sees
+    whole rows and computes the same values and gradients; the backward then only keeps each rank's slice
+    (a reduce-scatter would count the t identical copies t times).
+    """
+
+    def __init__(self, hidden: int, sequence_parallel: bool, dtype: torch.dtype):
+        super().__init__()
+        self.head = torch.nn.Linear(hidden, 1, bias=True, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **_: Any):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return self.head(hidden), None
+
+
+class MegatronEngine(FSDPEngine):
+    """megatron-core TP × PP (× virtual stages) × DP training of dense Qwen2/2.5, Qwen3 and Llama models."""
+
+    dims = "dtp"
+
+    # ------------------------------------------------------------------ setup
+    def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
+        from areal_cli.engines.dist import default_device, init_distributed
+        from areal_cli.engines.megatron import compat, convert
+        from areal_cli.engines.megatron import model as mm
+
+        init_distributed()
+        self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
+        self.parallel, self.model_path = parallel, model_path
+        if parallel.cp > 1:
+            raise ConfigError("allocation_mode.spec", "engine=megatron does not run context parallelism (c) in "
+                              "this release: mcore's needs TransformerEngine's attention",
+                              "drop c, or use engine=archon (Ulysses c)")
+        if parallel.ep > 1:
+            raise ConfigError("allocation_mode.spec", "engine=megatron runs dense models only in this release",
+                              "drop e; expert parallelism is planned for MoE models")
+        if not (Path(model_path) / "config.json").is_file():
+            raise ConfigError("model.path", f"{model_path} is not an HF model dir (no config.json)",
+                              "point model.path at a local dir with config.json and safetensors")
+        compat.check_version()
+        if self.device.type == "cpu":
+            compat.apply_cpu_compat()
+        mc = self.cfg.megatron
+        tp, pp, vpp = parallel.tp, parallel.pp, int(mc.virtual_stages)
+        if vpp > 1 and pp == 1:
+            raise ConfigError("engine.megatron.virtual_stages", f"{vpp} virtual stages need pipeline parallelism",
+                              "set p > 1 in allocation_mode, or engine.megatron.virtual_stages=1")
+        hf_model, dtype = self._load_hf_model(model_path)  # value head attached for a critic
+        self.hf_config = hf_model.config
+        self.mc_arch = arch = mm.hf_arch(hf_model.config)
+        mm.check_layout(arch, tp, pp, vpp)
+        self._init_parallel_state(tp, pp, vpp)
+        self.sequence_parallel = bool(mc.sequence_parallel) and tp > 1
+        mixed = dtype == torch.bfloat16 or self.cfg.mixed_precision
+        config = mm.transformer_config(arch, tp=tp, pp=pp, vpp=vpp, sequence_parallel=self.sequence_parallel,
+                                       dtype=torch.bfloat16 if mixed else torch.float32)
+        self._recompute(config)
+        self.tconfig = config
+        torch.manual_seed(self.seed)
+        chunks = mm.build_chunks(arch, config)
+        if self.critic:
+            for c in chunks:
+                if c.post_process:
+                    c.output_layer = ValueHead(arch.hidden_size, self.sequence_parallel, config.params_dtype)
+        hf_sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        del hf_model
+        convert.load_hf(chunks, hf_sd, arch, self.tp_rank, tp)
+        del hf_sd
+        for c in chunks:
+            c.to(self.device)
+        self.chunks = chunks
+        if self.optim_cfg is not None:
+            self.model = torch.nn.ModuleList(self._wrap_ddp(chunks, config))
+            self._build_mcore_optimizer(mixed)
+        else:
+            self.model = torch.nn.ModuleList(chunks)
+            self.model.eval()
+        self._coords = self._gather_coords()
+
+    def _init_parallel_state(self, tp: int, pp: int, vpp: int) -> None:
+        """mcore's process groups are process-global: the first engine creates them, later engines of the
+        same process (a reference model, a critic) must ask for the same layout."""
+        from megatron.core import parallel_state as mpu
+
+        if mpu.model_parallel_is_initialized():
+            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
+            if have != (tp, pp):
+                raise ConfigError("allocation_mode.spec", f"this process already runs megatron at t{have[0]}p"
+                                  f"{have[1]}; another engine asks for t{tp}p{pp}",
+                                  "give every megatron engine of one trainer the same t and p")
+            self.tp_rank = mpu.get_tensor_model_parallel_rank()
+            _LIVE.append(self)
+            return
+        if dist.get_world_size() % (tp * pp):
+            raise ConfigError("allocation_mode.spec", f"t{tp} × p{pp} does not divide the "
+                              f"{dist.get_world_size()} trainer processes", "make d × t × p the world size")
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+        self.tp_rank = mpu.get_tensor_model_parallel_rank()
+        _LIVE.append(self)
+
+    def _recompute(self, config: Any) -> None:
+        if not self.cfg.gradient_checkpointing:
+            return
+        g = self.cfg.megatron.recompute_granularity
+        if g not in ("selective", "full"):
+            raise ConfigError("engine.megatron.recompute_granularity", f"unknown granularity {g!r}",
+                              "use selective (core attention) or full (whole layers)")
+        config.recompute_granularity = g
+        if g == "full":
+            config.recompute_method, config.recompute_num_layers = "uniform", 1
+
+    def _wrap_ddp(self, chunks: list, config: Any) -> list:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
+            use_distributed_optimizer=bool(self.cfg.megatron.use_distributed_optimizer))
+        models = [DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=c) for c in chunks]
+        # grads sync once, after the last micro-batch: the schedules use these hooks
+        config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        return models
+
+    def _build_mcore_optimizer(self, mixed: bool) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from areal_cli.utils.optim import lr_factor
+
+        o = self.optim_cfg
+        if o.lr <= 0:
+            raise ConfigError("algo.optim.lr", f"must be positive, got {o.lr}", "set e.g. algo.optim.lr=1e-5")
+        lr_factor(0, kind=o.lr_scheduler, warmup_steps=0, total_steps=1)  # validates the schedule name
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.beta1, adam_beta2=o.beta2,
+            adam_eps=o.eps, bf16=mixed, fp16=False, params_dtype=torch.float32,
+            use_distributed_optimizer=bool(self.cfg.megatron.use_distributed_optimizer),
+            # clipping happens in _optimizer_step, where a non-finite norm skips the step as under fsdp
+            clip_grad=0.0)
+        # config_overrides={}: weight decay on every parameter, as the fsdp engine's AdamW (mcore's default
+        # skips biases and norms)
+        self.optimizer = get_megatron_optimizer(ocfg, list(self.model), config_overrides={})
+        self.scheduler = None
+        self._base_lrs = [g.get("lr", o.lr) for g in self.optimizer.param_groups]
+
+    def _gather_coords(self) -> list[tuple[int, int, int]]:
+        """(pp, tp, dp) rank of every global rank: who owns which stage's tensors for export."""
+        from megatron.core import parallel_state as mpu
+
+        me = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
+              mpu.get_data_parallel_rank())
+        table: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(table, me)
+        return [tuple(t) for t in table]
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def dp_group(self):
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_group()
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_rank()
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.parallel.dp
+
+    @property
+    def cp_group(self):
+        return None
+
+    @property
+    def is_dp_head(self) -> bool:
+        pp_rank, tp_rank, _ = self._coords[dist.get_rank()]
+        return pp_rank == 0 and tp_rank == 0
+
+    @property
+    def _tp_group(self):
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_tensor_model_parallel_group()
+
+    @property
+    def _pp_group(self):
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_pipeline_model_parallel_group()
+
+    def _share_batch(self, batch: Batch | None) -> Batch:
+        """Every rank of a replica (its tp × pp ranks) works on the head's batch."""
+        from megatron.core import parallel_state as mpu
+
+        if self.parallel.tp * self.parallel.pp > 1:
+            group = mpu.get_model_parallel_group()
+            obj = [None if batch is None else {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                               for k, v in batch.items()}]
+            dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
+            batch = obj[0]
+        if batch is None:
+            raise ValueError("train_batch/forward: the data-parallel head must pass a batch")
+        return batch
+
+    def _shares_prefix(self, output: str) -> bool:
+        return False  # rows are padded, not packed: no shared-prefix layout
+
+    def _split(self, batch: Batch, output: str) -> tuple[list[list[int]], int]:
+        """As fsdp's, then padded to a count mcore's schedule accepts: interleaved 1F1B needs a multiple of p."""
+        bins, n_mb = super()._split(batch, output)
+        if (self.tconfig.virtual_pipeline_model_parallel_size or 1) > 1:
+            pp = self.parallel.pp
+            n_mb = max(pp, -(-n_mb // pp) * pp)
+        return bins, n_mb
+
+    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          cutoffs: torch.Tensor | None = None):
+        if self.parallel.tp == 1:
+            return super()._logprobs_entropy(logits, targets, temperature, cutoffs)
+        from areal_cli.engines.archon import vocab_parallel
+
+        return vocab_parallel.logprobs_entropy(logits, targets, temperature, group=self._tp_group,
+                                               vocab_size=int(self.mc_arch.vocab_size),
+                                               cutoffs=None if cutoffs is None else cutoffs.to(logits.device))
+
+    # ------------------------------------------------------------------ micro-batches through mcore
+    def _mb_inputs(self, mb: Batch, shape: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        """Right-padded rows (to a multiple of t under sequence parallelism, or to ``shape``) and mcore's mask
+        (True = hidden). Padding rows are all padding and carry no loss."""
+        ids, am = mb["input_ids"], mb["attention_mask"].bool()
+        b, n = ids.shape
+        mult = self.parallel.tp if self.sequence_parallel else 1
+        B, L = shape or (b, max(mult, -(-n // mult) * mult))
+        ids = torch.cat([ids, ids.new_full((b, L - n), self.pad_token_id)], 1)
+        am = torch.cat([am, am.new_zeros((b, L - n))], 1)
+        ids = torch.cat([ids, ids.new_full((B - b, L), self.pad_token_id)], 0)
+        am = torch.cat([am, am.new_zeros((B - b, L))], 0)
+        dev = self.device
+        return {"input_ids": ids.to(dev), "position_ids": torch.arange(L, device=dev)[None].expand(B, L),
+                "mask": (~packing.padded_causal_mask(am)).to(dev), "n": n, "b": b}
+
+    def _step_shape(self, mbs: list[Batch]) -> tuple[int, int] | None:
+        """One ``[rows, length]`` for every micro-batch of a step under interleaved 1F1B: its paired
+        send/receive calls exchange tensors of different micro-batches, and with varying shapes gloo
+        receives the wrong sizes (mcore 0.16.1). None: each micro-batch keeps its own shape."""
+        vpp = self.tconfig.virtual_pipeline_model_parallel_size
+        if not vpp or vpp == 1:
+            return None
+        mult = self.parallel.tp if self.sequence_parallel else 1
+        n = max(mb["input_ids"].shape[1] for mb in mbs)
+        return max(mb["input_ids"].shape[0] for mb in mbs), max(mult, -(-n // mult) * mult)
+
+    def _outputs(self, out: torch.Tensor, mb: Batch, x: dict, output: str, temperature: float):
+        """Engine outputs ``[b, n]`` (position convention) from the last stage's ``[b, L, ·]``."""
+        n, b = x["n"], x["b"]
+        out = out[:b]
+        am = mb["attention_mask"].to(self.device).float()
+        if output == "values":
+            return {"values": packing.shift_padded(out[:, :n, 0].float()) * am}
+        ids = x["input_ids"][:b]
+        tgt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        cut = mb.get(sampling_mask.KEY)
+        if cut is not None:
+            cut = sampling_mask.shifted_padded(cut)
+            cut = torch.cat([cut, cut.new_full((cut.shape[0], ids.shape[1] - n), float("-inf"))], 1)
+        lp, ent = self._logprobs_entropy(out, tgt, temperature, cut)
+        return {"logprobs": packing.shift_padded(lp[:, :n]) * am, "entropy": packing.shift_padded(ent[:, :n]) * am}
+
+    def _run_schedule(self, mbs: list[Batch], on_output, forward_only: bool) -> None:
+        """Every micro-batch through mcore's schedule; ``on_output(i, last_stage_output)`` → the loss to
+        backpropagate (called on the last pipeline stage only)."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        # process-global in mcore, which picks the schedule from it: engines of one process may differ
+        vpp = self.tconfig.virtual_pipeline_model_parallel_size
+        mpu.set_virtual_pipeline_model_parallel_world_size(vpp if vpp and vpp > 1 else None)
+        shape = self._step_shape(mbs)
+        inputs = [self._mb_inputs(mb, shape) for mb in mbs]
+
+        def forward_step(data_iterator, model):
+            i = next(data_iterator)
+            x = inputs[i]
+            out = model(x["input_ids"], x["position_ids"], x["mask"])
+            return out, lambda o: (on_output(i, o, x), {})
+
+        n = len(mbs)
+        chunks = list(self.model)
+        its = [iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n))
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=its, model=chunks, num_microbatches=n,
+            seq_length=max(x["input_ids"].shape[1] for x in inputs),
+            micro_batch_size=max(x["input_ids"].shape[0] for x in inputs), forward_only=forward_only)
+
+    def _accumulate_grads(self, batch, loss_fn, loss_weight_fn, temperature):
+        self.model.train()
+        batch = self._share_batch(batch)
+        output = "values" if self.critic else "logprobs"
+        bins, n_mb = self._split(batch, output)
+        mbs = [packing.select_rows(batch, b) for b in bins]
+        weights = [float(loss_weight_fn(mb)) for mb in mbs]
+        total_w = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64)).item())
+        denom = total_w if total_w > 0 else 1.0
+        mbs += [self._dummy_mb() for _ in range(n_mb - len(mbs))]
+        weights += [0.0] * (n_mb - len(weights))
+        # mcore divides each loss by the micro-batch count, and DDP scales grads by 1/dp: undo both
+        undo = float(n_mb * self.parallel.dp)
+        scaled_losses: dict[int, float] = {}
+        stats: dict[int, dict[str, float]] = {}
+
+        def on_output(i: int, out: torch.Tensor, x: dict) -> torch.Tensor:
+            o = self._outputs(out, {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                                    for k, v in mbs[i].items()}, x, output, temperature)
+            if weights[i] == 0.0:
+                return sum(v.sum() for v in o.values()) * 0.0
+            loss, st = loss_fn(o, mbs[i] | {k: v.to(self.device) for k, v in mbs[i].items()
+                                           if isinstance(v, torch.Tensor)})
+            scaled = loss * (weights[i] / denom)
+            scaled_losses[i], stats[i] = float(scaled.detach()), st
+            return scaled * undo
+
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run_schedule(mbs, on_output, forward_only=False)
+        stat_sums: dict[str, float] = {}
+        for i, st in stats.items():
+            for k, v in st.items():
+                stat_sums[k] = stat_sums.get(k, 0.0) + float(v) * weights[i]
+        loss_sum, stat_sums = self._from_last_stage((sum(scaled_losses.values()), stat_sums))
+        return loss_sum, stat_sums, denom, n_mb
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """``obj`` as computed on this replica's last pipeline stage, on every rank of the stage group."""
+        if self.parallel.pp == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._pp_group, self.parallel.pp - 1),
+                                   group=self._pp_group)
+        return box[0]
+
+    # ------------------------------------------------------------------ train / forward
+    def train_batch(self, batch: Batch | None, loss_fn, loss_weight_fn, temperature: float = 1.0) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("train_batch on an inference-only engine (constructed with optim_cfg=None)")
+        loss_sum, stat_sums, denom, n_mb = self._accumulate_grads(batch, loss_fn, loss_weight_fn, temperature)
+        lr = self._set_lr(self.step)
+        grad_norm = self._optimizer_step()
+        self.step += 1
+        return self._reduce_stats(loss_sum, stat_sums, denom, grad_norm, lr, n_mb)
+
+    def _set_lr(self, step: int) -> float:
+        from areal_cli.utils.optim import lr_factor
+
+        o = self.optim_cfg
+        f = lr_factor(step, kind=o.lr_scheduler, warmup_steps=o.warmup_steps, total_steps=max(1, self.total_steps),
+                      min_lr_ratio=o.min_lr_ratio)
+        for g, base in zip(self.optimizer.param_groups, self._base_lrs):
+            g["lr"] = base * f
+        return o.lr * f
+
+    def _optimizer_step(self) -> float:
+        """Clip and step as fsdp does: mcore's grad norm (TP-sharded parameters counted once, summed over the
+        stages); a non-finite norm skips the step."""
+        opt = self.optimizer
+        opt.prepare_grads()
+        norm = float(opt.get_grad_norm())
+        if torch.isfinite(torch.tensor(norm)):
+            if self.optim_cfg.grad_clip > 0:
+                opt.clip_grad_norm(self.optim_cfg.grad_clip)
+            opt.step_with_ready_grads()
+        opt.zero_grad()
+        for m in self.model:
+            m.zero_grad_buffer()
+        return norm
+
+    def _clip_grads(self) -> float:
+        self.optimizer.prepare_grads()
+        return float(self.optimizer.get_grad_norm())
+
+    def warm_up(self, **_: Any) -> None:
+        """A forward/backward through the schedule with a zero loss, then the gradients dropped: lazy
+        allocations (grad buffers, p2p shapes) happen while the first rollout is generated. No optimizer
+        step, so weights and optimizer state are untouched."""
+        if self.optimizer is None:
+            return
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, int(self.mc_arch.vocab_size), (4, 16), generator=g)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+                 "loss_mask": torch.ones_like(ids, dtype=torch.float32)}
+
+        def zero_loss(out, mb):
+            return sum(v.sum() for v in out.values()) * 0.0, {}
+
+        self._accumulate_grads(batch if self.is_dp_head else None, zero_loss, lambda mb: 1.0, 1.0)
+        self.optimizer.zero_grad()
+        for m in self.model:
+            m.zero_grad_buffer()
+
+    @torch.no_grad()
+    def forward(self, batch: Batch | None, output: str = "logprobs", temperature: float = 1.0):
+        if output not in ("logprobs", "values"):
+            raise ValueError(f"output must be 'logprobs' or 'values', got {output!r}")
+        if output == "values" and not self.critic:
+            raise ValueError("forward(output='values') needs an engine built with critic=True")
+        was_training = self.model.training
+        self.model.eval()
+        batch = self._share_batch(batch)
+        bins, n_mb = self._split(batch, output)
+        mbs = [packing.select_rows(batch, b) for b in bins]
+        mbs += [self._dummy_mb() for _ in range(n_mb - len(mbs))]
+        results: dict[int, dict[str, torch.Tensor]] = {}
+
+        def on_output(i: int, out: torch.Tensor, x: dict) -> torch.Tensor:
+            mb = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mbs[i].items()}
+            results[i] = {k: v.float().cpu() for k, v in self._outputs(out, mb, x, output, temperature).items()}
+            return out.new_zeros(())
+
+        self._run_schedule(mbs, on_output, forward_only=True)
+        results = self._from_last_stage(results)
+        B, L = batch["input_ids"].shape
+        keys = ("values",) if output == "values" else ("logprobs", "entropy")
+        res = {k: torch.zeros(B, L, dtype=torch.float32) for k in keys}
+        for i, rows in enumerate(bins):
+            idx = torch.tensor(rows)
+            for k in keys:
+                res[k][idx, : results[i][k].shape[1]] = results[i][k]
+        self.model.train(was_training)
+        return res
+
+    # ------------------------------------------------------------------ full weights
+    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True):
+        """``(HF name, full tensor)`` on global rank 0, ``(name, None)`` elsewhere, one tensor at a time: TP-
+        gathered inside each stage, then sent from the stage's (tp 0, dp 0) rank to rank 0."""
+        from areal_cli.engines.megatron import convert
+
+        pp_rank, tp_rank, dp_rank = self._coords[dist.get_rank()]
+        mine = convert.hf_tensors(self.chunks, self.mc_arch, self._tp_group, self.parallel.tp)
+        table: list[Any] = [None] * self.parallel.pp
+        if self.parallel.pp > 1:
+            dist.all_gather_object(table, [n for n, _ in mine], group=self._pp_group)
+        else:
+            table = [[n for n, _ in mine]]
+        owner = {c[0]: r for r, c in enumerate(self._coords) if c[1] == 0 and c[2] == 0}
+        rank0 = dist.get_rank() == 0
+        for stage, names in enumerate(table):
+            for j, name in enumerate(names):
+                if self.critic and name.startswith("lm_head.") and not include_value_head:
+                    continue
+                full = mine[j][1]().detach().cpu() if pp_rank == stage else None  # a collective over tp
+                if (pp_rank == stage and tp_rank == 0 and dp_rank == 0) or rank0:
+                    full = send_to_rank0(full, owner[stage])
+                yield name, (full if rank0 else None)
+
+    def _load_hf(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        from areal_cli.engines.megatron import convert
+
+        full: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(path).glob("model*.safetensors")):
+            full.update(load_file(str(f)))
+        if self.critic and (Path(path) / VALUE_HEAD_FILE).is_file():
+            full.update({f"lm_head.{k}": v for k, v in load_file(str(Path(path) / VALUE_HEAD_FILE)).items()})
+        with torch.no_grad():
+            convert.load_hf(self.chunks, full, self.mc_arch, self.tp_rank, self.parallel.tp)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()  # fp32 master copies follow the new weights
+
+    # ------------------------------------------------------------------ checkpoints
+    def _inner_optimizers(self) -> list:
+        opts = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return [o.optimizer for o in opts]
+
+    def _layout(self) -> dict[str, int]:
+        p = self.parallel
+        return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "vpp": int(self.cfg.megatron.virtual_stages),
+                "distributed_optimizer": int(bool(self.cfg.megatron.use_distributed_optimizer))}
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format != "dcp":
+            return super().save(meta)
+        Path(meta.path).mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        state: dict[str, Any] = {
+            "layout": self._layout(), "step": self.step, "version": self._version, "rng": _rng_state(),
+            "extra_state": meta.extra_state,
+            "chunks": [{k: v for k, v in c.state_dict().items() if isinstance(v, torch.Tensor)} for c in self.chunks]}
+        if self.optimizer is not None:
+            inner = self._inner_optimizers()
+            state["optim"] = [o.state_dict() for o in inner]
+            # master weights (fp32 copies under bf16, shards under the distributed optimizer)
+            state["main_params"] = [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in inner]
+        torch.save(state, Path(meta.path) / CKPT_FILE.format(rank=dist.get_rank()))
+        dist.barrier()
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format != "dcp":
+            return super().load(meta)
+        f = Path(meta.path) / CKPT_FILE.format(rank=dist.get_rank())
+        if not f.is_file():
+            raise ConfigError("recover.path", f"{meta.path} has no {f.name}",
+                              "point at a dir written by the megatron engine with the same number of processes")
+        state = torch.load(f, weights_only=False)
+        if state["layout"] != self._layout():
+            raise ConfigError("allocation_mode.spec", f"the checkpoint was written at {state['layout']}, this run is "
+                              f"{self._layout()}", "resume with the same layout, or start a new run from an HF "
+                              "export (weight_format=hf), which loads into any layout")
+        with torch.no_grad():
+            for c, sd in zip(self.chunks, state["chunks"], strict=True):
+                missing, unexpected = c.load_state_dict(sd, strict=False)
+                if [k for k in missing if not k.endswith("_extra_state")] or unexpected:
+                    raise RuntimeError(f"megatron checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+            if self.optimizer is not None:
+                for o, osd, mains in zip(self._inner_optimizers(), state["optim"], state["main_params"], strict=True):
+                    o.load_state_dict(osd)
+                    params = [p for g in o.param_groups for p in g["params"]]
+                    for p, saved in zip(params, mains, strict=True):
+                        p.copy_(saved)
+        self.step, self._version = state["step"], state["version"]
+        _set_rng_state(state["rng"])
+        meta.extra_state.update(state.get("extra_state") or {})
+
+    def destroy(self) -> None:
+        """The last megatron engine of the process takes mcore's parallel state with it, so a later engine
+        may run another layout."""
+        super().destroy()
+        if self in _LIVE:
+            _LIVE.remove(self)
+            if not _LIVE:
+                from megatron.core import parallel_state as mpu
+
+                mpu.destroy_model_parallel()
