@@ -136,11 +136,13 @@ class PPOActor:
         if c.kl_coef > 0:
             batch["ref_logp"] = self.compute_logp(batch, engine=self.ref_engine)
         rewards, stats = self._shaped_rewards(batch)
-        token_rewards = None
+        # Per-turn rewards of agent rows (rollout/interaction_cache.py) sit on each turn's last token.
+        token_rewards = batch["token_rewards"].float() * mask if "token_rewards" in batch else None
         if c.kl_coef > 0 and c.kl_in_reward:
             old = batch.get("prox_logp", batch["logprobs"])
-            token_rewards = kl_reward(old, batch["ref_logp"], mask, c.kl_coef, c.kl_estimator, c.kl_clamp)
-            stats["kl_reward"] = float((token_rewards.sum(-1)).mean().item())
+            kl = kl_reward(old, batch["ref_logp"], mask, c.kl_coef, c.kl_estimator, c.kl_clamp)
+            stats["kl_reward"] = float((kl.sum(-1)).mean().item())
+            token_rewards = kl if token_rewards is None else token_rewards + kl
         if c.adv_estimator == "gae" and "values" not in batch:
             raise ValueError("adv_estimator=gae: call PPOCritic.compute_values(batch) before compute_advantages")
         adv, returns = _estimate(c.adv_estimator, rewards=rewards, loss_mask=mask, group_size=self.group_size,

@@ -15,10 +15,32 @@ from pathlib import Path
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 # Minimal ChatML template (the same shape Qwen uses), so prompts built with
-# ``apply_chat_template`` look like the ones real models see.
+# ``apply_chat_template`` look like the ones real models see. Plain messages render exactly as
+# ``<|im_start|>role\ncontent<|im_end|>\n``; ``tools`` go into a system turn as one JSON line each,
+# an assistant's ``tool_calls`` render as Hermes/Qwen ``<tool_call>`` blocks and ``tool`` results as
+# their own turn (what ``inference/server/tool_parsers.py``'s ``hermes`` parser reads back).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% set ns = namespace(start=0) %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\n' }}{% set ns.start = 1 %}{% endif %}"
+    "{{ '<tools>\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools><|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages[ns.start:] %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if loop.index0 > 0 or (message['content'] is string and message['content']) %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{% if fn['arguments'] is string %}{{ fn['arguments'] }}{% else %}{{ fn['arguments'] | tojson }}{% endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from areal_cli.inference.server import openai_compat as OA
 from areal_cli.inference.server import weights as W
 from areal_cli.inference.server.engine import GenerationEngine, Sequence
 from areal_cli.inference.server.sampling import SamplingParams
@@ -120,6 +121,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def bad_request(_request: Request, exc: BadRequest):
         return _err(400, str(exc))
 
+    @app.exception_handler(OA.HTTPError)
+    async def http_error(_request: Request, exc: OA.HTTPError):
+        return _err(exc.status, str(exc))
+
     _openai_routes(app, state, h)
     _info_routes(app, state)
     _admin_routes(app, state, h)
@@ -202,10 +207,9 @@ def _helpers(state: ServerState) -> SimpleNamespace:
     def oa_common(body: dict) -> int:
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by the hf server")
-        n = body.get("n", 1) or 1
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SEQS_PER_REQUEST:
-            raise BadRequest(f"n must be an integer in [1, {MAX_SEQS_PER_REQUEST}], got {n!r}")
-        return n
+        OA.check_model(state, body)
+        OA.refuse_unsupported(body)
+        return OA.parse_n(body)  # n=0 is a 400, not one sample
 
     def parse_version(body: dict, key: str = "weight_version") -> int | None:
         v = body.get(key)
@@ -350,7 +354,8 @@ def _openai_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None
         if want_lp is not None and (not isinstance(want_lp, int) or isinstance(want_lp, bool) or want_lp < 0):
             raise BadRequest(f"logprobs must be a non-negative integer, got {want_lp!r}")
         check_context(len(ids), sp.max_new_tokens, state.context_length)
-        seqs = await asyncio.gather(*[run(ids, sp, None, request) for _ in range(n)])
+        sps = OA.seeded(sp, body.get("seed"), n)
+        seqs = await asyncio.gather(*[OA.generate_resumable(run, ids, p, request) for p in sps])
         choices = []
         for i, s in enumerate(seqs):
             c: dict[str, Any] = {"index": i, "text": text_of(s), "finish_reason": oa_finish(s), "logprobs": None}
@@ -370,31 +375,10 @@ def _openai_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _json(request)
-        n = oa_common(body)
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise BadRequest("messages must be a non-empty list of {role: str, content: str} objects")
-        if body.get("top_logprobs"):
-            raise BadRequest("top_logprobs is not supported by the hf server")
-        sp = openai_sampling(body, max_tokens_key=("max_completion_tokens", "max_tokens"))
-        enc = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-        check_context(len(ids), sp.max_new_tokens, state.context_length)
-        seqs = await asyncio.gather(*[run(ids, sp, None, request) for _ in range(n)])
-        choices = []
-        for i, s in enumerate(seqs):
-            lp = None
-            if body.get("logprobs"):
-                lp = {"content": [{"token": tok_str(t), "logprob": v, "bytes": list(tok_str(t).encode()),
-                                   "top_logprobs": []} for t, v in zip(s.out_ids, s.out_logprobs)]}
-            choices.append({"index": i, "message": {"role": "assistant", "content": text_of(s)},
-                            "finish_reason": oa_finish(s), "logprobs": lp})
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": state.served_model_name, "choices": choices, "usage": usage(seqs),
-                "system_fingerprint": f"weight_version={eng.version}"}
+        out = await OA.chat_completion(state, h, await _json(request), request)
+        if isinstance(out, dict):
+            return out
+        return StreamingResponse(out, media_type="text/event-stream")
 
     @app.get("/v1/models")
     async def models():

@@ -17,6 +17,7 @@ from areal_cli.errors import ConfigError
 _REGISTRY: dict[str, str | Any] = {
     "rlvr": "areal_cli.rollout.workflows.rlvr:RLVRWorkflow",
     "multi_turn": "areal_cli.rollout.workflows.multi_turn:MultiTurnWorkflow",
+    "agent": "areal_cli.rollout.workflows.agent:AgentWorkflow",
 }
 
 

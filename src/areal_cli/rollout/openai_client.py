@@ -1,0 +1,269 @@
+"""An in-process ``openai.AsyncOpenAI`` for agents inside a :class:`RolloutWorkflow`.
+
+``ArealOpenAI(engine, tokenizer)`` *is* an ``openai.AsyncOpenAI``: agent code written for the SDK
+(``client.chat.completions.create(...)``, ``client.responses.create(...)``, the OpenAI Agents SDK's
+``OpenAIChatCompletionsModel(openai_client=client)``) runs unchanged and gets genuine SDK objects
+(``ChatCompletion``, ``ChatCompletionChunk``, ``Response``). No HTTP is involved: each call renders
+the chat template here and generates through the project's inference client (``engine.agenerate``),
+so routing, resume after a weight-update abort (the agent never sees the abort; per-token versions
+record where the policy changed) and per-episode seeding all apply.
+
+Every call lands in :attr:`ArealOpenAI.cache` (:class:`~areal_cli.rollout.interaction_cache.InteractionCache`).
+
+Prompt construction (``prompt_mode``):
+- ``"continue"`` (default): when an earlier call of the episode is this call's message parent and
+  the template is append-only for that step, the prompt is the parent's *real* ids (prompt + output)
+  followed by the template's rendering of what came after the assistant turn (its turn-closing
+  text, tool results, the next generation header). Decoding and re-encoding the model's output
+  would give other ids (retokenization drift: other logprobs, a KL spike); here the ids the model
+  produced are the ids it is trained on, and ``Interaction.retokenized`` records whether a fresh
+  render would have differed. A parent cut at ``length`` gets the end-of-turn token added (masked).
+- ``"template"``: always a fresh render of the messages (then calls are only message-linked).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import openai
+
+from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+from areal_cli.inference.server import tool_parsers as TP
+from areal_cli.inference.server.openai_compat import normalise_messages, parse_tools, refuse_unsupported
+from areal_cli.rollout.interaction_cache import Interaction, InteractionCache
+
+log = logging.getLogger(__name__)
+
+
+def _given(v: Any) -> bool:
+    return v is not None and not isinstance(v, (openai.NotGiven, openai.Omit))
+
+
+def _plain(obj: Any) -> Any:
+    """SDK pydantic objects / TypedDicts -> plain JSON-like data."""
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(exclude_none=True)
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+class _ChunkStream:
+    """What ``create(stream=True)`` returns: an async iterator of ``ChatCompletionChunk``."""
+
+    def __init__(self, chunks: list[Any]):
+        self._chunks = chunks
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for c in self._chunks:
+            yield c
+
+    async def __aenter__(self) -> "_ChunkStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class _Completions:
+    def __init__(self, client: "ArealOpenAI"):
+        self._c = client
+
+    async def create(self, *, messages: Any, model: Any = None, tools: Any = None, tool_choice: Any = None,
+                     max_tokens: Any = None, max_completion_tokens: Any = None, temperature: Any = None,
+                     top_p: Any = None, stop: Any = None, seed: Any = None, n: Any = None, stream: Any = None,
+                     stream_options: Any = None, extra_body: Any = None, store: Any = None,
+                     parallel_tool_calls: Any = None, **kwargs: Any) -> Any:
+        c = self._c
+        if _given(n) and n != 1:
+            raise ValueError(f"n={n}: the in-process client makes one completion per call (each call is one "
+                             "interaction in the cache); call create() n times")
+        refuse_unsupported({k: v for k, v in kwargs.items() if _given(v)})
+        body = {"tools": _plain(tools) if _given(tools) else None,
+                "tool_choice": _plain(tool_choice) if _given(tool_choice) else None}
+        tools_l, choice, parse = parse_tools(body)
+        msgs = normalise_messages(_plain(list(messages)) if isinstance(messages, (list, tuple)) else messages)
+        extra = dict(extra_body) if _given(extra_body) else {}
+        limit = max_completion_tokens if _given(max_completion_tokens) else max_tokens
+        stops = [stop] if isinstance(stop, str) else list(stop) if _given(stop) else []
+        res = await c._complete(msgs, tools_l, choice, parse, limit if _given(limit) else None,
+                                temperature if _given(temperature) else None, top_p if _given(top_p) else None,
+                                stops, seed if _given(seed) else None, extra,
+                                parallel_tool_calls is not False, store is not False)
+        if _given(stream) and stream:
+            return _ChunkStream(c._chunks(res, bool(_given(stream_options) and
+                                                    _plain(stream_options).get("include_usage"))))
+        return res
+
+
+class _Chat:
+    def __init__(self, client: "ArealOpenAI"):
+        self.completions = _Completions(client)
+
+
+class ArealOpenAI(openai.AsyncOpenAI):
+    """See the module docstring. ``engine``: an ``InferenceEngine`` (what a workflow's
+    ``arun_episode`` receives); ``tokenizer``: the policy's HF tokenizer."""
+
+    def __init__(self, engine: Any, tokenizer: Any, *, tool_call_parser: str = "hermes",
+                 prompt_mode: str = "continue", default_max_tokens: int = 512,
+                 max_total_tokens: int | None = None, cache: InteractionCache | None = None,
+                 model_name: str = "areal-policy"):
+        super().__init__(api_key="areal-in-process", base_url="http://in-process.invalid/v1", max_retries=0)
+        if prompt_mode not in ("continue", "template"):
+            raise ValueError(f"prompt_mode must be 'continue' or 'template', got {prompt_mode!r}")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tool_call_parser = TP.check_parser(tool_call_parser)
+        self.prompt_mode = prompt_mode
+        self.default_max_tokens = int(default_max_tokens)
+        self.max_total_tokens = max_total_tokens
+        self.cache = cache if cache is not None else InteractionCache()
+        self.model_name = model_name
+        self._chat = _Chat(self)
+
+    @property
+    def chat(self) -> _Chat:  # type: ignore[override]
+        return self._chat
+
+    @property
+    def responses(self) -> Any:  # type: ignore[override]
+        raise NotImplementedError("the in-process client implements chat.completions only; the Responses API "
+                                  "(responses.create) is not built yet. Use chat.completions (the OpenAI Agents "
+                                  "SDK: OpenAIChatCompletionsModel) or the proxy's /v1/chat/completions")
+
+    # rewards and export, on the episode's cache
+    def set_reward(self, interaction_id: str, reward: float) -> None:
+        self.cache.set_reward(interaction_id, reward)
+
+    def set_last_reward(self, reward: float) -> None:
+        self.cache.set_last_reward(reward)
+
+    def apply_reward_discount(self, turn_discount: float) -> dict[str, float]:
+        return self.cache.apply_discount(turn_discount)
+
+    def export_interactions(self, style: str = "per_call") -> list[dict[str, Any]]:
+        return self.cache.export(style)
+
+    # ------------------------------------------------------------------ prompt
+    def _render(self, msgs: list[dict], tools: list[dict] | None, gen: bool, kw: dict) -> str:
+        if tools is not None:
+            kw = {**kw, "tools": tools}
+        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prompt(self, msgs: list[dict], tools: list[dict] | None, kw: dict
+                ) -> tuple[list[int], Interaction | None, Interaction | None, bool]:
+        """``(prompt ids, message parent, token parent, retokenized)``."""
+        full_text = self._render(msgs, tools, True, kw)
+        fresh = self._encode(full_text)
+        parent = self.cache.find_parent(msgs)
+        if parent is None or self.prompt_mode != "continue" or parent.tools != tools:
+            return fresh, parent, None, False
+        p_text = self._render(parent.messages, tools, True, kw)
+        asst = _template_message(parent.output_message)
+        a_text = self._render(parent.messages + [asst], tools, False, kw)
+        if not (a_text.startswith(p_text) and full_text.startswith(a_text)):
+            log.warning("chat template is not append-only here (e.g. it rewrites earlier turns); call %s "
+                        "gets a fresh render of its messages and starts a new trained row", parent.id)
+            return fresh, parent, None, False
+        turn, tail = a_text[len(p_text):], full_text[len(a_text):]
+        eos_tok = self.tokenizer.eos_token
+        cut = turn.rfind(eos_tok) if eos_tok else -1
+        close = turn[cut + len(eos_tok):] if cut >= 0 else ""
+        ids = list(parent.input_ids) + list(parent.output_ids)
+        eos_id = self.tokenizer.eos_token_id
+        if parent.stop_reason != "stop" and eos_id is not None:
+            ids.append(int(eos_id))  # the turn the model did not finish is closed for it (masked)
+        ids += self._encode(close + tail)
+        return ids, parent, parent, ids != fresh
+
+    # ------------------------------------------------------------------ generation
+    async def _complete(self, msgs: list[dict], tools: list[dict] | None, choice: Any, parse: bool,
+                        limit: int | None, temperature: float | None, top_p: float | None, stops: list[str],
+                        seed: int | None, extra: dict, parallel: bool, store: bool) -> Any:
+        from openai.types.chat import ChatCompletion
+
+        kw = dict(extra.get("chat_template_kwargs") or {})
+        ids, parent, tparent, drift = self._prompt(msgs, tools, kw)
+        budget = self.default_max_tokens if limit is None else int(limit)
+        if self.max_total_tokens is not None:
+            room = self.max_total_tokens - len(ids)
+            if room <= 0:
+                raise ValueError(f"the prompt has {len(ids)} tokens, at or over max_total_tokens="
+                                 f"{self.max_total_tokens}; end the episode or shorten the conversation")
+            budget = min(budget, room)
+        eos = self.tokenizer.eos_token_id
+        t = 1.0 if temperature is None else float(temperature)
+        g = GenerationConfig(temperature=t if t > 0 else 1.0, greedy=t <= 0,
+                             top_p=1.0 if top_p is None else float(top_p), max_new_tokens=budget,
+                             stop=stops, stop_token_ids=[int(eos)] if eos is not None else [], seed=seed)
+        resp = await self.engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=g))
+        out = list(resp.output_tokens)
+        body = out[:-1] if out and resp.stop_reason == "stop" and out[-1] == eos else out
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        for s in stops:  # OpenAI leaves the stop sequence out of the content
+            if s and s in text:
+                text = text[:text.index(s)]
+        finish = "length" if resp.stop_reason == "length" else "stop"
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parse:
+            parsed = TP.parse_tool_calls(text, self.tool_call_parser)
+            if parsed.tool_calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": parsed.tool_calls if parallel else parsed.tool_calls[:1]}
+                finish = "tool_calls" if finish == "stop" else finish
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        completion = ChatCompletion.model_validate({
+            "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None,
+                         "token_ids": out, "token_versions": list(resp.output_versions)}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)},
+            "prompt_token_ids": ids})
+        if store:
+            self.cache.add(Interaction(
+                id=cid, messages=copy.deepcopy(msgs), tools=copy.deepcopy(tools), input_ids=list(ids),
+                output_ids=out, logprobs=list(resp.output_logprobs), versions=list(resp.output_versions),
+                stop_reason=resp.stop_reason, output_message=_template_message(message),
+                parent_id=parent.id if parent else None, token_parent_id=tparent.id if tparent else None,
+                retokenized=drift, response=completion))
+        return completion
+
+    def _chunks(self, comp: Any, include_usage: bool) -> list[Any]:
+        from openai.types.chat import ChatCompletionChunk
+
+        c = comp.choices[0]
+        base = {"id": comp.id, "object": "chat.completion.chunk", "created": comp.created, "model": comp.model}
+        chunks = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        if c.message.content:
+            chunks.append({"index": 0, "delta": {"content": c.message.content}, "finish_reason": None})
+        for k, call in enumerate(c.message.tool_calls or []):
+            chunks.append({"index": 0, "delta": {"tool_calls": [{"index": k, **call.model_dump()}]},
+                           "finish_reason": None})
+        chunks.append({"index": 0, "delta": {}, "finish_reason": c.finish_reason})
+        out = [ChatCompletionChunk.model_validate({**base, "choices": [ch]}) for ch in chunks]
+        if include_usage:
+            out.append(ChatCompletionChunk.model_validate({**base, "choices": [],
+                                                           "usage": comp.usage.model_dump()}))
+        return out
+
+
+def _template_message(message: dict) -> dict:
+    """The assistant message as the next call's ``messages`` will carry it (normalised form)."""
+    m = normalise_messages([json.loads(json.dumps(message))])[0]
+    return m

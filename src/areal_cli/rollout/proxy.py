@@ -1,0 +1,270 @@
+"""Proxy mode: an OpenAI-compatible HTTP endpoint for agents in other processes or languages.
+
+One :class:`AgentProxy` serves many episodes ("sessions"). Each session has its own interaction
+cache (an :class:`~areal_cli.rollout.openai_client.ArealOpenAI` over the trainer's inference client)
+and its own secret key; the agent is handed ``base_url=<proxy>/v1`` and ``api_key=<session key>``
+and uses any OpenAI client unchanged.
+
+| endpoint | key | what |
+|---|---|---|
+| ``POST /rl/grant_capacity`` ``{n=1}`` | admin | allow ``n`` more sessions (the staleness gate) |
+| ``POST /rl/start_session`` ``{task_id?}`` | admin | 429 without capacity; else ``{session_id, api_key}`` |
+| ``POST /v1/chat/completions``, ``GET /v1/models`` | session | the in-process client's semantics (SSE when ``stream``) |
+| ``POST /rl/set_reward`` ``{interaction_id?, reward}`` | session | no id: the last call; 400 empty/unknown; 410 ended |
+| ``POST /rl/end_session`` | session | no more calls; 410 if already ended |
+| ``POST /rl/export`` ``{session_id, style, turn_discount?}`` | admin | 409 before end_session; rows once, then 404 |
+
+A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
+endpoint, is 403. A key only ever reaches its own session (the key *is* the session's identity).
+Sessions idle for longer than ``session_timeout_s`` are collected (on every request and by
+:meth:`AgentProxy.collect_idle`); collecting one returns its capacity unit to nobody (it was used).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request  # a module global: FastAPI resolves the handlers' string annotations here
+
+from areal_cli.rollout.openai_client import ArealOpenAI
+
+
+@dataclass
+class _Session:
+    id: str
+    key: str
+    client: ArealOpenAI
+    last_used: float = field(default_factory=time.monotonic)
+    ended: bool = False
+
+
+class AgentProxy:
+    def __init__(self, engine: Any, tokenizer: Any, *, admin_key: str | None = None,
+                 session_timeout_s: float = 3600.0, **client_kwargs: Any):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.admin_key = admin_key or secrets.token_urlsafe(32)
+        self.session_timeout_s = float(session_timeout_s)
+        self.client_kwargs = client_kwargs
+        self.capacity = 0
+        self.collected = 0
+        self._sessions: dict[str, _Session] = {}  # by session id
+        self._by_key: dict[str, str] = {}
+        self._count = 0
+
+    # ------------------------------------------------------------------ state
+    def collect_idle(self) -> list[str]:
+        now = time.monotonic()
+        gone = [s for s in self._sessions.values() if now - s.last_used > self.session_timeout_s]
+        for s in gone:
+            self._drop(s)
+        self.collected += len(gone)
+        return [s.id for s in gone]
+
+    def _drop(self, s: _Session) -> None:
+        self._sessions.pop(s.id, None)
+        self._by_key.pop(s.key, None)
+
+    def build_app(self) -> Any:
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        from areal_cli.inference.server.schema import BadRequest
+
+        app = FastAPI(title="areal-cli agent proxy")
+
+        def err(status: int, msg: str) -> JSONResponse:
+            return JSONResponse({"error": {"message": msg, "code": status}}, status_code=status)
+
+        def key_of(request: Request) -> str | None:
+            h = request.headers.get("authorization", "")
+            return h[7:] if h[:7].lower() == "bearer " else request.headers.get("x-api-key")
+
+        def is_admin(key: str | None) -> bool:
+            return key is not None and hmac.compare_digest(key.encode(), self.admin_key.encode())
+
+        def admin(request: Request) -> JSONResponse | None:
+            self.collect_idle()
+            key = key_of(request)
+            if is_admin(key):
+                return None
+            if key in self._by_key:
+                return err(403, "this endpoint needs the admin key, not a session key")
+            return err(401, "missing or unknown admin key ('Authorization: Bearer <admin key>')")
+
+        def session(request: Request) -> _Session | JSONResponse:
+            self.collect_idle()
+            key = key_of(request)
+            if is_admin(key):
+                return err(403, "the admin key has no session; use the key start_session returned")
+            sid = self._by_key.get(key or "")
+            if sid is None:
+                return err(401, "missing or unknown session key (it may have ended and been exported, or "
+                                "been collected after idling)")
+            s = self._sessions[sid]
+            s.last_used = time.monotonic()
+            return s
+
+        async def body(request: Request) -> dict:
+            raw = await request.body()
+            try:
+                out = json.loads(raw) if raw else {}
+            except ValueError:
+                raise BadRequest("malformed JSON body") from None
+            if not isinstance(out, dict):
+                raise BadRequest("the body must be a JSON object")
+            return out
+
+        @app.exception_handler(BadRequest)
+        async def bad(_r: Request, e: BadRequest):
+            return err(400, str(e))
+
+        @app.exception_handler(ValueError)
+        async def bad_value(_r: Request, e: ValueError):
+            return err(400, str(e))
+
+        @app.post("/rl/grant_capacity")
+        async def grant(request: Request):
+            if (r := admin(request)) is not None:
+                return r
+            n = (await body(request)).get("n", 1)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise BadRequest(f"n must be a positive integer, got {n!r}")
+            self.capacity += n
+            return {"capacity": self.capacity}
+
+        @app.post("/rl/start_session")
+        async def start(request: Request):
+            if (r := admin(request)) is not None:
+                return r
+            b = await body(request)
+            if self.capacity <= 0:
+                return err(429, "no capacity: the trainer has not granted another episode yet (staleness gate)")
+            self.capacity -= 1
+            self._count += 1
+            sid = f"{b.get('task_id', 'session')}-{self._count}"
+            key = secrets.token_urlsafe(32)
+            self._sessions[sid] = _Session(sid, key, ArealOpenAI(self.engine, self.tokenizer, **self.client_kwargs))
+            self._by_key[key] = sid
+            return {"session_id": sid, "api_key": key}
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            s = session(request)
+            if isinstance(s, JSONResponse):
+                return s
+            return {"object": "list", "data": [{"id": s.client.model_name, "object": "model", "created": 0,
+                                                "owned_by": "areal-cli"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            s = session(request)
+            if isinstance(s, JSONResponse):
+                return s
+            if s.ended:
+                return err(410, f"session {s.id} has ended")
+            b = await body(request)
+            extra = {k: b.pop(k) for k in ("chat_template_kwargs",) if k in b}
+            b.pop("return_token_ids", None)  # the in-process client always adds the token fields
+            out = await s.client.chat.completions.create(**b, extra_body=extra or None)
+            s.last_used = time.monotonic()
+            if not b.get("stream"):
+                return JSONResponse(out.model_dump(exclude_none=True))
+
+            async def sse():
+                async for chunk in out:
+                    yield b"data: " + chunk.model_dump_json(exclude_none=True).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        @app.post("/rl/set_reward")
+        async def set_reward(request: Request):
+            s = session(request)
+            if isinstance(s, JSONResponse):
+                return s
+            if s.ended:
+                return err(410, f"session {s.id} has ended")
+            b = await body(request)
+            iid = b.get("interaction_id")
+            try:
+                if iid is None:
+                    s.client.set_last_reward(b.get("reward"))
+                else:
+                    s.client.set_reward(iid, b.get("reward"))
+            except (KeyError, RuntimeError) as e:
+                return err(400, str(e).strip("'\""))
+            return {"ok": True}
+
+        @app.post("/rl/end_session")
+        async def end(request: Request):
+            s = session(request)
+            if isinstance(s, JSONResponse):
+                return s
+            if s.ended:
+                return err(410, f"session {s.id} has already ended")
+            s.ended = True
+            return {"session_id": s.id, "interaction_count": len(s.client.cache)}
+
+        @app.post("/rl/export")
+        async def export(request: Request):
+            if (r := admin(request)) is not None:
+                return r
+            b = await body(request)
+            s = self._sessions.get(b.get("session_id", ""))
+            if s is None:
+                return err(404, f"no session {b.get('session_id')!r} (never started, already exported, or collected)")
+            if not s.ended:
+                return err(409, f"session {s.id} has not ended; the agent calls /rl/end_session first")
+            if b.get("turn_discount") is not None:
+                s.client.apply_reward_discount(float(b["turn_discount"]))
+            rows = s.client.export_interactions(b.get("style", "per_call"))
+            self._drop(s)
+            return {"session_id": s.id, "rows": rows}
+
+        return app
+
+
+@dataclass
+class ProxyServer:
+    """A proxy served by uvicorn on a thread of this process (``stop()`` to end it)."""
+
+    proxy: AgentProxy
+    address: str
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.address}/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve_proxy(proxy: AgentProxy, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> ProxyServer:
+    import uvicorn
+
+    from areal_cli.utils.network import find_free_port
+
+    port = port or find_free_port(host)
+    server = uvicorn.Server(uvicorn.Config(proxy.build_app(), host=host, port=port, log_level="warning",
+                                           access_log=False, loop="asyncio"))
+    t = threading.Thread(target=server.run, name="areal-agent-proxy", daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not t.is_alive():
+            raise RuntimeError(f"the agent proxy did not start on {host}:{port}")
+        time.sleep(0.02)
+    return ProxyServer(proxy, f"{host}:{port}", server, t)
+
+
+__all__ = ["AgentProxy", "ProxyServer", "serve_proxy"]

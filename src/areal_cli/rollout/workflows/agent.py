@@ -1,0 +1,106 @@
+"""Agent episodes: ordinary ``openai.AsyncOpenAI`` agent code as a rollout workflow.
+
+``workflow.name=agent`` with ``workflow.kwargs.agent=my_pkg.mod:my_agent``, where::
+
+    async def my_agent(client: openai.AsyncOpenAI, data: dict) -> float | dict[str, float] | None
+
+``client`` is an :class:`~areal_cli.rollout.openai_client.ArealOpenAI` for this one episode. The
+return value is the reward: a number goes to the episode's last call, a dict maps interaction ids
+(``completion.id``) to rewards, ``None`` means the agent set them itself (``client.set_reward``).
+``turn_discount`` is then applied once (``rollout/interaction_cache.py`` has the formula).
+
+``group_size`` episodes run per data item. An episode that raises is counted
+(``AgentWorkflow.failed``) and, with ``on_error="drop"`` (default), its group is dropped and the run
+goes on; ``on_error="raise"`` ends the run with the agent's exception.
+
+Rows: ``export_style="per_leaf"`` (default) gives one row per conversation (several trained
+segments); the trainer groups rows by position, so each episode must export exactly one row, which
+holds for any agent that keeps one conversation. ``per_call`` rows (one per call) are for your own
+training code: :meth:`AgentWorkflow.episode_rows` returns them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from typing import Any
+
+from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
+from areal_cli.errors import ConfigError
+from areal_cli.rollout.interaction_cache import rows_to_tensors
+from areal_cli.rollout.openai_client import ArealOpenAI
+from areal_cli.rollout.workflows.common import check_group_and_reward, load_tokenizer, next_group_id, pad_token_id
+
+log = logging.getLogger(__name__)
+
+
+class AgentWorkflow(RolloutWorkflow):
+    def __init__(self, agent: Any, tokenizer: Any, group_size: int = 1, *, turn_discount: float = 1.0,
+                 export_style: str = "per_leaf", on_error: str = "drop", tool_call_parser: str = "hermes",
+                 prompt_mode: str = "continue", default_max_tokens: int = 256,
+                 max_total_tokens: int | None = None, **_ignored: Any):
+        if isinstance(agent, str):
+            from areal_cli.rollout.workflows import import_object
+
+            agent = import_object(agent, "workflow.kwargs.agent")
+        if not callable(agent) or not (inspect.iscoroutinefunction(agent)
+                                       or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
+            raise ConfigError("workflow.kwargs.agent", f"{agent!r} is not an async function",
+                              "define `async def agent(client, data) -> reward` and name it module:function")
+        check_group_and_reward(group_size, agent)
+        if on_error not in ("drop", "raise"):
+            raise ConfigError("workflow.kwargs.on_error", f"must be 'drop' or 'raise', got {on_error!r}",
+                              "set workflow.kwargs.on_error=drop")
+        if export_style not in ("per_leaf", "per_call"):
+            raise ConfigError("workflow.kwargs.export_style", f"must be per_leaf or per_call, got {export_style!r}",
+                              "set workflow.kwargs.export_style=per_leaf")
+        self.agent = agent
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.group_size = group_size
+        self.turn_discount = float(turn_discount)
+        self.export_style = export_style
+        self.on_error = on_error
+        self.client_kwargs = {"tool_call_parser": tool_call_parser, "prompt_mode": prompt_mode,
+                              "default_max_tokens": default_max_tokens, "max_total_tokens": max_total_tokens}
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.failed = 0
+        self.episodes = 0
+
+    async def episode_rows(self, engine: Any, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run one episode; its exported rows (``interaction_cache`` format)."""
+        client = ArealOpenAI(engine, self.tokenizer, **self.client_kwargs)
+        reward = await self.agent(client, data)
+        if isinstance(reward, dict):
+            for iid, r in reward.items():
+                client.set_reward(iid, r)
+        elif reward is not None:
+            client.set_last_reward(reward)
+        if len(client.cache) == 0:
+            raise RuntimeError("the agent made no chat.completions call; there is nothing to train on")
+        if self.export_style == "per_call":
+            client.apply_reward_discount(self.turn_discount)
+        return client.export_interactions(self.export_style)
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Trajectory | None:
+        res = await asyncio.gather(*[self.episode_rows(engine, data) for _ in range(self.group_size)],
+                                   return_exceptions=True)
+        self.episodes += len(res)
+        errors = [r for r in res if isinstance(r, BaseException)]
+        for e in errors:
+            if isinstance(e, asyncio.CancelledError):
+                raise e
+        if errors:
+            self.failed += len(errors)
+            if self.on_error == "raise":
+                raise errors[0]
+            log.warning("%d of %d agent episodes failed (%s: %s); dropping the group", len(errors), len(res),
+                        type(errors[0]).__name__, errors[0])
+            return None
+        rows = [row for r in res for row in r]  # type: ignore[union-attr]
+        if len(rows) != self.group_size:
+            raise RuntimeError(f"{self.group_size} episodes exported {len(rows)} rows; the trainer needs one "
+                               "row per episode (export_style=per_leaf and one conversation per episode)")
+        traj = rows_to_tensors(rows, self.pad_id, next_group_id())
+        traj.meta.update(id=data.get("id"), agent_failed=self.failed)
+        return traj

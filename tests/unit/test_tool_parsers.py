@@ -1,0 +1,62 @@
+"""Tool-call parsers on real model-style outputs, malformed ones and calls inside <think>."""
+
+import json
+
+import pytest
+
+from areal_cli.inference.server.tool_parsers import parse_tool_calls, parser_for_model_type
+
+QWEN_ONE = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+QWEN_TWO = ('Let me compute both.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "mul", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TAG = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 5, "b": 6}}'
+
+# (parser, text, expected [(name, args)], expected content, parse error expected)
+TABLE = [
+    ("hermes", QWEN_ONE, [("add", {"a": 2, "b": 3})], None, False),
+    ("qwen25", QWEN_TWO, [("add", {"a": 1, "b": 2}), ("mul", {"a": 3, "b": 4})], "Let me compute both.", False),
+    ("hermes", "The answer is 5.", [], "The answer is 5.", False),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2,}}\n</tool_call>', [], None, True),  # bad JSON
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2}}', [], None, True),  # cut off, unterminated
+    ("hermes", '<tool_call>\n{"arguments": {"a": 2}}\n</tool_call>', [], None, True),  # no name
+    ("hermes", '<tool_call>\n["add", 1]\n</tool_call>', [], None, True),  # not an object
+    ("hermes", '<think>maybe <tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call></think>The answer is 5.',
+     [], None, False),  # a call only thought about
+    ("hermes", '<think>I should add.</think>\n' + QWEN_ONE, [("add", {"a": 2, "b": 3})],
+     "<think>I should add.</think>", False),
+    ("hermes", '<think>still thinking <tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>', [], None,
+     False),  # unterminated think: all reasoning
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>', [("add", {"a": 1})],
+     None, False),  # arguments already a JSON string
+    ("llama3_json", LLAMA_ONE, [("get_weather", {"city": "Paris"})], None, False),
+    ("llama3_json", LLAMA_TAG, [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 6})], None, False),
+    ("llama3_json", "Paris is sunny today.", [], "Paris is sunny today.", False),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', [], None, True),  # truncated
+    ("llama3_json", '{"name": "f", "parameters": {}} trailing words', [], None, True),
+    ("llama3_json", '<think>{"name": "f", "parameters": {}}</think>It is 5.', [], None, False),
+]
+
+
+@pytest.mark.parametrize("parser, text, calls, content, failed", TABLE)
+def test_parser_table(parser, text, calls, content, failed):
+    out = parse_tool_calls(text, parser)
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in out.tool_calls]
+    assert got == calls
+    if failed:
+        assert out.error and out.content == text  # the raw text, never an exception
+    else:
+        assert out.error is None
+    if not calls:
+        assert out.content == text
+    else:
+        assert out.content == content
+        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in out.tool_calls)
+        assert len({c["id"] for c in out.tool_calls}) == len(out.tool_calls)
+
+
+def test_parser_per_model_family():
+    assert parser_for_model_type("qwen2") == "hermes"
+    assert parser_for_model_type("llama") == "llama3_json"
+    with pytest.raises(ValueError, match="unknown tool_call_parser"):
+        parse_tool_calls("x", "mistral-nope")
