@@ -35,7 +35,13 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     rank, world = init_distributed("gloo")
     out = Path(spec["out"])
-    engine = get_engine_cls(spec.get("engine", "fsdp"))(EngineConfig(), OptimConfig(lr=5e-2), total_steps=10, seed=0)
+    ekw = dict(spec.get("engine_cfg", {}))
+    if "deepspeed" in ekw:
+        from areal_cli.config.engine import DeepSpeedConfig
+
+        ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
+    engine = get_engine_cls(spec.get("engine", "fsdp"))(EngineConfig(**ekw), OptimConfig(lr=5e-2), total_steps=10,
+                                                        seed=0)
     engine.initialize(ParallelStrategy(**spec.get("parallel", {"dp": world})), spec["model_dir"])
     client = RemoteInferenceEngine([spec["address"]], timeout_s=60, retries=1, backoff_s=0.2)
     res: dict = {"pushes": [], "failures": []}

@@ -17,6 +17,16 @@ from areal_cli.config.ranges import ranged
 class DeepSpeedConfig:
     # ZeRO 1 (optimizer), 2 (+gradients), 3 (+parameters) sharded over d×c
     zero_stage: int = ranged(3, ge=0, le=3)  # 0: plain data parallelism
+    # Keep the optimizer's fp32 partition (stage >= 1) / the parameter partition (stage 3) in host
+    # memory and step there. For GPU nodes; on a CPU trainer the device memory is host memory already.
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    # ZeRO's communication bucket (reduce-scatter, all-gather) and the bucket of parameters gathered
+    # at once for HF export and weight sync under ZeRO-3, in millions of elements.
+    bucket_mel: float = ranged(50.0, gt=0)
+    # ZeRO-3 keeps parameters smaller than this many elements whole on every rank (norms, biases):
+    # fewer tiny all-gathers for a little memory.
+    param_persistence_threshold: int = ranged(100_000, ge=0)
 
 
 @dataclass

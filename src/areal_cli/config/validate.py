@@ -95,6 +95,8 @@ def _check_engine_sections(cfg: ExperimentConfig) -> None:
     import dataclasses
 
     spec = get_engine_spec(cfg.engine.name)  # an unknown backend or import path fails here, by name
+    if spec.check_config is not None:
+        spec.check_config(cfg.engine)
     for other in ENGINE_SPECS.values():
         key = other.config_key
         if key is None or key == spec.config_key:

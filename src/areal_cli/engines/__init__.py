@@ -62,6 +62,17 @@ def _archon_layers(engine_cfg: Any, dims: Any, n_layers: int) -> None:
                           f"{n_layers} layers", "use fewer stages: p × pp_virtual_stages ≤ num_hidden_layers")
 
 
+def check_deepspeed_knobs(engine_cfg: Any) -> None:
+    """The ``engine.deepspeed`` knobs that depend on each other."""
+    z = engine_cfg.deepspeed
+    if z.offload_param and z.zero_stage != 3:
+        raise ConfigError("engine.deepspeed.offload_param", f"parameter offload needs ZeRO-3, got zero_stage="
+                          f"{z.zero_stage}", "set engine.deepspeed.zero_stage=3 or drop offload_param")
+    if z.offload_optimizer and z.zero_stage == 0:
+        raise ConfigError("engine.deepspeed.offload_optimizer", "optimizer offload needs ZeRO-1 or higher",
+                          "set engine.deepspeed.zero_stage to 1, 2 or 3, or drop offload_optimizer")
+
+
 def _deepspeed_sharding(engine_cfg: Any) -> Sharding:
     z = int(getattr(getattr(engine_cfg, "deepspeed", None), "zero_stage", 3))
     return Sharding(weights=z >= 3, grads=z >= 2, optimizer=z >= 1, gathers_layers=z >= 3)
@@ -79,6 +90,8 @@ class EngineSpec:
     constraint: Callable[[Any], str | None] | None = None
     # (engine config, dims, num_hidden_layers) -> raises ConfigError; replaces "p divides the layers"
     check_layers: Callable[[Any, Any, int], None] | None = None
+    # engine config -> raises ConfigError for knobs of its own section that contradict each other
+    check_config: Callable[[Any], None] | None = None
 
     @property
     def trainable(self) -> bool:
@@ -95,7 +108,9 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
         EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpc", lambda _: FULL_SHARD,
                    "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP",
                    check_layers=_archon_layers),
-        EngineSpec("deepspeed", None, "dc", _deepspeed_sharding, "deepspeed", "DeepSpeed ZeRO-1/2/3"),
+        EngineSpec("deepspeed", "areal_cli.engines.deepspeed:DeepSpeedEngine", "dc", _deepspeed_sharding,
+                   "deepspeed", "DeepSpeed ZeRO-1/2/3 with Ulysses context parallel (offload on GPU nodes)",
+                   check_config=check_deepspeed_knobs),
     )
 }
 BUILTIN_ENGINES = tuple(ENGINE_SPECS)

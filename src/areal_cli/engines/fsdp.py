@@ -213,7 +213,9 @@ class FSDPEngine(TrainEngine):
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def _dummy_mb(self) -> Batch:
-        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long)
+        # Two tokens: position 1 has an output, so the zero loss is still connected to every parameter
+        # (a one-token row has no prediction, its zero loss no graph, and its backward would fail).
+        ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
                 "loss_mask": torch.zeros_like(ids, dtype=torch.float32)}
 
