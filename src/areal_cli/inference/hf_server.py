@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
-    p.add_argument("--api-key", default=None)
+    # From the environment too, so a launcher can set it without putting it in a logged command line.
+    p.add_argument("--api-key", default=os.environ.get("AREAL_SERVER_API_KEY") or None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial policy version (integer)")

@@ -1,9 +1,10 @@
-"""What every launcher (local, SLURM, SkyPilot) agrees on.
+"""What every launcher (local, SLURM, SkyPilot, Ray) agrees on.
 
 A launcher turns a validated plan into running processes. The plan is first flattened into a
 :class:`JobLayout` (plain, JSON-serialisable): which inference servers run on which node with which
 devices, and how many trainer ranks each node hosts. Launchers differ only in *how* they get a
-process onto a node; what runs on one node is always :func:`areal_cli.launchers.local.run_node`.
+process onto a node; what runs on one node is :func:`areal_cli.launchers.local.run_node`, except under
+Ray, where each process is its own actor (:mod:`areal_cli.launchers.ray`).
 
 Server addresses travel through the run dir (``<run_dir>/servers/<index>.json``, one record per
 live server). It lives on the shared fileroot, so multi-node jobs see one address book, and the
@@ -110,12 +111,17 @@ class Launcher(Protocol):
     def launch(self, cfg: Any, layout: JobLayout, run_dir: str) -> int: ...
 
 
+# The inference servers' api key, when a launcher binds them to a non-loopback address (launcher=ray): the
+# hf server reads it from this variable, the trainer's inference client sends it.
+SERVER_KEY_ENV = "AREAL_SERVER_API_KEY"
+
 # launcher.name → ("module:Class", what to do when its module cannot be imported)
 LAUNCHERS: dict[str, tuple[str, str]] = {
     "local": ("areal_cli.launchers.local:LocalLauncher", "reinstall areal-cli"),
     "slurm": ("areal_cli.launchers.slurm:SlurmLauncher", "install submitit or use launcher=local"),
     "skypilot": ("areal_cli.launchers.skypilot:SkyPilotLauncher",
                  "pip install 'areal-cli[skypilot]' or use launcher=local"),
+    "ray": ("areal_cli.launchers.ray:RayLauncher", "reinstall areal-cli"),
 }
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import ConfigError, DataError
-from areal_cli.launchers.base import JobLayout, ServerSpec, TrainerSpec
+from areal_cli.launchers.base import SERVER_KEY_ENV, JobLayout, ServerSpec, TrainerSpec
 
 
 # ---------------------------------------------------------------- CLI-process side (no torch)
@@ -101,7 +101,7 @@ def build_client(cfg: Any, addresses: list[str], backend: str, tp_sizes: list[in
 
     return RemoteInferenceEngine(addresses, backend=backend, timeout_s=cfg.rollout.request_timeout_s,
                                  retries=cfg.rollout.request_retries, routing=cfg.rollout.routing,
-                                 tp_sizes=tp_sizes)
+                                 tp_sizes=tp_sizes, api_key=os.environ.get(SERVER_KEY_ENV) or None)
 
 
 def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:

@@ -26,6 +26,9 @@ class ManagedProcess:
     cwd: str | None = None
     popen: subprocess.Popen | None = None
     started_at: float = 0.0
+    # Under a supervisor that can be SIGKILLed (a Ray actor killed by `ray.kill` or with its node):
+    # the kernel then kills this child too (PR_SET_PDEATHSIG), so no server or rank outlives it.
+    die_with_parent: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -41,7 +44,8 @@ class ManagedProcess:
                       f"{' '.join(self.argv)}\n".encode())
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=full_env, cwd=self.cwd,
-                                          start_new_session=True)
+                                          start_new_session=True,
+                                          preexec_fn=_die_with_parent if self.die_with_parent else None)
         finally:
             log.close()  # the child holds its own descriptor
         self.started_at = time.time()
@@ -62,6 +66,14 @@ class ManagedProcess:
 
     def tail(self, n: int = 30) -> str:
         return tail_file(self.log_path, n)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL me when the thread that forked me exits (Linux only)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def kill_group(popen: subprocess.Popen, timeout: float = 10.0) -> None:

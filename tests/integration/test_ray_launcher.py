@@ -1,0 +1,290 @@
+"""`areal train launcher=ray` on a real multi-node Ray cluster made on this machine.
+
+Each "node" is its own raylet (`ray start --block`) with one logical CPU, its own name and a custom
+resource; the embedded default (builtin:tiny model, builtin:arith task) runs as 1 hf server + 1 trainer
+rank placed on 2 nodes. Heavy (each run starts Ray workers, a server and a trainer on 2 cores):
+
+    python -m pytest -m ray tests/integration/test_ray_launcher.py     # ≈ 5 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_cluster import LocalRayCluster, ray_env
+from test_train import _records
+from test_train_faults import _wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytest.importorskip("ray")
+
+PREFIX = "areal:rt/"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalRayCluster(tmp_path_factory.mktemp("ray_logs"))
+    try:
+        c.add_node("node-a", 1, {"areal_node_a": 1})
+        c.add_node("node-b", 1, {"areal_node_b": 1})
+        nodes = c.wait_nodes()
+        c.ids = {n["name"]: n["id"] for n in nodes}  # type: ignore[attr-defined]
+        assert c.ids["node-a"] != c.ids["node-b"]  # type: ignore[attr-defined]
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def fileroot(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ray_fileroot")
+
+
+def _args(c: LocalRayCluster, fileroot: Path, trial: str, **extra: object) -> list[str]:
+    base = {
+        "launcher": "ray",
+        "launcher.ray.address": c.address,
+        "cluster.n_nodes": 2,
+        "cluster.n_gpus_per_node": 1,
+        "cluster.fileroot": str(fileroot),
+        "experiment_name": "rt",
+        "trial_name": trial,
+        "trainer.total_steps": 4,
+        "trainer.sft_warmup_steps": 0,
+        "trainer.eval_every": 0,
+        "trainer.save_every": 0,
+        "trainer.recover_every": 0,
+        "algo.batch_size": 2,
+        "rollout.group_size": 2,
+        "rollout.max_head_offpolicyness": 0,
+        "dataset.train_size": 200,
+        "dataset.test_size": 8,
+        "stats.live": "false",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "areal_cli.cli.main", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ray_env(),
+        start_new_session=True,
+    )
+
+
+def _ours_alive(c: LocalRayCluster, trial: str) -> list[dict]:
+    return [
+        a
+        for a in c.list_actors()
+        if str(a.get("name", "")).startswith(f"{PREFIX}{trial}:") and a["state"] != "DEAD"
+    ]
+
+
+def _wait_no_actors(c: LocalRayCluster, trial: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    alive = _ours_alive(c, trial)
+    while alive and time.time() < deadline:
+        time.sleep(1)
+        alive = _ours_alive(c, trial)
+    assert alive == [], [(a["name"], a["state"]) for a in alive]
+
+
+def _pids_dead(pids: list[int]) -> None:
+    import psutil
+
+    time.sleep(0.5)
+    for pid in pids:
+        try:
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"pid {pid} outlived the run"
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _placement(run_dir: Path) -> dict:
+    return json.loads((run_dir / "ray_placement.json").read_text())
+
+
+def test_two_nodes_placed_by_the_plan_and_weights_synced(cluster, fileroot):
+    """The plan puts the server on node 0 and the trainer on node 1: it runs exactly there, every step
+    is generated with the weights the trainer pushed (staleness 0, sync mode), and nothing is left."""
+    run_dir = fileroot / "runs" / "rt" / "place"
+    proc = _start(_args(cluster, fileroot, "place"))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-5000:]
+    place = _placement(run_dir)
+    procs = place["processes"]
+    assert procs["server0"]["node_id"] == cluster.ids["node-a"], procs  # plan node 0
+    assert procs["trainer_rank0"]["node_id"] == cluster.ids["node-b"], procs  # plan node 1
+    assert place["groups"]["trainer"]["strategy"] == "STRICT_PACK"
+    # Ray's own record of where the actors ran agrees.
+    actors = {
+        a["name"]: a for a in cluster.list_actors() if str(a.get("name", "")).startswith(f"{PREFIX}place:")
+    }
+    assert actors[f"{PREFIX}place:server0#0"]["node_id"] == cluster.ids["node-a"]
+    assert actors[f"{PREFIX}place:trainer_rank0"]["node_id"] == cluster.ids["node-b"]
+    assert (
+        actors[f"{PREFIX}place:server0#0"]["placement_group_id"]
+        != actors[f"{PREFIX}place:trainer_rank0"]["placement_group_id"]
+    )
+    train = [r for r in _records(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["version"] for r in train] == [1, 2, 3, 4]
+    assert all(r["staleness/max"] == 0 for r in train), [r["staleness/max"] for r in train]
+    assert all(r["weight_sync/disk"] == 0 for r in train)  # pushed over the update group, node to node
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "done"
+    assert not list((run_dir / "servers").glob("*.json"))
+    _wait_no_actors(cluster, "place")
+    _pids_dead([p["pid"] for p in procs.values()])
+
+
+def test_killed_server_actor_is_restarted_and_no_sample_is_lost(cluster, fileroot):
+    """The same check as launcher=local's: the server actor is SIGKILLed mid-run (synchronous mode), a new
+    actor takes its bundle on the same node, and the run trains on positions 0..N-1, each exactly once."""
+    steps, batch = 6, 2
+    run_dir = fileroot / "runs" / "rt" / "kill"
+    proc = _start(
+        _args(
+            cluster,
+            fileroot,
+            "kill",
+            **{"trainer.total_steps": steps, "algo.batch_size": batch, "rollout.gconfig.max_new_tokens": 24},
+        )
+    )
+    _wait_for(lambda: any(r["kind"] == "train" for r in _records(run_dir)), proc, 300, "the first step")
+    first = _placement(run_dir)["processes"]["server0"]
+    os.kill(int(first["actor_pid"]), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-5000:]
+    assert "server0 on node-a" in out and "its Ray actor died" in out and "restarting" in out, out[-3000:]
+    train = [r for r in _records(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    positions = [p for r in train for p in r["data/positions"]]
+    assert len(positions) == len(set(positions)), "a prompt was trained on twice"
+    assert sorted(positions) == list(range(steps * batch)), "a prompt was lost"
+    assert train[-1]["rollout/server_restarts"] >= 1
+    assert all(r["staleness/max"] == 0 for r in train)
+    second = _placement(run_dir)["processes"]["server0"]
+    assert second["epoch"] == 1 and second["node_id"] == cluster.ids["node-a"]
+    assert second["actor_pid"] != first["actor_pid"]
+    assert (run_dir / "logs" / "server0.log").read_text().count("===== start server0") == 2
+    _wait_no_actors(cluster, "kill")
+    _pids_dead([first["pid"], second["pid"]])
+
+
+def test_killed_trainer_rank_fails_the_run_naming_rank_and_node(cluster, fileroot):
+    run_dir = fileroot / "runs" / "rt" / "rank"
+    proc = _start(_args(cluster, fileroot, "rank", **{"trainer.total_steps": 200}))
+    _wait_for(lambda: any(r["kind"] == "train" for r in _records(run_dir)), proc, 300, "the first step")
+    procs = _placement(run_dir)["processes"]
+    os.kill(int(procs["trainer_rank0"]["pid"]), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-3000:]
+    assert "trainer rank 0 on node-b" in out and "SIGKILL" in out, out[-3000:]
+    assert "Last lines of" in out and "trainer_rank0.log" in out  # the tail of its log
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    _wait_no_actors(cluster, "rank")
+    _pids_dead([p["pid"] for p in procs.values()])
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "driver-killed"])
+def test_interrupt_or_driver_death_leaves_no_actor(cluster, fileroot, how):
+    trial = "intr" if how == "ctrl-c" else "dead"
+    run_dir = fileroot / "runs" / "rt" / trial
+    proc = _start(_args(cluster, fileroot, trial, **{"trainer.total_steps": 200}))
+    _wait_for(lambda: any(r["kind"] == "train" for r in _records(run_dir)), proc, 300, "the first step")
+    assert len(_ours_alive(cluster, trial)) == 2
+    procs = _placement(run_dir)["processes"]
+    if how == "ctrl-c":
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130, out[-3000:]
+        assert "interrupted" in out
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
+    else:
+        proc.kill()  # SIGKILL: no cleanup of our own runs; Ray ends the job's actors
+        proc.communicate(timeout=60)
+    _wait_no_actors(cluster, trial, timeout=90)
+    _pids_dead([p["pid"] for p in procs.values()] + [p["actor_pid"] for p in procs.values()])
+
+
+def test_a_plan_larger_than_the_cluster_fails_with_one_line(cluster, fileroot, tmp_path):
+    for extra, want in [
+        (
+            {"cluster.n_gpus_per_node": 2, "allocation_mode": "hf:d2+d2"},
+            "has 2 CPU but the plan needs 4 CPU (short by 2 CPU)",
+        ),
+        (
+            {"cluster.n_gpus_per_node": 2},  # both on plan node 0: 2 CPU on one node
+            "has no free node for plan node 0, which needs 2 CPU on one node",
+        ),
+        (
+            {"cluster.device": "cuda", "allocation_mode": "sglang:d1+fsdp:d1"},
+            "has 0 GPU but the plan needs 2 GPU (short by 2 GPU)",
+        ),
+    ]:
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "areal_cli.cli.main",
+                "train",
+                *_args(cluster, tmp_path, "short", **extra),
+            ],
+            capture_output=True,
+            text=True,
+            env=ray_env(),
+            timeout=300,
+        )
+        assert res.returncode == 1, res.stdout + res.stderr
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and want in lines[0], res.stderr
+        assert "node-a: 1 CPU" in lines[0] and "node-b: 1 CPU" in lines[0]
+        assert not (tmp_path / "runs").exists()  # refused before anything was prepared
+
+
+def test_storage_not_shared_by_one_node_is_refused_naming_it(tmp_path_factory):
+    """node-p's processes see a private tmpfs over the fileroot; the probe runs there as a Ray task."""
+    fileroot = tmp_path_factory.mktemp("shared_root")
+    c = LocalRayCluster(tmp_path_factory.mktemp("ray_logs_private"))
+    private = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount -t tmpfs areal-private "{fileroot}" && exec "$@"',
+        "sh",
+    ]
+    try:
+        c.add_node("node-a", 1)
+        c.add_node("node-p", 1, prefix=private)
+        c.wait_nodes()
+        res = subprocess.run(
+            [sys.executable, "-m", "areal_cli.cli.main", "train", *_args(c, fileroot, "storage")],
+            capture_output=True,
+            text=True,
+            env=ray_env(),
+            timeout=600,
+        )
+        assert res.returncode == 1, res.stdout + res.stderr
+        err = res.stderr
+        assert "storage check on every Ray node failed" in err, err[-3000:]
+        assert "cross-node visibility" in err and "node-p cannot see node-a's files" in err, err[-3000:]
+        run_dir = fileroot / "runs" / "rt" / "storage"
+        assert not (run_dir / "ray_placement.json").exists()  # nothing was launched
+        assert [a for a in c.list_actors() if str(a.get("name", "")).startswith(PREFIX)] == []
+    finally:
+        c.stop()
