@@ -12,7 +12,8 @@
 #   it does not depend on torch, and the torch check below proves it left the CPU build alone
 # - deepspeed, pinned: an sdist, built against the venv's torch (--no-build-isolation, DS_BUILD_OPS=0: no
 #   C++ op is compiled, then or at run time) with --no-deps so pip cannot swap the CPU torch; its small
-#   pure-Python deps are named here (numpy, packaging, psutil, pydantic, tqdm are already installed)
+#   pure-Python deps are named here (numpy, packaging, psutil, pydantic, tqdm are already installed; wheel
+#   lets an older setuptools build the sdist)
 # - slurm-wlm + munge come from slurm/local-cluster.sh, which the slurm suite runs itself
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('ray') !
     || echo "install_test_deps: torch is no longer the +cpu build after installing ray"
 fi
 if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('deepspeed') != '0.19.8')" 2>/dev/null; then
-  python -m pip install -q hjson msgpack py-cpuinfo einops \
+  python -m pip install -q hjson msgpack py-cpuinfo einops wheel \
     && DS_BUILD_OPS=0 python -m pip install -q --no-deps --no-build-isolation "deepspeed==0.19.8" \
     || echo "install_test_deps: deepspeed not installed; engine=deepspeed tests will skip"
   python -c "import torch, sys; sys.exit(not torch.__version__.endswith('+cpu'))" 2>/dev/null \
