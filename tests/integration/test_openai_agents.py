@@ -406,3 +406,58 @@ def test_langchain_through_proxy(proxy, tool_server):
     rows = _admin(proxy, "/rl/export", session_id=sid, style="per_leaf").json()["rows"]
     assert len(rows) == 1 and len(rows[0]["ids"]) == 2  # LangChain's replayed history linked the two calls
     _export_rows_match_server(tool_server, rows)
+
+
+# ------------------------------------------------------------------------------- agent workflow
+async def _tool_agent(client, data):
+    """The add-tool agent as ordinary SDK code; fails on purpose when data says so."""
+    if data.get("fail") and not data.setdefault("_failed_once", False):
+        data["_failed_once"] = True
+        raise RuntimeError("the agent crashed")
+    a, b = data["a"], data["b"]
+    msgs = question(a, b)
+    r = await client.chat.completions.create(model="m", messages=msgs, tools=[ADD_TOOL], max_tokens=80,
+                                             temperature=0)
+    m = r.choices[0].message
+    if not m.tool_calls:
+        return 0.0
+    client.set_reward(r.id, 0.25)  # an intermediate reward for calling the tool
+    msgs.append(m.model_dump(exclude_none=True))
+    for call in m.tool_calls:
+        try:
+            out = str(add(**json.loads(call.function.arguments)))
+        except (TypeError, ValueError):
+            out = "error"
+        msgs.append({"role": "tool", "tool_call_id": call.id, "content": out})
+    r2 = await client.chat.completions.create(model="m", messages=msgs, tools=[ADD_TOOL], max_tokens=30,
+                                              temperature=0)
+    return 1.0 if str(a + b) in (r2.choices[0].message.content or "") else 0.0
+
+
+def test_agent_workflow_rows_groups_and_failures(tool_server, tok):
+    from areal_cli.algorithms.advantages import compute_advantages
+    from areal_cli.rollout.workflows.agent import AgentWorkflow
+
+    eng = _engine(tool_server)
+    wf = AgentWorkflow(_tool_agent, tok, group_size=2, export_style="per_call", turn_discount=0.5)
+    traj = asyncio.run(wf.arun_episode(eng, {"a": 3, "b": 4}))
+    d = traj.data
+    n = len(traj)
+    assert n == 4 and len(set(d["group_id"].tolist())) == 1  # every call of both episodes: one group
+    for row, lm in zip(d["input_ids"], d["loss_mask"]):  # masks only on generated tokens
+        assert lm.sum() > 0 and not lm[:10].any()
+    adv, _ = compute_advantages("grpo", rewards=d["rewards"], loss_mask=d["loss_mask"].float(), group_size=2,
+                                group_ids=d["group_id"])
+    assert adv.shape == d["loss_mask"].shape
+    # one failing episode of the group: counted and dropped, the other one is kept
+    wf2 = AgentWorkflow(_tool_agent, tok, group_size=2)
+    traj2 = asyncio.run(wf2.arun_episode(eng, {"a": 1, "b": 2, "fail": True}))
+    assert wf2.failed == 1 and len(traj2) == 1
+    # per_leaf: one row of two turns; the tool call's 0.25 sits on its last token, the final reward on the row
+    assert traj2.data["token_rewards"].sum().item() == pytest.approx(0.25)
+    assert traj2.data["loss_mask"][0].float().diff().abs().sum().item() == 3  # two trained segments
+    with pytest.raises(RuntimeError, match="crashed"):
+        asyncio.run(AgentWorkflow(_tool_agent, tok, group_size=1, on_error="raise").arun_episode(
+            eng, {"a": 1, "b": 2, "fail": True}))
+    ok, reward = asyncio.run(wf.eval_episode(eng, {"a": 2, "b": 2}))  # evaluation runs the agent itself
+    assert isinstance(ok, bool) and reward in (0.0, 1.0)

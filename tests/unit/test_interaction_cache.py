@@ -109,3 +109,33 @@ def test_per_turn_rewards_reach_the_advantages():
     # the first turn earned 1.0, the second nothing: returns are 1 on the first turn's tokens, 0 after
     assert ret[d["loss_mask"][0]].tolist() == [1.0, 1.0, 0.0, 0.0]
     assert torch.isfinite(adv).all()
+
+
+def test_groups_by_id_when_episodes_have_different_row_counts():
+    from areal_cli.algorithms.advantages import compute_advantages, group_index
+
+    rewards = torch.tensor([1.0, 0.0, 2.0, 5.0, 3.0])
+    mask = torch.ones(5, 3)
+    gid = torch.tensor([7, 7, 7, 9, 9])  # an episode of 3 calls, then one of 2
+    assert group_index(torch.tensor([4, 4, 8, 8]), 4, 2) is None  # consecutive blocks: positional
+    for est in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline"):
+        adv, _ = compute_advantages(est, rewards=rewards, loss_mask=mask, group_size=2, group_ids=gid)
+        parts = [compute_advantages(est, rewards=rewards[sl], loss_mask=mask[sl], group_size=n)[0]
+                 for sl, n in ((slice(0, 3), 3), (slice(3, 5), 2))]
+        if est == "reinforce_pp_baseline":  # whitened over the whole batch: compare before whitening
+            continue
+        assert torch.allclose(adv, torch.cat(parts)), est
+    with pytest.raises(ValueError, match="whole number of groups"):  # without ids: refused as before
+        compute_advantages("grpo", rewards=rewards, loss_mask=mask, group_size=2)
+
+
+def test_episode_slices_and_canonical_order_with_variable_rows():
+    from areal_cli.trainer.rollout_worker import canonical_order, episode_slices
+
+    batch = {"input_ids": torch.arange(6)[:, None], "group_id": torch.tensor([5, 5, 5, 2, 8, 8])}
+    assert episode_slices(batch, 3) == [(0, 3), (3, 4), (4, 6)]
+    out = canonical_order(batch, [2, 0, 1])  # episodes back in prompt order
+    assert out["input_ids"][:, 0].tolist() == [3, 4, 5, 0, 1, 2]
+    assert episode_slices({"input_ids": torch.zeros(4, 1)}, 2) == [(0, 2), (2, 4)]
+    with pytest.raises(ValueError, match="cannot split"):
+        episode_slices({"input_ids": torch.zeros(5, 1)}, 2)

@@ -148,7 +148,8 @@ class PPOActor:
         adv, returns = _estimate(c.adv_estimator, rewards=rewards, loss_mask=mask, group_size=self.group_size,
                                  token_rewards=token_rewards, values=batch.get("values"), gamma=c.gamma,
                                  lam=c.lam, mean_level=c.mean_level, std_level=c.std_level,
-                                 std_unbiased=c.std_unbiased, eps=c.adv_std_eps, reduce=self.dp_allreduce)
+                                 std_unbiased=c.std_unbiased, eps=c.adv_std_eps, reduce=self.dp_allreduce,
+                                 group_ids=batch.get("group_id"))
         if c.adv_norm:
             adv = masked_whiten(adv, mask, reduce=self.dp_allreduce)
         batch["advantages"] = adv

@@ -6,6 +6,10 @@ shaping such as the KL-in-reward penalty, already zero off the mask) and ``value
 are ``group_size`` consecutive rows (the samples of one prompt). Every estimator returns
 ``(advantages [B, L], returns [B, L] | None)`` with zeros off the mask.
 
+Groups: by default ``group_size`` consecutive rows. A batch whose ``group_id`` [B] does not form such
+blocks (agent episodes export a varying number of rows, ``rollout/workflows/agent.py``) is grouped
+by ``group_id`` instead: a group is every row with the same id, whatever its size and position.
+
 Outcome estimators (grpo, drgrpo, rloo, reinforce_pp_baseline, none) score a sequence by
 ``rewards + sum_t token_rewards`` (verl sums token-level rewards the same way); token-level ones
 (reinforce_pp, gae) place ``rewards`` on the last trained token of each sequence.
@@ -51,7 +55,35 @@ def token_level_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor,
     return out
 
 
-def _level_mean(x: torch.Tensor, level: str, group_size: int, reduce: Reducer | None = None) -> torch.Tensor:
+def group_index(group_ids: torch.Tensor | None, rows: int, group_size: int) -> torch.Tensor | None:
+    """``None`` when rows form consecutive groups of ``group_size`` (each block one id, or no ids);
+    else each row's group as an index ``[B]`` into ``0..G-1``, from ``group_ids``."""
+    if group_ids is None:
+        return None
+    ids = group_ids.reshape(-1)
+    if rows % group_size == 0:
+        blocks = ids.view(-1, group_size)
+        if bool((blocks == blocks[:, :1]).all()):
+            return None
+    return torch.unique(ids, return_inverse=True)[1]
+
+
+def _by_id_moments(x: torch.Tensor, inv: torch.Tensor, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row mean and std of the row's group (a group of one has std 0)."""
+    g = int(inv.max().item()) + 1 if inv.numel() else 0
+    cnt = torch.bincount(inv, minlength=g).to(x.dtype)
+    mean = torch.zeros(g, dtype=x.dtype, device=x.device).index_add_(0, inv, x) / cnt
+    dev = (x - mean[inv]) ** 2
+    ss = torch.zeros(g, dtype=x.dtype, device=x.device).index_add_(0, inv, dev)
+    denom = (cnt - (1 if unbiased else 0)).clamp(min=1)
+    std = torch.where(cnt > 1, (ss / denom).sqrt(), torch.zeros_like(ss))
+    return mean[inv], std[inv]
+
+
+def _level_mean(x: torch.Tensor, level: str, group_size: int, reduce: Reducer | None = None,
+                inv: torch.Tensor | None = None) -> torch.Tensor:
+    if level == "group" and inv is not None:
+        return _by_id_moments(x, inv, True)[0]
     if level == "group":
         return group_view(x, group_size).mean(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
     if level == "batch":
@@ -71,7 +103,9 @@ def _std(x: torch.Tensor, unbiased: bool, dim: int | None = None) -> torch.Tenso
 
 
 def _level_std(x: torch.Tensor, level: str, group_size: int, unbiased: bool,
-               reduce: Reducer | None = None) -> torch.Tensor | None:
+               reduce: Reducer | None = None, inv: torch.Tensor | None = None) -> torch.Tensor | None:
+    if level == "group" and inv is not None:
+        return _by_id_moments(x, inv, unbiased)[1]
     if level == "group":
         return _std(group_view(x, group_size), unbiased, dim=1).expand(-1, group_size).reshape(-1)
     if level == "batch":
@@ -86,7 +120,7 @@ def _level_std(x: torch.Tensor, level: str, group_size: int, unbiased: bool,
 def grpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
                     token_rewards: torch.Tensor | None = None, mean_level: str = "group",
                     std_level: str = "group", std_unbiased: bool = True, eps: float = 1e-6,
-                    reduce: Reducer | None = None, **_) -> AdvOut:
+                    reduce: Reducer | None = None, group_ids: torch.Tensor | None = None, **_) -> AdvOut:
     """GRPO (Shao et al. 2024): ``(r - mean) / (std + eps)`` with each statistic at its level.
 
     ``reduce`` (sum over data-parallel ranks) makes the ``batch`` levels global. The statistics run
@@ -95,23 +129,37 @@ def grpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_siz
     0. In float32 the mean can be a rounding step off, and dividing that residue by a std of ~1e-8
     plus eps gave |A| up to ~0.8 for rewards that carry no signal."""
     r = sequence_scores(rewards, loss_mask, token_rewards).double()
-    adv = r - _level_mean(r, mean_level, group_size, reduce)
-    std = _level_std(r, std_level, group_size, std_unbiased, reduce)
+    inv = group_index(group_ids, r.shape[0], group_size)
+    adv = r - _level_mean(r, mean_level, group_size, reduce, inv)
+    std = _level_std(r, std_level, group_size, std_unbiased, reduce, inv)
     if std is not None:
         adv = adv / (std + eps)
     return adv.float()[:, None] * loss_mask.float(), None
 
 
 def drgrpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
-                      token_rewards: torch.Tensor | None = None, **_) -> AdvOut:
+                      token_rewards: torch.Tensor | None = None, group_ids: torch.Tensor | None = None,
+                      **_) -> AdvOut:
     """Dr.GRPO (Liu et al. 2025): group mean baseline, no std division."""
     return grpo_advantages(rewards=rewards, loss_mask=loss_mask, group_size=group_size,
-                           token_rewards=token_rewards, mean_level="group", std_level="none")
+                           token_rewards=token_rewards, mean_level="group", std_level="none",
+                           group_ids=group_ids)
 
 
 def rloo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
-                    token_rewards: torch.Tensor | None = None, **_) -> AdvOut:
-    """RLOO (Ahmadian et al. 2024): baseline is the mean of the *other* samples of the prompt."""
+                    token_rewards: torch.Tensor | None = None, group_ids: torch.Tensor | None = None,
+                    **_) -> AdvOut:
+    """RLOO (Ahmadian et al. 2024): baseline is the mean of the *other* samples of the prompt.
+    Grouped by id, a group of one row has no baseline and gets advantage 0."""
+    inv = group_index(group_ids, rewards.shape[0], max(group_size, 1))
+    if inv is not None:
+        r = sequence_scores(rewards, loss_mask, token_rewards).double()
+        g = int(inv.max().item()) + 1
+        cnt = torch.bincount(inv, minlength=g).double()
+        tot = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, r)
+        n = cnt[inv]
+        loo = torch.where(n > 1, (tot[inv] - r) / (n - 1).clamp(min=1), r)
+        return (r - loo).float()[:, None] * loss_mask.float(), None
     if group_size < 2:
         raise ValueError("rloo needs rollout.group_size >= 2 (the baseline leaves one sample out)")
     # float64: the leave-one-out mean of an all-equal group is then exactly that value (see grpo).
@@ -144,10 +192,12 @@ def reinforce_pp_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor,
 
 def reinforce_pp_baseline_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
                                      token_rewards: torch.Tensor | None = None,
-                                     reduce: Reducer | None = None, **_) -> AdvOut:
+                                     reduce: Reducer | None = None, group_ids: torch.Tensor | None = None,
+                                     **_) -> AdvOut:
     """REINFORCE++-baseline: subtract the group mean, then whiten over the batch's tokens."""
     r = sequence_scores(rewards, loss_mask, token_rewards).double()  # exact zeros for equal groups
-    r = (r - _level_mean(r, "group", group_size)).float()
+    inv = group_index(group_ids, r.shape[0], group_size)
+    r = (r - _level_mean(r, "group", group_size, inv=inv)).float()
     return masked_whiten(r[:, None] * loss_mask.float(), loss_mask, reduce=reduce), None
 
 

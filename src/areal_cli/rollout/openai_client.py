@@ -121,7 +121,9 @@ class ArealOpenAI(openai.AsyncOpenAI):
     def __init__(self, engine: Any, tokenizer: Any, *, tool_call_parser: str = "hermes",
                  prompt_mode: str = "continue", default_max_tokens: int = 512,
                  max_total_tokens: int | None = None, cache: InteractionCache | None = None,
-                 model_name: str = "areal-policy"):
+                 model_name: str = "areal-policy", force_greedy: bool = False):
+        """``force_greedy``: every call decodes greedily whatever temperature the agent asks for
+        (evaluation runs the agent this way)."""
         super().__init__(api_key="areal-in-process", base_url="http://in-process.invalid/v1", max_retries=0)
         if prompt_mode not in ("continue", "template"):
             raise ValueError(f"prompt_mode must be 'continue' or 'template', got {prompt_mode!r}")
@@ -133,6 +135,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
         self.max_total_tokens = max_total_tokens
         self.cache = cache if cache is not None else InteractionCache()
         self.model_name = model_name
+        self.force_greedy = force_greedy
         self._chat = _Chat(self)
 
     @property
@@ -209,7 +212,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
                                  f"{self.max_total_tokens}; end the episode or shorten the conversation")
             budget = min(budget, room)
         eos = self.tokenizer.eos_token_id
-        t = 1.0 if temperature is None else float(temperature)
+        t = 0.0 if self.force_greedy else 1.0 if temperature is None else float(temperature)
         g = GenerationConfig(temperature=t if t > 0 else 1.0, greedy=t <= 0,
                              top_p=1.0 if top_p is None else float(top_p), max_new_tokens=budget,
                              stop=stops, stop_token_ids=[int(eos)] if eos is not None else [], seed=seed)

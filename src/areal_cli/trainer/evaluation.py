@@ -9,6 +9,10 @@
 - A reward function that returns plain numbers states no correctness: the pass/mean metrics count
   only completions whose correctness is known and are left out when there are none.
 
+A workflow that defines ``eval_episode(engine, item) -> (success, reward)`` (the agent workflow) is
+evaluated through it instead, so an agent is evaluated on what it is trained on: one greedy episode
+per item, ``eval/pass@1`` = the success rate, ``eval/reward_mean`` = the mean reward.
+
 Runs on trainer rank 0 with its own client on its own event loop; it does not touch the rollout
 executor's queues beyond pausing admissions, so the staleness accounting is unaffected.
 
@@ -26,13 +30,13 @@ from typing import Any
 
 
 async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
-                      reward_fn: Any, concurrency: int, done: dict) -> dict[str, float]:
+                      reward_fn: Any, concurrency: int, done: dict, base: bool = False) -> dict[str, float]:
     from areal_cli.api.io_struct import ModelRequest
     from areal_cli.rewards.outcome import correctness
     from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
     from areal_cli.trainer import build
 
-    client = build.build_client(cfg, addresses, backend)
+    client = build.build_client(cfg, addresses, backend, adapter=not base)
     greedy = with_eos_stop(build.build_gconfig(cfg.rollout.eval_gconfig, tokenizer, greedy=True), tokenizer)
     n = int(cfg.trainer.eval_n_samples)
     sampled = with_eos_stop(build.build_gconfig(cfg.rollout.gconfig, tokenizer, greedy=False), tokenizer)
@@ -50,7 +54,22 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
         done[key] = (correctness(reward), len(resp.output_tokens), float(reward))
         return done[key]
 
+    workflow = _episode_evaluator(cfg, tokenizer)
+
+    async def through_workflow(key: tuple[int, int], item: dict) -> tuple[bool | None, int, float]:
+        if key in done:
+            return done[key]
+        async with sem:
+            ok, reward = await workflow.eval_episode(client, item)
+        done[key] = (bool(ok), 0, float(reward))
+        return done[key]
+
     try:
+        if workflow is not None:
+            res = await asyncio.gather(*[through_workflow((i, -1), it) for i, it in enumerate(items)])
+            return {"eval/reward_mean": sum(r for _, _, r in res) / len(items),
+                    "eval/pass@1": sum(bool(ok) for ok, _, _ in res) / len(items),
+                    "eval/n_items": float(len(items))}
         greedy_res = await asyncio.gather(*[one((i, -1), it, greedy) for i, it in enumerate(items)])
         out = {"eval/reward_mean": sum(r for _, _, r in greedy_res) / len(items),
                "eval/mean_len": sum(ln for _, ln, _ in greedy_res) / len(items),
@@ -75,10 +94,23 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
     return out
 
 
+def _episode_evaluator(cfg: Any, tokenizer: Any) -> Any:
+    """The run's workflow when it evaluates whole episodes itself (``eval_episode``), else None."""
+    from areal_cli.rollout.workflows import resolve_workflow
+
+    if not hasattr(resolve_workflow(cfg.workflow.name), "eval_episode"):
+        return None
+    from areal_cli.trainer import build
+
+    gconfig = build.build_gconfig(cfg.rollout.eval_gconfig, tokenizer, greedy=True)
+    return build.build_workflow(cfg, tokenizer, gconfig, reward_fn=lambda *a: 0.0)
+
+
 def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
                         *, executor: Any | None = None, reward_fn: Any | None = None,
-                        concurrency: int = 64, done: dict | None = None) -> dict[str, float]:
-    """Greedy pass@1 (and pass@n) of the servers' current weights on ``items``.
+                        concurrency: int = 64, done: dict | None = None, base: bool = False) -> dict[str, float]:
+    """Greedy pass@1 (and pass@n) of the servers' current weights on ``items``; ``base``: without the
+    LoRA adapter (the model the servers started with, before any adapter is loaded).
 
     ``done``: scored completions of an earlier, interrupted call on the same items and weights
     (filled in as completions are scored); they are not generated again."""
@@ -93,7 +125,7 @@ def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer:
         executor.pause()
     try:
         out = asyncio.run(_eval_async(cfg, addresses, backend, tokenizer, items, reward_fn, concurrency,
-                                      {} if done is None else done))
+                                      {} if done is None else done, base))
     finally:
         if executor is not None:
             executor.resume()

@@ -74,10 +74,12 @@ def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, dp_of_rank: lis
     if dist.get_rank() == 0:
         if batch is None:
             raise RuntimeError("internal: rank 0 has no batch to train on")
+        from areal_cli.trainer.rollout_worker import episode_slices
+
         dp = max(dp_of_rank) + 1
-        rows = int(batch["input_ids"].shape[0])
-        per_ep, eps_per_dp = rows // n_episodes, n_episodes // dp
-        runs = [{k: v[r * eps_per_dp * per_ep:(r + 1) * eps_per_dp * per_ep] for k, v in batch.items()}
+        spans, eps_per_dp = episode_slices(batch, n_episodes), n_episodes // dp
+        # episodes may differ in rows (agent episodes): each replica gets whole episodes
+        runs = [{k: v[spans[r * eps_per_dp][0]:spans[(r + 1) * eps_per_dp - 1][1]] for k, v in batch.items()}
                 for r in range(dp)]
         parts = [runs[d] for d in dp_of_rank]
     out: list[Any] = [None]

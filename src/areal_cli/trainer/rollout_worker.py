@@ -28,6 +28,25 @@ from typing import Any
 from areal_cli.errors import ArealError
 
 
+def episode_slices(batch: dict[str, Any], n: int) -> list[tuple[int, int]]:
+    """Row ranges of the ``n`` episodes in ``batch`` (concatenated in order). Episodes may have
+    different numbers of rows (agent episodes): their rows share one ``group_id`` that no other
+    episode uses, so the runs of equal ``group_id`` are the episodes. Without such ids every episode
+    has the same number of rows."""
+    rows = int(batch["input_ids"].shape[0])
+    gid = batch.get("group_id")
+    if gid is not None and rows and n:
+        g = gid.reshape(-1).tolist()
+        starts = [0] + [i for i in range(1, rows) if g[i] != g[i - 1]]
+        if len(starts) == n:
+            return list(zip(starts, starts[1:] + [rows]))
+    if n <= 0 or rows % n:
+        raise ValueError(f"cannot split a batch of {rows} rows into {n} episodes: give each episode's rows "
+                         "one group_id of their own (rollout/workflows/common.py next_group_id)")
+    per = rows // n
+    return [(i * per, (i + 1) * per) for i in range(n)]
+
+
 def canonical_order(batch: dict[str, Any], positions: list[Any]) -> dict[str, Any]:
     """Episodes sorted by prompt position: the executor releases them in completion order, and
     float sums over a batch depend on order — sorting makes a step reproducible."""
@@ -37,11 +56,11 @@ def canonical_order(batch: dict[str, Any], positions: list[Any]) -> dict[str, An
     if n == 0 or any(p is None for p in positions):
         return batch
     rows = int(batch["input_ids"].shape[0])
-    per_ep = rows // n
+    spans = episode_slices(batch, n)
     order = sorted(range(n), key=lambda i: positions[i])
     if order == list(range(n)):
         return batch
-    idx = torch.tensor([i * per_ep + j for i in order for j in range(per_ep)])
+    idx = torch.tensor([j for i in order for j in range(*spans[i])])
     return {k: (v.index_select(0, idx) if hasattr(v, "index_select") and v.dim() >= 1 and v.shape[0] == rows
                 else v) for k, v in batch.items()}
 

@@ -9,14 +9,17 @@ return value is the reward: a number goes to the episode's last call, a dict map
 (``completion.id``) to rewards, ``None`` means the agent set them itself (``client.set_reward``).
 ``turn_discount`` is then applied once (``rollout/interaction_cache.py`` has the formula).
 
-``group_size`` episodes run per data item. An episode that raises is counted
-(``AgentWorkflow.failed``) and, with ``on_error="drop"`` (default), its group is dropped and the run
-goes on; ``on_error="raise"`` ends the run with the agent's exception.
+``group_size`` episodes run per data item and their rows form one group (one ``group_id``; the
+advantage code groups by it, so episodes may export any number of rows). An episode that raises is
+counted (``AgentWorkflow.failed``) and, with ``on_error="drop"`` (default), dropped: the group goes on
+with the others (all failed: the item is rejected); ``on_error="raise"`` ends the run.
 
 Rows: ``export_style="per_leaf"`` (default) gives one row per conversation (several trained
-segments); the trainer groups rows by position, so each episode must export exactly one row, which
-holds for any agent that keeps one conversation. ``per_call`` rows (one per call) are for your own
-training code: :meth:`AgentWorkflow.episode_rows` returns them.
+segments, per-turn rewards as ``token_rewards``); ``"per_call"`` one row per call with the
+discounted reward.
+
+Evaluation runs the same agent (:meth:`AgentWorkflow.eval_episode`, greedy): an item succeeds when
+its reward reaches ``success_threshold``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class AgentWorkflow(RolloutWorkflow):
     def __init__(self, agent: Any, tokenizer: Any, group_size: int = 1, *, turn_discount: float = 1.0,
                  export_style: str = "per_leaf", on_error: str = "drop", tool_call_parser: str = "hermes",
                  prompt_mode: str = "continue", default_max_tokens: int = 256,
-                 max_total_tokens: int | None = None, **_ignored: Any):
+                 max_total_tokens: int | None = None, success_threshold: float = 1.0, **_ignored: Any):
         if isinstance(agent, str):
             from areal_cli.rollout.workflows import import_object
 
@@ -63,14 +66,28 @@ class AgentWorkflow(RolloutWorkflow):
         self.on_error = on_error
         self.client_kwargs = {"tool_call_parser": tool_call_parser, "prompt_mode": prompt_mode,
                               "default_max_tokens": default_max_tokens, "max_total_tokens": max_total_tokens}
+        self.success_threshold = float(success_threshold)
         self.pad_id = pad_token_id(self.tokenizer)
         self.failed = 0
         self.episodes = 0
 
+    async def _run(self, engine: Any, data: dict[str, Any], greedy: bool = False) -> tuple[ArealOpenAI, Any]:
+        client = ArealOpenAI(engine, self.tokenizer, force_greedy=greedy, **self.client_kwargs)
+        return client, await self.agent(client, data)
+
+    async def eval_episode(self, engine: Any, data: dict[str, Any]) -> tuple[bool, float]:
+        """One greedy episode: ``(success, reward)``; the reward is the number the agent returned, or
+        the sum of the rewards it set."""
+        client, reward = await self._run(engine, data, greedy=True)
+        if isinstance(reward, dict):
+            reward = sum(float(v) for v in reward.values())
+        elif reward is None:
+            reward = sum(it.reward or 0.0 for it in client.cache)
+        return float(reward) >= self.success_threshold, float(reward)
+
     async def episode_rows(self, engine: Any, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Run one episode; its exported rows (``interaction_cache`` format)."""
-        client = ArealOpenAI(engine, self.tokenizer, **self.client_kwargs)
-        reward = await self.agent(client, data)
+        client, reward = await self._run(engine, data)
         if isinstance(reward, dict):
             for iid, r in reward.items():
                 client.set_reward(iid, r)
@@ -94,13 +111,11 @@ class AgentWorkflow(RolloutWorkflow):
             self.failed += len(errors)
             if self.on_error == "raise":
                 raise errors[0]
-            log.warning("%d of %d agent episodes failed (%s: %s); dropping the group", len(errors), len(res),
+            log.warning("%d of %d agent episodes failed (%s: %s); dropped", len(errors), len(res),
                         type(errors[0]).__name__, errors[0])
+        rows = [row for r in res if not isinstance(r, BaseException) for row in r]
+        if not rows:
             return None
-        rows = [row for r in res for row in r]  # type: ignore[union-attr]
-        if len(rows) != self.group_size:
-            raise RuntimeError(f"{self.group_size} episodes exported {len(rows)} rows; the trainer needs one "
-                               "row per episode (export_style=per_leaf and one conversation per episode)")
         traj = rows_to_tensors(rows, self.pad_id, next_group_id())
         traj.meta.update(id=data.get("id"), agent_failed=self.failed)
         return traj
