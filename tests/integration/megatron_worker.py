@@ -203,6 +203,61 @@ def compat_probes() -> dict:
     return out
 
 
+# The training-path patches (mcore DDP, optimizers, sequence parallelism) and the engine setup whose one
+# train_batch reaches each one's code path: t2 with sequence parallelism, the distributed optimizer and a
+# clip threshold below the gradient norm, or bf16 with the plain (non-distributed) mixed-precision optimizer.
+TRAIN_PATCHES = {"grad_buffers": "sp", "optimizer_buffers": "sp", "grad_norm": "sp", "grad_clip_type_check": "sp",
+                 "distributed_optimizer_type_check": "sp", "sequence_parallel_buffers": "sp",
+                 "sequence_parallel_mappings": "sp", "float16_optimizer_type_check": "bf16"}
+
+
+def _train_step(model_dir: str, setup: str) -> None:
+    from fsdp_worker import loss_fn, loss_weight_fn, make_batch
+
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig, MegatronConfig
+    from areal_cli.engines.megatron import engine as me
+
+    mc = MegatronConfig(use_distributed_optimizer=setup == "sp")
+    cfg = EngineConfig(dtype="bfloat16" if setup == "bf16" else "float32", megatron=mc)
+    engine = me.MegatronEngine(cfg, OptimConfig(lr=1e-3, grad_clip=1e-3), total_steps=2)
+    try:
+        engine.initialize(ParallelStrategy(tp=2), model_dir)
+        stats = engine.train_batch(make_batch(0, vocab=300), loss_fn, loss_weight_fn)
+        if not stats["grad_norm"] > 1e-3:
+            raise RuntimeError(f"the gradient norm {stats['grad_norm']} does not exercise clipping")
+    finally:
+        from megatron.core import parallel_state as mpu
+
+        me._LIVE.clear()
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()
+
+
+def train_compat_probes(model_dir: str) -> dict:
+    """Leave one out: with every other patch applied, one train_batch must fail on CUDA; with all, it runs."""
+    import torch.distributed as dist
+
+    from areal_cli.engines.megatron import compat
+
+    compat.check_version()
+    out: dict = {}
+    for name, setup in TRAIN_PATCHES.items():
+        for p in compat.patches():
+            if p.name != name:
+                p.apply()
+                compat._APPLIED.append(p)
+        out[name] = {"unpatched": _err(lambda: _train_step(model_dir, setup))}
+        compat.revert_cpu_compat()
+        dist.barrier()
+        compat.apply_cpu_compat()
+        out[name]["patched"] = _err(lambda: _train_step(model_dir, setup))
+        compat.revert_cpu_compat()
+        dist.barrier()
+    return out
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
@@ -210,8 +265,8 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
-    if spec["mode"] == "compat":
-        res = compat_probes()
+    if spec["mode"] in ("compat", "train_compat"):
+        res = compat_probes() if spec["mode"] == "compat" else train_compat_probes(spec["model_dir"])
         allres = [None] * dist.get_world_size()
         dist.all_gather_object(allres, res)
         result = {"ranks": allres}

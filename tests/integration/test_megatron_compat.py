@@ -19,7 +19,10 @@ from areal_cli.errors import ConfigError  # noqa: E402
 needs_mcore = pytest.mark.skipif(compat.installed_version() != compat.SUPPORTED_VERSION,
                                  reason=f"megatron-core {compat.SUPPORTED_VERSION} is not installed "
                                         "(scripts/install_test_deps.sh installs it)")
-PATCHES = [p.name for p in compat.patches()]
+sys.path.insert(0, str(Path(__file__).parent))
+from megatron_worker import TRAIN_PATCHES  # noqa: E402
+
+PATCHES = [p.name for p in compat.patches() if p.name not in TRAIN_PATCHES]
 # the rank whose code path the patch covers: p2p receive buffers are allocated by the receiving stage
 RANKS = {"p2p_buffers": [1]}
 
@@ -39,6 +42,32 @@ def test_patch_is_needed_and_works(probes, name):
         r = probes[rank][name]
         # needed: unpatched, mcore 0.16.1 reaches CUDA (or its CUDA RNG tracker) on a CPU-only torch
         assert any(s in r["unpatched"].lower() for s in ("cuda", "nvidia driver")), \
+            f"{name} looks like a no-op now on rank {rank}: {r['unpatched']}"
+        assert r["patched"] == "no error", f"{name} no longer works on rank {rank}: {r['patched']}"
+
+
+@pytest.fixture(scope="module")
+def train_probes(tmp_path_factory, tiny_model_dir):
+    out = tmp_path_factory.mktemp("mcore_train_compat")
+    launch({"mode": "train_compat", "out": str(out), "model_dir": tiny_model_dir}, 2, timeout=600,
+           script=str(Path(__file__).parent / "megatron_worker.py"))
+    return json.loads((out / "result.json").read_text())["ranks"]
+
+
+def test_every_patch_has_a_probe():
+    assert set(PATCHES) | set(TRAIN_PATCHES) == {p.name for p in compat.patches()}
+
+
+@needs_mcore
+@pytest.mark.parametrize("name", sorted(TRAIN_PATCHES))
+def test_training_patch_is_needed_and_works(train_probes, name):
+    """Leave one out: a megatron train_batch at t2 (the distributed optimizer, sequence parallelism, clipping;
+    or bf16 with the plain optimizer) with every patch but this one fails on CUDA; with all of them it runs."""
+    for rank in (0, 1):
+        r = train_probes[rank][name]
+        # clip_grads.py:167 is a bare `assert param.grad.type() == 'torch.cuda.FloatTensor'`
+        unpatched = r["unpatched"].lower()
+        assert "cuda" in unpatched or (name == "grad_clip_type_check" and unpatched.startswith("assertionerror")), \
             f"{name} looks like a no-op now on rank {rank}: {r['unpatched']}"
         assert r["patched"] == "no error", f"{name} no longer works on rank {rank}: {r['patched']}"
 

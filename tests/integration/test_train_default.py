@@ -44,12 +44,13 @@ def _default_gain(tmp_path, *overrides: str) -> tuple[float, float]:
     return s["accuracy_after"] - s["accuracy_before"], time.time() - t0
 
 
-@pytest.mark.parametrize("spec", ["hf:d1+archon:d1t2", "hf:d1+archon:d1p2"])
+@pytest.mark.parametrize("spec", ["hf:d1+archon:d1t2", "hf:d1+archon:d1p2", "hf:d1+megatron:d1t2"])
 def test_archon_default_run_learns_as_much_as_fsdp(tmp_path, spec):
-    """The embedded default under archon tensor or pipeline parallelism: held-out gain within 10 points
-    of fsdp's with the same seed (both measured here, one after the other)."""
+    """The embedded default under archon or megatron tensor or pipeline parallelism: held-out gain within 10
+    points of fsdp's with the same seed (both measured here, one after the other)."""
+    engine = spec.split("+")[1].split(":")[0]
     fsdp_gain, fsdp_wall = _default_gain(tmp_path / "fsdp")
-    gain, wall = _default_gain(tmp_path / "archon", "engine=archon", f"allocation_mode={spec}",
+    gain, wall = _default_gain(tmp_path / engine, f"engine={engine}", f"allocation_mode={spec}",
                                "cluster.n_gpus_per_node=3")
     print(f"\n{spec}: gain {gain:+.1%} in {wall:.0f}s; fsdp {fsdp_gain:+.1%} in {fsdp_wall:.0f}s")
     # One-sided: runs of one seed still differ by about ±10 points (async batching and reduction order

@@ -51,6 +51,10 @@ def _train(root, model_dir, env, **extra) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=600)
 
 
+def torch_equal(a, b) -> bool:
+    return bool((a == b).all()) and a.shape == b.shape
+
+
 def _weights(run_dir):
     from safetensors.torch import load_file
 
@@ -58,7 +62,10 @@ def _weights(run_dir):
 
 
 LAYOUTS = {"fsdp": {}, "archon_d1t2": {"engine": "archon", "allocation_mode": "hf:d1+d1t2",
-                                       "cluster.n_gpus_per_node": 3}}
+                                       "cluster.n_gpus_per_node": 3},
+           "megatron_d1t2": {"engine": "megatron", "allocation_mode": "hf:d1+d1t2", "cluster.n_gpus_per_node": 3},
+           # LoRA: the recover checkpoint holds the adapter and optimizer only; the final adapter must match.
+           "fsdp_lora": {"model.lora.rank": 8, "algo.optim.lr": 1e-3}}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -90,6 +97,13 @@ def test_kill9_and_resume_is_bit_identical(tmp_path, tiny_model_dir, layout):
     assert a.keys() == b.keys()
     differing = [k for k in a if not (a[k] == b[k]).all()]
     assert not differing, f"weights differ after resume from step {recovered}: {differing[:5]}"
+    if "lora" in layout:
+        from safetensors.torch import load_file
+
+        adapter = [load_file(str(d / "checkpoints" / "final" / "lora_adapter" / "adapter_model.safetensors"))
+                   for d in (ref_root / "runs" / "itest" / "t0", run_dir)]
+        assert adapter[0].keys() == adapter[1].keys() and adapter[0]
+        assert all(torch_equal(adapter[0][k], adapter[1][k]) for k in adapter[0]), "final adapter differs"
     # and training actually changed them (the comparison is not vacuous)
     from safetensors.torch import load_file
 

@@ -147,8 +147,11 @@ class MegatronEngine(FSDPEngine):
         if dist.get_world_size() % (tp * pp):
             raise ConfigError("allocation_mode.spec", f"t{tp} × p{pp} does not divide the "
                               f"{dist.get_world_size()} trainer processes", "make d × t × p the world size")
+        # The allocation plan's rank order (allocation/plan.py RANK_ORDER): tp fastest, then pp, dp slowest,
+        # so one replica's t·p ranks are contiguous and stay inside a node; mcore's default puts dp inside pp.
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                      virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+                                      virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                      order="tp-cp-ep-pp-dp")
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         _LIVE.append(self)
 
