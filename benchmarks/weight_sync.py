@@ -8,7 +8,8 @@
    distributed sync (bf16 and fp32 on the wire; bf16 also with SGLang's one-broadcast-per-tensor
    protocol instead of the hf ``flattened_bucket`` extension) and disk sync (/dev/shm and a regular
    disk dir); it prints seconds per push (median and best of ``--repeats``) and the ratio against
-   disk sync.
+   disk sync. Then a rank-8 LoRA engine on the same model pushes its adapter only (distributed and
+   /dev/shm), and the ratio full push / adapter-only push is printed.
 3. Launches dp=1 and dp=2 trainer processes (gloo) and prints train-step tokens/s, with dp=2 as a
    ratio of dp=1.
 
@@ -77,21 +78,39 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
         "disk /dev/shm": dict(type="disk", path=str(shm)),
         "disk regular": dict(type="disk", path=str(disk)),
     }
+    # LoRA (rank 8, every projection): adapter-only pushes into the same server, after the full ones (the
+    # adapter's distributed push joins a group of its own, which replaces the server's full-weight group).
+    cases.update({
+        "lora distributed": dict(type="distributed", dtype="float32"),
+        "lora disk /dev/shm": dict(type="disk", path=str(shm)),
+    })
+    lora_engine = None
     results: dict[str, float] = {}
     best: dict[str, float] = {}
     try:
         for name, kw in cases.items():
             if only and name not in only:
                 continue
+            eng, cl = engine, per_tensor if "sglang" in name else client
+            if name.startswith("lora"):
+                if lora_engine is None:
+                    from areal_cli.config.model import LoRAConfig
+                    from areal_cli.weight_sync.lora import SERVED_NAME
+
+                    lora_engine = FSDPEngine(EngineConfig(), None, total_steps=1, seed=0,
+                                             lora=LoRAConfig(rank=8))
+                    lora_engine.initialize(ParallelStrategy(), model_dir)
+                    lora_client = RemoteInferenceEngine([server.address], retries=1, lora_name=SERVED_NAME)
+                eng, cl = lora_engine, lora_client
             times, best_phases = [], {}
             for i in range(repeats + 1):  # first push of each case is warm-up (group creation, page cache)
                 meta = WeightUpdateMeta(master_port=port, timeout_s=120, bucket_bytes=bucket_bytes, **kw)
                 t0 = time.perf_counter()
-                engine.update_weights(meta, [per_tensor if "sglang" in name else client], loop=runner.loop)
+                eng.update_weights(meta, [cl], loop=runner.loop)
                 dt = time.perf_counter() - t0
                 if i:
                     if not times or dt < min(times):
-                        best_phases = engine.last_sync_seconds
+                        best_phases = eng.last_sync_seconds
                     times.append(dt)
             results[name] = statistics.median(times)
             best[name] = min(times)
@@ -100,6 +119,8 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
                   f"all {[round(t, 3) for t in times]}  (best push phases: {phases})", flush=True)
     finally:
         engine.destroy()
+        if lora_engine is not None:
+            lora_engine.destroy()
         runner.close()
         server.stop()
         for d in (shm, disk):
@@ -360,6 +381,11 @@ def report_sync(args, model_dir, root) -> None:
         b = best["distributed bf16"]
         print(f"  target ≤0.25 s for distributed bf16: median {'met' if target <= 0.25 else 'NOT met'} "
               f"({target:.3f} s), best {'met' if b <= 0.25 else 'NOT met'} ({b:.3f} s)")
+    for full, lora in (("distributed fp32", "lora distributed"), ("disk /dev/shm", "lora disk /dev/shm")):
+        if full in sync and lora in sync:
+            r = sync[full] / sync[lora]
+            print(f"  LoRA r8 adapter-only vs full push ({full}): {r:6.1f}x faster (median; best "
+                  f"{best[full] / best[lora]:.1f}x); target ≥10x {'met' if r >= 10 else 'NOT met'}")
     floor = bench_floor(model_dir, args.repeats)
     print(f"  floor now (best of {args.repeats}, serial): cast fp32→bf16 {floor['cast']:.3f} s + raw gloo broadcast "
           f"{floor['broadcast']:.3f} s + copy bf16→fp32 {floor['apply']:.3f} s = {floor['sum']:.3f} s")

@@ -162,6 +162,7 @@ class FakeTokenizerManager:
         self.paused = False
         self.session = False
         self.memory_released = False
+        self.loras: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         self._rank_lock = asyncio.Lock()
 
     server_args = None
@@ -184,6 +185,9 @@ class FakeTokenizerManager:
 
     async def generate_request(self, obj, request=None):
         obj.normalize_batch_and_arguments()  # SGLang's own normalisation (raises ValueError on bad input)
+        for name in ([obj.lora_path] if isinstance(obj.lora_path, str) else obj.lora_path or []):
+            if name is not None and name not in self.loras:  # what _resolve_lora_path refuses
+                raise ValueError(f"Got LoRA adapter that has never been loaded: {name}")
         batch = not obj.is_single
         ids = obj.input_ids if batch else [obj.input_ids]
         sps = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params] * len(ids)
@@ -249,6 +253,23 @@ class FakeTokenizerManager:
 
     async def update_weight_version(self, obj):
         self.weight_version = obj.new_version
+
+    async def load_lora_adapter(self, obj, request=None):
+        from sglang.srt.managers.io_struct import LoRAUpdateOutput
+
+        if obj.lora_name in self.loras:  # LoRARegistry.register refuses a loaded name
+            return LoRAUpdateOutput(success=False,
+                                    error_message=f"LoRA adapter {obj.lora_name} already exists")
+        self.loras[obj.lora_name] = obj.lora_path
+        return LoRAUpdateOutput(success=True, loaded_adapters=dict(self.loras))
+
+    async def unload_lora_adapter(self, obj, request=None):
+        from sglang.srt.managers.io_struct import LoRAUpdateOutput
+
+        if self.loras.pop(obj.lora_name, None) is None:
+            return LoRAUpdateOutput(success=False,
+                                    error_message=f"LoRA adapter {obj.lora_name} is not loaded")
+        return LoRAUpdateOutput(success=True, loaded_adapters=dict(self.loras))
 
     async def release_memory_occupation(self, obj, request=None):
         self.memory_released = True
@@ -361,7 +382,7 @@ def serve(port: int, tp: int, tp_port: int, vocab_size: int) -> None:
     @hs.app.get("/_state")
     async def state():
         return {"paused": tm.paused, "session": tm.session, "weight_version": tm.weight_version,
-                "memory_released": tm.memory_released}
+                "memory_released": tm.memory_released, "loras": tm.loras}
 
     print(f"sglang harness: sglang {SGLANG_VERSION}, {len(models)} routes with request models", flush=True)
     uvicorn.run(recording, host="127.0.0.1", port=port, lifespan="off", log_level="warning")

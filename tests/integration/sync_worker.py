@@ -40,10 +40,17 @@ def main() -> None:
         from areal_cli.config.engine import DeepSpeedConfig
 
         ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
+    kw = {}
+    if spec.get("lora"):  # LoRA: adapter-only pushes, the server serves the adapter by name
+        from areal_cli.config.model import LoRAConfig
+        from areal_cli.weight_sync.lora import SERVED_NAME
+
+        kw["lora"] = LoRAConfig(**spec["lora"])
     engine = get_engine_cls(spec.get("engine", "fsdp"))(EngineConfig(**ekw), OptimConfig(lr=5e-2), total_steps=10,
-                                                        seed=0)
+                                                        seed=0, **kw)
     engine.initialize(ParallelStrategy(**spec.get("parallel", {"dp": world})), spec["model_dir"])
-    client = RemoteInferenceEngine([spec["address"]], timeout_s=60, retries=1, backoff_s=0.2)
+    client = RemoteInferenceEngine([spec["address"]], timeout_s=60, retries=1, backoff_s=0.2,
+                                   lora_name=SERVED_NAME if kw else None)
     res: dict = {"pushes": [], "failures": []}
     from areal_cli.weight_sync.common import LoopRunner
 
@@ -61,6 +68,9 @@ def main() -> None:
 
         return runner.run(go(), 120)
 
+    if kw:  # the adapter at version 0 (B = 0: the base model), as the RL trainer loads it at start-up
+        engine.push_adapter(WeightUpdateMeta(type="disk", path=str(out / "weights"), version=0, timeout_s=60),
+                            [client], loop=runner.loop)
     res["before"] = server_state()
     for step, (kind, dtype) in enumerate([("disk", "float32"), ("distributed", "float32"),
                                           ("distributed", "float32")]):

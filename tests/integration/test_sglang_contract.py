@@ -282,3 +282,33 @@ def test_launch_argv_parses_with_sglangs_own_parser():
     assert ns == {"tp_size": 2, "pp_size": 2, "dtype": "bfloat16", "random_seed": 5, "device": "cuda",
                   "context_length": 2048, "mem_fraction_static": 0.8, "trust_remote_code": True,
                   "enable_memory_saver": True, "skip_server_warmup": True, "api_key": "k"}
+
+
+def test_lora_adapter_versions_and_per_request_name(servers):
+    """Adapter-only sync into SGLang (weight_sync/lora.py): the first version is a load, later ones pause →
+    unload → load → version → continue (SGLang refuses a second load under a loaded name); every generate
+    names the adapter in ``lora_path``. Checked against SGLang's own routes and request models."""
+    addr = servers[0]
+    eng = _client([addr], lora_name="areal-policy")
+    g = GenerationConfig(max_new_tokens=2)
+
+    async def go():
+        await eng.load_lora_adapter("areal-policy", "/ckpt/lora/v1", 1)
+        await eng.load_lora_adapter("areal-policy", "/ckpt/lora/v2", 2)
+        one = await eng.agenerate(ModelRequest(input_ids=[5, 6, 7], gconfig=g))
+        reqs = [ModelRequest(input_ids=[1, 2], gconfig=g.new(seed=s)) for s in (1, 2)]
+        many = await eng.agenerate_group(reqs)
+        return one, many, await eng.get_server_versions()
+
+    one, many, versions = asyncio.run(go())
+    assert one.output_tokens and len(many) == 2 and versions == {addr: 2}
+    state = httpx.get(f"http://{addr}/_state", timeout=10).json()
+    assert state["loras"] == {"areal-policy": "/ckpt/lora/v2"} and state["paused"] is False
+    assert_contract(addr, "/load_lora_adapter", "LoadLoRAAdapterReqInput")
+    assert_contract(addr, "/unload_lora_adapter", "UnloadLoRAAdapterReqInput")
+    entry = assert_contract(addr, "/generate", "GenerateReqInput")
+    assert any(b.get("lora_path") == "areal-policy" for b in entry["bodies"])
+    # SGLang refuses a request naming an adapter it never loaded: the name really is checked.
+    body = sgl.build_generate([1, 2], g, lora="never-loaded").json
+    r = httpx.post(f"http://{addr}/generate", json=body, timeout=30)
+    assert r.status_code == 400 and "never been loaded" in r.text

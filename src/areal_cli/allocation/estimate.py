@@ -31,13 +31,19 @@ class ModelFacts:
     moe_intermediate: int
     tied: bool
     lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, m) -> "ModelFacts":
+        from areal_cli.config.model import lora_target_modules
+
         hd = m.head_dim or (m.hidden_size // max(1, m.num_attention_heads))
+        lora = getattr(m, "lora", None)
+        rank = int(lora.rank) if lora is not None else 0
+        targets = lora_target_modules(lora.target_modules, moe=m.num_experts > 0) if rank > 0 else ()
         return cls(m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers, m.hidden_size,
                    hd, m.intermediate_size, m.vocab_size, m.num_experts,
-                   m.moe_intermediate_size or m.intermediate_size, m.tie_word_embeddings, m.lora_rank)
+                   m.moe_intermediate_size or m.intermediate_size, m.tie_word_embeddings, rank, targets)
 
     def attn_params(self) -> int:
         q = self.heads * self.head_dim
@@ -61,9 +67,12 @@ class ModelFacts:
         return self.dense_params() + self.expert_params()
 
     def lora_params(self) -> int:
+        """Adapter parameters: ``rank × (in + out)`` per targeted projection and layer."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = (self.hidden + q) * 2 + (self.hidden + kv) * 2 + 3 * (self.hidden + self.intermediate)
-        return self.layers * self.lora_rank * per_layer
+        h, i = self.hidden, self.intermediate
+        dims = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
+                "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+        return self.layers * self.lora_rank * sum(dims[t] for t in self.lora_targets)
 
 
 @dataclass
@@ -118,8 +127,9 @@ def train_memory(f: ModelFacts, sharding, par, ffn_tp: int, dtype: str, mb_token
     local = dense + experts
     shard = par.dp * par.cp
     sw, sg, so = (shard if on else 1 for on in (sharding.weights, sharding.grads, sharding.optimizer))
+    # LoRA: gradients and Adam states exist for the adapter only; the frozen base keeps its weights.
     trainable = f.lora_params() / (par.tp * par.pp) if f.lora_rank > 0 else local
-    weights = local * pb / sw
+    weights = local * pb / sw + (trainable * pb / sw if f.lora_rank > 0 else 0.0)
     if sharding.gathers_layers:
         # One or two layers are gathered unsharded at a time (prefetch).
         weights += 2 * (local / max(1, f.layers // par.pp)) * pb

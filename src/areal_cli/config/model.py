@@ -7,9 +7,31 @@ JSON, no torch). ``path=builtin:tiny`` means the tiny CPU model that areal build
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_cli.config.ranges import ranged
+
+# LoRA target presets: the projection names of the decoder families we ship (Qwen2/2.5, Qwen3, Llama,
+# Mistral all use these; Qwen3-MoE's experts are left out, its attention is targeted).
+LORA_PRESETS: dict[str, tuple[str, ...]] = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+# model_type -> preset used by ``target_modules=auto``
+LORA_FAMILY_PRESET: dict[str, str] = {"qwen2": "all", "qwen3": "all", "llama": "all", "mistral": "all",
+                                      "qwen3_moe": "attention", "qwen2_moe": "attention"}
+
+
+@dataclass
+class LoRAConfig:
+    """``model.lora``: low-rank adapters through peft (rank 0: off, full fine-tuning)."""
+
+    rank: int = ranged(0, ge=0, why="0 disables LoRA")
+    alpha: float = ranged(16.0, gt=0)
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    # "auto" (the model family's preset), a preset name (attention, mlp, all), or module names "q_proj,v_proj"
+    target_modules: str = "auto"
 
 
 @dataclass
@@ -29,7 +51,28 @@ class ModelConfig:
     moe_intermediate_size: int = ranged(0, ge=0)
     max_position_embeddings: int = ranged(1024, ge=1)
     tie_word_embeddings: bool = True
-    # LoRA through peft; rank 0 disables.
-    lora_rank: int = ranged(0, ge=0, why="0 disables LoRA")
-    lora_alpha: int = ranged(16, ge=1)
-    lora_target_modules: str = "all-linear"
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
+_KNOWN_MODULES = frozenset(LORA_PRESETS["all"])
+
+
+def lora_target_modules(target_modules: str, model_type: str | None = None, *,
+                        moe: bool = False) -> tuple[str, ...]:
+    """The module names ``model.lora.target_modules`` stands for (a preset, ``auto`` or a comma list)."""
+    from areal_cli.errors import ConfigError
+
+    spec = (target_modules or "auto").strip()
+    if spec == "auto":
+        preset = LORA_FAMILY_PRESET.get(model_type or "", "attention" if moe else "all")
+        return LORA_PRESETS[preset]
+    if spec in LORA_PRESETS:
+        return LORA_PRESETS[spec]
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    bad = [n for n in names if n not in _KNOWN_MODULES]
+    if not names or bad:
+        raise ConfigError("model.lora.target_modules", f"{target_modules!r} names no known projection"
+                          + (f" ({', '.join(bad)})" if bad else ""),
+                          f"use auto, a preset ({', '.join(LORA_PRESETS)}) or a comma list of "
+                          f"{', '.join(sorted(_KNOWN_MODULES))}")
+    return names

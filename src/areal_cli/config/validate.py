@@ -21,6 +21,7 @@ from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
 from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec, Component, Dims
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
+from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.engines import ENGINE_SPECS, engine_dims, get_engine_spec
@@ -281,6 +282,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
             c.backend = cfg.engine.name
     plan.spec = spec.canonical()
     _check_keep_sampling_mask(cfg, plan)
+    check_lora(cfg, plan)
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
     validate_algo_config(cfg.algo)

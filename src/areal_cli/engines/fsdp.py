@@ -29,6 +29,7 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn, TrainEngine
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
 from areal_cli.data import packing
+from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import sampling_mask
 from areal_cli.engines import ulysses
@@ -38,8 +39,12 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 class FSDPEngine(TrainEngine):
-    def __init__(self, engine_cfg, optim_cfg=None, *, total_steps: int = 1, seed: int = 0, critic: bool = False):
+    def __init__(self, engine_cfg, optim_cfg=None, *, total_steps: int = 1, seed: int = 0,
+                 critic: bool = False, lora: Any = None):
+        """``lora``: ``model.lora`` (rank > 0 trains a peft adapter on the frozen model; engines/lora.py)."""
         self.cfg = engine_cfg
+        self.lora_cfg = lora
+        self.peft_config = None
         self.optim_cfg = optim_cfg
         self.total_steps = total_steps
         self.seed = seed
@@ -105,12 +110,16 @@ class FSDPEngine(TrainEngine):
         self.generation_config = getattr(model, "generation_config", None)
         if self.critic:
             self._attach_value_head(model, model_path, dtype)
+        elif lora_mod.enabled(self.lora_cfg):
+            self.peft_config = lora_mod.inject(model, self.lora_cfg)
         return model, dtype
 
     def _build_optimizer(self, params) -> None:
         if self.optim_cfg is not None:
             from areal_cli.utils.optim import build_optimizer
 
+            # Frozen parameters (the base under LoRA) get no optimizer state.
+            params = [p for p in params if p.requires_grad]
             self.optimizer, self.scheduler = build_optimizer(params, self.optim_cfg, self.total_steps)
         elif self.model is not None:
             self.model.eval()
@@ -443,9 +452,10 @@ class FSDPEngine(TrainEngine):
         return res
 
     # ------------------------------------------------------------------ full weights
-    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True):
+    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True, keep=None):
         """Yield ``(name, full_tensor)`` on global rank 0 and ``(name, None)`` elsewhere, in the
-        same order on every rank (gathering a shard is a collective). Tied weights appear once."""
+        same order on every rank (gathering a shard is a collective). Tied weights appear once.
+        ``keep(name)``: only those names (the LoRA adapter alone, without gathering the base)."""
         seen: set[int] = set()
         src = dist.get_rank() == 0
         for name, p in self.model.state_dict().items():
@@ -453,6 +463,8 @@ class FSDPEngine(TrainEngine):
                 continue
             seen.add(id(p))
             if self.critic and name.startswith("lm_head.") and not include_value_head:
+                continue
+            if keep is not None and not keep(name):
                 continue
             full = _full(p)
             yield name, ((full.detach().cpu() if to_cpu else full.detach()) if src else None)
@@ -475,15 +487,28 @@ class FSDPEngine(TrainEngine):
             save_file({k: v.contiguous() for k, v in head.items()}, str(Path(path) / VALUE_HEAD_FILE))
 
     # ------------------------------------------------------------------ checkpoints
+    def _export_tensors(self, to_cpu: bool = True):
+        """The model as HF tensors: under LoRA with the adapter merged into the base weights."""
+        named = self._named_full_tensors(to_cpu=to_cpu)
+        return lora_mod.merged_stream(named, self.peft_config) if self.peft_config is not None else named
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's full tensors on global rank 0 (``{}`` elsewhere); collective."""
+        return {n: t for n, t in self._named_full_tensors(keep=lora_mod.is_lora_name) if t is not None}
+
     def save(self, meta: SaveLoadMeta) -> None:
         if meta.weight_format == "hf":
-            tensors = {n: t for n, t in self._named_full_tensors() if t is not None}
+            tensors = {n: t for n, t in self._export_tensors() if t is not None}
+            adapter = self.adapter_tensors() if self.peft_config is not None else {}
             if dist.get_rank() == 0:
                 self._write_hf(meta.path, tensors)
                 if meta.tokenizer_path:
                     from areal_cli.weight_sync.hf_io import copy_tokenizer
 
                     copy_tokenizer(meta.tokenizer_path, meta.path)
+                if adapter:  # beside the merged model: the adapter alone, in peft's layout
+                    lora_mod.write_adapter_dir(Path(meta.path) / lora_mod.ADAPTER_SUBDIR, adapter,
+                                               self.peft_config)
             dist.barrier()
         elif meta.weight_format == "dcp":
             self._save_dcp(meta)
@@ -492,17 +517,10 @@ class FSDPEngine(TrainEngine):
 
     def _save_dcp(self, meta: SaveLoadMeta) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         Path(meta.path).mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        if self.optimizer is not None:
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            state = {"model": msd, "optim": osd}
-        else:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-            state = {"model": get_model_state_dict(self.model)}
+        state = self._dcp_state()
         dcp.save(state, checkpoint_id=meta.path)
         extra = {"step": self.step, "version": self._version, "rng": _rng_state(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None,
@@ -521,24 +539,23 @@ class FSDPEngine(TrainEngine):
             self._load_hf(meta.path)
             return
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         extra_file = Path(meta.path) / f"extra_rank{dist.get_rank()}.pt"
         if not extra_file.is_file():
             raise ConfigError("recover.path", f"{meta.path} has no {extra_file.name}",
                               "point at a dir written by save(weight_format='dcp') with the same world size")
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=meta.path)
+        # strict=False under LoRA: the frozen base is not in the checkpoint (it is the model dir's).
+        opts = StateDictOptions(strict=self.peft_config is None)
         if self.optimizer is not None:
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=meta.path)
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=state["optim"], options=opts)
         else:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-            state = {"model": get_model_state_dict(self.model)}
-            dcp.load(state, checkpoint_id=meta.path)
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=opts)
         extra = torch.load(extra_file, weights_only=False)
         if self.optimizer is not None and extra.get("param_groups"):
             for group, saved in zip(self.optimizer.param_groups, extra["param_groups"], strict=True):
@@ -549,6 +566,19 @@ class FSDPEngine(TrainEngine):
             self.scheduler.load_state_dict(extra["scheduler"])
         _set_rng_state(extra["rng"])
         meta.extra_state.update(extra.get("extra_state") or {})
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """Model (and optimizer) state for DCP; under LoRA the adapter only: the base never changes."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is not None:
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            state = {"model": msd, "optim": osd}
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+        if self.peft_config is not None:
+            state["model"] = {k: v for k, v in state["model"].items() if lora_mod.is_lora_name(k)}
+        return state
 
     def _load_hf(self, path: str) -> None:
         from safetensors.torch import load_file
@@ -569,24 +599,41 @@ class FSDPEngine(TrainEngine):
 
         The pushed version is ``meta.version`` when it is > 0, else ``get_version() + 1``. Only global
         rank 0 talks to servers; every trainer rank must call this (gathering shards is collective).
-        ``loop``: the event loop that owns the clients (default: a private one).
+        ``loop``: the event loop that owns the clients (default: a private one). Under LoRA only the
+        adapter is pushed (weight_sync/lora.py); the servers keep the base weights.
         """
-        from areal_cli.weight_sync.common import LoopRunner
-        from areal_cli.weight_sync.senders import DiskSender, DistributedSender
-
         if self.critic:
             raise WeightSyncError("weight sync: a critic engine has no policy weights to push")
         if meta.backend == "nccl" and not torch.cuda.is_available():
             raise ConfigError("weight_sync.backend", "nccl needs CUDA but this trainer has no GPU",
                               "use backend=gloo on CPU hosts")
         version = meta.version if meta.version > 0 else self._version + 1
+        self._sync_weights(dataclasses.replace(meta, version=version), engines, loop)
+
+    def push_adapter(self, meta: WeightUpdateMeta, engines: list, loop=None) -> None:
+        """Under LoRA: load the current adapter into ``engines`` at exactly ``meta.version`` (0 included),
+        for start-up, resume and restarted servers, which hold the base weights and no adapter yet."""
+        if self.peft_config is None:
+            raise WeightSyncError("push_adapter: this engine trains no LoRA adapter (model.lora.rank=0)")
+        self._sync_weights(meta, engines, loop)
+
+    def _sync_weights(self, meta: WeightUpdateMeta, engines: list, loop=None) -> None:
+        from areal_cli.weight_sync.common import LoopRunner
+        from areal_cli.weight_sync.senders import DiskSender, DistributedSender
+
+        version = meta.version
         n_servers = sum(len(getattr(c, "addresses", [])) for c in engines) or len(engines)
         meta = dataclasses.replace(meta, version=version, world_size=meta.world_size or 1 + n_servers)
         is_src = dist.get_rank() == 0
         if is_src and self._runner is None:
             self._runner = LoopRunner(loop)
         err: WeightSyncError | None = None
-        if meta.type == "disk":
+        if self.peft_config is not None:  # the servers keep the base: only the adapter moves
+            from areal_cli.weight_sync.lora import AdapterSender
+
+            sender = self._senders.setdefault("lora", AdapterSender(self._runner))
+            err = sender.send(meta, engines, self.adapter_tensors(), self.peft_config, is_src=is_src)
+        elif meta.type == "disk":
             sender = self._senders.setdefault("disk", DiskSender(self._runner))
             err = sender.send(meta, engines, self._named_full_tensors(), is_src=is_src, write_dir=self._write_hf)
         elif meta.type == "distributed":

@@ -99,7 +99,7 @@ class RemoteInferenceEngine(InferenceEngine):
                  retries: int = 3, routing: str = "least_loaded", api_key: str | None = None,
                  backoff_s: float = 0.5, health_interval_s: float = 5.0, max_resumes: int = 1000,
                  admin_timeout_s: float = 600.0, flattened_bucket: bool = True, atomic_update: bool = True,
-                 tp_sizes: list[int] | int = 1):
+                 tp_sizes: list[int] | int = 1, lora_name: str | None = None):
         """``tp_sizes``: tensor-parallel size of each server (one int: all the same). Every TP rank of
         an SGLang server joins the weight-update group, so it sets the group's ranks and size."""
         if routing not in ("least_loaded", "round_robin"):
@@ -127,6 +127,9 @@ class RemoteInferenceEngine(InferenceEngine):
         self._clients: dict[int, aiohttp.ClientSession] = {}
         self._keepers: dict[int, Any] = {}
         self._last_health = time.monotonic()
+        # LoRA: every generation request names this adapter (SGLang's lora_path, vLLM's model).
+        self.lora_name = lora_name
+        self._lora_loaded: set[str] = set()  # servers this client loaded an adapter version into
 
     # ------------------------------------------------------------------ addresses / routing
     @property
@@ -295,7 +298,9 @@ class RemoteInferenceEngine(InferenceEngine):
         async def build(s: _ServerState) -> HttpCall:
             kw: dict[str, Any] = {"max_new_tokens": budgets[0]}
             if self.backend_name == "vllm":
-                kw["model"] = await self._model_name(s)
+                kw["model"] = self.lora_name or await self._model_name(s)
+            elif self.lora_name is not None:
+                kw["lora"] = self.lora_name
             return self.backend.build_generate(inputs[0], gs[0], **kw)
 
         seg, address = await self._route(build, lambda resp: self.backend.parse_generate(
@@ -306,7 +311,7 @@ class RemoteInferenceEngine(InferenceEngine):
                           budgets: list[int]) -> tuple[list[Segment], str]:
         """Several prompts in one ``/generate`` call (SGLang's batch form) with failover."""
         async def build(_s: _ServerState) -> HttpCall:
-            return self.backend.build_generate_batch(inputs, gs, budgets)
+            return self.backend.build_generate_batch(inputs, gs, budgets, lora=self.lora_name)
 
         return await self._route(build, lambda resp: self.backend.parse_generate_batch(
             resp, len(inputs), fallback_version=self._version), rows=len(inputs))
@@ -408,6 +413,30 @@ class RemoteInferenceEngine(InferenceEngine):
     async def update_weights_from_disk(self, meta: WeightUpdateMeta) -> None:
         await self._all([self.backend.build_update_from_disk(meta) for _ in self._order],
                         "update_weights_from_disk")
+        self._version = meta.version
+
+    async def load_lora_adapter(self, name: str, path: str, version: int) -> None:
+        """Load adapter version ``version`` from the peft dir ``path`` under ``name`` on every server
+        (replacing the one loaded before; generation is paused around it where the server needs that)."""
+        if not hasattr(self.backend, "build_load_lora"):
+            raise InferenceError(f"backend {self.backend.NAME!r} cannot load LoRA adapters")
+        await self._all([self.backend.build_load_lora(name, path, version, loaded=a in self._lora_loaded)
+                         for a in self._order], "load_lora_adapter")
+        self._lora_loaded.update(self._order)
+        self._version = version
+
+    @property
+    def supports_lora_broadcast(self) -> bool:
+        """Whether the servers take an adapter over the weight-update group (hf only)."""
+        return bool(getattr(self.backend, "SUPPORTS_LORA_BROADCAST", False))
+
+    async def load_lora_adapter_from_distributed(self, meta: WeightUpdateMeta, name: str, config: dict,
+                                                 specs: list[ParamSpec]) -> None:
+        if not self.supports_lora_broadcast:
+            raise InferenceError(f"backend {self.backend.NAME!r} loads adapters from a directory only")
+        calls = [self.backend.build_load_lora_distributed(meta, name, config, specs) for _ in self._order]
+        await self._all(calls, "load_lora_adapter_from_distributed", retries=0)
+        self._lora_loaded.update(self._order)
         self._version = meta.version
 
     async def check_server_versions(self) -> dict[str, str]:

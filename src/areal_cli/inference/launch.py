@@ -36,13 +36,19 @@ def vllm_python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
+# vLLM accepts only these --max-lora-rank values (LoRAConfig.__post_init__, possible_max_ranks).
+_VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp: int = 1,
                      tp_size: int | None = None, pp: int = 1, dtype: str = "auto", device: str = "cpu", seed: int = 0,
                      api_key: str | None = None, context_length: int | None = None,
                      extra: list[str] | tuple[str, ...] = (), python: str | None = None,
-                     cache_root: str | None = None) -> tuple[list[str], dict[str, str]]:
+                     cache_root: str | None = None, lora_rank: int = 0,
+                     lora_targets: tuple[str, ...] | list[str] = ()) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` for one server. ``env`` holds only the variables to add to the parent's.
-    ``extra`` (e.g. ``launcher.server_args``) comes last, so it can override any flag set here."""
+    ``extra`` (e.g. ``launcher.server_args``) comes last, so it can override any flag set here.
+    ``lora_rank > 0``: the server loads LoRA adapters at run time (the hf server always can)."""
     if backend not in BACKENDS:
         raise LaunchError(f"unknown inference backend {backend!r}; expected one of {BACKENDS}")
     tp = tp_size if tp_size is not None else tp
@@ -69,6 +75,9 @@ def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp:
         # SGLang's /health generates a token by default, which waits while a weight push holds
         # generation paused; the client's 5 s probe would then drop paused servers from routing.
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
+        if lora_rank > 0:  # adapters come later through /load_lora_adapter, so declare their shape now
+            argv += ["--enable-lora", "--max-lora-rank", str(lora_rank),
+                     "--lora-target-modules", *lora_targets]
     else:
         argv = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                 "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp),
@@ -79,6 +88,10 @@ def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp:
         # Dev mode exposes /pause, /resume, /collective_rpc and the weight-transfer endpoints.
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["VLLM_CACHE_ROOT"] = cache_root or os.path.join(tempfile.gettempdir(), "areal_vllm_cache")
+        if lora_rank > 0:  # /v1/load_lora_adapter exists only with runtime LoRA updating on
+            max_rank = next((r for r in _VLLM_LORA_RANKS if r >= lora_rank), lora_rank)
+            argv += ["--enable-lora", "--max-lora-rank", str(max_rank)]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if device == "cpu":
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default (4+) is too much for small hosts

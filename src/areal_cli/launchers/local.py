@@ -66,9 +66,14 @@ def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: st
         if cfg.cluster.device == "cpu":
             extra += ["--num-threads", os.environ.get("AREAL_SERVER_THREADS", "1")]
     extra += [str(a) for a in cfg.launcher.server_args]  # last: the user's flags win
+    from areal_cli.config.model import lora_target_modules
+
+    lora = cfg.model.lora
+    targets = lora_target_modules(lora.target_modules, moe=cfg.model.num_experts > 0) if lora.rank > 0 else ()
     return inf_launch.build_server_cmd(
         spec.backend, model_path, host, port, tp=spec.tp, pp=spec.pp, dtype=cfg.engine.dtype,
-        device=cfg.cluster.device, seed=cfg.seed + spec.index, extra=extra)
+        device=cfg.cluster.device, seed=cfg.seed + spec.index, extra=extra, lora_rank=int(lora.rank),
+        lora_targets=targets)
 
 
 def trainer_argv(layout: JobLayout, config_path: str, node_rank: int, master_addr: str,

@@ -79,8 +79,9 @@ def build_tokenizer(model_path: str) -> Any:
 
 
 def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | None = None,
-                 total_steps: int | None = None, critic: bool = False) -> Any:
-    """The training engine named by ``engine.name``, initialised on the plan's parallel strategy."""
+                 total_steps: int | None = None, critic: bool = False, lora: bool = True) -> Any:
+    """The training engine named by ``engine.name``, initialised on the plan's parallel strategy.
+    ``lora=False``: all weights train even under ``model.lora`` (the SFT warm start)."""
     from areal_cli.api.io_struct import ParallelStrategy
 
     from areal_cli.engines import get_engine_cls
@@ -90,18 +91,42 @@ def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | N
     kwargs: dict[str, Any] = {"total_steps": total_steps or cfg.trainer.total_steps, "seed": cfg.seed}
     if critic:
         kwargs["critic"] = True
+    elif lora and lora_enabled(cfg):  # only engines with LoRA get it (validated: config/lora_rules.py)
+        kwargs["lora"] = cfg.model.lora
     engine = cls(cfg.engine, optim if optim is not None else cfg.algo.optim, **kwargs)
     engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep), model_path)
     return engine
 
 
-def build_client(cfg: Any, addresses: list[str], backend: str, tp_sizes: list[int] | int = 1) -> Any:
-    """``tp_sizes``: each server's TP size (every TP rank joins the weight-update group)."""
+def build_client(cfg: Any, addresses: list[str], backend: str, tp_sizes: list[int] | int = 1, *,
+                 adapter: bool = True) -> Any:
+    """``tp_sizes``: each server's TP size (every TP rank joins the weight-update group). Under LoRA the
+    client names the served adapter in every request; ``adapter=False``: the servers' base weights."""
     from areal_cli.inference.client import RemoteInferenceEngine
+    from areal_cli.weight_sync.lora import SERVED_NAME
 
     return RemoteInferenceEngine(addresses, backend=backend, timeout_s=cfg.rollout.request_timeout_s,
                                  retries=cfg.rollout.request_retries, routing=cfg.rollout.routing,
-                                 tp_sizes=tp_sizes, api_key=os.environ.get(SERVER_KEY_ENV) or None)
+                                 tp_sizes=tp_sizes, api_key=os.environ.get(SERVER_KEY_ENV) or None,
+                                 lora_name=SERVED_NAME if adapter and lora_enabled(cfg) else None)
+
+
+def lora_enabled(cfg: Any) -> bool:
+    """``model.lora.rank > 0``: the policy trains an adapter and the servers serve it by name."""
+    lora = getattr(getattr(cfg, "model", None), "lora", None)
+    return lora is not None and int(lora.rank) > 0
+
+
+def build_reference(cfg: Any, layout: JobLayout, model_path: str, engine: Any) -> Any | None:
+    """The KL reference (``algo.kl_coef > 0``): under LoRA the policy's own model with the adapter
+    disabled (no second copy of the weights), else a second engine on the initial weights."""
+    if cfg.algo.kl_coef <= 0:
+        return None
+    if lora_enabled(cfg):
+        from areal_cli.engines.lora import ReferenceView
+
+        return ReferenceView(engine)
+    return build_engine(cfg, layout, model_path)
 
 
 def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:

@@ -93,6 +93,7 @@ class RLTrainer:
     def __init__(self, cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         self.model_path = model_path
+        self.policy_path = model_path  # the RL phase's starting weights (an SFT warm start's export)
         self.rank, self.world = rank, world
         self.total_steps = int(cfg.trainer.total_steps)
         self.stats = StatsLogger(run_dir, cfg.stats, experiment=cfg.experiment_name, trial=cfg.trial_name,
@@ -153,6 +154,9 @@ class RLTrainer:
 
         self.weight_group_epoch += 1
         path = os.path.join(self.run_dir, "weight_sync", f"restart_v{version:06d}")
+        if build.lora_enabled(self.cfg):
+            self._sync_restarted_lora(engine, version, path)
+            return
         engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=self.model_path))
         if self.rank == 0:
             for rec in self._pending_servers():
@@ -166,6 +170,27 @@ class RLTrainer:
             self.client_set_addresses([r["address"] for r in recs if r["index"] in self.server_epochs])
             self.restarts_synced += 1
         _barrier()
+
+    def _sync_restarted_lora(self, engine: Any, version: int, path: str) -> None:
+        """Under LoRA a restarted server holds the base weights already: it only needs the adapter."""
+        from areal_cli.api.io_struct import WeightUpdateMeta
+
+        pending = broadcast_obj(self._pending_servers() if self.rank == 0 else None)
+        clients = [build.build_client(self.cfg, [r["address"]], r.get("backend", "hf")) for r in pending]
+        if self.rank == 0 and self.policy_path != self.model_path:  # the SFT warm start's weights first
+            for c in clients:
+                self._run(c.update_weights_from_disk(WeightUpdateMeta(type="disk", version=version,
+                                                                      path=self.policy_path)))
+        engine.push_adapter(WeightUpdateMeta(type="disk", version=version, path=path),
+                            clients if self.rank == 0 else [], loop=self._loop())
+        if self.rank == 0:
+            for rec in pending:
+                self.server_epochs[rec["index"]] = rec["epoch"]
+                print(f"[areal] server {rec['index']} came back at {rec['address']}; loaded adapter version "
+                      f"{version}", flush=True)
+            recs = read_servers(self.run_dir)
+            self.client_set_addresses([r["address"] for r in recs if r["index"] in self.server_epochs])
+            self.restarts_synced += 1
 
     def client_set_addresses(self, addresses: list[str]) -> None:
         setter = getattr(self.client, "set_addresses", None)
@@ -241,6 +266,13 @@ class RLTrainer:
         from areal_cli.trainer.checkpoint import _barrier
 
         path = os.path.join(self.run_dir, "weight_sync", f"init_v{version:06d}")
+        if build.lora_enabled(self.cfg):
+            if self.rank == 0 and self.policy_path != self.model_path:  # the SFT warm start's: the base
+                self._run(self.client.update_weights_from_disk(
+                    WeightUpdateMeta(type="disk", version=version, path=self.policy_path)))
+            meta = WeightUpdateMeta(type="disk", version=version, path=path)
+            engine.push_adapter(meta, [self.client] if self.rank == 0 else [], loop=self._loop())
+            return
         engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=self.model_path))
         if self.rank == 0:
             meta = WeightUpdateMeta(type="disk", version=version, path=path)
@@ -303,7 +335,7 @@ class RLTrainer:
                     try:
                         out = evaluate_on_servers(self.cfg, [r["address"] for r in recs],
                                                   recs[0].get("backend", "hf"), tokenizer, test_items,
-                                                  executor=self.rollout, done=done)
+                                                  executor=self.rollout, done=done, base=phase == "base")
                     except InferenceError as e:
                         if not self._await_restart():
                             raise
@@ -351,8 +383,9 @@ class RLTrainer:
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed + self.rank)
 
+        self.policy_path = policy_path
         engine = build.build_engine(cfg, self.layout, policy_path)
-        ref_engine = build.build_engine(cfg, self.layout, policy_path) if cfg.algo.kl_coef > 0 else None
+        ref_engine = build.build_reference(cfg, self.layout, policy_path, engine)
         actor = build.build_actor(cfg, engine, ref_engine)
         self.dp_of_rank = dp_rank_table(engine)
         critic_engine = None
@@ -372,8 +405,9 @@ class RLTrainer:
             self._setup_rollout(train_items)
             if state is not None:
                 self.rollout.load_state_dict({"stream": state["stream"], "executor": state["executor"]})
-        if start_step > 0 or policy_path != self.model_path:
-            # The servers started from the base weights; bring them to the trainer's policy.
+        if start_step > 0 or policy_path != self.model_path or build.lora_enabled(cfg):
+            # The servers started from the base weights; bring them to the trainer's policy (under
+            # LoRA: load the adapter, which every request names, even at step 0).
             self.push_initial_weights(engine, start_step)
         if self.rollout is not None:
             self.rollout.set_version(start_step)
@@ -502,6 +536,10 @@ def _batch_stats(batch: dict[str, Any], engine: Any) -> dict[str, float]:
            "_rows": n}
     if known:  # correctness as the reward function stated it (rewards.outcome), over the rows that did
         out["reward/accuracy"] = ok / known
+    if "agent_tool_calls" in batch:  # agent workflows: rows whose episode called a tool
+        used = engine.dp_all_reduce(torch.tensor([float((batch["agent_tool_calls"] > 0).sum().item())],
+                                                 dtype=torch.float64)).item()
+        out["agent/tool_call_rate"] = used / max(n, 1)
     return out
 
 

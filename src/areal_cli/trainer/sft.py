@@ -100,7 +100,9 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
         return str(out_dir)
     tc = cfg.trainer
     optim = dataclasses.replace(cfg.algo.optim, lr=tc.sft_lr, lr_scheduler="constant", warmup_steps=0)
-    engine = build.build_engine(cfg, layout, model_path, optim=optim, total_steps=tc.sft_warmup_steps)
+    # Under model.lora the warm start still trains every weight; the adapter is the RL phase's.
+    engine = build.build_engine(cfg, layout, model_path, optim=optim, total_steps=tc.sft_warmup_steps,
+                                lora=False)
     stream = PromptStream(train_items, seed=cfg.seed + 17, shuffle=cfg.dataset.shuffle)
     t0 = time.perf_counter()
     # The inference servers idle during the warm start, so this node's trainer ranks may share its cores.

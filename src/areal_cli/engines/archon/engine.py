@@ -241,15 +241,15 @@ class ArchonEngine(FSDPEngine):
         return res
 
     # ------------------------------------------------------------------ full weights
-    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True):
+    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True, keep=None):
         """``(HF name, full tensor)`` on global rank 0, ``(name, None)`` elsewhere, one tensor at a time:
         each is gathered over its stage's FSDP×TP mesh and sent from the stage that owns it, so no rank
         holds more than one full tensor beyond its own shards. Tied weights appear once."""
         if self.pipe is None:
-            yield from super()._named_full_tensors(include_value_head, to_cpu)
+            yield from super()._named_full_tensors(include_value_head, to_cpu, keep)
             return
         mine = [(n, p) for s in self.model.values() for n, p in s.named_parameters()
-                if not (s.tied_copy and n == "lm_head.weight")]
+                if not (s.tied_copy and n == "lm_head.weight") and (keep is None or keep(n))]
         table: list[Any] = [None] * self.parallel.pp
         dist.all_gather_object(table, [n for n, _ in mine], group=self.mesh.pp_group)
         src_rank0 = dist.get_rank() == 0

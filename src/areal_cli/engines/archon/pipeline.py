@@ -247,7 +247,8 @@ def build_stage_modules(model: nn.Module, *, pp_rank: int, pp_size: int, schedul
                 # A separate parameter: the first stage (another rank) owns the embedding itself.
                 head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False,
                                  dtype=lm_head.weight.dtype, device=lm_head.weight.device)
-                head.weight = nn.Parameter(parts["embed_tokens"].weight.detach().clone())
+                emb = parts["embed_tokens"].weight  # frozen under LoRA: so is the copy
+                head.weight = nn.Parameter(emb.detach().clone(), requires_grad=emb.requires_grad)
                 tied_copy = True
         mods.append(StageModule(b, head, model.config, stage_index=sid, num_stages=n_stages, layers=(lo, hi),
                                 tied_copy=tied_copy))
@@ -382,6 +383,8 @@ class Pipeline:
             elif m.is_last:
                 p = m.lm_head.weight
             else:
+                continue
+            if not p.requires_grad:  # frozen (LoRA's base): both copies alike, no gradient to sum
                 continue
             g = p.grad
             if g is None:

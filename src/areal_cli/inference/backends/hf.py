@@ -4,19 +4,26 @@ versions (``meta_info.output_token_weight_versions``), which :func:`parse_genera
 and the optional ``pause_generation`` / ``continue_generation`` fields of
 ``/update_weights_from_distributed``: the server pauses (aborting running requests) right before
 applying the bucket and continues right after, at one token boundary, so a push needs no separate
-pause/continue round trips."""
+pause/continue round trips.
+
+LoRA (inference/server/lora.py): SGLang's ``/load_lora_adapter`` with the hf fields ``replace`` and
+``weight_version`` (a new adapter version is one request, swapped at one token boundary), and the hf-only
+``/load_lora_adapter_from_distributed`` (the adapter over the weight-update group)."""
 
 from __future__ import annotations
 
+from areal_cli.inference.backends.base import HttpCall
 from areal_cli.inference.backends.sglang import (HEALTH, build_begin_update, build_continue, build_end_update,
                                                  build_generate, build_generate_batch, build_get_version,
                                                  build_init_group, build_pause, build_release_memory,
-                                                 build_resume_memory, build_set_version, build_update_from_disk,
+                                                 build_resume_memory, build_set_version, build_unload_lora,
+                                                 build_update_from_disk,
                                                  check_ok, group_ranks, parse_generate, parse_generate_batch,
                                                  parse_version, sampling_params)
 from areal_cli.inference.backends.sglang import build_update_distributed as _sglang_update_distributed
 
 NAME = "hf"
+SUPPORTS_LORA_BROADCAST = True
 SUPPORTS_FLATTENED_BUCKET = True
 SUPPORTS_ATOMIC_UPDATE = True
 SERVER_ENV: dict[str, str] = {}
@@ -34,7 +41,23 @@ def build_update_distributed(meta, specs, *, flush_cache: bool = True, flattened
     return call
 
 
-__all__ = ["HEALTH", "NAME", "SERVER_ENV", "SUPPORTS_ATOMIC_UPDATE", "SUPPORTS_FLATTENED_BUCKET", "build_begin_update",
+def build_load_lora(name: str, path: str, version: int, *, loaded: bool) -> list[HttpCall]:
+    """``loaded`` is not needed: ``replace`` swaps an adapter already loaded under ``name``."""
+    return [HttpCall("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path, "replace": True,
+                                                    "weight_version": str(version)})]
+
+
+def build_load_lora_distributed(meta, name: str, config: dict, specs) -> HttpCall:
+    return HttpCall("POST", "/load_lora_adapter_from_distributed", {
+        "lora_name": name, "config_dict": config, "names": [s.name for s in specs],
+        "dtypes": [s.dtype for s in specs], "shapes": [list(s.shape) for s in specs],
+        "group_name": meta.group_name, "load_format": "flattened_bucket", "replace": True,
+        "weight_version": str(meta.version)})
+
+
+__all__ = ["build_load_lora", "build_load_lora_distributed", "build_unload_lora", "SUPPORTS_LORA_BROADCAST",
+           "HEALTH", "NAME", "SERVER_ENV", "SUPPORTS_ATOMIC_UPDATE", "SUPPORTS_FLATTENED_BUCKET",
+           "build_begin_update",
            "build_continue", "build_end_update", "build_generate", "build_generate_batch", "build_get_version",
            "build_init_group", "build_pause", "build_release_memory", "build_resume_memory", "build_set_version",
            "build_update_distributed", "build_update_from_disk", "check_ok", "group_ranks", "parse_generate",

@@ -17,6 +17,10 @@ SGLang's own routes and request models (``srt/entrypoints/http_server.py``,
 - ``load_format="flattened_bucket"``: the bucket's tensors travel as one uint8 broadcast, their bytes
   concatenated in request order (each tensor at an offset aligned to its dtype's size).
 - The weight version is ``weight_version`` in ``GET /model_info``.
+- LoRA: ``/load_lora_adapter`` (``LoadLoRAAdapterReqInput``: ``lora_name``, ``lora_path``),
+  ``/unload_lora_adapter`` (``lora_name``), and ``/generate``'s ``lora_path`` naming the adapter per
+  request. SGLang refuses a second load under a loaded name, so a new adapter version is pause →
+  unload → load → ``/update_weight_version`` → continue (the server needs ``--enable-lora``).
 """
 
 from __future__ import annotations
@@ -57,18 +61,20 @@ def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> d
 
 
 def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens: int | None = None,
-                   rid: str | None = None) -> HttpCall:
+                   rid: str | None = None, lora: str | None = None) -> HttpCall:
     body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params(g, max_new_tokens),
                             "return_logprob": True, "stream": False}
     if g.keep_sampling_mask:  # an hf-server field; the config refuses it with other backends
         body["return_sampling_mask"] = True
     if rid is not None:
         body["rid"] = rid
+    if lora is not None:
+        body["lora_path"] = lora  # SGLang's field holds the adapter *name* of a loaded adapter
     return HttpCall("POST", "/generate", body)
 
 
 def build_generate_batch(inputs: list[list[int]], gs: list[GenerationConfig],
-                         max_new_tokens: list[int]) -> HttpCall:
+                         max_new_tokens: list[int], lora: str | None = None) -> HttpCall:
     """SGLang's batch form of ``/generate``: ``input_ids`` a list of prompts and ``sampling_params`` a
     list with one object per prompt; the response is a list of per-prompt answers, in order."""
     body: dict[str, Any] = {"input_ids": [list(x) for x in inputs],
@@ -76,6 +82,8 @@ def build_generate_batch(inputs: list[list[int]], gs: list[GenerationConfig],
                             "return_logprob": True, "stream": False}
     if any(g.keep_sampling_mask for g in gs):
         body["return_sampling_mask"] = True
+    if lora is not None:
+        body["lora_path"] = lora
     return HttpCall("POST", "/generate", body)
 
 
@@ -211,6 +219,17 @@ def build_resume_memory() -> HttpCall:
 
 def build_set_version(version: int) -> HttpCall:
     return HttpCall("POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+
+
+def build_unload_lora(name: str) -> HttpCall:
+    return HttpCall("POST", "/unload_lora_adapter", {"lora_name": name})
+
+
+def build_load_lora(name: str, path: str, version: int, *, loaded: bool) -> list[HttpCall]:
+    """A new adapter version under ``name``; ``loaded``: the server holds an older one (unloaded first)."""
+    calls = [build_pause()] + ([build_unload_lora(name)] if loaded else [])
+    return calls + [HttpCall("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path}),
+                    build_set_version(version), build_continue()]
 
 
 def check_ok(resp: Any, what: str) -> None:

@@ -15,6 +15,10 @@
   {"weights_path": DIR}}`` (``Worker.reload_weights``) reloads a checkpoint dir in place, and
   ``POST /reset_prefix_cache`` drops KV blocks computed with the old weights.
 - The NCCL weight-transfer engine needs CUDA; on CPU the disk path is the one that runs.
+- LoRA (runtime loading, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` and ``--enable-lora``):
+  ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``, ``POST /v1/unload_lora_adapter
+  {"lora_name"}`` (``LoadLoRAAdapterRequest`` / ``UnloadLoRAAdapterRequest``); a request picks the
+  adapter by naming it as its ``model``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ NAME = "vllm"
 HEALTH = HttpCall("GET", "/health")
 REQUIRED_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs"]
 REQUIRED_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+LORA_SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                 "float16": "float16", "fp16": "float16"}
@@ -147,6 +152,18 @@ def parse_model_name(resp: dict[str, Any]) -> str:
         return str(resp["data"][0]["id"])
     except (KeyError, IndexError, TypeError):
         raise InferenceError(f"vLLM /v1/models returned no model: {str(resp)[:200]}") from None
+
+
+def build_unload_lora(name: str) -> HttpCall:
+    return HttpCall("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def build_load_lora(name: str, path: str, version: int, *, loaded: bool) -> list[HttpCall]:
+    """A new adapter version under ``name``: vLLM refuses a second load of a loaded name, so an older one
+    is unloaded first (``loaded``), generation paused around it and the prefix cache dropped."""
+    calls = [build_pause()] + ([build_unload_lora(name)] if loaded else [])
+    return calls + [HttpCall("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}),
+                    build_reset_prefix_cache(), build_set_version(version), build_continue()]
 
 
 def check_ok(resp: Any, what: str) -> None:

@@ -16,7 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from areal_cli.inference.server import openai_compat as OA
+from areal_cli.inference.server import lora_routes
 from areal_cli.inference.server import weights as W
+from areal_cli.inference.server.lora import parse_request_adapters
 from areal_cli.inference.server.engine import GenerationEngine, Sequence
 from areal_cli.inference.server.sampling import SamplingParams
 from areal_cli.inference.server.schema import (BadRequest, check_context, openai_sampling, parse_sampling,
@@ -27,7 +29,7 @@ log = logging.getLogger("areal_cli.hf_server")
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/update_weights_from_disk",
                "/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache",
                "/update_weight_version", "/destroy_weights_update_group", "/begin_weight_update",
-               "/end_weight_update"}
+               "/end_weight_update"} | lora_routes.PATHS
 OPEN_PATHS = {"/health", "/health_generate"}
 # Sequences one request may start (``n`` x prompts): a request for a million samples would fill the
 # engine's queue and starve every other caller (found by the HTTP fuzz test).
@@ -128,6 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
     _openai_routes(app, state, h)
     _info_routes(app, state)
     _admin_routes(app, state, h)
+    lora_routes.register(app, state, _json, h)
     return app
 
 
@@ -137,7 +140,7 @@ def _helpers(state: ServerState) -> SimpleNamespace:
 
     async def run(ids: list[int], sp: SamplingParams, rid: str | None = None,
                   request: Request | None = None, gone: asyncio.Future | None = None,
-                  record_mask: bool = False) -> Sequence:
+                  record_mask: bool = False, lora: str | None = None) -> Sequence:
         """Generate ``ids``; a caller that hung up (``request.is_disconnected()``, polled each second,
         or ``gone`` completing) frees its batch slot."""
         check_context(len(ids), sp.max_new_tokens, state.context_length)
@@ -148,7 +151,7 @@ def _helpers(state: ServerState) -> SimpleNamespace:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(seq))
 
         seq = Sequence(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=sp, on_done=done,
-                       record_mask=record_mask)
+                       record_mask=record_mask, lora=lora)
         if sp.max_new_tokens == 0:
             seq.finish = {"type": "length", "length": 0}
             return seq
@@ -274,10 +277,13 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
             raise BadRequest(f"a batch of {len(prompts)} prompts exceeds {MAX_SEQS_PER_REQUEST} per request")
         for p, s in zip(prompts, sps):
             check_context(len(p), s.max_new_tokens, state.context_length)
+        loras = parse_request_adapters(body, len(prompts), batch, state.engine.adapters)  # SGLang's lora_path
         if batch:
-            seqs = await asyncio.gather(*[run(p, s, None, request, gone, ret_mask) for p, s in zip(prompts, sps)])
+            seqs = await asyncio.gather(*[run(p, s, None, request, gone, ret_mask, a)
+                                          for p, s, a in zip(prompts, sps, loras)])
             return [sglang_out(s, ret_lp, ret_mask) for s in seqs]
-        return sglang_out(await run(prompts[0], sps[0], rid, request, gone, ret_mask), ret_lp, ret_mask)
+        seq = await run(prompts[0], sps[0], rid, request, gone, ret_mask, loras[0])
+        return sglang_out(seq, ret_lp, ret_mask)
 
     @app.post("/generate")
     async def generate_route(request: Request):

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from areal_cli.inference.server import lora
 from areal_cli.inference.server.sampling import SamplingParams, sample_next
 
 log = logging.getLogger("areal_cli.hf_server")
@@ -59,8 +60,9 @@ class Sequence:
     cancelled: bool = False
     real_len: int = 0  # prompt + generated tokens already in the KV cache
     cached_tokens: int = 0  # prompt tokens whose KV was copied from an identical prompt, not computed
-    prefix_key: tuple[int, ...] | None = None  # the tokens this row was admitted with (shared prefill)
+    prefix_key: tuple | None = None  # (adapter, tokens) this row was admitted with (shared prefill)
     text_tail: str = ""  # decoded output (only maintained for stop-string requests)
+    lora: str | None = None  # the LoRA adapter this request runs with (SGLang's lora_path); None: the base
 
 
 @dataclass
@@ -103,8 +105,9 @@ class GenerationEngine:
         self._running: list[Sequence] = []
         self.shared_prefill = shared_prefill
         self.seeded_sampling = seeded_sampling
-        self._prefixes: dict[tuple[int, ...], _Prefix] = {}
+        self._prefixes: dict[tuple, _Prefix] = {}
         self.runner = _make_runner(model, self.device, fast_path, self.pad_id, decode_attention)
+        self.adapters = lora.AdapterSet()
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
                       "finished": 0}
         self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
@@ -229,6 +232,11 @@ class GenerationEngine:
         with self._cv:
             while self._waiting and len(self._running) + len(batch) < self.max_running:
                 s = self._waiting[0]
+                if s.lora is not None and s.lora not in self.adapters.by_name:  # unloaded while it waited
+                    self._waiting.popleft()
+                    s.finish = {"type": "abort", "message": f"LoRA adapter {s.lora!r} was unloaded"}
+                    self._finish(s)
+                    continue
                 n = len(s.prompt_ids) + len(s.out_ids)
                 if batch and n * (len(batch) + 1) > budget:
                     break
@@ -242,6 +250,7 @@ class GenerationEngine:
     def _prefill(self, batch: list[Sequence]) -> None:
         # A resumed request's earlier output is part of its prompt here (it is in the KV cache).
         seqs = [s.prompt_ids + s.out_ids for s in batch]
+        self._set_row_adapters(batch)
         logits = self.runner.prefill(seqs)
         for s, x in zip(batch, seqs):
             s.real_len = len(x)
@@ -258,8 +267,9 @@ class GenerationEngine:
         Rows join the running batch as [computed..., copies...] (row order is not observable: seeded
         sampling does not depend on it).
         """
-        keys = [tuple(s.prompt_ids + s.out_ids) for s in batch]
-        computed: dict[tuple[int, ...], Sequence] = {}
+        # The adapter is part of the key: the same prompt under another adapter has other KV.
+        keys = [(s.lora, tuple(s.prompt_ids + s.out_ids)) for s in batch]
+        computed: dict[tuple, Sequence] = {}
         copies: list[Sequence] = []
         for s, k in zip(batch, keys):
             s.prefix_key = k
@@ -269,27 +279,48 @@ class GenerationEngine:
                 computed[k] = s
         firsts = list(computed.values())
         if firsts:
-            logits = self.runner.prefill([list(k) for k in computed])
+            self._set_row_adapters(firsts)
+            logits = self.runner.prefill([list(k[1]) for k in computed])
             for k, s, row in zip(computed, firsts, logits):
                 self._prefixes[k] = _Prefix(logits=row.clone(), holders=[s])
-            self.stats["prefill_tokens"] += sum(len(k) for k in computed)
+            self.stats["prefill_tokens"] += sum(len(k[1]) for k in computed)
             self._running.extend(firsts)
         if copies:
             at = {id(s): i for i, s in enumerate(self._running)}
             src = [at[id(self._prefixes[s.prefix_key].holders[0])] for s in copies]
-            self.runner.fork(src, [len(s.prefix_key) for s in copies])
+            self.runner.fork(src, [len(s.prefix_key[1]) for s in copies])
             for s in copies:
                 self._prefixes[s.prefix_key].holders.append(s)
-                s.cached_tokens = len(s.prefix_key)
-            self.stats["shared_prefill_tokens"] += sum(len(s.prefix_key) for s in copies)
+                s.cached_tokens = len(s.prefix_key[1])
+            self.stats["shared_prefill_tokens"] += sum(len(s.prefix_key[1]) for s in copies)
             self._running.extend(copies)
         ordered = firsts + copies
         for s in ordered:
-            s.real_len = len(s.prefix_key)
+            s.real_len = len(s.prefix_key[1])
         logits = torch.stack([self._prefixes[s.prefix_key].logits for s in ordered])
         self._sample_and_append(logits, rows=list(range(len(self._running) - len(ordered), len(self._running))))
 
+    def _set_row_adapters(self, seqs: list[Sequence]) -> None:
+        by_name = self.adapters.by_name
+        self.runner.row_adapters = [by_name[s.lora] if s.lora is not None else None for s in seqs]
+
+    def load_adapter(self, adapter: "lora.Adapter") -> dict[str, str]:
+        """Engine thread (via :meth:`call`): add a loaded adapter."""
+        self.adapters.add(adapter)
+        return self.adapters.listing()
+
+    def unload_adapter(self, name: str) -> dict[str, str]:
+        """Engine thread (via :meth:`call`): remove an adapter; requests running with it are aborted."""
+        self.adapters.remove(name)
+        rows = [i for i, s in enumerate(self._running) if s.lora == name]
+        for i in rows:
+            self._running[i].finish = {"type": "abort", "message": f"LoRA adapter {name!r} was unloaded"}
+        if rows:
+            self._retire(rows)
+        return self.adapters.listing()
+
     def _decode_step(self) -> None:
+        self._set_row_adapters(self._running)
         logits = self.runner.decode([s.out_ids[-1] for s in self._running])
         for s in self._running:
             s.real_len += 1
@@ -409,6 +440,15 @@ class HFRunner:
         self._cache = None
         self._mask: torch.Tensor | None = None  # [B, L] 1 = real token
         self.lens: list[int] = []
+        self.row_adapters: list = []  # LoRA: the adapter of each row of the next forward (set by the engine)
+        self._hooks: lora.HFHooks | None = None
+
+    def _set_lora(self, n: int) -> None:
+        groups = lora.row_groups(self.row_adapters[:n], None, self.device)
+        if groups and self._hooks is None:
+            self._hooks = lora.HFHooks(self.model)
+        if self._hooks is not None:
+            self._hooks.groups = groups
 
     def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
         kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
@@ -433,6 +473,7 @@ class HFRunner:
             ids[i, n_max - len(x):] = torch.tensor(x, dtype=torch.long)
             mask[i, n_max - len(x):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        self._set_lora(len(seqs))
         cache = DynamicCache(config=self.model.config)
         logits, cache = self._forward(ids.to(self.device), mask.to(self.device), pos.to(self.device),
                                       cache, last_only=True)
@@ -480,6 +521,7 @@ class HFRunner:
 
     @torch.no_grad()
     def decode(self, tokens: list[int]) -> torch.Tensor:
+        self._set_lora(len(tokens))
         last = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
         pos = torch.tensor(self.lens, dtype=torch.long, device=self.device).unsqueeze(1)
         self._mask = torch.cat([self._mask, torch.ones((len(tokens), 1), dtype=self._mask.dtype,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from areal_cli.inference.server import decode_kernel
+from areal_cli.inference.server import decode_kernel, lora
 from areal_cli.inference.server.decode_kernel import decode_attention
 
 log = logging.getLogger("areal_cli.hf_server")
@@ -88,6 +88,7 @@ class _Layer:
     ln2: torch.Tensor
     gate_up: _Linear
     down: _Linear
+    li: int = 0
 
 
 class FastRunner:
@@ -113,6 +114,9 @@ class FastRunner:
         self._params = list(model.parameters())
         self._kernel = self._pick_kernel(attention, device)
         self._weights_key = None
+        # LoRA (inference/server/lora.py): the adapter of each row of the next forward, set by the engine.
+        self.row_adapters: list = []
+        self._groups: list = []
         self._refresh()
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -170,7 +174,7 @@ class FastRunner:
                 o=_Linear(a.o_proj.weight.detach(), None),
                 ln2=layer.post_attention_layernorm.weight.detach(),
                 gate_up=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), None),
-                down=_Linear(m.down_proj.weight.detach(), None)))
+                down=_Linear(m.down_proj.weight.detach(), None), li=len(layers)))
         self.layers = layers
         self.embed = base.embed_tokens.weight.detach()
         self.norm = base.norm.weight.detach()
@@ -255,7 +259,7 @@ class FastRunner:
     def _qkv(self, layer: _Layer, x: torch.Tensor, cos, sin):
         """Returns ``(q, k, v)`` as ``[T, heads, D]``; ``q`` already carries the softmax scale."""
         t, nh, nkv = x.shape[0], self.n_heads, self.n_kv
-        qkv = layer.qkv(x).view(t, nh + 2 * nkv, self.head_dim)
+        qkv = self._lora(layer, "qkv", x, layer.qkv(x)).view(t, nh + 2 * nkv, self.head_dim)
         if layer.q_norm is not None:
             q, k, v = qkv.split([nh, nkv, nkv], dim=1)
             q = self._rope(self._rms(q, layer.q_norm), cos, sin)
@@ -265,8 +269,22 @@ class FastRunner:
         return q, qk[:, nh:], qkv[:, nh + nkv:]
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        gu = layer.gate_up(self._rms(h, layer.ln2))
-        return layer.down.residual(h, F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
+        x = self._rms(h, layer.ln2)
+        gu = self._lora(layer, "gate_up", x, layer.gate_up(x))
+        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter:]
+        return self._lora(layer, "down", act, layer.down.residual(h, act))
+
+    def _lora(self, layer: _Layer, key: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the LoRA term of each row group's adapter for this fused projection."""
+        for ad, idx in self._groups:
+            if ad.fused is None:
+                q_scale = self.scaling if (self.fold_scale and getattr(self.model.model.layers[0].self_attn,
+                                                                        "q_norm", None) is None) else 1.0
+                ad.fused = lora.fused_layers(ad, self.model, q_scale)
+            ab = ad.fused[layer.li].get(key)
+            if ab is not None:
+                lora.add_delta(out, x, ab[0], ab[1], idx)
+        return out
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._rms(h, self.norm)).float()
@@ -287,6 +305,7 @@ class FastRunner:
         slot = None if n == 1 else (torch.arange(n, device=dev) * width).repeat_interleave(
             torch.tensor(lens, device=dev)) + pos
         h = F.embedding(ids, self.embed)
+        self._groups = lora.row_groups(self.row_adapters[:n], lens, dev)
         cos, sin = self._rope_tables(h, pos)
         causal = None  # additive mask for the matmul path; None → SDPA's flash kernel (long prompts)
         if n * self.n_heads * width * width <= self.MATMUL_ATTENTION_MAX:
@@ -297,7 +316,8 @@ class FastRunner:
             self._k[li][r0:r0 + n, :, :, :width] = k.transpose(2, 3)
             self._v[li][r0:r0 + n, :, :width] = v
             o = self._causal_attention(q, k, v, causal).transpose(1, 2).reshape(n * width, -1)
-            h = layer.o.residual(h, o if slot is None else o.index_select(0, slot))
+            o = o if slot is None else o.index_select(0, slot)
+            h = self._lora(layer, "o", o, layer.o.residual(h, o))
             h = self._mlp(layer, h)
         self.lens.extend(lens)
         last = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) - 1
@@ -340,6 +360,7 @@ class FastRunner:
         dev = self.device
         pos = torch.tensor(self.lens, dtype=torch.long, device=dev)
         h = F.embedding(torch.tensor(tokens, dtype=torch.long, device=dev), self.embed)
+        self._groups = lora.row_groups(self.row_adapters[:b], None, dev)
         cos, sin = self._rope_tables(h, pos)
         kernel, mask = self._kernel, None
         if kernel is not None:
@@ -354,7 +375,7 @@ class FastRunner:
                 if mask is None:
                     mask = self._decode_mask(pos, length)
                 attn = self._attend_torch(li, q, k, v, pos, mask, length)
-            h = layer.o.residual(h, attn)
+            h = self._lora(layer, "o", attn, layer.o.residual(h, attn))
             h = self._mlp(layer, h)
         self.lens = [n + 1 for n in self.lens]
         return self._logits(h)

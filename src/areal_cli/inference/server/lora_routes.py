@@ -1,0 +1,155 @@
+"""The ``hf`` server's LoRA routes (SGLang's ``/load_lora_adapter`` and ``/unload_lora_adapter``, plus the
+hf-only ``/load_lora_adapter_from_distributed``); the adapter logic is in :mod:`.lora`.
+
+hf extensions of SGLang's load request (SGLang ignores unknown keys; the client sends them to hf only):
+``replace: true`` swaps an adapter already loaded under ``lora_name`` at one token boundary (running
+requests keep going on the new adapter: no gap in which the name is unknown), and ``weight_version``
+sets the server's version in the same step, as the full-weight updates do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from areal_cli.inference.server import lora as L
+from areal_cli.inference.server import weights as W
+from areal_cli.inference.server.schema import BadRequest
+
+PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed"}
+
+
+def _ok(listing: dict[str, str], **extra: Any) -> dict:
+    return {"success": True, "error_message": None, "loaded_adapters": listing, **extra}
+
+
+def fail(status: int, message: str) -> JSONResponse:
+    """SGLang's ``LoRAUpdateOutput`` shape, plus the ``error`` object the other hf routes answer with."""
+    return JSONResponse({"success": False, "error_message": message, "loaded_adapters": None,
+                         "message": message,
+                         "error": {"message": message, "code": status}}, status_code=status)
+
+
+def register(app: FastAPI, state: Any, read_json: Callable, h: Any) -> None:
+    eng = state.engine
+
+    def flags(body: dict) -> tuple[bool, int | None]:
+        replace = body.get("replace", False)
+        if not isinstance(replace, bool):
+            raise BadRequest("replace (bool) must be true or false")
+        pinned = body.get("pinned", False)
+        if not isinstance(pinned, bool):
+            raise BadRequest("pinned (bool) must be true or false")
+        return replace, h.parse_version(body)
+
+    async def install(adapter: L.Adapter, replace: bool, version: int | None) -> dict:
+        def swap() -> dict[str, str]:
+            if replace and adapter.name in eng.adapters.by_name:
+                eng.adapters.by_name[adapter.name] = adapter  # running rows pick it up at this boundary
+                out = eng.adapters.listing()
+            else:
+                out = eng.load_adapter(adapter)
+            h.set_version(version)
+            return out
+
+        listing = await asyncio.wrap_future(eng.call(swap))
+        return _ok(listing, weight_version=str(eng.version))
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await read_json(request)
+        path = body.get("lora_path")
+        try:
+            name = L.check_name(body.get("lora_name"))
+        except L.AdapterRejected as e:
+            return fail(400, str(e))
+        if not isinstance(path, str) or not path:
+            return fail(400, "lora_path (a peft adapter directory) is required")
+        replace, version = flags(body)
+        async with state.weight_lock:
+            if name in eng.adapters.by_name and not replace:
+                return fail(400, f"LoRA adapter {name!r} is already loaded; unload it first")
+            try:
+                cfg, tensors = await asyncio.to_thread(L.read_adapter_dir, path, state.allowed_roots)
+                adapter = await asyncio.to_thread(L.build_adapter, eng.model, name, path, cfg, tensors,
+                                                  eng.adapters.max_rank)
+            except PermissionError as e:
+                return fail(403, str(e))
+            except FileNotFoundError as e:
+                return fail(404, str(e))
+            except L.AdapterRejected as e:
+                return fail(400, f"rejected LoRA adapter {name!r} (nothing loaded): {e}")
+            try:
+                return await install(adapter, replace, version)
+            except L.AdapterRejected as e:
+                return fail(400, str(e))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await read_json(request)
+        try:
+            name = L.check_name(body.get("lora_name"))
+        except L.AdapterRejected as e:
+            return fail(400, str(e))
+        async with state.weight_lock:
+            try:
+                listing = await asyncio.wrap_future(eng.call(lambda: eng.unload_adapter(name)))
+            except L.AdapterRejected as e:
+                return fail(400, str(e))
+        return _ok(listing)
+
+    @app.post("/load_lora_adapter_from_distributed")
+    async def load_from_distributed(request: Request):
+        body = await read_json(request)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise BadRequest("names, dtypes and shapes (lists) are required")
+        load_format = body.get("load_format")
+        if load_format not in (None, "flattened_bucket"):
+            raise BadRequest(f"load_format {load_format!r} is not supported; use 'flattened_bucket' or "
+                             "leave it out")
+        replace, version = flags(body)
+        rec = state.receiver
+        if rec is None:
+            return fail(400, "no weight-update group: call /init_weights_update_group first")
+        gname = body.get("group_name")
+        if gname is not None and gname != rec.group_name:
+            return fail(400, f"group_name {gname!r} does not match the joined group {rec.group_name!r}")
+        problem = None
+        try:
+            name = L.check_name(body.get("lora_name"))
+            L._config_rank_alpha(body.get("config_dict"))
+            if name in eng.adapters.by_name and not replace:
+                problem = f"LoRA adapter {name!r} is already loaded; unload it first"
+        except L.AdapterRejected as e:
+            problem = str(e)
+        flattened = load_format == "flattened_bucket"
+        layout_ok = len(names) == len(dtypes) == len(shapes) and all(isinstance(s, list) for s in shapes)
+        if layout_ok:
+            try:
+                (W.flat_layout if flattened else W.bucket_layout)(dtypes, shapes)
+            except (W.WeightUpdateRejected, TypeError, ValueError) as e:
+                problem, layout_ok = problem or str(e), False
+        else:
+            problem = problem or "names/dtypes/shapes must be lists of equal length (shapes lists of ints)"
+        async with state.weight_lock:
+            if problem is not None:
+                if layout_ok:  # keep the collective in step with the trainer, then reject
+                    try:
+                        await asyncio.to_thread(rec.drain, names, dtypes, shapes, flattened)
+                    except Exception:
+                        pass
+                return fail(400, f"rejected LoRA adapter (nothing loaded): {problem}")
+            try:
+                tensors = await asyncio.to_thread(rec.receive, names, dtypes, shapes, flattened)
+            except Exception as e:
+                return fail(500, f"broadcast receive failed in group {rec.group_name}: {e}")
+            try:
+                adapter = await asyncio.to_thread(L.build_adapter, eng.model, name, "<distributed>",
+                                                  body["config_dict"], tensors, eng.adapters.max_rank)
+                return await install(adapter, replace, version)
+            except L.AdapterRejected as e:
+                return fail(400, f"rejected LoRA adapter {name!r} (nothing loaded): {e}")
