@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from test_train import _env, _overrides, _records
+from test_train_exact_resume import _env_with_reward
 
 from areal_cli.engines.megatron import compat
 
@@ -22,9 +23,9 @@ needs_mcore = pytest.mark.skipif(compat.installed_version() != compat.SUPPORTED_
                                         "(scripts/install_test_deps.sh installs it)")
 
 
-def _train(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+def _train(*args: str, timeout: float = 1500, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *args], capture_output=True,
-                          text=True, env=_env(), timeout=timeout)
+                          text=True, env=env or _env(), timeout=timeout)
 
 
 def test_users_example_with_sglang_passes_dry_run():
@@ -49,8 +50,11 @@ def test_users_example_runs_three_rl_steps_with_weight_sync(tmp_path, tiny_model
     args = _overrides(tmp_path, tiny_model_dir, **{
         "algo": "grpo", "engine": "megatron", "allocation_mode": "hf.d1+megatron.d2t2p2",
         "cluster.n_gpus_per_node": 9, "trainer.total_steps": 3, "trainer.eval_every": 0, "trainer.save_every": 0,
-        "trainer.recover_every": 0, "algo.batch_size": 4, "rollout.max_head_offpolicyness": 1})
-    res = _train(*args)
+        "trainer.recover_every": 0, "algo.batch_size": 4, "rollout.max_head_offpolicyness": 1,
+        # the random tiny model never solves arithmetic: a reward that varies with the completion makes every
+        # step's gradient non-zero, so the synced weights really change
+        "workflow.reward": "resume_reward.varied_reward"})
+    res = _train(*args, env=_env_with_reward(tmp_path))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     logs = sorted(p.name for p in (run_dir / "logs").glob("trainer_rank*.log"))
     assert len(logs) == 8, logs  # d2 × t2 × p2 megatron ranks

@@ -81,3 +81,27 @@ def test_archon_sync_into_hf_server(parallel, tiny_model_dir, tiny_model_dir_b, 
     finally:
         server.stop()
     _check_pushes(json.loads((tmp_path / "sync.json").read_text()), tmp_path, ps)
+
+
+def test_megatron_t2p2_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
+    """megatron t2p2: each tensor TP-gathered inside its stage and sent from the stage that owns it reaches
+    the server in both modes; its greedy output afterwards equals the trained model's."""
+    from transformers import AutoTokenizer
+
+    from areal_cli.engines.megatron import compat
+    from areal_cli.inference.launch import launch_server
+    from areal_cli.utils.network import find_free_port
+    from hf_server_helpers import prompts
+
+    if compat.installed_version() != compat.SUPPORTED_VERSION:
+        pytest.skip(f"megatron-core {compat.SUPPORTED_VERSION} is not installed (scripts/install_test_deps.sh)")
+    ps = prompts(AutoTokenizer.from_pretrained(tiny_model_dir), 3)
+    server = launch_server("hf", tiny_model_dir_b, log_dir=str(tmp_path), timeout_s=180)
+    try:
+        spec = {"model_dir": tiny_model_dir, "out": str(tmp_path), "address": server.address, "kill": False,
+                "server_pid": server.proc.pid, "group_port": find_free_port(), "prompts": ps,
+                "engine": "megatron", "parallel": {"tp": 2, "pp": 2}}
+        launch(spec, 4, timeout=600, script=str(Path(__file__).parent / "sync_worker.py"))
+    finally:
+        server.stop()
+    _check_pushes(json.loads((tmp_path / "sync.json").read_text()), tmp_path, ps)
