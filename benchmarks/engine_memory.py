@@ -1,19 +1,20 @@
-"""Per-rank training-state memory and step time of the Archon engine's layouts, in one run.
+"""Per-rank training-state memory and step time of the Archon and Megatron engines' layouts, in one run.
 
-    python benchmarks/engine_memory.py                  # 59M-parameter Qwen2, layouts d1 t2 p2 d2
+    python benchmarks/engine_memory.py                  # 59M-parameter Qwen2, layouts d1 t2 p2 d2, both engines
     python benchmarks/engine_memory.py --tied           # the same size with tied embeddings
-    python benchmarks/engine_memory.py --layouts d1 t2 --steps 4
+    python benchmarks/engine_memory.py --layouts d1 t2 --steps 4 --engines megatron
 
 For each layout the script starts its ranks (gloo on CPU, one thread each), builds the engine on the
 same randomly initialised model, runs ``--steps`` AdamW steps on the same global batch and reports,
 on the rank holding the most:
 
-- parameter + gradient + optimizer-state bytes held by that rank (local shards of DTensors,
-  measured after the last step, when all three exist);
+- parameter + gradient + optimizer-state bytes held by that rank (archon: local shards of DTensors,
+  measured after the last step, when all three exist; megatron: its parameters, DDP's gradient buffers and
+  its optimizers' state, which the distributed optimizer shards over d);
 - the median step time (wall clock of ``train_batch``, steps after the first).
 
-Ratios are against d1 measured in the same run. Targets (issue 15): t2 and p2 at most 0.6x of d1's
-memory. Step times on a 2-core machine with a 4-process layout mostly measure process contention;
+Ratios are against each engine's d1 measured in the same run. Targets (issue 15): t2 and p2 at most 0.6x of
+d1's memory. Step times on a 2-core machine with a 4-process layout mostly measure process contention;
 they are printed for what they are.
 """
 
@@ -56,6 +57,40 @@ def _bytes(t) -> int:
     return local.numel() * local.element_size()
 
 
+def _archon_state(engine, run_step) -> dict:
+    import torch
+
+    params = list(engine.model.parameters())
+    # train_batch frees gradients after its step: one more forward/backward, to count them held.
+    run_step()
+    mem = {"params": sum(_bytes(p) for p in params),
+           "grads": sum(_bytes(p.grad) for p in params if p.grad is not None),
+           "optim": sum(_bytes(v) for st in engine.optimizer.state.values() for v in st.values()
+                        if torch.is_tensor(v) and v.dim() > 0)}
+    engine.optimizer.zero_grad(set_to_none=True)
+    return mem
+
+
+def _megatron_state(engine, run_step) -> dict:
+    """Parameters, DDP's persistent gradient buffers, and the optimizers' state (plus fp32 master copies
+    when they are not the parameters themselves: bf16 training)."""
+    import torch
+
+    params = [p for c in engine.chunks for p in c.parameters()]
+    ids = {p.untyped_storage().data_ptr() for p in params}
+    optim = 0
+    for inner in engine._inner_optimizers():
+        optim += sum(_bytes(v) for st in inner.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        optim += sum(_bytes(p) for g in inner.param_groups for p in g["params"]
+                     if p.untyped_storage().data_ptr() not in ids)
+    grads = sum(_bytes(b.grad_data) for m in engine.model for b in m.buffers)
+    return {"params": sum(_bytes(p) for p in params), "grads": grads, "optim": optim}
+
+
+STATE_BYTES = {"archon": _archon_state, "megatron": _megatron_state}
+
+
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -64,13 +99,13 @@ def worker(spec: dict) -> None:
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
     from areal_cli.data.packing import split_batch_for_dp
-    from areal_cli.engines.archon.engine import ArchonEngine
+    from areal_cli.engines import get_engine_cls
     from areal_cli.engines.dist import init_distributed
 
     torch.set_num_threads(1)
     init_distributed("gloo")
-    engine = ArchonEngine(EngineConfig(max_tokens_per_mb=spec["mb_tokens"]), OptimConfig(lr=1e-4),
-                          total_steps=spec["steps"], seed=0)
+    engine = get_engine_cls(spec["engine"])(EngineConfig(max_tokens_per_mb=spec["mb_tokens"]), OptimConfig(lr=1e-4),
+                                            total_steps=spec["steps"], seed=0)
     engine.initialize(ParallelStrategy(**spec["parallel"]), spec["model"])
     g = torch.Generator().manual_seed(0)
     B, L = spec["rows"], spec["seq"]
@@ -90,15 +125,8 @@ def worker(spec: dict) -> None:
         t0 = time.perf_counter()
         engine.train_batch(local if engine.is_dp_head else None, loss_fn, lambda mb: float(mb["loss_mask"].sum()))
         times.append(time.perf_counter() - t0)
-    params = list(engine.model.parameters())
-    # train_batch frees gradients after its step: one more forward/backward, to count them held.
-    engine._accumulate_grads(local if engine.is_dp_head else None, loss_fn,
-                             lambda mb: float(mb["loss_mask"].sum()), 1.0)
-    mem = {"params": sum(_bytes(p) for p in params),
-           "grads": sum(_bytes(p.grad) for p in params if p.grad is not None),
-           "optim": sum(_bytes(v) for st in engine.optimizer.state.values() for v in st.values()
-                        if torch.is_tensor(v) and v.dim() > 0)}
-    engine.optimizer.zero_grad(set_to_none=True)
+    mem = STATE_BYTES[spec["engine"]](engine, lambda: engine._accumulate_grads(
+        local if engine.is_dp_head else None, loss_fn, lambda mb: float(mb["loss_mask"].sum()), 1.0))
     mem["total"] = mem["params"] + mem["grads"] + mem["optim"]
     box: list = [None] * dist.get_world_size()
     dist.all_gather_object(box, mem)
@@ -111,15 +139,15 @@ def worker(spec: dict) -> None:
     engine.destroy()
 
 
-def run_layout(name: str, model: str, args, tmp: str) -> dict:
+def run_layout(engine: str, name: str, model: str, args, tmp: str) -> dict:
     from areal_cli.utils.network import find_free_port
 
     parallel = LAYOUTS[name]
     world = 1
     for v in parallel.values():
         world *= v
-    out = os.path.join(tmp, f"{name}.json")
-    spec = {"parallel": parallel, "model": model, "steps": args.steps, "rows": args.rows, "seq": args.seq,
+    out = os.path.join(tmp, f"{engine}_{name}.json")
+    spec = {"engine": engine, "parallel": parallel, "model": model, "steps": args.steps, "rows": args.rows, "seq": args.seq,
             "mb_tokens": args.rows * args.seq // 4, "out": out}
     port = find_free_port()
     procs = []
@@ -130,7 +158,7 @@ def run_layout(name: str, model: str, args, tmp: str) -> dict:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=1800)[1] for p in procs]
     if any(p.returncode for p in procs):
-        raise SystemExit(f"layout {name} failed:\n" + "\n".join(e[-3000:] for e in errs))
+        raise SystemExit(f"{engine} layout {name} failed:\n" + "\n".join(e[-3000:] for e in errs))
     with open(out) as f:
         return json.load(f)
 
@@ -142,6 +170,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--tied", action="store_true", help="tied embeddings (11 layers instead of 7)")
+    ap.add_argument("--engines", nargs="+", default=sorted(STATE_BYTES), choices=sorted(STATE_BYTES))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -150,26 +179,27 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    layouts = ["d1"] + [x for x in args.layouts if x != "d1"]
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model59m")
         n = make_model(model, args.tied)
-        res = {name: run_layout(name, model, args, tmp) for name in ["d1"] + [x for x in args.layouts if x != "d1"]}
-    base = res["d1"]
-    table = Table(title=f"Archon per-rank training state, {n / 1e6:.1f}M-parameter Qwen2 "
-                        f"({'tied' if args.tied else 'untied'}), fp32 + AdamW")
-    for col in ("layout", "params MB", "grads MB", "optim MB", "total MB", "vs d1", "step s", "step vs d1"):
+        res = {(e, name): run_layout(e, name, model, args, tmp) for e in args.engines for name in layouts}
+    table = Table(title=f"Per-rank training state, {n / 1e6:.1f}M-parameter Qwen2 "
+                        f"({'tied' if args.tied else 'untied'}), fp32 + Adam")
+    for col in ("engine", "layout", "params MB", "grads MB", "optim MB", "total MB", "vs d1", "step s",
+                "step vs d1"):
         table.add_column(col, justify="right")
     mb = 1024 ** 2
-    for name, r in res.items():
-        m = r["mem"]
-        table.add_row(name, f"{m['params'] / mb:.1f}", f"{m['grads'] / mb:.1f}", f"{m['optim'] / mb:.1f}",
+    for (e, name), r in res.items():
+        base, m = res[(e, "d1")], r["mem"]
+        table.add_row(e, name, f"{m['params'] / mb:.1f}", f"{m['grads'] / mb:.1f}", f"{m['optim'] / mb:.1f}",
                       f"{m['total'] / mb:.1f}", f"{m['total'] / base['mem']['total']:.2f}x", f"{r['step_s']:.2f}",
                       f"{r['step_s'] / base['step_s']:.2f}x")
     Console().print(table)
-    for name in ("t2", "p2"):
-        if name in res:
-            ratio = res[name]["mem"]["total"] / base["mem"]["total"]
-            print(f"{name}: {ratio:.2f}x of d1 (target <= 0.6x): {'met' if ratio <= 0.6 else 'NOT met'}")
+    for (e, name), r in res.items():
+        if name in ("t2", "p2"):
+            ratio = r["mem"]["total"] / res[(e, "d1")]["mem"]["total"]
+            print(f"{e} {name}: {ratio:.2f}x of d1 (target <= 0.6x): {'met' if ratio <= 0.6 else 'NOT met'}")
 
 
 if __name__ == "__main__":

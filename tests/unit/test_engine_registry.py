@@ -45,9 +45,12 @@ def test_another_engines_section_is_an_error_not_ignored():
     validate(load_config(GPU + ["allocation_mode=sglang:d4+deepspeed:d4", "engine.deepspeed.zero_stage=2"]))
 
 
-def test_planned_and_unknown_engines_are_named():
+def test_planned_and_unknown_engines_are_named(monkeypatch):
+    from areal_cli.engines import FULL_SHARD, EngineSpec
+
+    monkeypatch.setitem(ENGINE_SPECS, "planned", EngineSpec("planned", None, "d", lambda _: FULL_SHARD))
     with pytest.raises(ConfigError, match="cannot train in this release"):
-        get_engine_cls("megatron")
+        get_engine_cls("planned")
     with pytest.raises(ConfigError, match="did you mean 'fsdp'"):
         get_engine_spec("fsdq")
     with pytest.raises(ConfigError, match="cannot import the training engine"):
@@ -92,3 +95,16 @@ def test_validate_accepts_what_archon_runs():
     for spec, extra in (("hf:d1+archon:d1p2", ["engine.archon.pp_layers=[0,2]"]),
                         ("hf:d1+archon:d2t2", []), ("hf:d1+archon:d1t2c2", []), ("hf:d1+archon:d1p2c2", [])):
         validate(load_config(ARCHON[1:] + [f"allocation_mode={spec}", *extra]))
+
+
+def test_megatron_refuses_what_it_cannot_run():
+    """c needs TransformerEngine's attention; virtual stages need p and must divide the layers (28 here)."""
+    with pytest.raises(ConfigError, match="TransformerEngine"):
+        validate(load_config(GPU + ["allocation_mode=sglang:d4+megatron:d2c2"]))
+    with pytest.raises(ConfigError, match="virtual stages need pipeline parallelism") as info:
+        validate(load_config(GPU + ["allocation_mode=sglang:d4+megatron:d2t2", "engine.megatron.virtual_stages=2"]))
+    assert info.value.path == "engine.megatron.virtual_stages"
+    with pytest.raises(ConfigError, match="does not divide num_hidden_layers=28"):
+        validate(load_config(GPU + ["allocation_mode=sglang:d4+megatron:d1p2t2", "engine.megatron.virtual_stages=3"]))
+    validate(load_config(GPU + ["allocation_mode=sglang:d4+megatron:d1p2t2", "engine.megatron.virtual_stages=2"]))
+    assert get_engine_spec("megatron").trainable

@@ -40,8 +40,14 @@ class ArchonConfig:
 
 @dataclass
 class MegatronConfig:
-    sequence_parallel: bool = False  # shard activations of norms/dropout over the t ranks
+    # Shard the activations outside tensor-parallel matmuls (norms, residuals) over the t ranks (t > 1).
+    sequence_parallel: bool = True
+    # With engine.gradient_checkpointing: "selective" recomputes core attention, "full" whole layers.
     recompute_granularity: str = "selective"  # selective | full
+    # Interleaved 1F1B: model chunks per pipeline rank (p > 1; p × virtual_stages divides the layers).
+    virtual_stages: int = ranged(1, ge=1)
+    # Shard optimizer state (and fp32 master weights) over the d ranks: mcore's distributed optimizer.
+    use_distributed_optimizer: bool = True
 
 
 @dataclass

@@ -73,6 +73,24 @@ def check_deepspeed_knobs(engine_cfg: Any) -> None:
                           "set engine.deepspeed.zero_stage to 1, 2 or 3, or drop offload_optimizer")
 
 
+def _megatron_layers(engine_cfg: Any, dims: Any, n_layers: int) -> None:
+    """mcore splits layers evenly over p × virtual stages."""
+    v = int(engine_cfg.megatron.virtual_stages)
+    if v > 1 and dims.p == 1:
+        raise ConfigError("engine.megatron.virtual_stages", f"{v} virtual stages need pipeline parallelism",
+                          "set p > 1 in allocation_mode, or engine.megatron.virtual_stages=1")
+    if n_layers % (dims.p * v):
+        raise ConfigError("allocation_mode.spec", f"p{dims.p} × {v} virtual stages does not divide "
+                          f"num_hidden_layers={n_layers}", "use p × engine.megatron.virtual_stages dividing the layers")
+
+
+def _megatron_constraint(dims: Any) -> str | None:
+    if dims.c > 1:
+        return ("megatron-core's context parallelism needs TransformerEngine's attention, and engine=megatron "
+                "does not run it in this release; drop c, or use engine=archon for Ulysses context parallelism")
+    return None
+
+
 def _deepspeed_sharding(engine_cfg: Any) -> Sharding:
     z = int(getattr(getattr(engine_cfg, "deepspeed", None), "zero_stage", 3))
     return Sharding(weights=z >= 3, grads=z >= 2, optimizer=z >= 1, gathers_layers=z >= 3)
@@ -102,9 +120,12 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
     spec.name: spec for spec in (
         EngineSpec("fsdp", "areal_cli.engines.fsdp:FSDPEngine", "dc", lambda _: FULL_SHARD, None,
                    "PyTorch FSDP2 data parallel with Ulysses context parallel"),
-        EngineSpec("megatron", None, "dtpce",
-                   lambda _: Sharding(weights=False, grads=False, optimizer=True, gathers_layers=False),
-                   "megatron", "megatron-core TP/PP/DP with a distributed optimizer"),
+        EngineSpec("megatron", "areal_cli.engines.megatron.engine:MegatronEngine", "dtpce",
+                   lambda e: Sharding(weights=False, grads=False,
+                                      optimizer=bool(getattr(getattr(e, "megatron", None), "use_distributed_optimizer",
+                                                             True)), gathers_layers=False),
+                   "megatron", "megatron-core TP/PP (+ virtual stages)/DP with a distributed optimizer",
+                   constraint=_megatron_constraint, check_layers=_megatron_layers),
         EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpc", lambda _: FULL_SHARD,
                    "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP",
                    check_layers=_archon_layers),
