@@ -125,31 +125,18 @@ class LocalRayCluster:
             time.sleep(1)
         raise RuntimeError(f"the Ray cluster did not reach {len(self.names)} nodes within {timeout}s")
 
-    def list_actors(self) -> list[dict]:
-        """`ray list actors` (the CLI, through the dashboard's state API)."""
+    def ray_list(self, kind: str) -> list[dict]:
+        """`ray list <kind>` (the CLI, through the dashboard's state API), dead entries included."""
         ray = str(Path(sys.executable).with_name("ray"))
-        r = subprocess.run(
-            [
-                ray,
-                "list",
-                "actors",
-                "--address",
-                self.dashboard,
-                "--format",
-                "json",
-                "--detail",
-                "--limit",
-                "10000",
-            ],
-            capture_output=True,
-            text=True,
-            env=ray_env(),
-            timeout=120,
-        )
+        argv = [ray, "list", kind, "--address", self.dashboard, "--format", "json", "--detail", "--limit", "10000"]
+        r = subprocess.run(argv, capture_output=True, text=True, env=ray_env(), timeout=120)
         if r.returncode != 0:
             raise RuntimeError(r.stderr[-2000:])
         out = r.stdout.strip()
         return [] if out.startswith("No resource") else json.loads(out or "[]")  # Ray's words for none
+
+    def list_actors(self) -> list[dict]:
+        return self.ray_list("actors")
 
     def stop(self) -> None:
         import psutil

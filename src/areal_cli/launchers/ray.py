@@ -584,6 +584,9 @@ class RayJob:
                 if self.on_tick is not None:
                     self.on_tick()
                 time.sleep(self.poll_s)
+        except LaunchError:
+            self._write_status("failed")  # a server out of restarts, a rank dead, a group not placed
+            raise
         except KeyboardInterrupt:
             print(
                 "\n[areal] interrupted: stopping the Ray actors (trainer ranks, then servers)",
