@@ -101,6 +101,7 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
                                              lora=LoRAConfig(rank=8))
                     lora_engine.initialize(ParallelStrategy(), model_dir)
                     lora_client = RemoteInferenceEngine([server.address], retries=1, lora_name=SERVED_NAME)
+                    port = find_free_port()  # the full-weight group still holds the first port's store
                 eng, cl = lora_engine, lora_client
             times, best_phases = [], {}
             for i in range(repeats + 1):  # first push of each case is warm-up (group creation, page cache)

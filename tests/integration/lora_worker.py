@@ -36,7 +36,12 @@ def run(v: dict, model_dir: str, out_dir: str) -> None:
 
     lora = LoRAConfig(**v["lora"]) if v.get("lora") else None
     ocfg = OptimConfig(lr=1e-3, grad_clip=1e9)
-    engine = get_engine_cls(v.get("cls", "fsdp"))(EngineConfig(**v.get("engine", {})), ocfg, total_steps=8,
+    ekw = dict(v.get("engine", {}))
+    if "deepspeed" in ekw:
+        from areal_cli.config.engine import DeepSpeedConfig
+
+        ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
+    engine = get_engine_cls(v.get("cls", "fsdp"))(EngineConfig(**ekw), ocfg, total_steps=8,
                                                    seed=0, lora=lora)
     engine.initialize(ParallelStrategy(**v.get("parallel", {})), model_dir)
 

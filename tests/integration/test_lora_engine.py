@@ -1,6 +1,6 @@
 """LoRA in the training engines (peft adapters), with real gloo worker processes.
 
-A LoRA ``train_batch`` at d2 equals d1 (fsdp and archon; archon also at p2), fp32 1e-5; the base
+A LoRA ``train_batch`` at d2 equals d1 (fsdp, archon, deepspeed ZeRO-3; archon also at p2), fp32 1e-5; the base
 weights are bit-unchanged after training; the optimizer holds the adapter only; the KL reference (adapter
 disabled) equals the base model; the merged HF export reproduces the policy in plain transformers and
 peft's own loader reads the adapter written beside it; a DCP checkpoint holds the adapter and optimizer
@@ -34,7 +34,9 @@ def runs(tiny_model_dir, tmp_path_factory):
           {"name": "full", "steps": 1}]
     w2 = [{"name": "d2", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2}},
           {"name": "archon_d2", "cls": "archon", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2}},
-          {"name": "archon_p2", "cls": "archon", "lora": LORA, "steps": STEPS, "parallel": {"pp": 2}}]
+          {"name": "archon_p2", "cls": "archon", "lora": LORA, "steps": STEPS, "parallel": {"pp": 2}},
+          {"name": "ds_z3_d2", "cls": "deepspeed", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2},
+           "engine": {"deepspeed": {"zero_stage": 3}}, "save": str(out / "ckpt_ds")}]
     launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w1}, 1, script=script, timeout=600)
     launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w2}, 2, script=script, timeout=600)
     res = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
@@ -47,7 +49,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("other", ["d2", "archon_d2", "archon_p2"])
+@pytest.mark.parametrize("other", ["d2", "archon_d2", "archon_p2", "ds_z3_d2"])
 def test_layouts_equal_d1(runs, other):
     ref, run = runs["d1"], runs[other]
     for s_ref, s in zip(ref["stats"], run["stats"], strict=True):
@@ -57,7 +59,7 @@ def test_layouts_equal_d1(runs, other):
     assert (ref["logp_after"] - run["logp_after"]).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("name", ["d1", "d2", "archon_d2", "archon_p2"])
+@pytest.mark.parametrize("name", ["d1", "d2", "archon_d2", "archon_p2", "ds_z3_d2"])
 def test_base_bit_unchanged_and_adapter_moved(runs, name):
     r = runs[name]
     assert r["base_before"].keys() == r["base_after"].keys() and r["base_before"]
@@ -125,3 +127,31 @@ def test_checkpoint_holds_adapter_and_optimizer_only_and_resumes_exactly(runs):
     assert any(k.startswith("optim.") for k in md.state_dict_metadata)
     a, b = runs["d1"]["adapter"], runs["d1_resumed"]["adapter"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed adapter differs"
+
+
+def test_deepspeed_checkpoint_excludes_the_frozen_base(runs):
+    from areal_cli.engines.deepspeed import CHECKPOINT_TAG
+
+    files = list((runs["_dir"] / "ckpt_ds" / CHECKPOINT_TAG).glob("*model_states.pt"))
+    assert files
+    for f in files:
+        module = torch.load(f, weights_only=False, map_location="cpu")["module"]
+        base = {k: v.numel() for k, v in module.items() if ".lora_A." not in k and ".lora_B." not in k}
+        # exclude_frozen_parameters drops the frozen base; a tied alias (lm_head) may stay as an empty
+        # ZeRO-3 placeholder, which holds no data.
+        assert module and sum(base.values()) == 0, base
+    optim = sum(t.numel() for f in (runs["_dir"] / "ckpt_ds" / CHECKPOINT_TAG).glob("*optim_states.pt")
+                for t in _tensors(torch.load(f, weights_only=False, map_location="cpu")))
+    n_adapter = sum(t.numel() for t in runs["ds_z3_d2"]["adapter"].values())
+    assert optim < 10 * n_adapter, (optim, n_adapter)  # fp32 partitions + Adam moments of the adapter only
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)

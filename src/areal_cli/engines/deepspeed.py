@@ -179,13 +179,16 @@ class DeepSpeedEngine(FSDPEngine):
         ZeRO, cannot be undone exactly (the optimizer's fp32 partitions are rebuilt from weights)."""
 
     # ------------------------------------------------------------------ full weights
-    def _param_buckets(self, include_value_head: bool = True):
-        """Named parameters (tied ones once) in buckets of about ``bucket_mel`` elements."""
+    def _param_buckets(self, include_value_head: bool = True, keep=None):
+        """Named parameters (tied ones once) in buckets of about ``bucket_mel`` elements; ``keep(name)``:
+        only those (the LoRA adapter)."""
         limit = int(self.cfg.deepspeed.bucket_mel * 1e6)
         bucket: list = []
         size = 0
         for name, p in self.ds.module.named_parameters():
             if self.critic and name.startswith("lm_head.") and not include_value_head:
+                continue
+            if keep is not None and not keep(name):
                 continue
             n = int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel()
             if bucket and size + n > limit:
@@ -196,7 +199,7 @@ class DeepSpeedEngine(FSDPEngine):
         if bucket:
             yield bucket
 
-    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True):
+    def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True, keep=None):
         """``(name, full tensor)`` on global rank 0 and ``(name, None)`` elsewhere, in the same order on
         every rank; under ZeRO-3 each bucket is all-gathered (a collective), copied, and released."""
         from deepspeed.utils import safe_get_full_fp32_param
@@ -210,7 +213,7 @@ class DeepSpeedEngine(FSDPEngine):
             t = t.detach()
             return t.to("cpu", copy=True) if to_cpu else t.clone()
 
-        for bucket in self._param_buckets(include_value_head):
+        for bucket in self._param_buckets(include_value_head, keep):
             if self._fp32_master and self.optimizer is not None:
                 # bf16 compute: the module holds bf16 copies; the weights are the fp32 master partitions.
                 for name, p in bucket:
@@ -221,7 +224,7 @@ class DeepSpeedEngine(FSDPEngine):
             yield from tensors
         params = {n for n, _ in self.ds.module.named_parameters(remove_duplicate=False)}
         for name, b in self.ds.module.state_dict().items():
-            if name not in params:  # persistent buffers: whole on every rank
+            if name not in params and keep is None:  # persistent buffers: whole on every rank
                 yield name, out(b)
 
     def _load_hf(self, path: str) -> None:
@@ -252,7 +255,9 @@ class DeepSpeedEngine(FSDPEngine):
     def _save_dcp(self, meta: SaveLoadMeta) -> None:
         Path(meta.path).mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        self.ds.save_checkpoint(meta.path, tag=CHECKPOINT_TAG, save_latest=False)
+        # Under LoRA the frozen base is the model dir's: the checkpoint holds the adapter and optimizer.
+        self.ds.save_checkpoint(meta.path, tag=CHECKPOINT_TAG, save_latest=False,
+                                exclude_frozen_parameters=self.peft_config is not None)
         extra = {"step": self.step, "version": self._version, "rng": _rng_state(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                  "zero_stage": self.zero_stage, "world_size": dist.get_world_size(),
@@ -279,7 +284,8 @@ class DeepSpeedEngine(FSDPEngine):
                               "resume with the same zero_stage and d, or start from its HF export")
         path, _ = self.ds.load_checkpoint(meta.path, tag=CHECKPOINT_TAG,
                                           load_optimizer_states=self.optimizer is not None,
-                                          load_lr_scheduler_states=False)
+                                          load_lr_scheduler_states=False,
+                                          load_module_strict=self.peft_config is None)
         if path is None:
             raise ConfigError("recover.path", f"deepspeed could not load {meta.path}/{CHECKPOINT_TAG}",
                               "point at a complete checkpoint dir")
