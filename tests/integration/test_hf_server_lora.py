@@ -167,6 +167,7 @@ def test_bad_input_is_4xx_and_server_keeps_serving(setup, case, tmp_path):
     assert _tokens(_gen(s, s["prompts"][1])) == s["want_base"][1]
 
 
+@pytest.mark.slow  # a second server; the hooks are the path CUDA servers take
 def test_hf_forward_runner_applies_adapters_too(setup, tiny_model_dir, tmp_path_factory):
     """With HF's own forward (``--stock-attention``: no fast path, as on CUDA) the adapter goes in through
     forward hooks on the adapted linears; the same greedy tokens as peft's merged model."""

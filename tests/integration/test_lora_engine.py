@@ -4,7 +4,8 @@ A LoRA ``train_batch`` at d2 equals d1 (fsdp, archon, deepspeed ZeRO-3; archon a
 weights are bit-unchanged after training; the optimizer holds the adapter only; the KL reference (adapter
 disabled) equals the base model; the merged HF export reproduces the policy in plain transformers and
 peft's own loader reads the adapter written beside it; a DCP checkpoint holds the adapter and optimizer
-only and resumes to the same adapter, bit for bit.
+only and resumes to the same adapter, bit for bit. fsdp d1/d2 run by default; archon and deepspeed under
+``-m slow`` (one more two-process launch): ``pytest -m slow tests/integration/test_lora_engine.py``.
 """
 
 from __future__ import annotations
@@ -23,25 +24,45 @@ LORA = {"rank": 4, "alpha": 8.0}
 STEPS = 3
 
 
+SCRIPT = str(Path(__file__).parent / "lora_worker.py")
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
+    """fsdp d1 (with export, checkpoints, a resume) and d2; the other engines' layouts are ``others``."""
     out = tmp_path_factory.mktemp("lora_runs")
-    script = str(Path(__file__).parent / "lora_worker.py")
     w1 = [{"name": "d1", "lora": LORA, "steps": STEPS, "export": str(out / "export"),
            "save": str(out / "ckpt_d1")},
           {"name": "d1_half", "lora": LORA, "steps": 1, "save": str(out / "ckpt_half")},
           {"name": "d1_resumed", "lora": LORA, "start": 1, "steps": STEPS, "load": str(out / "ckpt_half")},
           {"name": "full", "steps": 1}]
-    w2 = [{"name": "d2", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2}},
-          {"name": "archon_d2", "cls": "archon", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2}},
-          {"name": "archon_p2", "cls": "archon", "lora": LORA, "steps": STEPS, "parallel": {"pp": 2}},
-          {"name": "ds_z3_d2", "cls": "deepspeed", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2},
-           "engine": {"deepspeed": {"zero_stage": 3}}, "save": str(out / "ckpt_ds")}]
-    launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w1}, 1, script=script, timeout=600)
-    launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w2}, 2, script=script, timeout=600)
+    w2 = [{"name": "d2", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2}}]
+    launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w1}, 1, script=SCRIPT, timeout=600)
+    launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w2}, 2, script=SCRIPT, timeout=600)
     res = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
     res["_dir"] = out
     return res
+
+
+@pytest.fixture(scope="module")
+def others(tiny_model_dir, tmp_path_factory):
+    """archon d2 and p2, deepspeed ZeRO-3 d2 (slow: one more launch of two processes)."""
+    out = tmp_path_factory.mktemp("lora_runs_others")
+    w2 = [{"name": "archon_d2", "cls": "archon", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2}},
+          {"name": "archon_p2", "cls": "archon", "lora": LORA, "steps": STEPS, "parallel": {"pp": 2}},
+          {"name": "ds_z3_d2", "cls": "deepspeed", "lora": LORA, "steps": STEPS, "parallel": {"dp": 2},
+           "engine": {"deepspeed": {"zero_stage": 3}}, "save": str(out / "ckpt_ds")}]
+    launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w2}, 2, script=SCRIPT, timeout=900)
+    res = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
+    res["_dir"] = out
+    return res
+
+
+def _run(request, runs, name):
+    return runs[name] if name in runs else request.getfixturevalue("others")[name]
+
+
+SLOW_LAYOUTS = [pytest.param(n, marks=pytest.mark.slow) for n in ("archon_d2", "archon_p2", "ds_z3_d2")]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -49,9 +70,9 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("other", ["d2", "archon_d2", "archon_p2", "ds_z3_d2"])
-def test_layouts_equal_d1(runs, other):
-    ref, run = runs["d1"], runs[other]
+@pytest.mark.parametrize("other", ["d2", *SLOW_LAYOUTS])
+def test_layouts_equal_d1(request, runs, other):
+    ref, run = runs["d1"], _run(request, runs, other)
     for s_ref, s in zip(ref["stats"], run["stats"], strict=True):
         assert abs(s_ref["loss"] - s["loss"]) <= TOL
         assert abs(s_ref["grad_norm"] - s["grad_norm"]) <= TOL * max(1.0, s_ref["grad_norm"])
@@ -59,9 +80,9 @@ def test_layouts_equal_d1(runs, other):
     assert (ref["logp_after"] - run["logp_after"]).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("name", ["d1", "d2", "archon_d2", "archon_p2", "ds_z3_d2"])
-def test_base_bit_unchanged_and_adapter_moved(runs, name):
-    r = runs[name]
+@pytest.mark.parametrize("name", ["d1", "d2", *SLOW_LAYOUTS])
+def test_base_bit_unchanged_and_adapter_moved(request, runs, name):
+    r = _run(request, runs, name)
     assert r["base_before"].keys() == r["base_after"].keys() and r["base_before"]
     for k in r["base_before"]:
         assert torch.equal(r["base_before"][k], r["base_after"][k]), f"{name}: base weight {k} changed"
@@ -129,9 +150,11 @@ def test_checkpoint_holds_adapter_and_optimizer_only_and_resumes_exactly(runs):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed adapter differs"
 
 
-def test_deepspeed_checkpoint_excludes_the_frozen_base(runs):
+@pytest.mark.slow
+def test_deepspeed_checkpoint_excludes_the_frozen_base(others):
     from areal_cli.engines.deepspeed import CHECKPOINT_TAG
 
+    runs = others
     files = list((runs["_dir"] / "ckpt_ds" / CHECKPOINT_TAG).glob("*model_states.pt"))
     assert files
     for f in files:

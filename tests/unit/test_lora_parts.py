@@ -82,14 +82,10 @@ def test_backend_payloads():
     assert d.json["shapes"] == [[2, 8]] and d.json["load_format"] == "flattened_bucket"
 
 
-def _tiny_peft(tmp_path):
+def _tiny_peft(d: str):
     from peft import LoraConfig, get_peft_model
-
     from transformers import AutoModelForCausalLM
 
-    from areal_cli.models.tiny import make_tiny_model
-
-    d = make_tiny_model(tmp_path / "m", seed=0)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_PRESETS["all"]))
@@ -101,14 +97,14 @@ def _tiny_peft(tmp_path):
     return d, peft_model
 
 
-def test_merged_stream_equals_peft_merge(tmp_path):
+def test_merged_stream_equals_peft_merge(tiny_model_dir):
     """engines/lora.merged_stream over an injected model's state dict = peft's merge_and_unload."""
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import AutoModelForCausalLM
 
     from areal_cli.engines import lora as L
 
-    d, peft_model = _tiny_peft(tmp_path)
+    d, peft_model = _tiny_peft(tiny_model_dir)
     ours = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     pc = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_PRESETS["all"]))
     inject_adapter_in_model(pc, ours)
@@ -120,13 +116,13 @@ def test_merged_stream_equals_peft_merge(tmp_path):
     assert max((merged[k] - want[k]).abs().max().item() for k in want) < 1e-6
 
 
-def test_fused_fast_path_form_equals_per_projection(tmp_path):
+def test_fused_fast_path_form_equals_per_projection(tiny_model_dir):
     """The fast path's fused (Aᵀ, Bᵀ) per layer, applied to x, equals each projection's own x·Aᵀ·Bᵀ·s."""
     from areal_cli.inference.server import lora as SL
 
     from transformers import AutoModelForCausalLM
 
-    d, peft_model = _tiny_peft(tmp_path)
+    d, peft_model = _tiny_peft(tiny_model_dir)
     base = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     tensors = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
     cfg = {"r": 4, "lora_alpha": 8, "peft_type": "LORA"}
