@@ -3,7 +3,8 @@
 ``"batch": "skewed"`` in the spec replaces the worker's batch with one long row and seven short ones:
 the token-balanced dp split then gives one rank one or two rows and the other the rest, so at one row
 per micro-batch the light rank pads its step with empty micro-batches (ZeRO-3 needs every rank to run
-the same number of forwards).
+the same number of forwards). ``"trainer_exit": true`` ends the process as ``areal train``'s trainer
+does (``destroy_distributed`` after the engine's ``destroy``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def skewed_batch(seed: int, B: int = 8, L: int = 40, vocab: int = 300):
 
 
 if __name__ == "__main__":
-    if json.loads(sys.argv[1]).get("batch") == "skewed":
+    spec = json.loads(sys.argv[1])
+    if spec.get("batch") == "skewed":
         fsdp_worker.make_batch = skewed_batch
     fsdp_worker.main()
+    if spec.get("trainer_exit"):  # as trainer/entry.py ends every run
+        from areal_cli.engines.dist import destroy_distributed
+
+        destroy_distributed()

@@ -128,3 +128,21 @@ def test_zero3_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
     finally:
         server.stop()
     _check_pushes(json.loads((tmp_path / "sync.json").read_text()), tmp_path, ps)
+
+
+RUNS = 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_repeated_two_rank_runs_exit_cleanly(tiny_model_dir, tmp_path):
+    """20 two-rank ZeRO-3 runs (a step, an HF export, the engine's destroy, then the trainer's
+    destroy_distributed) all exit with status 0 inside the timeout: no hang or crash at shutdown."""
+    for i in range(RUNS):
+        v = _ds(f"run{i}", 3)
+        v.update(steps=1, fwd=False, export=str(tmp_path / f"hf{i}"))
+        # launch raises, with the workers' output, on any non-zero exit status or on the timeout
+        launch({"model_dir": tiny_model_dir, "out": str(tmp_path), "variants": [v], "trainer_exit": True}, 2,
+               timeout=300, script=str(Path(__file__).parent / "deepspeed_worker.py"))
+        assert (tmp_path / f"hf{i}" / "model.safetensors").is_file() and (tmp_path / f"run{i}.pt").is_file()
+    print(f"\n{RUNS} two-rank runs exited cleanly")

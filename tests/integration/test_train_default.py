@@ -44,10 +44,11 @@ def _default_gain(tmp_path, *overrides: str) -> tuple[float, float]:
     return s["accuracy_after"] - s["accuracy_before"], time.time() - t0
 
 
-@pytest.mark.parametrize("spec", ["hf:d1+archon:d1t2", "hf:d1+archon:d1p2", "hf:d1+megatron:d1t2"])
+@pytest.mark.parametrize("spec", ["hf:d1+archon:d1t2", "hf:d1+archon:d1p2", "hf:d1+megatron:d1t2",
+                                  "hf:d1+deepspeed:d2"])
 def test_archon_default_run_learns_as_much_as_fsdp(tmp_path, spec):
-    """The embedded default under archon or megatron tensor or pipeline parallelism: held-out gain within 10
-    points of fsdp's with the same seed (both measured here, one after the other)."""
+    """The embedded default under archon or megatron tensor or pipeline parallelism, or DeepSpeed ZeRO-3 at d2:
+    held-out gain within 10 points of fsdp's with the same seed (both measured here, one after the other)."""
     engine = spec.split("+")[1].split(":")[0]
     fsdp_gain, fsdp_wall = _default_gain(tmp_path / "fsdp")
     gain, wall = _default_gain(tmp_path / engine, f"engine={engine}", f"allocation_mode={spec}",

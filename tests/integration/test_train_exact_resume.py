@@ -64,6 +64,7 @@ def _weights(run_dir):
 LAYOUTS = {"fsdp": {}, "archon_d1t2": {"engine": "archon", "allocation_mode": "hf:d1+d1t2",
                                        "cluster.n_gpus_per_node": 3},
            "megatron_d1t2": {"engine": "megatron", "allocation_mode": "hf:d1+d1t2", "cluster.n_gpus_per_node": 3},
+           "deepspeed_z3_d2": {"engine": "deepspeed", "allocation_mode": "hf:d1+d2", "cluster.n_gpus_per_node": 3},
            # LoRA: the recover checkpoint holds the adapter and optimizer only; the final adapter must match.
            "fsdp_lora": {"model.lora.rank": 8, "algo.optim.lr": 1e-3}}
 
