@@ -459,5 +459,38 @@ def test_agent_workflow_rows_groups_and_failures(tool_server, tok):
     with pytest.raises(RuntimeError, match="crashed"):
         asyncio.run(AgentWorkflow(_tool_agent, tok, group_size=1, on_error="raise").arun_episode(
             eng, {"a": 1, "b": 2, "fail": True}))
-    ok, reward = asyncio.run(wf.eval_episode(eng, {"a": 2, "b": 2}))  # evaluation runs the agent itself
-    assert isinstance(ok, bool) and reward in (0.0, 1.0)
+    res = asyncio.run(wf.eval_episode(eng, {"a": 2, "b": 2}))  # evaluation runs the agent itself (greedy)
+    assert res["tool_calls"] == 1 and res["success"] == (res["reward"] >= 1.0)
+    assert d["agent_tool_calls"].tolist() == [1] * 4
+
+
+def test_responses_api_in_process(tool_server, tok):
+    """client.responses.create: a tool round trip in the Responses format, linked in the cache."""
+    from openai.types.responses import Response
+
+    from areal_cli.rollout.openai_client import ArealOpenAI
+
+    tool = {"type": "function", "name": "add", "parameters": ADD_TOOL["function"]["parameters"]}
+
+    async def agent(client):
+        items = [{"role": "user", "content": "What is 3 plus 4?"}]
+        r = await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=[tool],
+                                          temperature=0, max_output_tokens=80)
+        calls = [o for o in r.output if o.type == "function_call"]
+        items += [o.model_dump(exclude_none=True) for o in r.output]
+        items += [{"type": "function_call_output", "call_id": c.call_id,
+                   "output": str(add(**json.loads(c.arguments)))} for c in calls]
+        r2 = await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=[tool],
+                                           temperature=0, max_output_tokens=30)
+        return r, r2
+
+    client = ArealOpenAI(_engine(tool_server), tok)
+    r, r2 = asyncio.run(agent(client))
+    assert isinstance(r, Response) and [o.type for o in r.output] == ["function_call"]
+    assert r2.output_text.startswith("The answer is")
+    first, second = list(client.cache)
+    assert (first.id, second.id) == (r.id, r2.id) and second.token_parent_id == first.id
+    assert first.output_ids == _generate(tool_server, first.input_ids, len(first.output_ids))
+    # the first prompt is the chat template of the same conversation in chat form
+    assert first.input_ids == list(tok.apply_chat_template(question(3, 4), tools=[ADD_TOOL],
+                                                           add_generation_prompt=True, tokenize=True)["input_ids"])

@@ -21,7 +21,8 @@ from typing import Any
 
 from areal_cli.errors import ConfigError
 
-BUILD_VERSION = 1
+# 2: the chat template renders tools, tool calls and tool turns (plain chats render as before)
+BUILD_VERSION = 2
 READY_MARKER = "BUILTIN_READY"
 
 

@@ -219,5 +219,6 @@ def rows_to_tensors(rows: list[dict[str, Any]], pad_id: int, group_id: int) -> A
     if not any(any(r["turn_rewards"]) for r in rows):
         for row in built:
             del row["token_rewards"]
+    correct = [r.get("correct") for r in rows] if any("correct" in r for r in rows) else None
     return stack_rows(built, [r["reward"] for r in rows], [r["no_eos"] for r in rows], group_id, pad_id,
-                      {"interaction_ids": [r["ids"] for r in rows]})
+                      {"interaction_ids": [r["ids"] for r in rows]}, correct=correct)

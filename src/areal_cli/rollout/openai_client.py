@@ -137,6 +137,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
         self.model_name = model_name
         self.force_greedy = force_greedy
         self._chat = _Chat(self)
+        self._responses: Any = None
 
     @property
     def chat(self) -> _Chat:  # type: ignore[override]
@@ -144,9 +145,11 @@ class ArealOpenAI(openai.AsyncOpenAI):
 
     @property
     def responses(self) -> Any:  # type: ignore[override]
-        raise NotImplementedError("the in-process client implements chat.completions only; the Responses API "
-                                  "(responses.create) is not built yet. Use chat.completions (the OpenAI Agents "
-                                  "SDK: OpenAIChatCompletionsModel) or the proxy's /v1/chat/completions")
+        from areal_cli.rollout.openai_responses import Responses
+
+        if self._responses is None:
+            self._responses = Responses(self)
+        return self._responses
 
     # rewards and export, on the episode's cache
     def set_reward(self, interaction_id: str, reward: float) -> None:
@@ -199,7 +202,8 @@ class ArealOpenAI(openai.AsyncOpenAI):
     # ------------------------------------------------------------------ generation
     async def _complete(self, msgs: list[dict], tools: list[dict] | None, choice: Any, parse: bool,
                         limit: int | None, temperature: float | None, top_p: float | None, stops: list[str],
-                        seed: int | None, extra: dict, parallel: bool, store: bool) -> Any:
+                        seed: int | None, extra: dict, parallel: bool, store: bool,
+                        interaction_id: str | None = None) -> Any:
         from openai.types.chat import ChatCompletion
 
         kw = dict(extra.get("chat_template_kwargs") or {})
@@ -231,7 +235,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
                 message = {"role": "assistant", "content": parsed.content,
                            "tool_calls": parsed.tool_calls if parallel else parsed.tool_calls[:1]}
                 finish = "tool_calls" if finish == "stop" else finish
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        cid = interaction_id or f"chatcmpl-{uuid.uuid4().hex}"
         completion = ChatCompletion.model_validate({
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None,

@@ -11,7 +11,8 @@
 
 A workflow that defines ``eval_episode(engine, item) -> (success, reward)`` (the agent workflow) is
 evaluated through it instead, so an agent is evaluated on what it is trained on: one greedy episode
-per item, ``eval/pass@1`` = the success rate, ``eval/reward_mean`` = the mean reward.
+per item, ``eval/pass@1`` = the success rate, ``eval/reward_mean`` = the mean reward,
+``eval/tool_call_rate`` = the share of episodes that called a tool.
 
 Runs on trainer rank 0 with its own client on its own event loop; it does not touch the rollout
 executor's queues beyond pausing admissions, so the staleness accounting is unaffected.
@@ -60,8 +61,8 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
         if key in done:
             return done[key]
         async with sem:
-            ok, reward = await workflow.eval_episode(client, item)
-        done[key] = (bool(ok), 0, float(reward))
+            res = await workflow.eval_episode(client, item)
+        done[key] = (bool(res["success"]), int(res.get("tool_calls", 0)), float(res["reward"]))
         return done[key]
 
     try:
@@ -69,6 +70,7 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
             res = await asyncio.gather(*[through_workflow((i, -1), it) for i, it in enumerate(items)])
             return {"eval/reward_mean": sum(r for _, _, r in res) / len(items),
                     "eval/pass@1": sum(bool(ok) for ok, _, _ in res) / len(items),
+                    "eval/tool_call_rate": sum(n > 0 for _, n, _ in res) / len(items),
                     "eval/n_items": float(len(items))}
         greedy_res = await asyncio.gather(*[one((i, -1), it, greedy) for i, it in enumerate(items)])
         out = {"eval/reward_mean": sum(r for _, _, r in greedy_res) / len(items),

@@ -103,6 +103,11 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     # Under model.lora the warm start still trains every weight; the adapter is the RL phase's.
     engine = build.build_engine(cfg, layout, model_path, optim=optim, total_steps=tc.sft_warmup_steps,
                                 lora=False)
+    from areal_cli.rollout.workflows import resolve_workflow
+
+    sft_items = getattr(resolve_workflow(cfg.workflow.name), "sft_items", None)
+    if sft_items is not None:  # an agent task renders its own prompts (with tools) and transcripts
+        train_items = sft_items(cfg, tokenizer, train_items)
     stream = PromptStream(train_items, seed=cfg.seed + 17, shuffle=cfg.dataset.shuffle)
     t0 = time.perf_counter()
     # The inference servers idle during the warm start, so this node's trainer ranks may share its cores.

@@ -33,6 +33,7 @@ from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
 from areal_cli.rollout.interaction_cache import rows_to_tensors
 from areal_cli.rollout.openai_client import ArealOpenAI
+from areal_cli.rewards.outcome import correctness
 from areal_cli.rollout.workflows.common import check_group_and_reward, load_tokenizer, next_group_id, pad_token_id
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,7 @@ class AgentWorkflow(RolloutWorkflow):
                  export_style: str = "per_leaf", on_error: str = "drop", tool_call_parser: str = "hermes",
                  prompt_mode: str = "continue", default_max_tokens: int = 256,
                  max_total_tokens: int | None = None, success_threshold: float = 1.0, **_ignored: Any):
-        if isinstance(agent, str):
-            from areal_cli.rollout.workflows import import_object
-
-            agent = import_object(agent, "workflow.kwargs.agent")
+        agent = resolve_agent(agent)
         if not callable(agent) or not (inspect.iscoroutinefunction(agent)
                                        or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
             raise ConfigError("workflow.kwargs.agent", f"{agent!r} is not an async function",
@@ -83,7 +81,9 @@ class AgentWorkflow(RolloutWorkflow):
             reward = sum(float(v) for v in reward.values())
         elif reward is None:
             reward = sum(it.reward or 0.0 for it in client.cache)
-        return float(reward) >= self.success_threshold, float(reward)
+        ok = correctness(reward)
+        return {"success": float(reward) >= self.success_threshold if ok is None else ok, "reward": float(reward),
+                "tool_calls": _tool_calls(client)}
 
     async def episode_rows(self, engine: Any, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Run one episode; its exported rows (``interaction_cache`` format)."""
@@ -97,9 +97,22 @@ class AgentWorkflow(RolloutWorkflow):
             raise RuntimeError("the agent made no chat.completions call; there is nothing to train on")
         if self.export_style == "per_call":
             client.apply_reward_discount(self.turn_discount)
-        return client.export_interactions(self.export_style)
+        rows = client.export_interactions(self.export_style)
+        ok, calls = correctness(reward), _tool_calls(client)
+        for row in rows:  # the episode's outcome and tool use, on each of its rows
+            row["correct"], row["tool_calls"] = ok, calls
+        return rows
+
+    @staticmethod
+    def sft_items(cfg: Any, tokenizer: Any, items: list[dict]) -> list[dict]:
+        """SFT warm-start examples: the agent's ``sft_example(item, tokenizer)`` when it has one."""
+        agent = resolve_agent(dict(cfg.workflow.kwargs or {}).get("agent"))
+        example = getattr(agent, "sft_example", None)
+        return items if example is None else [example(it, tokenizer) for it in items]
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Trajectory | None:
+        import torch
+
         res = await asyncio.gather(*[self.episode_rows(engine, data) for _ in range(self.group_size)],
                                    return_exceptions=True)
         self.episodes += len(res)
@@ -117,5 +130,24 @@ class AgentWorkflow(RolloutWorkflow):
         if not rows:
             return None
         traj = rows_to_tensors(rows, self.pad_id, next_group_id())
+        traj.data["agent_tool_calls"] = torch.tensor([r["tool_calls"] for r in rows], dtype=torch.long)
         traj.meta.update(id=data.get("id"), agent_failed=self.failed)
         return traj
+
+
+def resolve_agent(agent: Any) -> Any:
+    """``module:function`` / ``module:Class`` (instantiated without arguments) / a callable."""
+    if isinstance(agent, str):
+        from areal_cli.rollout.workflows import import_object
+
+        agent = import_object(agent, "workflow.kwargs.agent")
+    if inspect.isclass(agent):
+        agent = agent()
+    if agent is None:
+        raise ConfigError("workflow.kwargs.agent", "no agent given",
+                          "set workflow.kwargs.agent=my_pkg.mod:my_agent (an async function)")
+    return agent
+
+
+def _tool_calls(client: ArealOpenAI) -> int:
+    return sum(len(it.output_message.get("tool_calls") or []) for it in client.cache)
