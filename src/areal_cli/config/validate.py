@@ -59,10 +59,10 @@ def _check_scalars(cfg: ExperimentConfig) -> None:
             raise ConfigError(path, f"unknown value '{v}'",
                               f"{did_you_mean(str(v), choices)}choose one of: {', '.join(choices)}")
     w = cfg.workflow.name
-    if w not in ("rlvr", "multi_turn") and "." not in w:
+    if w not in ("rlvr", "multi_turn", "agent") and "." not in w:
         raise ConfigError("workflow.name", f"unknown workflow '{w}'",
-                          f"{did_you_mean(w, ['rlvr', 'multi_turn'])}use rlvr, multi_turn or a dotted "
-                          "import path to a RolloutWorkflow subclass")
+                          f"{did_you_mean(w, ['rlvr', 'multi_turn', 'agent'])}use rlvr, multi_turn, agent or a "
+                          "dotted import path to a RolloutWorkflow subclass")
     m = cfg.model
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads",
