@@ -81,6 +81,7 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
     # LoRA (rank 8, every projection): adapter-only pushes into the same server, after the full ones (the
     # adapter's distributed push joins a group of its own, which replaces the server's full-weight group).
     cases.update({
+        "lora distributed bf16": dict(type="distributed", dtype="bfloat16"),
         "lora distributed": dict(type="distributed", dtype="float32"),
         "lora disk /dev/shm": dict(type="disk", path=str(shm)),
     })
@@ -382,7 +383,8 @@ def report_sync(args, model_dir, root) -> None:
         b = best["distributed bf16"]
         print(f"  target ≤0.25 s for distributed bf16: median {'met' if target <= 0.25 else 'NOT met'} "
               f"({target:.3f} s), best {'met' if b <= 0.25 else 'NOT met'} ({b:.3f} s)")
-    for full, lora in (("distributed fp32", "lora distributed"), ("disk /dev/shm", "lora disk /dev/shm")):
+    for full, lora in (("distributed bf16", "lora distributed bf16"), ("distributed fp32", "lora distributed"),
+                       ("disk /dev/shm", "lora disk /dev/shm")):
         if full in sync and lora in sync:
             r = sync[full] / sync[lora]
             print(f"  LoRA r8 adapter-only vs full push ({full}): {r:6.1f}x faster (median; best "

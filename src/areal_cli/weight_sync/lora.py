@@ -96,8 +96,13 @@ class AdapterSender:
             raise WeightSyncError(f"weight sync (distributed): server(s) {', '.join(bad)} load adapters "
                                   "from a directory only; use rollout.weight_update=disk with LoRA")
         await self.group._ensure_group(meta, clients)
+        import torch
+
         from areal_cli.engines.lora import config_dict
 
+        wire = getattr(torch, meta.dtype) if meta.dtype else None  # as full pushes: the wire dtype
+        if wire is not None:
+            tensors = {n: (t.to(wire) if t.is_floating_point() else t) for n, t in tensors.items()}
         specs, buf = flat_pack(tensors)
         config = config_dict(peft_config)
         request = asyncio.ensure_future(call_all(clients, "load_lora_adapter_from_distributed", meta,

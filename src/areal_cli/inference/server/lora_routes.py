@@ -143,13 +143,18 @@ def register(app: FastAPI, state: Any, read_json: Callable, h: Any) -> None:
                     except Exception:
                         pass
                 return fail(400, f"rejected LoRA adapter (nothing loaded): {problem}")
+            def receive_and_build():  # one thread hop: the push's latency is mostly fixed costs
+                try:
+                    tensors = rec.receive(names, dtypes, shapes, flattened)
+                except Exception as e:
+                    raise W.ReceiveFailed(str(e)) from e
+                return L.build_adapter(eng.model, name, "<distributed>", body["config_dict"], tensors,
+                                       eng.adapters.max_rank)
+
             try:
-                tensors = await asyncio.to_thread(rec.receive, names, dtypes, shapes, flattened)
-            except Exception as e:
-                return fail(500, f"broadcast receive failed in group {rec.group_name}: {e}")
-            try:
-                adapter = await asyncio.to_thread(L.build_adapter, eng.model, name, "<distributed>",
-                                                  body["config_dict"], tensors, eng.adapters.max_rank)
+                adapter = await asyncio.to_thread(receive_and_build)
                 return await install(adapter, replace, version)
+            except W.ReceiveFailed as e:
+                return fail(500, f"broadcast receive failed in group {rec.group_name}: {e}")
             except L.AdapterRejected as e:
                 return fail(400, f"rejected LoRA adapter {name!r} (nothing loaded): {e}")
