@@ -60,3 +60,30 @@ def test_parser_per_model_family():
     assert parser_for_model_type("llama") == "llama3_json"
     with pytest.raises(ValueError, match="unknown tool_call_parser"):
         parse_tool_calls("x", "mistral-nope")
+
+
+def test_calculator_tool_and_sft_transcript(tiny_model_dir):
+    """The built-in agent task's tool, answer reading, and its SFT example: prompt + target is exactly
+    the chat template's rendering of a correct tool-use transcript."""
+    from transformers import AutoTokenizer
+
+    from areal_cli.rollout.workflows.calculator import CALCULATOR, CalculatorAgent, calculate, final_number
+
+    assert (calculate("17+25"), calculate(" 9 - 4 "), calculate("3*4")) == ("42", "5", "12")
+    for bad in ("2**100", "1/0", "__import__('os')", None, 5):
+        assert calculate(bad).startswith("error")
+    assert final_number("The answer is 42.") == "42" and final_number("no idea") is None
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    item = {"question": "Ana has 17 apples and buys 25 more. How many apples does Ana have now?",
+            "answer": "17+25=42\n#### 42", "ground_truth": "42"}
+    ex = CalculatorAgent.sft_example(item, tok)
+    text = tok.decode(ex["prompt_ids"]) + ex["target"] + tok.eos_token
+    call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "17+25"}}}
+    want = tok.apply_chat_template([{"role": "user", "content": item["question"]},
+                                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                                    {"role": "tool", "tool_call_id": "c", "content": "42"},
+                                    {"role": "assistant", "content": "The answer is 42."}],
+                                   tools=[CALCULATOR], tokenize=False)
+    assert text == want.rstrip("\n")
+    assert parse_tool_calls(ex["target"].split("<|im_end|>")[0], "hermes").tool_calls[0]["function"]["name"] \
+        == "calculator"
