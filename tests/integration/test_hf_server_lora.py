@@ -45,8 +45,9 @@ def setup(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     a_dir, merged_a = _peft_adapter(tiny_model_dir, root / "a", 4, ALL, seed=1)
     b_dir, merged_b = _peft_adapter(tiny_model_dir, root / "b", 2, ["q_proj", "v_proj"], seed=2)
+    _peft_adapter(tiny_model_dir, root / "r8", 8, ["q_proj"], seed=3)
     ps = prompts(AutoTokenizer.from_pretrained(tiny_model_dir), 3)
-    server = start_hf_server(tiny_model_dir, tmp_path_factory)
+    server = start_hf_server(tiny_model_dir, tmp_path_factory, extra=["--max-lora-rank", "4"])
     try:
         yield {"server": server, "a": str(a_dir), "b": str(b_dir), "root": root, "prompts": ps,
                "want_a": [hf_greedy(merged_a, p, N_NEW) for p in ps],
@@ -128,15 +129,18 @@ def _unknown_module(t: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("case", ["wrong_rank", "wrong_shape", "unknown_module", "missing_name",
-                                  "outside_roots", "missing_dir", "duplicate", "unload_unknown",
-                                  "generate_unknown"])
+@pytest.mark.parametrize("case", ["wrong_rank", "rank_above_max", "wrong_shape", "unknown_module",
+                                  "missing_name", "outside_roots", "missing_dir", "duplicate",
+                                  "unload_unknown", "generate_unknown"])
 def test_bad_input_is_4xx_and_server_keeps_serving(setup, case, tmp_path):
     s = setup
     root = s["root"]
     if case == "wrong_rank":  # the config says r=8, the tensors have rank 4
         path = _corrupt(s["a"], root / case, config=lambda c: {**c, "r": 8})
         r = _post(s, "/load_lora_adapter", {"lora_name": case, "lora_path": path})
+    elif case == "rank_above_max":  # the server was started with --max-lora-rank 4
+        r = _post(s, "/load_lora_adapter", {"lora_name": case, "lora_path": str(root / "r8")})
+        assert "max-lora-rank" in r.text
     elif case == "wrong_shape":
         path = _corrupt(s["a"], root / case, tensors=_reshape_first_a)
         r = _post(s, "/load_lora_adapter", {"lora_name": case, "lora_path": path})

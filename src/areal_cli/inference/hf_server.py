@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill every request, even when its prompt equals one already in the batch")
     p.add_argument("--generate-endpoint", default="asgi", choices=["asgi", "fastapi"],
                    help="serve /generate from a plain ASGI handler (asgi) or the FastAPI route (fastapi)")
+    p.add_argument("--max-lora-rank", type=int, default=256,
+                   help="largest LoRA adapter rank /load_lora_adapter accepts (SGLang's flag)")
+    p.add_argument("--max-loaded-loras", type=int, default=8,
+                   help="LoRA adapters loaded at once (SGLang's flag); a further load is refused")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # e.g. --decode-attention kernel without a C compiler
         print(f"error: {e}", file=sys.stderr)
         return 2
+    engine.adapters.max_rank, engine.adapters.max_adapters = args.max_lora_rank, args.max_loaded_loras
     state = ServerState(
         engine=engine, tokenizer=tok, model_path=os.path.abspath(args.model_path),
         served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model_path)),

@@ -66,6 +66,8 @@ def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp:
                 "--tp-size", str(tp), "--random-seed", str(seed)]
         if context_length:
             argv += ["--context-length", str(context_length)]
+        if lora_rank > 0:
+            argv += ["--max-lora-rank", str(lora_rank)]
     elif backend == "sglang":
         argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--tp-size", str(tp), "--pp-size", str(pp), "--dtype", dt,

@@ -60,7 +60,7 @@ def _linears(model) -> dict[str, torch.nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def _config_rank_alpha(cfg: Any) -> tuple[int, float]:
+def config_rank_alpha(cfg: Any) -> tuple[int, float]:
     if not isinstance(cfg, dict):
         raise AdapterRejected("adapter config must be a JSON object (peft's adapter_config.json)")
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -84,7 +84,7 @@ def build_adapter(model, name: str, path: str, cfg: dict, tensors: dict[str, tor
                   max_rank: int) -> Adapter:
     """Check an adapter against the served model and put it in serving form (the model's device and
     dtype)."""
-    r, alpha = _config_rank_alpha(cfg)
+    r, alpha = config_rank_alpha(cfg)
     if r > max_rank:
         raise AdapterRejected(f"adapter rank {r} exceeds the server's --max-lora-rank {max_rank}")
     lin = _linears(model)
@@ -151,7 +151,8 @@ def check_name(name: Any) -> str:
 
 
 class AdapterSet:
-    """The loaded adapters of one engine (mutated on the engine thread only)."""
+    """The loaded adapters of one engine (mutated on the engine thread only); the limits are the server's
+    ``--max-loaded-loras`` and ``--max-lora-rank``."""
 
     def __init__(self, max_adapters: int = MAX_ADAPTERS, max_rank: int = 256):
         self.by_name: dict[str, Adapter] = {}

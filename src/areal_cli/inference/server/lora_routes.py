@@ -121,7 +121,7 @@ def register(app: FastAPI, state: Any, read_json: Callable, h: Any) -> None:
         problem = None
         try:
             name = L.check_name(body.get("lora_name"))
-            L._config_rank_alpha(body.get("config_dict"))
+            L.config_rank_alpha(body.get("config_dict"))
             if name in eng.adapters.by_name and not replace:
                 problem = f"LoRA adapter {name!r} is already loaded; unload it first"
         except L.AdapterRejected as e:
