@@ -4,7 +4,7 @@ Each "node" is its own raylet (`ray start --block`) with one logical CPU, its ow
 resource; the embedded default (builtin:tiny model, builtin:arith task) runs as 1 hf server + 1 trainer
 rank placed on 2 nodes. Heavy (each run starts Ray workers, a server and a trainer on 2 cores):
 
-    python -m pytest -m ray tests/integration/test_ray_launcher.py     # ≈ 10 min on 2 busy cores
+    python -m pytest -m ray tests/integration/test_ray_launcher.py     # ≈ 12 min on 2 busy cores
 """
 
 from __future__ import annotations
@@ -227,39 +227,55 @@ def test_interrupt_or_driver_death_leaves_no_actor(cluster, fileroot, how):
     _pids_dead([p["pid"] for p in procs.values()] + [p["actor_pid"] for p in procs.values()])
 
 
+def _refused(args: list[str], **env: str) -> str:
+    res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *args], capture_output=True,
+                         text=True, env={**ray_env(), **env}, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
 def test_a_plan_larger_than_the_cluster_fails_with_one_line(cluster, fileroot, tmp_path):
-    for extra, want in [
-        (
-            {"cluster.n_gpus_per_node": 2, "allocation_mode": "hf:d2+d2"},
-            "has 2 CPU but the plan needs 4 CPU (short by 2 CPU)",
-        ),
-        (
-            {"cluster.n_gpus_per_node": 2},  # both on plan node 0: 2 CPU on one node
-            "has no free node for plan node 0, which needs 2 CPU on one node",
-        ),
-        (
-            {"cluster.device": "cuda", "allocation_mode": "sglang:d1+fsdp:d1"},
-            "has 0 GPU but the plan needs 2 GPU (short by 2 GPU)",
-        ),
-    ]:
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "areal_cli.cli.main",
-                "train",
-                *_args(cluster, tmp_path, "short", **extra),
-            ],
-            capture_output=True,
-            text=True,
-            env=ray_env(),
-            timeout=300,
-        )
-        assert res.returncode == 1, res.stdout + res.stderr
-        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-        assert len(lines) == 1 and want in lines[0], res.stderr
-        assert "node-a: 1 CPU" in lines[0] and "node-b: 1 CPU" in lines[0]
+    cases = [
+        ({"cluster.n_gpus_per_node": 2, "allocation_mode": "hf:d2+d2"},
+         "has 2 CPU but the plan needs 4 CPU (short by 2 CPU)"),
+        ({"cluster.n_gpus_per_node": 2},  # both on plan node 0: 2 CPU on one node
+         "has no free node for plan node 0, which needs 2 CPU on one node"),
+        # address=auto finds the cluster through RAY_ADDRESS, as Ray does
+        ({"cluster.device": "cuda", "allocation_mode": "sglang:d1+fsdp:d1", "launcher.ray.address": "auto"},
+         "has 0 GPU but the plan needs 2 GPU (short by 2 GPU)"),
+    ]
+    for extra, want in cases:
+        line = _refused(_args(cluster, tmp_path, "short", **extra), RAY_ADDRESS=cluster.address)
+        assert want in line and "node-a: 1 CPU" in line and "node-b: 1 CPU" in line, line
         assert not (tmp_path / "runs").exists()  # refused before anything was prepared
+    from areal_cli.utils.network import find_free_port
+
+    nobody = f"127.0.0.1:{find_free_port()}"
+    line = _refused(_args(cluster, tmp_path, "short", **{"launcher.ray.address": nobody}))
+    assert f"cannot reach a Ray cluster at launcher.ray.address={nobody}" in line, line
+
+
+def test_address_local_starts_a_cluster_for_the_run_and_stops_it(tmp_path):
+    import psutil
+
+    from types import SimpleNamespace
+
+    run_dir = tmp_path / "runs" / "rt" / "local"
+    res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *_args(
+        SimpleNamespace(address="local"), tmp_path, "local", **{
+            "cluster.n_nodes": 1, "cluster.n_gpus_per_node": 2, "launcher.ray.local_num_cpus": 2,
+            "trainer.total_steps": 2})], capture_output=True, text=True, env=ray_env(), timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    procs = _placement(run_dir)["processes"]
+    assert procs["server0"]["node_id"] == procs["trainer_rank0"]["node_id"]
+    assert [r["step"] for r in _records(run_dir) if r["kind"] == "train"] == [1, 2]
+    node_id = procs["server0"]["node_id"]
+    time.sleep(1)
+    left = [q.pid for q in psutil.process_iter(["cmdline"]) if node_id in " ".join(q.info["cmdline"] or [])]
+    assert left == [], "the run's own Ray cluster outlived it"
+    _pids_dead([p["pid"] for p in procs.values()])
 
 
 def test_storage_not_shared_by_one_node_is_refused_naming_it(tmp_path_factory):

@@ -173,6 +173,8 @@ def connect(cfg: Any) -> Any:
     else:
         kwargs["address"] = rc.address
     try:
+        if rc.address != "local":
+            _probe_gcs(rc.address)
         ray.init(**kwargs)
     except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError here
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -182,6 +184,23 @@ def connect(cfg: Any) -> Any:
             "or launcher.ray.address=local to start one for this run"
         ) from None
     return ray
+
+
+def _probe_gcs(address: str, timeout_s: float = 5.0) -> None:
+    """Fail at once when nothing listens at the cluster's GCS: ``ray.init`` would retry for minutes."""
+    import socket
+
+    # Ray's own resolution of "auto" (RAY_ADDRESS, then the cluster `ray start` recorded here).
+    from ray._private.services import canonicalize_bootstrap_address
+
+    target = canonicalize_bootstrap_address(address)
+    if not target or "://" in target:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {target}: {e.strerror or e}") from None
 
 
 def cluster_nodes(cfg: Any) -> list[RayNode]:
