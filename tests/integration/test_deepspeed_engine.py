@@ -3,7 +3,8 @@
 ZeRO-1, 2 and 3 at d2 train the same global batch to the same loss, grad norm and updated weights as
 the one-process fsdp reference (1e-5), forward logprobs equal the reference's, ZeRO-3 with one
 sequence per micro-batch matches both its one-micro-batch run and the reference, a rank with fewer
-micro-batches pads with empty ones, and d1c2 (Ulysses under ZeRO-3) matches too. A ZeRO-3 critic trains like the
+micro-batches pads with empty ones, and d1c2 (Ulysses under ZeRO-3) and ZeRO-2/3 with optimizer (and
+parameter) offload match too. A ZeRO-3 critic trains like the
 one-process critic and reloads from its HF export. Two launches: world 1 (references) and world 2.
 """
 
@@ -41,6 +42,8 @@ def runs(model4, tmp_path_factory):
           {"name": "critic_ref", **critic}]
     w2 = [_ds("z1", 1), _ds("z2", 2), _ds("z3", 3), _ds("z3_x8", 3, mb=SMALL), _ds("z2_x8", 2, mb=SMALL),
           _ds("z3_c2", 3, parallel={"cp": 2}),
+          # offload runs DeepSpeed's offload path; on CPU it moves nothing (host memory either way)
+          _ds("z3_offload", 3, offload_optimizer=True, offload_param=True), _ds("z2_offload", 2, offload_optimizer=True),
           {"name": "critic_z3", "cls": "deepspeed", "parallel": {"dp": 2}, **critic}]
     for world, variants in ((1, w1), (2, w2)):
         launch({"model_dir": model4, "out": str(out), "variants": variants}, world, timeout=600)
@@ -62,7 +65,7 @@ def model4(tmp_path_factory, tiny_model_dir):
     return make_tiny_model(tmp_path_factory.mktemp("tiny4"), tokenizer_dir=tiny_model_dir, seed=3, num_layers=4)
 
 
-@pytest.mark.parametrize("name", ["z1", "z2", "z3", "z3_c2"])
+@pytest.mark.parametrize("name", ["z1", "z2", "z3", "z3_c2", "z3_offload", "z2_offload"])
 def test_zero_stage_matches_the_one_process_reference(runs, name):
     ref, got = runs["ref"], runs[name]
     for s_ref, s_got in zip(ref["stats"], got["stats"], strict=True):
