@@ -494,3 +494,28 @@ def test_responses_api_in_process(tool_server, tok):
     # the first prompt is the chat template of the same conversation in chat form
     assert first.input_ids == list(tok.apply_chat_template(question(3, 4), tools=[ADD_TOOL],
                                                            add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def test_proxy_workflow_runs_an_external_agent(tool_server, tok, monkeypatch):
+    """ProxyAgentWorkflow: the agent is another process that only knows OPENAI_BASE_URL/OPENAI_API_KEY."""
+    import os
+    import sys
+
+    from areal_cli.rollout.workflows.agent_proxy import ProxyAgentWorkflow
+
+    here = os.path.dirname(__file__)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    wf = ProxyAgentWorkflow([sys.executable, os.path.join(here, "proxy_agent_script.py")], tok, group_size=2)
+    try:
+        traj = asyncio.run(wf.arun_episode(_engine(tool_server), {"id": "q1", "a": 3, "b": 4}))
+        d = traj.data
+        assert len(traj) == 2 and len(set(d["group_id"].tolist())) == 1  # one per_leaf row per episode
+        assert d["rewards"].tolist()[0] in (0.5, 1.0)
+        assert (d["loss_mask"].float().diff(dim=1).abs().sum(1) >= 3).all()  # two trained turns per row
+        bad = ProxyAgentWorkflow([sys.executable, "-c", "import sys; sys.exit(3)"], tok, group_size=1)
+        try:
+            assert asyncio.run(bad.arun_episode(_engine(tool_server), {"id": "q2"})) is None and bad.failed == 1
+        finally:
+            bad.close()
+    finally:
+        wf.close()

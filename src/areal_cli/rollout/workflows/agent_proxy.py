@@ -1,0 +1,121 @@
+"""Agents in other processes or languages: one external command per episode, through the proxy.
+
+``workflow.name=areal_cli.rollout.workflows.agent_proxy:ProxyAgentWorkflow`` with
+``workflow.kwargs.command="python my_agent.py"`` (or a list of argv). Per episode the workflow grants
+one unit of capacity, starts a session on its :class:`~areal_cli.rollout.proxy.AgentProxy` (served
+on a thread of the rollout process) and runs the command with
+
+- ``OPENAI_BASE_URL`` = the proxy's ``/v1``, ``OPENAI_API_KEY`` = the session key (any OpenAI client
+  picks both up unchanged);
+- ``AREAL_PROXY_URL`` (the proxy root, for ``/rl/set_reward`` and ``/rl/end_session``) and
+  ``AREAL_TASK`` (the data item as JSON).
+
+The agent sets its rewards with ``POST /rl/set_reward``; the workflow ends the session when the
+command exits (if the agent did not) and exports it. A command that exits non-zero or runs past
+``timeout_s`` is a failed episode: counted, and dropped or raised per ``on_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shlex
+from typing import Any
+
+import httpx
+
+from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
+from areal_cli.errors import ConfigError
+from areal_cli.rollout.interaction_cache import rows_to_tensors
+from areal_cli.rollout.workflows.common import check_group_and_reward, load_tokenizer, next_group_id, pad_token_id
+
+log = logging.getLogger(__name__)
+
+
+class ProxyAgentWorkflow(RolloutWorkflow):
+    def __init__(self, command: str | list[str], tokenizer: Any, group_size: int = 1, *,
+                 export_style: str = "per_leaf", turn_discount: float | None = None, on_error: str = "drop",
+                 timeout_s: float = 600.0, session_timeout_s: float = 3600.0, **client_kwargs: Any):
+        if not command:
+            raise ConfigError("workflow.kwargs.command", "no agent command given",
+                              "set workflow.kwargs.command='python my_agent.py'")
+        if on_error not in ("drop", "raise"):
+            raise ConfigError("workflow.kwargs.on_error", f"must be 'drop' or 'raise', got {on_error!r}",
+                              "set workflow.kwargs.on_error=drop")
+        check_group_and_reward(group_size, lambda: None)
+        self.argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.group_size = group_size
+        self.export_style = export_style
+        self.turn_discount = turn_discount
+        self.on_error = on_error
+        self.timeout_s = float(timeout_s)
+        self.session_timeout_s = session_timeout_s
+        self.client_kwargs = {k: v for k, v in client_kwargs.items()
+                              if k in ("tool_call_parser", "prompt_mode", "default_max_tokens", "max_total_tokens")}
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.server: Any = None
+        self.failed = 0
+
+    def _ensure_proxy(self, engine: Any) -> Any:
+        if self.server is None:
+            from areal_cli.rollout.proxy import AgentProxy, serve_proxy
+
+            # One proxy for every episode: the run's client, not an episode's seeded wrapper.
+            base = getattr(engine, "_inner", engine)
+            self.server = serve_proxy(AgentProxy(base, self.tokenizer, session_timeout_s=self.session_timeout_s,
+                                                 **self.client_kwargs))
+        return self.server
+
+    async def _episode(self, http: httpx.AsyncClient, root: str, admin: dict, data: dict) -> list[dict]:
+        (await http.post(f"{root}/rl/grant_capacity", json={"n": 1}, headers=admin)).raise_for_status()
+        s = (await http.post(f"{root}/rl/start_session", json={"task_id": str(data.get("id", "task"))},
+                             headers=admin)).json()
+        env = {**os.environ, "OPENAI_BASE_URL": f"{root}/v1", "OPENAI_API_KEY": s["api_key"],
+               "AREAL_PROXY_URL": root, "AREAL_TASK": json.dumps(data, default=str)}
+        proc = await asyncio.create_subprocess_exec(*self.argv, env=env, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise RuntimeError(f"agent command {self.argv} ran past {self.timeout_s:.0f}s") from None
+        finally:
+            await http.post(f"{root}/rl/end_session", headers={"Authorization": f"Bearer {s['api_key']}"})
+        if proc.returncode != 0:
+            raise RuntimeError(f"agent command {self.argv} exited {proc.returncode}: "
+                               f"{out.decode(errors='replace')[-2000:]}")
+        body = {"session_id": s["session_id"], "style": self.export_style}
+        if self.turn_discount is not None:
+            body["turn_discount"] = self.turn_discount
+        r = await http.post(f"{root}/rl/export", json=body, headers=admin)
+        r.raise_for_status()
+        return r.json()["rows"]
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Trajectory | None:
+        server = self._ensure_proxy(engine)
+        root = f"http://{server.address}"
+        admin = {"Authorization": f"Bearer {server.proxy.admin_key}"}
+        async with httpx.AsyncClient(timeout=self.timeout_s + 60) as http:
+            res = await asyncio.gather(*[self._episode(http, root, admin, data) for _ in range(self.group_size)],
+                                       return_exceptions=True)
+        errors = [r for r in res if isinstance(r, BaseException)]
+        if errors:
+            self.failed += len(errors)
+            if self.on_error == "raise":
+                raise errors[0]
+            log.warning("%d of %d proxy agent episodes failed (%s); dropped", len(errors), len(res), errors[0])
+        rows = [row for r in res if not isinstance(r, BaseException) for row in r]
+        if not rows:
+            return None
+        traj = rows_to_tensors(rows, self.pad_id, next_group_id())
+        traj.meta.update(id=data.get("id"), agent_failed=self.failed)
+        return traj
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
