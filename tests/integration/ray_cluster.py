@@ -52,7 +52,10 @@ class LocalRayCluster:
         resources: dict[str, float] | None = None,
         prefix: list[str] | None = None,
         head: bool | None = None,
+        wait: bool = True,
     ) -> None:
+        """Start one node; ``wait``: until it has registered (one raylet starting at a time keeps Ray's
+        30 s registration limit on a loaded 2-core machine)."""
         head = not self.procs if head is None else head
         ray = str(Path(sys.executable).with_name("ray"))
         argv = [
@@ -88,6 +91,8 @@ class LocalRayCluster:
         )
         self.names.append(name)
         log.close()
+        if wait:
+            self.wait_nodes()
 
     def query(self, code: str, timeout: float = 120) -> object:
         """Run ``code`` in a fresh driver connected to the cluster; it must print one JSON value last."""

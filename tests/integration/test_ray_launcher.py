@@ -1,8 +1,8 @@
 """`areal train launcher=ray` on a real multi-node Ray cluster made on this machine.
 
 Each "node" is its own raylet (`ray start --block`) with one logical CPU, its own name and a custom
-resource; the embedded default (builtin:tiny model, builtin:arith task) runs as 1 hf server + 1 trainer
-rank placed on 2 nodes. Heavy (each run starts Ray workers, a server and a trainer on 2 cores):
+resource; the embedded default (builtin:tiny model, builtin:arith task, shortened) runs as 1 hf server +
+1 trainer rank on 2 of the 3 nodes, or with 2 trainer ranks on the other two. Heavy (each run starts Ray workers, a server and a trainer on 2 cores):
 
     python -m pytest -m ray tests/integration/test_ray_launcher.py     # ≈ 12 min on 2 busy cores
 """
@@ -40,6 +40,7 @@ def cluster(tmp_path_factory):
     try:
         c.add_node("node-a", 1, {"areal_node_a": 1})
         c.add_node("node-b", 1, {"areal_node_b": 1})
+        c.add_node("node-c", 1, {"areal_node_c": 1})  # only the two-rank trainer uses a third node
         nodes = c.wait_nodes()
         c.ids = {n["name"]: n["id"] for n in nodes}  # type: ignore[attr-defined]
         assert c.ids["node-a"] != c.ids["node-b"]  # type: ignore[attr-defined]
@@ -162,6 +163,30 @@ def test_two_nodes_placed_by_the_plan_and_weights_synced(cluster, fileroot):
     _pids_dead([p["pid"] for p in procs.values()])
 
 
+def test_trainer_ranks_on_two_nodes_meet_at_the_address_the_driver_hands_out(cluster, fileroot):
+    """hf:d1+d2 over 3 nodes: the server on node 0, trainer ranks 0 and 1 on nodes 1 and 2; the gloo
+    group forms at rank 0's node IP and a port found there, both given to every rank by the driver."""
+    run_dir = fileroot / "runs" / "rt" / "ranks"
+    proc = _start(_args(cluster, fileroot, "ranks", **{"cluster.n_nodes": 3, "allocation_mode": "hf:d1+d2",
+                                                       "trainer.total_steps": 3}))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-5000:]
+    procs = _placement(run_dir)["processes"]
+    assert [procs[n]["node_id"] for n in ("server0", "trainer_rank0", "trainer_rank1")] == [
+        cluster.ids["node-a"], cluster.ids["node-b"], cluster.ids["node-c"]]
+    import re
+
+    addr = re.search(r"rendezvous (\S+):(\d+)", out)
+    assert addr and addr.group(1) == procs["trainer_rank0"]["ip"], out[-3000:]
+    for r in (0, 1):
+        assert f"trainer rank {r}/2 pid" in (run_dir / "logs" / f"trainer_rank{r}.log").read_text()
+    train = [r for r in _records(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3] and all(r["staleness/max"] == 0 for r in train)
+    positions = [p for r in train for p in r["data/positions"]]
+    assert sorted(positions) == list(range(6))  # 2 prompts a step, split over the 2 ranks, none lost
+    _wait_no_actors(cluster, "ranks")
+
+
 def test_killed_server_actor_is_restarted_and_no_sample_is_lost(cluster, fileroot):
     """The same check as launcher=local's: the server actor is SIGKILLed mid-run (synchronous mode), a new
     actor takes its bundle on the same node, and the run trains on positions 0..N-1, each exactly once."""
@@ -244,7 +269,7 @@ def _refused(args: list[str], **env: str) -> str:
 def test_a_plan_larger_than_the_cluster_fails_with_one_line(cluster, fileroot, tmp_path):
     cases = [
         ({"cluster.n_gpus_per_node": 2, "allocation_mode": "hf:d2+d2"},
-         "has 2 CPU but the plan needs 4 CPU (short by 2 CPU)"),
+         "has 3 CPU but the plan needs 4 CPU (short by 1 CPU)"),
         ({"cluster.n_gpus_per_node": 2},  # both on plan node 0: 2 CPU on one node
          "has no free node for plan node 0, which needs 2 CPU on one node"),
         # address=auto finds the cluster through RAY_ADDRESS, as Ray does
@@ -253,7 +278,7 @@ def test_a_plan_larger_than_the_cluster_fails_with_one_line(cluster, fileroot, t
     ]
     for extra, want in cases:
         line = _refused(_args(cluster, tmp_path, "short", **extra), RAY_ADDRESS=cluster.address)
-        assert want in line and "node-a: 1 CPU" in line and "node-b: 1 CPU" in line, line
+        assert want in line and "node-a: 1 CPU, node-b: 1 CPU, node-c: 1 CPU" in line, line
         assert not (tmp_path / "runs").exists()  # refused before anything was prepared
     from areal_cli.utils.network import find_free_port
 
