@@ -1,6 +1,7 @@
-"""Per-rank training-state memory and step time of the Archon and Megatron engines' layouts, in one run.
+"""Per-rank training-state memory and step time of the Archon, Megatron and DeepSpeed engines' layouts.
 
-    python benchmarks/engine_memory.py                  # 59M-parameter Qwen2, layouts d1 t2 p2 d2, both engines
+    python benchmarks/engine_memory.py                  # 59M-parameter Qwen2, layouts d1 t2 p2 d2, every engine
+    python benchmarks/engine_memory.py --engines deepspeed-z1 deepspeed-z2 deepspeed-z3   # ZeRO stages, d1 d2
     python benchmarks/engine_memory.py --tied           # the same size with tied embeddings
     python benchmarks/engine_memory.py --layouts d1 t2 --steps 4 --engines megatron
 
@@ -10,11 +11,13 @@ on the rank holding the most:
 
 - parameter + gradient + optimizer-state bytes held by that rank (archon: local shards of DTensors,
   measured after the last step, when all three exist; megatron: its parameters, DDP's gradient buffers and
-  its optimizers' state, which the distributed optimizer shards over d);
+  its optimizers' state, which the distributed optimizer shards over d; deepspeed-zN: every distinct
+  storage of the module and the ZeRO optimizer, see ``_deepspeed_state``);
 - the median step time (wall clock of ``train_batch``, steps after the first).
 
 Ratios are against each engine's d1 measured in the same run. Targets (issue 15): t2 and p2 at most 0.6x of
-d1's memory. Step times on a 2-core machine with a 4-process layout mostly measure process contention;
+d1's memory; (issue 18) ZeRO-3 at d2 at most 0.6x of ZeRO-3 at d1.
+Step times on a 2-core machine with a 4-process layout mostly measure process contention;
 they are printed for what they are.
 """
 
@@ -88,7 +91,50 @@ def _megatron_state(engine, run_step) -> dict:
     return {"params": sum(_bytes(p) for p in params), "grads": grads, "optim": optim}
 
 
-STATE_BYTES = {"archon": _archon_state, "megatron": _megatron_state}
+def _deepspeed_state(engine, run_step) -> dict:
+    """Every distinct storage the rank holds, counted once: the module's parameters (under ZeRO-3 the
+    partition ``ds_tensor`` and whatever is gathered or persisted), gradients (``.grad`` and the ZeRO
+    optimizer's gradient partitions and buckets), and the rest of the ZeRO optimizer (fp32 partitions,
+    Adam's moments over them). Taken after the backward of the boundary micro-batch, before the step."""
+    import torch
+
+    seen: set[int] = set()
+
+    def size(t) -> int:
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+
+    def walk(obj, depth: int = 0):
+        if torch.is_tensor(obj):
+            yield obj
+        elif depth < 3 and isinstance(obj, (list, tuple)):
+            for x in obj:
+                yield from walk(x, depth + 1)
+        elif depth < 3 and isinstance(obj, dict):
+            for x in obj.values():
+                yield from walk(x, depth + 1)
+
+    run_step()  # forward/backward of every micro-batch; the last is the boundary, so gradients are reduced
+    opt = engine.ds.optimizer
+    params = list(engine.ds.module.parameters())
+    mem = {"params": sum(size(p.data) + (size(p.ds_tensor) if hasattr(p, "ds_tensor") else 0) for p in params)}
+    grads = sum(size(p.grad) for p in params if p.grad is not None)
+    grads += sum(size(t) for k, v in vars(opt).items() if "grad" in k.lower() for t in walk(v))
+    optim = sum(size(t) for st in opt.optimizer.state.values() for t in walk(st))
+    optim += sum(size(p) for g in opt.optimizer.param_groups for p in g["params"])
+    grads += sum(size(p.grad) for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None)
+    optim += sum(size(t) for k, v in vars(opt).items() if "grad" not in k.lower() for t in walk(v))
+    mem.update(grads=grads, optim=optim)
+    return mem
+
+
+STATE_BYTES = {"archon": _archon_state, "megatron": _megatron_state, "deepspeed-z1": _deepspeed_state,
+               "deepspeed-z2": _deepspeed_state, "deepspeed-z3": _deepspeed_state}
+# DeepSpeed runs data parallelism only: its rows are d1 and d2, for each ZeRO stage.
+ENGINE_LAYOUTS = {"deepspeed-z1": ("d1", "d2"), "deepspeed-z2": ("d1", "d2"), "deepspeed-z3": ("d1", "d2")}
 
 
 def worker(spec: dict) -> None:
@@ -104,8 +150,13 @@ def worker(spec: dict) -> None:
 
     torch.set_num_threads(1)
     init_distributed("gloo")
-    engine = get_engine_cls(spec["engine"])(EngineConfig(max_tokens_per_mb=spec["mb_tokens"]), OptimConfig(lr=1e-4),
-                                            total_steps=spec["steps"], seed=0)
+    name, _, zero = spec["engine"].partition("-z")  # deepspeed-z3: the deepspeed engine at ZeRO-3
+    ecfg = EngineConfig(max_tokens_per_mb=spec["mb_tokens"])
+    if zero:
+        from areal_cli.config.engine import DeepSpeedConfig
+
+        ecfg.deepspeed = DeepSpeedConfig(zero_stage=int(zero))
+    engine = get_engine_cls(name)(ecfg, OptimConfig(lr=1e-4), total_steps=spec["steps"], seed=0)
     engine.initialize(ParallelStrategy(**spec["parallel"]), spec["model"])
     g = torch.Generator().manual_seed(0)
     B, L = spec["rows"], spec["seq"]
@@ -183,7 +234,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model59m")
         n = make_model(model, args.tied)
-        res = {(e, name): run_layout(e, name, model, args, tmp) for e in args.engines for name in layouts}
+        res = {(e, name): run_layout(e, name, model, args, tmp) for e in args.engines for name in layouts
+               if name in ENGINE_LAYOUTS.get(e, LAYOUTS)}
     table = Table(title=f"Per-rank training state, {n / 1e6:.1f}M-parameter Qwen2 "
                         f"({'tied' if args.tied else 'untied'}), fp32 + Adam")
     for col in ("engine", "layout", "params MB", "grads MB", "optim MB", "total MB", "vs d1", "step s",
@@ -197,7 +249,7 @@ def main() -> None:
                       f"{r['step_s'] / base['step_s']:.2f}x")
     Console().print(table)
     for (e, name), r in res.items():
-        if name in ("t2", "p2"):
+        if name in ("t2", "p2") or (e == "deepspeed-z3" and name == "d2"):
             ratio = r["mem"]["total"] / res[(e, "d1")]["mem"]["total"]
             print(f"{e} {name}: {ratio:.2f}x of d1 (target <= 0.6x): {'met' if ratio <= 0.6 else 'NOT met'}")
 
