@@ -120,7 +120,8 @@ def _deepspeed_state(engine, run_step) -> dict:
     run_step()  # forward/backward of every micro-batch; the last is the boundary, so gradients are reduced
     opt = engine.ds.optimizer
     params = list(engine.ds.module.parameters())
-    mem = {"params": sum(size(p.data) + (size(p.ds_tensor) if hasattr(p, "ds_tensor") else 0) for p in params)}
+    mem = {"params": sum(size(p.data) + (size(p.ds_tensor) if hasattr(p, "ds_tensor") else 0)
+                         for p in params)}
     grads = sum(size(p.grad) for p in params if p.grad is not None)
     grads += sum(size(t) for k, v in vars(opt).items() if "grad" in k.lower() for t in walk(v))
     optim = sum(size(t) for st in opt.optimizer.state.values() for t in walk(st))
