@@ -19,7 +19,8 @@ OPTIM = {"lr": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "weight_decay"
 
 def _ds(name, stage=3, **kw):
     return {"name": name, "cls": "deepspeed", "parallel": {"dp": 2}, "optim": OPTIM, "total_steps": 5,
-            "engine": {"max_tokens_per_mb": 40, "deepspeed": {"zero_stage": stage, "param_persistence_threshold": 0}},
+            "engine": {"max_tokens_per_mb": 40,
+                       "deepspeed": {"zero_stage": stage, "param_persistence_threshold": 0}},
             **kw}
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("deepspeed", reason="deepspeed is installed by scripts/insta
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fsdp_worker import launch  # noqa: E402
-from test_archon_engine import STEPS, TOL, _close  # noqa: E402
+from test_archon_engine import STEPS, TOL, _close, model4  # noqa: E402,F401  (model4: the 4-layer tiny model)
 
 BIG, SMALL = 10_000, 1
 
@@ -43,7 +43,8 @@ def runs(model4, tmp_path_factory):
     w2 = [_ds("z1", 1), _ds("z2", 2), _ds("z3", 3), _ds("z3_x8", 3, mb=SMALL), _ds("z2_x8", 2, mb=SMALL),
           _ds("z3_c2", 3, parallel={"cp": 2}),
           # offload runs DeepSpeed's offload path; on CPU it moves nothing (host memory either way)
-          _ds("z3_offload", 3, offload_optimizer=True, offload_param=True), _ds("z2_offload", 2, offload_optimizer=True),
+          _ds("z3_offload", 3, offload_optimizer=True, offload_param=True),
+          _ds("z2_offload", 2, offload_optimizer=True),
           {"name": "critic_z3", "cls": "deepspeed", "parallel": {"dp": 2}, **critic}]
     for world, variants in ((1, w1), (2, w2)):
         launch({"model_dir": model4, "out": str(out), "variants": variants}, world, timeout=600)
@@ -56,13 +57,6 @@ def runs(model4, tmp_path_factory):
     runs = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
     runs.update({f"skewed_{p.stem}": torch.load(p, weights_only=False) for p in skewed.glob("*.pt")})
     return runs
-
-
-@pytest.fixture(scope="module")
-def model4(tmp_path_factory, tiny_model_dir):
-    from areal_cli.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny4"), tokenizer_dir=tiny_model_dir, seed=3, num_layers=4)
 
 
 @pytest.mark.parametrize("name", ["z1", "z2", "z3", "z3_c2", "z3_offload", "z2_offload"])
@@ -126,7 +120,8 @@ def test_zero3_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
                 "server_pid": server.proc.pid, "group_port": find_free_port(), "prompts": ps,
                 "engine": "deepspeed", "parallel": {"dp": 2},
                 # 0.02M-element buckets: the tiny model's weights take several gathers
-                "engine_cfg": {"deepspeed": {"zero_stage": 3, "param_persistence_threshold": 0, "bucket_mel": 0.02}}}
+                "engine_cfg": {"deepspeed": {"zero_stage": 3, "param_persistence_threshold": 0,
+                                             "bucket_mel": 0.02}}}
         launch(spec, 2, timeout=600, script=str(Path(__file__).parent / "sync_worker.py"))
     finally:
         server.stop()

@@ -100,17 +100,17 @@ class DeepSpeedEngine(FSDPEngine):
         from transformers import AutoConfig
 
         if parallel.tp != 1 or parallel.pp != 1:
-            raise ConfigError("allocation_mode", f"the deepspeed engine runs d and c dims only, got t={parallel.tp} "
-                              f"p={parallel.pp}", "drop t/p from the deepspeed part, or use engine=archon or "
-                              "engine=megatron")
+            raise ConfigError("allocation_mode", f"the deepspeed engine runs d and c dims only, got "
+                              f"t={parallel.tp} p={parallel.pp}",
+                              "drop t/p from the deepspeed part, or use engine=archon or engine=megatron")
         par.check_strategy(parallel, dist.get_world_size())
         if not (Path(self.model_path) / "config.json").is_file():
             raise ConfigError("model.path", f"{self.model_path} is not an HF model dir (no config.json)",
                               "point model.path at a local dir with config.json and safetensors")
         heads = AutoConfig.from_pretrained(self.model_path).num_attention_heads
         if heads % parallel.cp:
-            raise ConfigError("allocation_mode", f"c{parallel.cp} does not divide num_attention_heads={heads}",
-                              "pick c that divides the head count")
+            raise ConfigError("allocation_mode", f"c{parallel.cp} does not divide "
+                              f"num_attention_heads={heads}", "pick c that divides the head count")
         check_deepspeed_knobs(self.cfg)
 
     def _ds_config(self) -> dict:
@@ -129,7 +129,9 @@ class DeepSpeedEngine(FSDPEngine):
         if z.offload_param:
             zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
         # An infinite threshold still has DeepSpeed compute the norm (reported as grad_norm) at every stage.
-        clip = float(self.optim_cfg.grad_clip) if self.optim_cfg is not None and self.optim_cfg.grad_clip > 0 else inf
+        clip = inf
+        if self.optim_cfg is not None and self.optim_cfg.grad_clip > 0:
+            clip = float(self.optim_cfg.grad_clip)
         cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             # One accumulation step in the config; the engine sets the boundary on its last micro-batch.
