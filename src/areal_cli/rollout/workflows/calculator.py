@@ -45,9 +45,11 @@ def _messages(data: dict) -> list[dict]:
 
 
 class CalculatorAgent:
-    """``async agent(client, data) -> Reward``; ``max_turns`` calls at most."""
+    """``async agent(client, data) -> Reward``; ``max_turns`` calls at most. ``max_tokens`` must hold a
+    whole call: with the tiny model's byte-level tokenizer the ~80-character ``<tool_call>`` block is
+    ~75 tokens, and a call cut at the limit is not a call."""
 
-    def __init__(self, max_turns: int = 2, max_tokens: int = 64, temperature: float = 1.0):
+    def __init__(self, max_turns: int = 2, max_tokens: int = 100, temperature: float = 1.0):
         self.max_turns = max_turns
         self.max_tokens = max_tokens
         self.temperature = temperature
