@@ -1,6 +1,6 @@
 """Per-rank training-state memory and step time of the Archon, Megatron and DeepSpeed engines' layouts.
 
-    python benchmarks/engine_memory.py                  # 59M-parameter Qwen2, layouts d1 t2 p2 d2, every engine
+    python benchmarks/engine_memory.py                  # ~65M-parameter Qwen2, layouts d1 t2 p2 d2, every engine
     python benchmarks/engine_memory.py --engines deepspeed-z1 deepspeed-z2 deepspeed-z3   # ZeRO stages, d1 d2
     python benchmarks/engine_memory.py --tied           # the same size with tied embeddings
     python benchmarks/engine_memory.py --layouts d1 t2 --steps 4 --engines megatron
@@ -39,16 +39,16 @@ LAYOUTS = {"d1": {}, "t2": {"tp": 2}, "p2": {"pp": 2}, "d2": {"dp": 2}, "t2p2": 
 
 
 def make_model(out: str, tied: bool) -> int:
-    """A ~59M-parameter Qwen2 with random weights; returns its parameter count. Untied (the default,
-    as in Qwen2.5-7B and larger): 7 layers; tied: 11 layers. Under pipelining a tied model keeps a
-    vocab × hidden matrix on both end stages (the embedding and the head's copy of it), so its p2
+    """A ~65M-parameter Qwen2 with random weights; returns its parameter count. Untied (the default,
+    as in Qwen2.5-7B and larger): 8 layers; tied: 12 layers (even, as megatron's p2 needs). Under pipelining
+    a tied model keeps a vocab × hidden matrix on both end stages (the embedding and the head's copy of it), so its p2
     share cannot fall much below (V·h + layers/2) / total."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=2048,
-                      num_hidden_layers=11 if tied else 7, num_attention_heads=8, num_key_value_heads=4,
+                      num_hidden_layers=12 if tied else 8, num_attention_heads=8, num_key_value_heads=4,
                       max_position_embeddings=1024, tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out)
@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--tied", action="store_true", help="tied embeddings (11 layers instead of 7)")
+    ap.add_argument("--tied", action="store_true", help="tied embeddings (12 layers instead of 8)")
     ap.add_argument("--engines", nargs="+", default=sorted(STATE_BYTES), choices=sorted(STATE_BYTES))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

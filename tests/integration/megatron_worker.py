@@ -137,6 +137,25 @@ def _err(fn) -> str:
     return "no error"
 
 
+def _uneven_tokens() -> None:
+    """What the MoE dispatcher does under expert tensor parallelism: gather, then reduce-scatter, token rows whose
+    count differs per rank (rank r holds r + 2 rows of value r + 1)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    group, r = dist.group.WORLD, dist.get_rank()
+    sizes = [k + 2 for k in range(dist.get_world_size())]
+    mine = torch.full((sizes[r], 3), float(r + 1))
+    got = mappings._gather_along_first_dim(mine, group, sizes)
+    want = torch.cat([torch.full((n, 3), float(k + 1)) for k, n in enumerate(sizes)])
+    if not torch.equal(got, want):
+        raise RuntimeError("uneven gather returned the wrong rows")
+    back = mappings._reduce_scatter_along_first_dim(want, group, sizes)
+    if not torch.equal(back, mine * dist.get_world_size()):
+        raise RuntimeError("uneven reduce-scatter returned the wrong rows")
+
+
 def compat_probes() -> dict:
     import torch
     import torch.distributed as dist
@@ -198,20 +217,28 @@ def compat_probes() -> dict:
 
     unpatched_recv = (lambda: p2p.recv_forward(tuple(sent.shape), False)) if rank == 1 else (lambda: None)
     probe("p2p_buffers", unpatched_recv, exchange)
+    ps["sequence_parallel_mappings"].apply()  # the buffers' CUDA allocation comes first, before gloo's size check
+    probe("uneven_gather_scatter", _uneven_tokens, _uneven_tokens)
     out["rank"] = rank
     mpu.destroy_model_parallel()
     return out
 
 
-# The training-path patches (mcore DDP, optimizers, sequence parallelism) and the engine setup whose one
+# The training-path patches (mcore DDP, optimizers, sequence parallelism, MoE) and the engine setup whose one
 # train_batch reaches each one's code path: t2 with sequence parallelism, the distributed optimizer and a
-# clip threshold below the gradient norm, or bf16 with the plain (non-distributed) mixed-precision optimizer.
+# clip threshold below the gradient norm; bf16 with the plain (non-distributed) mixed-precision optimizer;
+# the tiny Qwen3-MoE at d2e2 (alltoall dispatch, with the router's aux loss on). The uneven token gathers of
+# expert tensor parallelism need 4 ranks: compat_probes calls that mcore function directly.
 TRAIN_PATCHES = {"grad_buffers": "sp", "optimizer_buffers": "sp", "grad_norm": "sp", "grad_clip_type_check": "sp",
                  "distributed_optimizer_type_check": "sp", "sequence_parallel_buffers": "sp",
-                 "sequence_parallel_mappings": "sp", "float16_optimizer_type_check": "bf16"}
+                 "sequence_parallel_mappings": "sp", "float16_optimizer_type_check": "bf16",
+                 "moe_dispatcher_streams": "moe", "moe_router_gemm": "moe", "alltoall_split_lists": "moe",
+                 "moe_router_device": "moe"}
+SETUPS = {"sp": {"tp": 2}, "bf16": {"tp": 2}, "moe": {"dp": 2, "ep": 2}}
 
 
 def _train_step(model_dir: str, setup: str) -> None:
+    """One megatron train_batch in ``setup`` (see SETUPS); MoE setups read ``model_dir`` as the MoE model."""
     from fsdp_worker import loss_fn, loss_weight_fn, make_batch
 
     from areal_cli.api.io_struct import ParallelStrategy
@@ -219,11 +246,11 @@ def _train_step(model_dir: str, setup: str) -> None:
     from areal_cli.config.engine import EngineConfig, MegatronConfig
     from areal_cli.engines.megatron import engine as me
 
-    mc = MegatronConfig(use_distributed_optimizer=setup == "sp")
+    mc = MegatronConfig(use_distributed_optimizer=setup != "bf16", moe_aux_loss_coeff=0.01 if setup == "moe" else 0.0)
     cfg = EngineConfig(dtype="bfloat16" if setup == "bf16" else "float32", megatron=mc)
     engine = me.MegatronEngine(cfg, OptimConfig(lr=1e-3, grad_clip=1e-3), total_steps=2)
     try:
-        engine.initialize(ParallelStrategy(tp=2), model_dir)
+        engine.initialize(ParallelStrategy(**SETUPS[setup]), model_dir)
         stats = engine.train_batch(make_batch(0, vocab=300), loss_fn, loss_weight_fn)
         if not stats["grad_norm"] > 1e-3:
             raise RuntimeError(f"the gradient norm {stats['grad_norm']} does not exercise clipping")
@@ -235,7 +262,7 @@ def _train_step(model_dir: str, setup: str) -> None:
             mpu.destroy_model_parallel()
 
 
-def train_compat_probes(model_dir: str) -> dict:
+def train_compat_probes(model_dir: str, moe_model_dir: str) -> dict:
     """Leave one out: with every other patch applied, one train_batch must fail on CUDA; with all, it runs."""
     import torch.distributed as dist
 
@@ -248,11 +275,12 @@ def train_compat_probes(model_dir: str) -> dict:
             if p.name != name:
                 p.apply()
                 compat._APPLIED.append(p)
-        out[name] = {"unpatched": _err(lambda: _train_step(model_dir, setup))}
+        model = moe_model_dir if setup.startswith("moe") else model_dir
+        out[name] = {"unpatched": _err(lambda: _train_step(model, setup))}
         compat.revert_cpu_compat()
         dist.barrier()
         compat.apply_cpu_compat()
-        out[name]["patched"] = _err(lambda: _train_step(model_dir, setup))
+        out[name]["patched"] = _err(lambda: _train_step(model, setup))
         compat.revert_cpu_compat()
         dist.barrier()
     return out
@@ -266,7 +294,8 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
     if spec["mode"] in ("compat", "train_compat"):
-        res = compat_probes() if spec["mode"] == "compat" else train_compat_probes(spec["model_dir"])
+        res = compat_probes() if spec["mode"] == "compat" else train_compat_probes(spec["model_dir"],
+                                                                                 spec["moe_model_dir"])
         allres = [None] * dist.get_world_size()
         dist.all_gather_object(allres, res)
         result = {"ranks": allres}

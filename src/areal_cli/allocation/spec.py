@@ -63,7 +63,9 @@ class Component:
     def parallel(self) -> ParallelStrategy:
         d = self.dims
         ep = self.ffn.e if self.ffn is not None else d.e
-        return ParallelStrategy(dp=d.d, tp=d.t, pp=d.p, cp=d.c, ep=ep)
+        # the hybrid form's ffn part sets the experts' own tensor-parallel size
+        etp = self.ffn.t if self.ffn is not None else 0
+        return ParallelStrategy(dp=d.d, tp=d.t, pp=d.p, cp=d.c, ep=ep, etp=etp)
 
     def dims_text(self) -> str:
         if self.ffn is not None:

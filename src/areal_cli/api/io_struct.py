@@ -91,7 +91,9 @@ class ParallelStrategy:
     """Sizes of each parallel dimension for one training component.
 
     ``dp`` data, ``tp`` tensor, ``pp`` pipeline, ``cp`` context (Ulysses sequence parallel), ``ep``
-    expert (does not add devices). World size = dp*tp*pp*cp.
+    expert (does not add devices: experts are cut over ep of the dp×cp ranks), ``etp`` the tensor-parallel
+    size inside each expert (0: the same as ``tp``; the ffn part of a hybrid MoE spec sets it). World size =
+    dp*tp*pp*cp.
     """
 
     dp: int = 1
@@ -99,6 +101,7 @@ class ParallelStrategy:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 0
 
     @property
     def world_size(self) -> int:

@@ -48,6 +48,8 @@ class MegatronConfig:
     virtual_stages: int = ranged(1, ge=1)
     # Shard optimizer state (and fp32 master weights) over the d ranks: mcore's distributed optimizer.
     use_distributed_optimizer: bool = True
+    # MoE models: weight of the router's load-balancing (aux) loss; 0 turns it off. Logged as moe/aux_loss.
+    moe_aux_loss_coeff: float = ranged(0.0, ge=0.0, le=1.0)
 
 
 @dataclass

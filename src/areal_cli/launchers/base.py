@@ -46,6 +46,7 @@ class TrainerSpec:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 0  # experts' tensor-parallel size (0: tp); set by the hybrid MoE form
     nnodes: int = 1
     nproc_per_node: int = 1
     first_node: int = 0  # trainer nodes are first_node .. first_node + nnodes - 1

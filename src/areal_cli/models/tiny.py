@@ -105,12 +105,36 @@ def tiny_qwen2_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 
     )
 
 
+def tiny_qwen3_moe_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                          num_kv_heads: int = 2, num_experts: int = 4, top_k: int = 2,
+                          moe_intermediate_size: int | None = None, max_position_embeddings: int = 1024,
+                          tie_word_embeddings: bool = False, eos_token_id: int | None = None,
+                          pad_token_id: int | None = None):
+    """A tiny Qwen3-MoE: every layer's MLP is ``num_experts`` SwiGLU experts, ``top_k`` routed with
+    renormalised probabilities (``norm_topk_prob``), no shared expert."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+        intermediate_size=4 * hidden_size, moe_intermediate_size=moe_intermediate_size or hidden_size,
+        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, rope_theta=10000.0, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, bos_token_id=None)
+
+
+TINY_FAMILIES = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config}
+
+
 def make_tiny_model(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None, *,
-                    corpus: Iterable[str] | None = None, seed: int = 0, **config_kwargs) -> str:
-    """Write a randomly initialised tiny Qwen2 causal-LM (safetensors) plus tokenizer to ``out_dir``.
+                    corpus: Iterable[str] | None = None, seed: int = 0, family: str = "qwen2",
+                    **config_kwargs) -> str:
+    """Write a randomly initialised tiny causal-LM (safetensors) plus tokenizer to ``out_dir``.
 
     The tokenizer comes from ``tokenizer_dir`` or is trained on ``corpus`` (a default arithmetic
-    corpus when both are ``None``). ``config_kwargs`` go to :func:`tiny_qwen2_config`.
+    corpus when both are ``None``). ``family``: ``qwen2`` (dense, :func:`tiny_qwen2_config`) or
+    ``qwen3_moe`` (:func:`tiny_qwen3_moe_config`); ``config_kwargs`` go to that function.
     """
     import torch
     import transformers
@@ -127,8 +151,8 @@ def make_tiny_model(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if Path(tokenizer_dir) != out:
         tok.save_pretrained(str(out))
-    cfg = tiny_qwen2_config(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id, **config_kwargs)
+    cfg = TINY_FAMILIES[family](vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, **config_kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id

@@ -65,6 +65,7 @@ def layout_from_plan(cfg: Any, plan: Any | None) -> JobLayout:
         raise ConfigError("allocation_mode.spec", f"the trainer is placed on non-consecutive nodes {nodes}",
                           "reorder the spec so the train component gets a contiguous node range")
     trainer = TrainerSpec(backend=train.backend, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep,
+                          etp=par.etp,
                           nnodes=len(nodes), nproc_per_node=per_node, first_node=nodes[0])
     return JobLayout(n_nodes=plan.n_nodes, device=plan.device, servers=servers, trainer=trainer,
                      colocated=plan.colocated)
@@ -94,7 +95,7 @@ def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | N
     elif lora and lora_enabled(cfg):  # only engines with LoRA get it (validated: config/lora_rules.py)
         kwargs["lora"] = cfg.model.lora
     engine = cls(cfg.engine, optim if optim is not None else cfg.algo.optim, **kwargs)
-    engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep), model_path)
+    engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, etp=t.etp), model_path)
     return engine
 
 

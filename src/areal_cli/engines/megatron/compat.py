@@ -81,6 +81,54 @@ class _CPUCuda:
     def empty_cache() -> None:
         return None
 
+    class Stream:
+        """A CUDA stream on a CPU-only torch: work runs in order on the host, so waiting and recording
+        are no-ops and an event is always complete."""
+
+        def __init__(self, *_a: Any, **_k: Any) -> None:
+            pass
+
+        def wait_stream(self, *_a: Any) -> None:
+            return None
+
+        def record_event(self, *_a: Any) -> Any:
+            return _CPUCuda.Event()
+
+        def synchronize(self) -> None:
+            return None
+
+    class Event:
+        def __init__(self, *_a: Any, **_k: Any) -> None:
+            pass
+
+        def record(self, *_a: Any) -> None:
+            return None
+
+        def synchronize(self) -> None:
+            return None
+
+        def wait(self, *_a: Any) -> None:
+            return None
+
+        def query(self) -> bool:
+            return True
+
+    _STREAM = None
+
+    @classmethod
+    def current_stream(cls, *_a: Any) -> Any:
+        if cls._STREAM is None:
+            cls._STREAM = cls.Stream()
+        return cls._STREAM
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(_s: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def __getattr__(self, name: str) -> Any:
         import torch
 
@@ -205,6 +253,103 @@ def _cuda_type_names_patch(name: str, owner: str, attr: str, works_around: str) 
     return Patch(name, works_around, apply, revert)
 
 
+def _global_default_patch(name: str, module: str, attr: str, value: Any, works_around: str) -> Patch:
+    """Define a module global that mcore reads but only defines when an optional import succeeds."""
+    state: dict[str, Any] = {}
+
+    def apply() -> None:
+        mod = importlib.import_module(module)
+        state["had"] = hasattr(mod, attr)
+        if not state["had"]:
+            setattr(mod, attr, value)
+
+    def revert() -> None:
+        if state.get("had") is False:
+            delattr(importlib.import_module(module), attr)
+
+    return Patch(name, works_around, apply, revert)
+
+
+def _alltoall_splits_patch() -> Patch:
+    """The alltoall dispatcher hands its split sizes to ``all_to_all_single`` as numpy arrays (copied to the
+    host with ``as_numpy=True``); gloo's binding takes only lists of ints."""
+    state: dict[str, Any] = {}
+
+    def as_list(x: Any) -> Any:
+        return None if x is None else [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
+
+    def apply() -> None:
+        from megatron.core.tensor_parallel.mappings import _AllToAll
+
+        orig = state.setdefault("orig", _AllToAll.__dict__["forward"])
+
+        def forward(ctx: Any, group: Any, input: Any, output_split_sizes: Any, input_split_sizes: Any) -> Any:
+            return orig.__func__(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes))
+
+        _AllToAll.forward = staticmethod(forward)
+
+    def revert() -> None:
+        if "orig" in state:
+            from megatron.core.tensor_parallel.mappings import _AllToAll
+
+            _AllToAll.forward = state["orig"]
+
+    return Patch("alltoall_split_lists", "tensor_parallel/mappings.py:444 all_to_all_single gets numpy split "
+                 "sizes from transformer/moe/token_dispatcher.py:879-882 (incompatible function arguments)",
+                 apply, revert)
+
+
+def _uneven_gather_scatter_patch() -> Patch:
+    """Expert tensor parallelism gathers and reduce-scatters tokens in uneven splits (each rank routed a
+    different count). Gloo's all_gather and reduce_scatter need equal sizes: pad to the largest split, then
+    cut (the reduce-scatter sums the whole padded tensor and keeps this rank's part)."""
+    state: dict[str, Any] = {}
+
+    def gather(input_: Any, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+        if output_split_sizes is None or group.size() == 1:
+            return state["gather"](input_, group, output_split_sizes, use_global_buffer)
+        import torch
+        import torch.distributed as dist
+
+        sizes = [int(n) for n in output_split_sizes]
+        m = max(sizes)
+        pad = input_.new_zeros((m, *input_.shape[1:]))
+        pad[: input_.shape[0]] = input_
+        bufs = [torch.empty_like(pad) for _ in sizes]
+        dist.all_gather(bufs, pad.contiguous(), group=group)
+        return torch.cat([b[:n] for b, n in zip(bufs, sizes)], 0)
+
+    def reduce_scatter(input_: Any, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+        if input_split_sizes is None or group.size() == 1:
+            return state["scatter"](input_, group, input_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start:start + sizes[group.rank()]].contiguous()
+
+    def apply() -> None:
+        from megatron.core.tensor_parallel import mappings
+
+        state.setdefault("gather", mappings._gather_along_first_dim)
+        state.setdefault("scatter", mappings._reduce_scatter_along_first_dim)
+        mappings._gather_along_first_dim = gather
+        mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+    def revert() -> None:
+        if "gather" in state:
+            from megatron.core.tensor_parallel import mappings
+
+            mappings._gather_along_first_dim = state["gather"]
+            mappings._reduce_scatter_along_first_dim = state["scatter"]
+
+    return Patch("uneven_gather_scatter", "tensor_parallel/mappings.py:150, :192 all_gather/reduce_scatter of "
+                 "uneven token splits (transformer/moe/token_dispatcher.py:696, :780 under expert tensor "
+                 "parallelism): gloo raises 'invalid tensor size'", apply, revert)
+
+
 def _rng_tracker_patch() -> Patch:
     """The default CUDA RNG tracker's ``fork()`` (attention dropout, every forward) needs a CUDA RNG
     state; mcore's inference tracker forks nothing. Dropout is 0 in RL fine-tuning, so nothing is lost."""
@@ -278,6 +423,18 @@ def patches() -> list[Patch]:
         _module_torch_patch("sequence_parallel_mappings", "megatron.core.tensor_parallel.mappings",
                             "tensor_parallel/mappings.py:91, :141, :148, :181 sequence-parallel gather and "
                             "reduce-scatter outputs on torch.cuda.current_device()"),
+        # --- MoE: the alltoall token dispatcher, the router, the aux-loss tracker
+        _module_torch_patch("moe_dispatcher_streams", "megatron.core.transformer.moe.token_dispatcher",
+                            "transformer/moe/token_dispatcher.py:445 torch.cuda.Stream() for the device-to-host "
+                            "copies of the split sizes; :871-895 stream waits and events"),
+        _global_default_patch("moe_router_gemm", "megatron.core.transformer.moe.moe_utils", "te_general_gemm", None,
+                              "transformer/moe/moe_utils.py:22-38 defines te_general_gemm only when "
+                              "TransformerEngine imports; :1192 the router's gating linear reads it (NameError)"),
+        _alltoall_splits_patch(),
+        _uneven_gather_scatter_patch(),
+        _module_torch_patch("moe_router_device", "megatron.core.transformer.moe.router",
+                            "transformer/moe/router.py:90, :92 the router weight is moved to "
+                            "torch.cuda.current_device() on its first forward"),
     ]
 
 

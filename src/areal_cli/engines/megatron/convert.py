@@ -17,6 +17,7 @@ and would be one more private API pinned with ``--no-deps``. The mapping is smal
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .model import HFArch
@@ -60,8 +61,10 @@ def _split_qkv(arch: HFArch, qkv: Any) -> tuple[Any, Any, Any]:
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def hf_to_mcore(hf: Mapping[str, Any], arch: HFArch, model: Any, tp_rank: int, tp: int) -> dict[str, Any]:
-    """The state dict of one GPTModel chunk on TP rank ``tp_rank`` from a full HF state dict."""
+def hf_to_mcore(hf: Mapping[str, Any], arch: HFArch, model: Any, tp_rank: int, tp: int,
+                experts: "ExpertLayout | None" = None) -> dict[str, Any]:
+    """The state dict of one GPTModel chunk on TP rank ``tp_rank`` (and, for MoE, expert-parallel rank
+    ``experts.ep_rank``) from a full HF state dict."""
     import torch
 
     def col(t: Any) -> Any:
@@ -93,18 +96,63 @@ def hf_to_mcore(hf: Mapping[str, Any], arch: HFArch, model: Any, tp_rank: int, t
             out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"].clone()
             out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"].clone()
         out[m + "self_attention.linear_proj.weight"] = row(hf[a + "o_proj.weight"])
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([col(hf[p + "mlp.gate_proj.weight"]),
-                                                      col(hf[p + "mlp.up_proj.weight"])], 0)
-        out[m + "mlp.linear_fc2.weight"] = row(hf[p + "mlp.down_proj.weight"])
+        if arch.num_experts:
+            out.update(_experts_to_mcore(hf, arch, p, m, experts or ExpertLayout()))
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([col(hf[p + "mlp.gate_proj.weight"]),
+                                                          col(hf[p + "mlp.up_proj.weight"])], 0)
+            out[m + "mlp.linear_fc2.weight"] = row(hf[p + "mlp.down_proj.weight"])
         out[m + in_norm] = hf[p + "input_layernorm.weight"].clone()
         out[m + mlp_norm] = hf[p + "post_attention_layernorm.weight"].clone()
     return out
 
 
-def load_hf(models: Iterable[Any], hf: Mapping[str, Any], arch: HFArch, tp_rank: int, tp: int) -> None:
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where this rank sits among the experts: ``ep`` ranks hold ``num_experts / ep`` experts each (rank r
+    holds experts ``[r·n, (r+1)·n)``, mcore's assignment), each expert cut over ``etp`` ranks like a dense MLP.
+    The groups are needed for export only."""
+
+    ep_rank: int = 0
+    ep: int = 1
+    etp_rank: int = 0
+    etp: int = 1
+    ep_group: Any = None
+    etp_group: Any = None
+
+
+def _experts_to_mcore(hf: Mapping[str, Any], arch: HFArch, p: str, m: str, x: ExpertLayout) -> dict[str, Any]:
+    """HF's fused experts (``gate_up_proj [E, 2I, H]`` = [gate; up] per expert, ``down_proj [E, H, I]``) and router
+    (``gate.weight [E, H]``) into mcore's router and this rank's SequentialMLP experts."""
+    import torch
+
+    out = {m + "mlp.router.weight": hf[p + "mlp.gate.weight"].clone()}
+    n = arch.num_experts // x.ep
+    for j in range(n):
+        e = x.ep_rank * n + j
+        gate, up, down = _hf_expert(hf, p, e)
+        q = f"{m}mlp.experts.local_experts.{j}."
+        out[q + "linear_fc1.weight"] = torch.cat([gate.chunk(x.etp, 0)[x.etp_rank], up.chunk(x.etp, 0)[x.etp_rank]], 0)
+        out[q + "linear_fc2.weight"] = down.chunk(x.etp, 1)[x.etp_rank].clone()
+    return out
+
+
+def _hf_expert(hf: Mapping[str, Any], p: str, e: int) -> tuple[Any, Any, Any]:
+    """(gate [I, H], up [I, H], down [H, I]) of expert e: from a checkpoint's per-expert tensors (the format
+    transformers writes and vLLM/SGLang load) or from transformers' in-memory fused ones."""
+    fused = p + "mlp.experts.gate_up_proj"
+    if fused in hf:
+        gate, up = hf[fused][e].chunk(2, 0)
+        return gate, up, hf[p + "mlp.experts.down_proj"][e]
+    q = f"{p}mlp.experts.{e}."
+    return hf[q + "gate_proj.weight"], hf[q + "up_proj.weight"], hf[q + "down_proj.weight"]
+
+
+def load_hf(models: Iterable[Any], hf: Mapping[str, Any], arch: HFArch, tp_rank: int, tp: int,
+            experts: ExpertLayout | None = None) -> None:
     """Load a full HF state dict into this rank's chunks; every mcore parameter must be covered."""
     for model in models:
-        sd = hf_to_mcore(hf, arch, model, tp_rank, tp)
+        sd = hf_to_mcore(hf, arch, model, tp_rank, tp, experts)
         missing, unexpected = model.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -122,7 +170,8 @@ def _gather(t: Any, dim: int, group: Any, tp: int) -> Any:
     return torch.cat(parts, dim)
 
 
-def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int) -> list[tuple[str, Callable[[], Any]]]:
+def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
+               experts: ExpertLayout | None = None) -> list[tuple[str, Callable[[], Any]]]:
     """``(HF name, thunk)`` for every HF tensor this rank's chunks own, in a fixed order. Calling a thunk
     TP-gathers that one tensor (a collective over ``tp_group``: every TP rank calls the same thunks in the
     same order), so an exporter holds one full tensor at a time. Each PP stage lists only its own layers;
@@ -155,6 +204,14 @@ def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int) -> l
                 add(a + "q_norm.weight", copied(m + "self_attention.q_layernorm.weight"))
                 add(a + "k_norm.weight", copied(m + "self_attention.k_layernorm.weight"))
             add(a + "o_proj.weight", gathered(m + "self_attention.linear_proj.weight", 1))
+            if arch.num_experts:
+                x = experts or ExpertLayout()
+                add(p + "mlp.gate.weight", copied(m + "mlp.router.weight"))
+                for name, fn in _expert_parts(sd, m, x, arch):
+                    add(p + name, fn)
+                add(p + "input_layernorm.weight", copied(m + in_norm))
+                add(p + "post_attention_layernorm.weight", copied(m + mlp_norm))
+                continue
             fc1 = sd[m + "mlp.linear_fc1.weight"]  # this rank's [gate_shard; up_shard]
             add(p + "mlp.gate_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[0], 0, tp_group, tp))
             add(p + "mlp.up_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[1], 0, tp_group, tp))
@@ -169,6 +226,45 @@ def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int) -> l
             elif not arch.tied:
                 add("lm_head.weight", gathered(_OUT, 0))
     return out
+
+
+def _expert_parts(sd: Mapping[str, Any], m: str, x: ExpertLayout,
+                  arch: HFArch) -> list[tuple[str, Callable[[], Any]]]:
+    """Per-expert HF tensors (``experts.{e}.{gate,up,down}_proj.weight``, the checkpoint format) of one layer.
+    The first thunk gathers the layer's experts (over etp, then ep); the last one frees them."""
+    box: dict[str, Any] = {}
+    names = [(e, k) for e in range(arch.num_experts) for k in ("gate_proj", "up_proj", "down_proj")]
+
+    def part(i: int) -> Callable[[], Any]:
+        def fn() -> Any:
+            if not box:
+                box["fc1"] = _experts_from_mcore(sd, m, x, arch, "fc1")
+                box["fc2"] = _experts_from_mcore(sd, m, x, arch, "fc2")
+            e, k = names[i]
+            t = box["fc2"][e] if k == "down_proj" else box["fc1"][e].chunk(2, 0)[k == "up_proj"]
+            t = t.clone()
+            if i == len(names) - 1:
+                box.clear()
+            return t
+        return fn
+
+    return [(f"mlp.experts.{e}.{k}.weight", part(i)) for i, (e, k) in enumerate(names)]
+
+
+def _experts_from_mcore(sd: Mapping[str, Any], m: str, x: ExpertLayout, arch: HFArch, which: str) -> Any:
+    """All experts of one layer in HF's fused layout: each local expert gathered over etp, then the local
+    experts gathered over ep (a collective over both groups)."""
+    import torch
+
+    local = []
+    for j in range(arch.num_experts // x.ep):
+        w = sd[f"{m}mlp.experts.local_experts.{j}.linear_{which}.weight"]
+        if which == "fc1":  # this rank's [gate_shard; up_shard]
+            gate, up = w.chunk(2, 0)
+            local.append(torch.cat([_gather(gate, 0, x.etp_group, x.etp), _gather(up, 0, x.etp_group, x.etp)], 0))
+        else:
+            local.append(_gather(w, 1, x.etp_group, x.etp))
+    return _gather(torch.stack(local), 0, x.ep_group, x.ep)
 
 
 def _qkv_parts(arch: HFArch, fused: Callable[[], Any]) -> list[Callable[[], Any]]:
@@ -188,7 +284,8 @@ def _qkv_parts(arch: HFArch, fused: Callable[[], Any]) -> list[Callable[[], Any]
     return [part(0), part(1), part(2)]
 
 
-def mcore_to_hf(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int) -> dict[str, Any]:
+def mcore_to_hf(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
+                experts: ExpertLayout | None = None) -> dict[str, Any]:
     """The HF tensors this rank's chunks own, TP-gathered (a collective over ``tp_group``: every TP rank
     calls it), as one dict; see :func:`hf_tensors`."""
-    return {name: fn() for name, fn in hf_tensors(models, arch, tp_group, tp)}
+    return {name: fn() for name, fn in hf_tensors(models, arch, tp_group, tp, experts)}

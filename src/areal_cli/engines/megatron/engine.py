@@ -67,9 +67,10 @@ class ValueHead(torch.nn.Module):
 
 
 class MegatronEngine(FSDPEngine):
-    """megatron-core TP × PP (× virtual stages) × DP training of dense Qwen2/2.5, Qwen3 and Llama models."""
+    """megatron-core TP × PP (× virtual stages) × DP (× EP for Qwen3-MoE) training of Qwen2/2.5, Qwen3, Llama and
+    Qwen3-MoE models."""
 
-    dims = "dtp"
+    dims = "dtpe"
 
     # ------------------------------------------------------------------ setup
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
@@ -84,9 +85,6 @@ class MegatronEngine(FSDPEngine):
             raise ConfigError("allocation_mode.spec", "engine=megatron does not run context parallelism (c) in "
                               "this release: mcore's needs TransformerEngine's attention",
                               "drop c, or use engine=archon (Ulysses c)")
-        if parallel.ep > 1:
-            raise ConfigError("allocation_mode.spec", "engine=megatron runs dense models only in this release",
-                              "drop e; expert parallelism is planned for MoE models")
         if not (Path(model_path) / "config.json").is_file():
             raise ConfigError("model.path", f"{model_path} is not an HF model dir (no config.json)",
                               "point model.path at a local dir with config.json and safetensors")
@@ -95,18 +93,21 @@ class MegatronEngine(FSDPEngine):
             compat.apply_cpu_compat()
         mc = self.cfg.megatron
         tp, pp, vpp = parallel.tp, parallel.pp, int(mc.virtual_stages)
+        ep, etp = parallel.ep, parallel.etp or parallel.tp
         if vpp > 1 and pp == 1:
             raise ConfigError("engine.megatron.virtual_stages", f"{vpp} virtual stages need pipeline parallelism",
                               "set p > 1 in allocation_mode, or engine.megatron.virtual_stages=1")
         hf_model, dtype = self._load_hf_model(model_path)  # value head attached for a critic
         self.hf_config = hf_model.config
         self.mc_arch = arch = mm.hf_arch(hf_model.config)
-        mm.check_layout(arch, tp, pp, vpp)
-        self._init_parallel_state(tp, pp, vpp)
+        mm.check_layout(arch, tp, pp, vpp, ep, etp)
+        self._init_parallel_state(tp, pp, vpp, ep, etp)
         self.sequence_parallel = bool(mc.sequence_parallel) and tp > 1
         mixed = dtype == torch.bfloat16 or self.cfg.mixed_precision
-        config = mm.transformer_config(arch, tp=tp, pp=pp, vpp=vpp, sequence_parallel=self.sequence_parallel,
-                                       dtype=torch.bfloat16 if mixed else torch.float32)
+        config = mm.transformer_config(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
+                                       sequence_parallel=self.sequence_parallel,
+                                       dtype=torch.bfloat16 if mixed else torch.float32,
+                                       aux_loss_coeff=float(mc.moe_aux_loss_coeff))
         self._recompute(config)
         self.tconfig = config
         torch.manual_seed(self.seed)
@@ -117,7 +118,8 @@ class MegatronEngine(FSDPEngine):
                     c.output_layer = ValueHead(arch.hidden_size, self.sequence_parallel, config.params_dtype)
         hf_sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         del hf_model
-        convert.load_hf(chunks, hf_sd, arch, self.tp_rank, tp)
+        self.experts = self._expert_layout(ep, etp)
+        convert.load_hf(chunks, hf_sd, arch, self.tp_rank, tp, self.experts)
         del hf_sd
         for c in chunks:
             c.to(self.device)
@@ -130,17 +132,29 @@ class MegatronEngine(FSDPEngine):
             self.model.eval()
         self._coords = self._gather_coords()
 
-    def _init_parallel_state(self, tp: int, pp: int, vpp: int) -> None:
+    @staticmethod
+    def _expert_layout(ep: int, etp: int) -> Any:
+        from megatron.core import parallel_state as mpu
+
+        from areal_cli.engines.megatron.convert import ExpertLayout
+
+        return ExpertLayout(ep_rank=mpu.get_expert_model_parallel_rank(), ep=ep,
+                            etp_rank=mpu.get_expert_tensor_parallel_rank(), etp=etp,
+                            ep_group=mpu.get_expert_model_parallel_group(),
+                            etp_group=mpu.get_expert_tensor_parallel_group())
+
+    def _init_parallel_state(self, tp: int, pp: int, vpp: int, ep: int = 1, etp: int | None = None) -> None:
         """mcore's process groups are process-global: the first engine creates them, later engines of the
         same process (a reference model, a critic) must ask for the same layout."""
         from megatron.core import parallel_state as mpu
 
         if mpu.model_parallel_is_initialized():
-            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
-            if have != (tp, pp):
+            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
+                    mpu.get_expert_model_parallel_world_size())
+            if have != (tp, pp, ep):
                 raise ConfigError("allocation_mode.spec", f"this process already runs megatron at t{have[0]}p"
-                                  f"{have[1]}; another engine asks for t{tp}p{pp}",
-                                  "give every megatron engine of one trainer the same t and p")
+                                  f"{have[1]}e{have[2]}; another engine asks for t{tp}p{pp}e{ep}",
+                                  "give every megatron engine of one trainer the same t, p and e")
             self.tp_rank = mpu.get_tensor_model_parallel_rank()
             _LIVE.append(self)
             return
@@ -149,9 +163,13 @@ class MegatronEngine(FSDPEngine):
                               f"{dist.get_world_size()} trainer processes", "make d × t × p the world size")
         # The allocation plan's rank order (allocation/plan.py RANK_ORDER): tp fastest, then pp, dp slowest,
         # so one replica's t·p ranks are contiguous and stay inside a node; mcore's default puts dp inside pp.
+        # With experts and stages both, mcore 0.16.1 accepts only its pp-last order (the attention and expert
+        # layers' data-parallel sizes differ): a replica's stages are then strided by d.
+        order = "tp-cp-ep-dp-pp" if ep > 1 and pp > 1 else "tp-cp-ep-pp-dp"
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                       virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                      order="tp-cp-ep-pp-dp")
+                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                      order=order)
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         _LIVE.append(self)
 
@@ -422,12 +440,19 @@ class MegatronEngine(FSDPEngine):
     def _optimizer_step(self) -> float:
         """Clip and step as fsdp does: mcore's grad norm (TP-sharded parameters counted once, summed over the
         stages); a non-finite norm skips the step."""
+        from megatron.core.optimizer import optimizer as mopt
+
         opt = self.optimizer
         opt.prepare_grads()
-        norm = float(opt.get_grad_norm())
+        norm = float(opt.get_grad_norm())  # over every optimizer of a chain (dense and expert parameters)
         if torch.isfinite(torch.tensor(norm)):
             if self.optim_cfg.grad_clip > 0:
-                opt.clip_grad_norm(self.optim_cfg.grad_clip)
+                for o in getattr(opt, "chained_optimizers", None) or [opt]:
+                    params = o.get_parameters()
+                    if params:  # looked up at call time: the CPU shim may wrap it
+                        mopt.clip_grad_by_total_norm_fp32(
+                            params, max_norm=self.optim_cfg.grad_clip, total_norm=norm,
+                            use_decoupled_grad=o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
             opt.step_with_ready_grads()
         opt.zero_grad()
         for m in self.model:
@@ -495,7 +520,7 @@ class MegatronEngine(FSDPEngine):
         from areal_cli.engines.megatron import convert
 
         pp_rank, tp_rank, dp_rank = self._coords[dist.get_rank()]
-        mine = convert.hf_tensors(self.chunks, self.mc_arch, self._tp_group, self.parallel.tp)
+        mine = convert.hf_tensors(self.chunks, self.mc_arch, self._tp_group, self.parallel.tp, self.experts)
         table: list[Any] = [None] * self.parallel.pp
         if self.parallel.pp > 1:
             dist.all_gather_object(table, [n for n, _ in mine], group=self._pp_group)
@@ -523,7 +548,7 @@ class MegatronEngine(FSDPEngine):
         if self.critic and (Path(path) / VALUE_HEAD_FILE).is_file():
             full.update({f"lm_head.{k}": v for k, v in load_file(str(Path(path) / VALUE_HEAD_FILE)).items()})
         with torch.no_grad():
-            convert.load_hf(self.chunks, full, self.mc_arch, self.tp_rank, self.parallel.tp)
+            convert.load_hf(self.chunks, full, self.mc_arch, self.tp_rank, self.parallel.tp, self.experts)
         if self.optimizer is not None:
             self.optimizer.reload_model_params()  # fp32 master copies follow the new weights
 
@@ -534,7 +559,8 @@ class MegatronEngine(FSDPEngine):
 
     def _layout(self) -> dict[str, int]:
         p = self.parallel
-        return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "vpp": int(self.cfg.megatron.virtual_stages),
+        return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.etp or p.tp,
+                "vpp": int(self.cfg.megatron.virtual_stages),
                 "distributed_optimizer": int(bool(self.cfg.megatron.use_distributed_optimizer))}
 
     def save(self, meta: SaveLoadMeta) -> None:

@@ -1,4 +1,5 @@
-"""Build megatron-core ``GPTModel`` chunks from a Hugging Face config (dense Qwen2/Qwen2.5, Qwen3, Llama).
+"""Build megatron-core ``GPTModel`` chunks from a Hugging Face config (dense Qwen2/Qwen2.5, Qwen3, Llama, and
+the Qwen3-MoE family with mcore's MoE layers).
 
 :func:`hf_arch` reads the HF config into an :class:`HFArch` and refuses what the mcore model cannot
 reproduce exactly (a typed error naming the supported families). :func:`transformer_config` maps it to a
@@ -14,7 +15,7 @@ from typing import Any
 
 from areal_cli.errors import ConfigError
 
-SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama")
+SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 # mcore's RotaryEmbedding._apply_scaling hard-codes Llama-3.1's scaling constants
 # (models/common/embeddings/rotary_pos_embedding.py:92-98); only that rope_type with these values is exact.
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -24,7 +25,7 @@ class UnsupportedModelError(ConfigError):
     """The HF model cannot be built as an mcore GPTModel exactly."""
 
     def __init__(self, reason: str, hint: str = ""):
-        super().__init__("model.path", reason, hint or f"engine=megatron supports the dense families "
+        super().__init__("model.path", reason, hint or f"engine=megatron supports the families "
                          f"{', '.join(SUPPORTED_FAMILIES)}; use engine=fsdp or engine=archon for others")
 
 
@@ -45,6 +46,11 @@ class HFArch:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    # MoE (qwen3_moe): every layer's MLP is num_experts experts, top-k routed; 0 for dense models
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk: bool = True  # renormalise the top-k router probabilities (Qwen3-MoE's norm_topk_prob)
 
 
 def _rope(cfg: Any) -> tuple[float, float | None]:
@@ -68,8 +74,7 @@ def hf_arch(cfg: Any) -> HFArch:
         raise UnsupportedModelError(f"model_type {family!r} is not supported by engine=megatron")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r}: only silu (SwiGLU) is supported")
-    if getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0):
-        raise UnsupportedModelError("mixture-of-experts models are not supported yet")
+    moe = _moe_fields(cfg, family)
     if getattr(cfg, "use_sliding_window", False):
         raise UnsupportedModelError("sliding-window attention is not reproduced by the local layer spec",
                                     "set use_sliding_window=false in the model's config.json")
@@ -92,16 +97,40 @@ def hf_arch(cfg: Any) -> HFArch:
         ffn_hidden_size=int(cfg.intermediate_size), vocab_size=int(cfg.vocab_size),
         rms_norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling_factor=factor,
         max_position_embeddings=int(cfg.max_position_embeddings),
-        tied=bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias, qk_norm=family == "qwen3")
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
+        qk_norm=family in ("qwen3", "qwen3_moe"), **moe)
 
 
-def check_layout(arch: HFArch, tp: int, pp: int, vpp: int = 1) -> None:
-    """Refuse a TP/PP/VPP layout the model's shapes cannot be split into."""
-    for what, n in (("num_key_value_heads", arch.num_kv_heads), ("num_attention_heads", arch.num_heads),
-                    ("intermediate_size", arch.ffn_hidden_size), ("vocab_size", arch.vocab_size)):
-        if n % tp:
-            raise ConfigError("allocation_mode.spec", f"t{tp} does not divide {what}={n}",
-                              f"use a tensor-parallel size that divides {n}")
+def _moe_fields(cfg: Any, family: str) -> dict[str, Any]:
+    if family != "qwen3_moe":
+        if getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0):
+            raise UnsupportedModelError(f"mixture-of-experts {family} models are not supported",
+                                        "engine=megatron runs MoE models of the qwen3_moe family")
+        return {}
+    if int(getattr(cfg, "decoder_sparse_step", 1)) != 1 or list(getattr(cfg, "mlp_only_layers", []) or []):
+        raise UnsupportedModelError("qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
+                                    "is not supported", "use a model whose every layer is an MoE layer")
+    return {"num_experts": int(cfg.num_experts), "moe_top_k": int(cfg.num_experts_per_tok),
+            "moe_ffn_hidden_size": int(cfg.moe_intermediate_size),
+            "moe_norm_topk": bool(getattr(cfg, "norm_topk_prob", True))}
+
+
+def check_layout(arch: HFArch, tp: int, pp: int, vpp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+    """Refuse a TP/PP/VPP/EP layout the model's shapes cannot be split into."""
+    dims = [("num_key_value_heads", arch.num_kv_heads, tp, "t"), ("num_attention_heads", arch.num_heads, tp, "t"),
+            ("vocab_size", arch.vocab_size, tp, "t")]
+    if arch.num_experts:
+        dims += [("num_experts", arch.num_experts, ep, "e"),
+                 ("moe_intermediate_size", arch.moe_ffn_hidden_size, etp or tp, "expert t")]
+    else:
+        dims += [("intermediate_size", arch.ffn_hidden_size, tp, "t")]
+        if ep > 1:
+            raise ConfigError("allocation_mode.spec", f"e{ep} needs an MoE model, but this one is dense",
+                              "drop e")
+    for what, n, k, letter in dims:
+        if n % k:
+            raise ConfigError("allocation_mode.spec", f"{letter}{k} does not divide {what}={n}",
+                              f"use a {letter} size that divides {n}")
     stages = pp * vpp
     if arch.num_layers % stages:
         raise ConfigError("allocation_mode.spec", f"p{pp} × {vpp} virtual stages does not divide "
@@ -117,13 +146,29 @@ def te_available() -> bool:
     return True
 
 
-def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-                       sequence_parallel: bool = False, dtype: Any = None) -> Any:
+def _moe_config(arch: HFArch, ep: int, etp: int | None, aux_loss_coeff: float) -> dict[str, Any]:
+    if not arch.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_top_k, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        # HF: softmax over all experts, top-k, renormalised when norm_topk_prob; mcore's default (softmax over
+        # the top-k logits) is the renormalised form, pre-softmax the other
+        moe_router_pre_softmax=not arch.moe_norm_topk, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        # SequentialMLP: one plain MLP per local expert (grouped GEMM needs TransformerEngine or CUTLASS)
+        moe_grouped_gemm=False, moe_permute_fusion=False,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+
+
+def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
+                       etp: int | None = None, sequence_parallel: bool = False, dtype: Any = None,
+                       aux_loss_coeff: float = 0.0) -> Any:
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(arch, tp, pp, vpp)
+    check_layout(arch, tp, pp, vpp, ep, etp)
     dtype = dtype or torch.float32
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
@@ -150,6 +195,7 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1,
         # batched p2p under gloo with virtual stages swaps activations and grads silently
         # (p2p_communication.py:16-46); the unbatched path is exact
         batch_p2p_comm=False,
+        **_moe_config(arch, ep, etp, aux_loss_coeff),
     )
 
 
@@ -173,10 +219,12 @@ def layer_spec(arch: HFArch, use_te: bool | None = None) -> Any:
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts or None,
+                                                          moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                                    normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     norm = _local_norm_cls()
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
     attn = spec.submodules.self_attention.submodules
