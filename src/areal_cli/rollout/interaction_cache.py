@@ -107,7 +107,8 @@ class InteractionCache:
         best = None
         for it in self._items.values():
             have = [_canon_message(m) for m in it.messages + [it.output_message]]
-            if len(have) < len(want) and want[:len(have)] == have and (best is None or len(have) > len(best.messages) + 1):
+            longer = best is None or len(have) > len(best.messages) + 1
+            if len(have) < len(want) and want[:len(have)] == have and longer:
                 best = it
         return best
 

@@ -8,7 +8,8 @@ the chat template here and generates through the project's inference client (``e
 so routing, resume after a weight-update abort (the agent never sees the abort; per-token versions
 record where the policy changed) and per-episode seeding all apply.
 
-Every call lands in :attr:`ArealOpenAI.cache` (:class:`~areal_cli.rollout.interaction_cache.InteractionCache`).
+Every call lands in :attr:`ArealOpenAI.cache`
+(:class:`~areal_cli.rollout.interaction_cache.InteractionCache`).
 
 Prompt construction (``prompt_mode``):
 - ``"continue"`` (default): when an earlier call of the episode is this call's message parent and
@@ -100,7 +101,8 @@ class _Completions:
         limit = max_completion_tokens if _given(max_completion_tokens) else max_tokens
         stops = [stop] if isinstance(stop, str) else list(stop) if _given(stop) else []
         res = await c._complete(msgs, tools_l, choice, parse, limit if _given(limit) else None,
-                                temperature if _given(temperature) else None, top_p if _given(top_p) else None,
+                                temperature if _given(temperature) else None,
+                                top_p if _given(top_p) else None,
                                 stops, seed if _given(seed) else None, extra,
                                 parallel_tool_calls is not False, store is not False)
         if _given(stream) and stream:
@@ -240,7 +242,8 @@ class ArealOpenAI(openai.AsyncOpenAI):
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None,
                          "token_ids": out, "token_versions": list(resp.output_versions)}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)},
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
+                      "total_tokens": len(ids) + len(out)},
             "prompt_token_ids": ids})
         if store:
             self.cache.add(Interaction(
@@ -255,7 +258,8 @@ class ArealOpenAI(openai.AsyncOpenAI):
         from openai.types.chat import ChatCompletionChunk
 
         c = comp.choices[0]
-        base = {"id": comp.id, "object": "chat.completion.chunk", "created": comp.created, "model": comp.model}
+        base = {"id": comp.id, "object": "chat.completion.chunk", "created": comp.created,
+                "model": comp.model}
         chunks = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
         if c.message.content:
             chunks.append({"index": 0, "delta": {"content": c.message.content}, "finish_reason": None})

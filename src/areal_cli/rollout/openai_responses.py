@@ -111,8 +111,8 @@ class Responses:
         comp = await self._c._complete(
             msgs, tools_l, choice, parse, max_output_tokens if _given(max_output_tokens) else None,
             temperature if _given(temperature) else None, top_p if _given(top_p) else None, [], None,
-            dict(extra_body) if _given(extra_body) else {}, parallel_tool_calls is not False, store is not False,
-            interaction_id=rid)
+            dict(extra_body) if _given(extra_body) else {}, parallel_tool_calls is not False,
+            store is not False, interaction_id=rid)
         m = comp.choices[0].message
         output: list[dict] = []
         if m.content:
@@ -124,18 +124,20 @@ class Responses:
                            "name": call.function.name, "arguments": call.function.arguments,
                            "status": "completed"})
         u = comp.usage
+        cut = comp.choices[0].finish_reason == "length"
+        funcs = [t["function"] for t in (tools_l or [])]
         resp = Response.model_validate({
             "id": rid, "object": "response", "created_at": time.time(), "model": self._c.model_name,
             "output": output, "parallel_tool_calls": parallel_tool_calls is not False,
             "tool_choice": choice or "auto",
-            "tools": [{"type": "function", "name": t["function"]["name"],
-                       "parameters": t["function"].get("parameters") or {}, "strict": False,
-                       **({"description": t["function"]["description"]} if "description" in t["function"] else {})}
-                      for t in (tools_l or [])],
-            "status": "incomplete" if comp.choices[0].finish_reason == "length" else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if comp.choices[0].finish_reason == "length" else None,
+            "tools": [{"type": "function", "name": f["name"], "parameters": f.get("parameters") or {},
+                       "strict": False, **({"description": f["description"]} if "description" in f else {})}
+                      for f in funcs],
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-                      "total_tokens": u.total_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "total_tokens": u.total_tokens,
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}}})
         if store is not False:
             self._c.cache[rid].response = resp

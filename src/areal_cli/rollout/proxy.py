@@ -9,10 +9,10 @@ and uses any OpenAI client unchanged.
 |---|---|---|
 | ``POST /rl/grant_capacity`` ``{n=1}`` | admin | allow ``n`` more sessions (the staleness gate) |
 | ``POST /rl/start_session`` ``{task_id?}`` | admin | 429 without capacity; else ``{session_id, api_key}`` |
-| ``POST /v1/chat/completions``, ``GET /v1/models`` | session | the in-process client's semantics (SSE when ``stream``) |
-| ``POST /rl/set_reward`` ``{interaction_id?, reward}`` | session | no id: the last call; 400 empty/unknown; 410 ended |
+| ``POST /v1/chat/completions``, ``GET /v1/models`` | session | the in-process client's (SSE: ``stream``) |
+| ``POST /rl/set_reward`` ``{interaction_id?, reward}`` | session | no id: the last call; 400 empty/unknown |
 | ``POST /rl/end_session`` | session | no more calls; 410 if already ended |
-| ``POST /rl/export`` ``{session_id, style, turn_discount?}`` | admin | 409 before end_session; rows once, then 404 |
+| ``POST /rl/export`` ``{session_id, style, turn_discount?}`` | admin | 409 before end; rows once, then 404 |
 
 A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
 endpoint, is 403. A key only ever reaches its own session (the key *is* the session's identity).
@@ -28,6 +28,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import Request  # a module global: FastAPI resolves the handlers' string annotations here
@@ -129,6 +130,15 @@ class AgentProxy:
         async def bad_value(_r: Request, e: ValueError):
             return err(400, str(e))
 
+        h = SimpleNamespace(err=err, admin=admin, session=session, body=body, JSONResponse=JSONResponse,
+                            StreamingResponse=StreamingResponse, BadRequest=BadRequest)
+        self._admin_routes(app, h)
+        self._session_routes(app, h)
+        return app
+
+    def _admin_routes(self, app: Any, h: SimpleNamespace) -> None:
+        err, admin, body, BadRequest = h.err, h.admin, h.body, h.BadRequest
+
         @app.post("/rl/grant_capacity")
         async def grant(request: Request):
             if (r := admin(request)) is not None:
@@ -145,14 +155,37 @@ class AgentProxy:
                 return r
             b = await body(request)
             if self.capacity <= 0:
-                return err(429, "no capacity: the trainer has not granted another episode yet (staleness gate)")
+                return err(429, "no capacity: the trainer has not granted another episode yet "
+                                "(staleness gate)")
             self.capacity -= 1
             self._count += 1
             sid = f"{b.get('task_id', 'session')}-{self._count}"
             key = secrets.token_urlsafe(32)
-            self._sessions[sid] = _Session(sid, key, ArealOpenAI(self.engine, self.tokenizer, **self.client_kwargs))
+            client = ArealOpenAI(self.engine, self.tokenizer, **self.client_kwargs)
+            self._sessions[sid] = _Session(sid, key, client)
             self._by_key[key] = sid
             return {"session_id": sid, "api_key": key}
+
+        @app.post("/rl/export")
+        async def export(request: Request):
+            if (r := admin(request)) is not None:
+                return r
+            b = await body(request)
+            s = self._sessions.get(b.get("session_id", ""))
+            if s is None:
+                return err(404, f"no session {b.get('session_id')!r} (never started, already exported, "
+                                "or collected)")
+            if not s.ended:
+                return err(409, f"session {s.id} has not ended; the agent calls /rl/end_session first")
+            if b.get("turn_discount") is not None:
+                s.client.apply_reward_discount(float(b["turn_discount"]))
+            rows = s.client.export_interactions(b.get("style", "per_call"))
+            self._drop(s)
+            return {"session_id": s.id, "rows": rows}
+
+    def _session_routes(self, app: Any, h: SimpleNamespace) -> None:
+        err, session, body, JSONResponse, StreamingResponse = (h.err, h.session, h.body, h.JSONResponse,
+                                                               h.StreamingResponse)
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -212,23 +245,6 @@ class AgentProxy:
             s.ended = True
             return {"session_id": s.id, "interaction_count": len(s.client.cache)}
 
-        @app.post("/rl/export")
-        async def export(request: Request):
-            if (r := admin(request)) is not None:
-                return r
-            b = await body(request)
-            s = self._sessions.get(b.get("session_id", ""))
-            if s is None:
-                return err(404, f"no session {b.get('session_id')!r} (never started, already exported, or collected)")
-            if not s.ended:
-                return err(409, f"session {s.id} has not ended; the agent calls /rl/end_session first")
-            if b.get("turn_discount") is not None:
-                s.client.apply_reward_discount(float(b["turn_discount"]))
-            rows = s.client.export_interactions(b.get("style", "per_call"))
-            self._drop(s)
-            return {"session_id": s.id, "rows": rows}
-
-        return app
 
 
 @dataclass
@@ -249,7 +265,8 @@ class ProxyServer:
         self.thread.join(timeout=10)
 
 
-def serve_proxy(proxy: AgentProxy, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> ProxyServer:
+def serve_proxy(proxy: AgentProxy, host: str = "127.0.0.1", port: int = 0,
+                timeout_s: float = 30.0) -> ProxyServer:
     import uvicorn
 
     from areal_cli.utils.network import find_free_port

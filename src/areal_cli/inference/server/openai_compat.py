@@ -32,9 +32,6 @@ from areal_cli.inference.server.schema import BadRequest, openai_sampling
 
 PAUSE_ABORT = "generation paused for a weight update"  # engine.py's pause message
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Accepted and without effect on sampling (bookkeeping fields SDKs send).
-_HARMLESS = {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls",
-             "prompt_cache_key", "safety_identifier"}
 
 
 class HTTPError(Exception):
@@ -119,11 +116,13 @@ def normalise_messages(msgs: Any) -> list[dict]:
             msg["content"] = None if m.get("content") is None else _text_content(m["content"], where)
         else:
             if m.get("content") is None:
-                raise BadRequest(f"{where}: content is required (null only on an assistant turn with tool_calls)")
+                raise BadRequest(f"{where}: content is required (null only on an assistant turn with "
+                                 "tool_calls)")
             msg["content"] = _text_content(m["content"], where)
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise BadRequest(f"{where}: a tool message needs tool_call_id (the id of the call it answers)")
+                raise BadRequest(f"{where}: a tool message needs tool_call_id (the id of the call it "
+                                 "answers)")
             msg["tool_call_id"] = m["tool_call_id"]
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
@@ -143,7 +142,8 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, Any, bool]:
         tools = tools or None
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        raise BadRequest(f"tool_choice={choice!r} is not supported: the hf server has no constrained decoding "
+        raise BadRequest(f"tool_choice={choice!r} is not supported: the hf server has no constrained "
+                         "decoding "
                          "to force a call; use 'auto' or 'none'")
     return tools, choice, tools is not None and choice != "none"
 
@@ -162,7 +162,8 @@ def refuse_unsupported(body: dict) -> None:
         raise BadRequest("logit_bias is not supported by the hf server")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise BadRequest("response_format other than {'type': 'text'} is not supported (no constrained decoding)")
+        raise BadRequest("response_format other than {'type': 'text'} is not supported "
+                         "(no constrained decoding)")
     if body.get("top_logprobs"):
         raise BadRequest("top_logprobs is not supported by the hf server")
     for k in ("audio", "prediction", "web_search_options"):
@@ -178,8 +179,8 @@ def render_prompt(state: Any, msgs: list[dict], tools: list[dict] | None, tool_c
     if tools is not None:
         kw = {**kw, "tool_choice": tool_choice}
     try:
-        enc = state.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                  **kw)
+        enc = state.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
+                                                  tokenize=True, **kw)
     except Exception as e:  # jinja errors from a template that cannot render these messages
         raise BadRequest(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
     ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
@@ -191,7 +192,8 @@ def render_prompt(state: Any, msgs: list[dict], tools: list[dict] | None, tool_c
     return ids
 
 
-async def generate_resumable(run: Callable[..., Awaitable[Any]], ids: list[int], sp: Any, request: Any) -> Any:
+async def generate_resumable(run: Callable[..., Awaitable[Any]], ids: list[int], sp: Any,
+                             request: Any) -> Any:
     """Generate; a weight-update pause aborts the request, which is resubmitted as prompt + tokens so
     far with the remaining budget (held by the engine until generation continues). Returns one
     Sequence whose ``out_versions`` span the versions that produced its tokens."""
@@ -251,8 +253,9 @@ def _choice(state: Any, h: Any, i: int, s: Any, parse: bool, parser: str, want_l
                 finish = "tool_calls"
     c: dict[str, Any] = {"index": i, "message": msg, "finish_reason": finish, "logprobs": None}
     if want_lp:
-        c["logprobs"] = {"content": [{"token": h.tok_str(t), "logprob": v, "bytes": list(h.tok_str(t).encode()),
-                                      "top_logprobs": []} for t, v in zip(s.out_ids, s.out_logprobs)]}
+        c["logprobs"] = {"content": [{"token": h.tok_str(t), "logprob": v,
+                                      "bytes": list(h.tok_str(t).encode()), "top_logprobs": []}
+                                     for t, v in zip(s.out_ids, s.out_logprobs)]}
     if want_ids:
         c.update(token_ids=list(s.out_ids), token_logprobs=list(s.out_logprobs),
                  token_versions=list(s.out_versions))
@@ -273,7 +276,8 @@ async def chat_completion(state: Any, h: Any, body: dict, request: Any) -> dict 
     refuse_unsupported(body)
     stream = body.get("stream", False)
     want_ids = body.get("return_token_ids", False)
-    for k, v in (("stream", stream), ("return_token_ids", want_ids), ("logprobs", body.get("logprobs", False)),
+    for k, v in (("stream", stream), ("return_token_ids", want_ids),
+                 ("logprobs", body.get("logprobs", False)),
                  ("parallel_tool_calls", body.get("parallel_tool_calls", True))):
         if not isinstance(v, bool):
             raise BadRequest(f"{k} must be a boolean, got {v!r}")
@@ -323,7 +327,8 @@ async def sse_chunks(resp: dict, include_usage: bool) -> AsyncIterator[bytes]:
         for key in ("token_ids", "token_logprobs", "token_versions"):
             if key in c:
                 last[key] = c[key]
-        yield ev([last], **({"prompt_token_ids": resp["prompt_token_ids"]} if "prompt_token_ids" in resp else {}))
+        extra = {"prompt_token_ids": resp["prompt_token_ids"]} if "prompt_token_ids" in resp else {}
+        yield ev([last], **extra)
     if include_usage:
         yield ev([], usage=resp["usage"])
     yield b"data: [DONE]\n\n"

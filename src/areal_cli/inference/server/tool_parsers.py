@@ -3,8 +3,8 @@
 Two families, selected by name (``PARSERS``) or from the model's ``config.json`` ``model_type``
 (:func:`parser_for_model_type`):
 
-- ``hermes`` (aliases ``qwen``, ``qwen25``, ``qwen3``): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks, any number, anywhere in the text (Hermes-2-Pro, Qwen2.5, Qwen3). The text outside the
+- ``hermes`` (aliases ``qwen``, ``qwen25``, ``qwen3``):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, any number, anywhere in the text (Hermes-2-Pro, Qwen2.5, Qwen3). The text outside the
   blocks is the message content.
 - ``llama3_json`` (alias ``llama3``): the whole completion is one or more JSON objects
   ``{"name": ..., "parameters": {...}}`` separated by ``;``, optionally after ``<|python_tag|>``

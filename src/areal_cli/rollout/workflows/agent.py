@@ -34,7 +34,8 @@ from areal_cli.errors import ConfigError
 from areal_cli.rollout.interaction_cache import rows_to_tensors
 from areal_cli.rollout.openai_client import ArealOpenAI
 from areal_cli.rewards.outcome import correctness
-from areal_cli.rollout.workflows.common import check_group_and_reward, load_tokenizer, next_group_id, pad_token_id
+from areal_cli.rollout.workflows.common import (check_group_and_reward, load_tokenizer, next_group_id,
+                                               pad_token_id)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class AgentWorkflow(RolloutWorkflow):
             raise ConfigError("workflow.kwargs.on_error", f"must be 'drop' or 'raise', got {on_error!r}",
                               "set workflow.kwargs.on_error=drop")
         if export_style not in ("per_leaf", "per_call"):
-            raise ConfigError("workflow.kwargs.export_style", f"must be per_leaf or per_call, got {export_style!r}",
+            raise ConfigError("workflow.kwargs.export_style",
+                              f"must be per_leaf or per_call, got {export_style!r}",
                               "set workflow.kwargs.export_style=per_leaf")
         self.agent = agent
         self.tokenizer = load_tokenizer(tokenizer)
@@ -82,8 +84,8 @@ class AgentWorkflow(RolloutWorkflow):
         elif reward is None:
             reward = sum(it.reward or 0.0 for it in client.cache)
         ok = correctness(reward)
-        return {"success": float(reward) >= self.success_threshold if ok is None else ok, "reward": float(reward),
-                "tool_calls": _tool_calls(client)}
+        success = float(reward) >= self.success_threshold if ok is None else ok
+        return {"success": success, "reward": float(reward), "tool_calls": _tool_calls(client)}
 
     async def episode_rows(self, engine: Any, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Run one episode; its exported rows (``interaction_cache`` format)."""

@@ -29,7 +29,8 @@ import httpx
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
 from areal_cli.rollout.interaction_cache import rows_to_tensors
-from areal_cli.rollout.workflows.common import check_group_and_reward, load_tokenizer, next_group_id, pad_token_id
+from areal_cli.rollout.workflows.common import (check_group_and_reward, load_tokenizer, next_group_id,
+                                               pad_token_id)
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ class ProxyAgentWorkflow(RolloutWorkflow):
         self.on_error = on_error
         self.timeout_s = float(timeout_s)
         self.session_timeout_s = session_timeout_s
-        self.client_kwargs = {k: v for k, v in client_kwargs.items()
-                              if k in ("tool_call_parser", "prompt_mode", "default_max_tokens", "max_total_tokens")}
+        known = ("tool_call_parser", "prompt_mode", "default_max_tokens", "max_total_tokens")
+        self.client_kwargs = {k: v for k, v in client_kwargs.items() if k in known}
         self.pad_id = pad_token_id(self.tokenizer)
         self.server: Any = None
         self.failed = 0
@@ -65,8 +66,8 @@ class ProxyAgentWorkflow(RolloutWorkflow):
 
             # One proxy for every episode: the run's client, not an episode's seeded wrapper.
             base = getattr(engine, "_inner", engine)
-            self.server = serve_proxy(AgentProxy(base, self.tokenizer, session_timeout_s=self.session_timeout_s,
-                                                 **self.client_kwargs))
+            self.server = serve_proxy(AgentProxy(base, self.tokenizer,
+                                                 session_timeout_s=self.session_timeout_s, **self.client_kwargs))
         return self.server
 
     async def _episode(self, http: httpx.AsyncClient, root: str, admin: dict, data: dict) -> list[dict]:
@@ -100,14 +101,15 @@ class ProxyAgentWorkflow(RolloutWorkflow):
         root = f"http://{server.address}"
         admin = {"Authorization": f"Bearer {server.proxy.admin_key}"}
         async with httpx.AsyncClient(timeout=self.timeout_s + 60) as http:
-            res = await asyncio.gather(*[self._episode(http, root, admin, data) for _ in range(self.group_size)],
-                                       return_exceptions=True)
+            res = await asyncio.gather(*[self._episode(http, root, admin, data)
+                                         for _ in range(self.group_size)], return_exceptions=True)
         errors = [r for r in res if isinstance(r, BaseException)]
         if errors:
             self.failed += len(errors)
             if self.on_error == "raise":
                 raise errors[0]
-            log.warning("%d of %d proxy agent episodes failed (%s); dropped", len(errors), len(res), errors[0])
+            log.warning("%d of %d proxy agent episodes failed (%s); dropped", len(errors), len(res),
+                        errors[0])
         rows = [row for r in res if not isinstance(r, BaseException) for row in r]
         if not rows:
             return None

@@ -86,10 +86,12 @@ class CalculatorAgent:
         full = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]},
                        {"role": "tool", "tool_call_id": "call_0", "content": result},
                        {"role": "assistant", "content": f"The answer is {result}."}]
-        prompt = tokenizer.apply_chat_template(msgs, tools=[CALCULATOR], tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(msgs, tools=[CALCULATOR], tokenize=False,
+                                               add_generation_prompt=True)
         text = tokenizer.apply_chat_template(full, tools=[CALCULATOR], tokenize=False)
         eos = tokenizer.eos_token or ""
         target = text[len(prompt):].rstrip()
         if eos and target.endswith(eos):  # make_sft_batch appends the end-of-turn token itself
             target = target[:-len(eos)]
-        return {**item, "prompt_ids": list(tokenizer.encode(prompt, add_special_tokens=False)), "target": target}
+        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        return {**item, "prompt_ids": ids, "target": target}
