@@ -12,7 +12,8 @@ ADD_TOOL = {"type": "function", "function": {
 # is trained on all three so that every framework's request looks familiar to it.
 AGENTS_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
-    "parameters": {"properties": {"a": {"title": "A", "type": "integer"}, "b": {"title": "B", "type": "integer"}},
+    "parameters": {"properties": {"a": {"title": "A", "type": "integer"},
+                                  "b": {"title": "B", "type": "integer"}},
                    "required": ["a", "b"], "title": "add_tool_args", "type": "object",
                    "additionalProperties": False}, "strict": True}}
 LANGCHAIN_TOOL = {"type": "function", "function": {
@@ -28,7 +29,8 @@ def question(a: int, b: int) -> list[dict]:
 
 
 def transcript(a: int, b: int) -> list[dict]:
-    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
     return question(a, b) + [{"role": "assistant", "content": None, "tool_calls": [call]},
                              {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)},
                              {"role": "assistant", "content": f"The answer is {a + b}."}]

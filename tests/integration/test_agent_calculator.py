@@ -31,7 +31,8 @@ def test_agent_calculator_learns(tmp_path):
     t0 = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", f"cluster.fileroot={tmp_path}",
-                          "experiment=agent_calculator"], capture_output=True, text=True, env=env, timeout=3500)
+                          "experiment=agent_calculator"], capture_output=True, text=True, env=env,
+                         timeout=3500)
     wall = time.time() - t0
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     (summary_path,) = (tmp_path / "runs").glob("*/*/summary.json")

@@ -103,14 +103,16 @@ def test_rl_safe_routes(tool_server, tok):
     follow = msgs + [ch.message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": str(add(**args))}]
     assert follow[2].get("content") is None
-    r2 = c.chat.completions.create(model=name, messages=follow, tools=[ADD_TOOL], max_tokens=30, temperature=0,
+    r2 = c.chat.completions.create(model=name, messages=follow, tools=[ADD_TOOL], max_tokens=30,
+                                   temperature=0,
                                    extra_body={"return_token_ids": True})
     assert r2.model_extra["prompt_token_ids"] == list(tok.apply_chat_template(
         follow, tools=[ADD_TOOL], add_generation_prompt=True, tokenize=True)["input_ids"])
     assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.content.startswith("The answer is")
     # a template without tool support is refused instead of dropping the tools silently
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
-        c.chat.completions.create(model=name, messages=msgs + [{"role": "tool", "content": "5"}], max_tokens=2)
+        c.chat.completions.create(model=name, messages=msgs + [{"role": "tool", "content": "5"}],
+                                  max_tokens=2)
 
 
 def test_streaming_tool_calls(tool_server):
@@ -147,7 +149,8 @@ def _versions_switch_once(vers, old, new):
 def test_weight_update_mid_call_server_route(random_server):
     async def go():
         c = openai.AsyncOpenAI(base_url=f"http://{random_server.address}/v1", api_key="x", max_retries=0)
-        call = c.chat.completions.create(messages=[{"role": "user", "content": "Go"}], model=(await c.models.list()).data[0].id,
+        name = (await c.models.list()).data[0].id
+        call = c.chat.completions.create(messages=[{"role": "user", "content": "Go"}], model=name,
                                          max_tokens=300, temperature=1.0, seed=1,
                                          extra_body={"return_token_ids": True})
         r, _ = await asyncio.gather(call, _pause_bump_continue(random_server.address, 5))
@@ -206,7 +209,8 @@ def test_sdk_tool_episode_in_process(tool_server, tok):
     assert isinstance(r, ChatCompletion) and isinstance(r2, ChatCompletion)
     first, second = list(client.cache)
     assert (second.parent_id, second.token_parent_id) == (first.id, first.id)
-    assert second.input_ids[:len(first.input_ids) + len(first.output_ids)] == first.input_ids + first.output_ids
+    real = first.input_ids + first.output_ids
+    assert second.input_ids[:len(real)] == real
     for it in (first, second):  # the tokens are what the server generates for exactly these ids
         assert it.output_ids == _generate(tool_server, it.input_ids, len(it.output_ids))
     client.set_last_reward(1.0)
@@ -227,7 +231,8 @@ def test_retokenization_drift_is_handled(random_server, tok):
 
     async def go(client):
         msgs = [{"role": "user", "content": "Tell me"}]
-        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=80, temperature=1.0, seed=5)
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=80, temperature=1.0,
+                                                 seed=5)
         msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More"}]
         await client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=1.0, seed=6)
         return msgs
@@ -359,10 +364,11 @@ def test_real_openai_client_through_proxy(proxy, tool_server):
         r = await c.chat.completions.create(model="policy", messages=msgs, tools=[ADD_TOOL], max_tokens=80,
                                             temperature=0)
         call = r.choices[0].message.tool_calls[0]
+        result = str(add(**json.loads(call.function.arguments)))
         msgs += [r.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": str(add(**json.loads(call.function.arguments)))}]
-        stream = await c.chat.completions.create(model="policy", messages=msgs, tools=[ADD_TOOL], max_tokens=30,
-                                                 temperature=0, stream=True)
+                 {"role": "tool", "tool_call_id": call.id, "content": result}]
+        stream = await c.chat.completions.create(model="policy", messages=msgs, tools=[ADD_TOOL],
+                                                 max_tokens=30, temperature=0, stream=True)
         text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
         return text
 
@@ -492,8 +498,9 @@ def test_responses_api_in_process(tool_server, tok):
     assert (first.id, second.id) == (r.id, r2.id) and second.token_parent_id == first.id
     assert first.output_ids == _generate(tool_server, first.input_ids, len(first.output_ids))
     # the first prompt is the chat template of the same conversation in chat form
-    assert first.input_ids == list(tok.apply_chat_template(question(3, 4), tools=[ADD_TOOL],
-                                                           add_generation_prompt=True, tokenize=True)["input_ids"])
+    want = tok.apply_chat_template(question(3, 4), tools=[ADD_TOOL], add_generation_prompt=True,
+                                   tokenize=True)
+    assert first.input_ids == list(want["input_ids"])
 
 
 def test_proxy_workflow_runs_an_external_agent(tool_server, tok, monkeypatch):
@@ -514,7 +521,8 @@ def test_proxy_workflow_runs_an_external_agent(tool_server, tok, monkeypatch):
         assert (d["loss_mask"].float().diff(dim=1).abs().sum(1) >= 3).all()  # two trained turns per row
         bad = ProxyAgentWorkflow([sys.executable, "-c", "import sys; sys.exit(3)"], tok, group_size=1)
         try:
-            assert asyncio.run(bad.arun_episode(_engine(tool_server), {"id": "q2"})) is None and bad.failed == 1
+            assert asyncio.run(bad.arun_episode(_engine(tool_server), {"id": "q2"})) is None
+            assert bad.failed == 1
         finally:
             bad.close()
     finally:

@@ -88,7 +88,8 @@ def test_export_per_call_and_per_leaf_masks():
     assert d["loss_mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
     assert d["versions"][0].tolist() == [-1, -1, 3, 3, -1, -1, 3, 3, -1, -1, 3, 3]
     assert d["rewards"].tolist() == [2.0]
-    assert d["token_rewards"][0].tolist() == [0, 0, 0, 0.5, 0, 0, 0, 0, 0, 0, 0, 0]  # c0's reward on its last token
+    # c0's reward on its last generated token
+    assert d["token_rewards"][0].tolist() == [0, 0, 0, 0.5, 0, 0, 0, 0, 0, 0, 0, 0]
     assert d["group_id"].tolist() == [4]
     rows = rows_to_tensors(per_call, pad_id=0, group_id=4).data
     assert rows["loss_mask"].sum(1).tolist() == [2, 2, 2]

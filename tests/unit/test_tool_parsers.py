@@ -7,21 +7,26 @@ import pytest
 from areal_cli.inference.server.tool_parsers import parse_tool_calls, parser_for_model_type
 
 QWEN_ONE = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-QWEN_TWO = ('Let me compute both.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+QWEN_TWO = ('Let me compute both.\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
             '<tool_call>\n{"name": "mul", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
 LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
-LLAMA_TAG = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 5, "b": 6}}'
+LLAMA_TAG = ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+             '{"name": "add", "parameters": {"a": 5, "b": 6}}')
 
 # (parser, text, expected [(name, args)], expected content, parse error expected)
 TABLE = [
     ("hermes", QWEN_ONE, [("add", {"a": 2, "b": 3})], None, False),
-    ("qwen25", QWEN_TWO, [("add", {"a": 1, "b": 2}), ("mul", {"a": 3, "b": 4})], "Let me compute both.", False),
+    ("qwen25", QWEN_TWO, [("add", {"a": 1, "b": 2}), ("mul", {"a": 3, "b": 4})], "Let me compute both.",
+     False),
     ("hermes", "The answer is 5.", [], "The answer is 5.", False),
-    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2,}}\n</tool_call>', [], None, True),  # bad JSON
-    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2}}', [], None, True),  # cut off, unterminated
+    # bad JSON
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2,}}\n</tool_call>', [], None, True),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2}}', [], None, True),  # cut off
     ("hermes", '<tool_call>\n{"arguments": {"a": 2}}\n</tool_call>', [], None, True),  # no name
     ("hermes", '<tool_call>\n["add", 1]\n</tool_call>', [], None, True),  # not an object
-    ("hermes", '<think>maybe <tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call></think>The answer is 5.',
+    ("hermes", '<think>maybe <tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call></think>'
+               'The answer is 5.',
      [], None, False),  # a call only thought about
     ("hermes", '<think>I should add.</think>\n' + QWEN_ONE, [("add", {"a": 2, "b": 3})],
      "<think>I should add.</think>", False),
@@ -78,7 +83,8 @@ def test_calculator_tool_and_sft_transcript(tiny_model_dir):
             "answer": "17+25=42\n#### 42", "ground_truth": "42"}
     ex = CalculatorAgent.sft_example(item, tok)
     text = tok.decode(ex["prompt_ids"]) + ex["target"] + tok.eos_token
-    call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "17+25"}}}
+    call = {"id": "c", "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": "17+25"}}}
     want = tok.apply_chat_template([{"role": "user", "content": item["question"]},
                                     {"role": "assistant", "content": None, "tool_calls": [call]},
                                     {"role": "tool", "tool_call_id": "c", "content": "42"},
