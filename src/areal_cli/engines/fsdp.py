@@ -458,7 +458,10 @@ class FSDPEngine(TrainEngine):
         ``keep(name)``: only those names (the LoRA adapter alone, without gathering the base)."""
         seen: set[int] = set()
         src = dist.get_rank() == 0
-        for name, p in self.model.state_dict().items():
+        # The adapter is parameters only: walking them skips building the whole model's state dict
+        # (~1200 module visits on the 59M benchmark model, a quarter of an adapter push).
+        items = self.model.named_parameters() if keep is not None else self.model.state_dict().items()
+        for name, p in items:
             if id(p) in seen:
                 continue
             seen.add(id(p))
