@@ -90,8 +90,18 @@ class DeepSpeedEngine(FSDPEngine):
         self._bf16 = dtype == torch.bfloat16 or (self.cfg.mixed_precision and dtype == torch.float32)
         self._fp32_master = self._bf16 and dtype == torch.float32
         self._build_optimizer(model.parameters())
+        # bf16 mode casts the module to bf16 before it builds the fp32 master partitions from it: keep the
+        # fp32 weights (on the host) to put them back, as fsdp's mixed precision keeps them.
+        fp32 = ({n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+                if self._fp32_master and self.optimizer is not None else None)
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer,
                                                 config=self._ds_config(), dist_init_required=False)
+        if fp32 is not None:
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            for name, p in self.ds.module.named_parameters():
+                safe_set_full_fp32_param(p, fp32[name].to(self.device))
+            del fp32
         self.model = self.ds
         if self.optimizer is None:
             self.model.eval()
@@ -148,6 +158,7 @@ class DeepSpeedEngine(FSDPEngine):
         }
         if self._bf16:
             cfg["communication_data_type"] = "fp32"  # as fsdp's reduce_dtype: sum gradients in fp32
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
         return cfg
 
     @property
