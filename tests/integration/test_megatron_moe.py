@@ -44,7 +44,9 @@ def moe_model(tmp_path_factory, tiny_model_dir):
 def runs(moe_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron_moe_runs")
     w1 = [{"name": "ref", "engine": {"max_tokens_per_mb": 10_000}, "fwd": True, **STEPS}]
-    w2 = [_mg("d2e2", {"dp": 2, "ep": 2}),
+    aux = _mg("d2e2_aux", {"dp": 2, "ep": 2})
+    aux["engine"]["megatron"] = {"moe_aux_loss_coeff": 0.1}
+    w2 = [_mg("d2e2", {"dp": 2, "ep": 2}), aux,
           {"name": "rt_d2e2", "cls": "megatron", "parallel": {"dp": 2, "ep": 2}, "steps": 0}]
     w4 = [_mg("d2t2e2", {"dp": 2, "tp": 2, "ep": 2}), _mg("hybrid", {"dp": 2, "tp": 2, "ep": 2, "etp": 1}),
           _mg("p2e2", {"dp": 2, "pp": 2, "ep": 2}, mb=1),
@@ -89,6 +91,18 @@ def test_expert_parallel_layout_matches_the_one_process_reference(runs, name):
     _close(ref["weights"], got["weights"])
     _close(ref["logprobs"], got["logprobs"])
     assert {k for k in got["weights"] if "experts.3.down_proj" in k}  # every expert, gathered over e
+
+
+def test_load_balancing_loss_is_logged_and_trains(runs):
+    """engine.megatron.moe_aux_loss_coeff > 0: the router's load-balancing loss is in the step's stats, and its
+    gradient moves the weights away from the coefficient-0 run (the router and the layers under it)."""
+    aux, plain = runs["d2e2_aux"], runs["d2e2"]
+    values = [s["moe_aux_loss"] for s in aux["stats"]]
+    # Switch-style loss: 1 when the top-2 of 4 experts are used evenly, and above when they are not
+    assert all(0.5 < v < 4.0 for v in values), values
+    assert "moe_aux_loss" not in plain["stats"][0]
+    moved = [k for k in plain["weights"] if not torch.equal(plain["weights"][k], aux["weights"][k])]
+    assert any("mlp.gate.weight" in k for k in moved), moved
 
 
 @pytest.mark.parametrize("name", ["rt_d2e2", "rt_d2t2e2"])

@@ -422,10 +422,32 @@ class MegatronEngine(FSDPEngine):
         if self.optimizer is None:
             raise RuntimeError("train_batch on an inference-only engine (constructed with optim_cfg=None)")
         loss_sum, stat_sums, denom, n_mb = self._accumulate_grads(batch, loss_fn, loss_weight_fn, temperature)
+        aux = self._moe_aux_loss(n_mb)
         lr = self._set_lr(self.step)
         grad_norm = self._optimizer_step()
         self.step += 1
-        return self._reduce_stats(loss_sum, stat_sums, denom, grad_norm, lr, n_mb)
+        stats = self._reduce_stats(loss_sum, stat_sums, denom, grad_norm, lr, n_mb)
+        if aux is not None:
+            stats["moe_aux_loss"] = aux
+        return stats
+
+    def _moe_aux_loss(self, n_mb: int) -> float | None:
+        """The router's load-balancing loss of this step (before its coefficient), averaged over the MoE
+        layers, the micro-batches and the data-parallel ranks; mcore adds ``coeff ×`` it to the gradients."""
+        if not self.mc_arch.num_experts or self.cfg.megatron.moe_aux_loss_coeff <= 0:
+            return None
+        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                             get_moe_layer_wise_logging_tracker)
+
+        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        per_layer = torch.zeros(self.mc_arch.num_layers, dtype=torch.float64)
+        if entry is not None:
+            per_layer += entry["values"].detach().cpu().double()
+        clear_aux_losses_tracker()
+        if self.parallel.pp > 1:  # each stage holds its own layers' entries
+            dist.all_reduce(per_layer, group=self._pp_group)
+        return float(self._all_reduce(per_layer.sum().reshape(1)).item()) / (
+            self.mc_arch.num_layers * max(1, n_mb) * self.parallel.dp)
 
     def _set_lr(self, step: int) -> float:
         from areal_cli.utils.optim import lr_factor
