@@ -139,10 +139,6 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         from areal_cli.config.engine import DeepSpeedConfig
 
         ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
-    if "deepspeed" in ekw:
-        from areal_cli.config.engine import DeepSpeedConfig
-
-        ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
     if "megatron" in ekw:
         ekw["megatron"] = MegatronConfig(**ekw["megatron"])
     ecfg = EngineConfig(**ekw)
