@@ -83,9 +83,11 @@ def test_archon_sync_into_hf_server(parallel, tiny_model_dir, tiny_model_dir_b, 
     _check_pushes(json.loads((tmp_path / "sync.json").read_text()), tmp_path, ps)
 
 
-def test_megatron_t2p2_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
+@pytest.mark.parametrize("layout", ["t2p2", "moe_d2e2"])
+def test_megatron_sync_into_hf_server(layout, tiny_model_dir, tiny_model_dir_b, tmp_path):
     """megatron t2p2: each tensor TP-gathered inside its stage and sent from the stage that owns it reaches
-    the server in both modes; its greedy output afterwards equals the trained model's."""
+    the server in both modes; its greedy output afterwards equals the trained model's. moe_d2e2: a tiny
+    Qwen3-MoE whose experts are cut over two ranks, streamed in the checkpoint's per-expert names."""
     from transformers import AutoTokenizer
 
     from areal_cli.engines.megatron import compat
@@ -95,13 +97,21 @@ def test_megatron_t2p2_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp
 
     if compat.installed_version() != compat.SUPPORTED_VERSION:
         pytest.skip(f"megatron-core {compat.SUPPORTED_VERSION} is not installed (scripts/install_test_deps.sh)")
-    ps = prompts(AutoTokenizer.from_pretrained(tiny_model_dir), 3)
-    server = launch_server("hf", tiny_model_dir_b, log_dir=str(tmp_path), timeout_s=180)
+    model, served, parallel = tiny_model_dir, tiny_model_dir_b, {"tp": 2, "pp": 2}
+    if layout == "moe_d2e2":
+        from areal_cli.models.tiny import make_tiny_model
+
+        model = make_tiny_model(tmp_path / "moe", tokenizer_dir=tiny_model_dir, seed=0, family="qwen3_moe")
+        served = make_tiny_model(tmp_path / "moe_b", tokenizer_dir=tiny_model_dir, seed=1, family="qwen3_moe")
+        parallel = {"dp": 2, "ep": 2}
+    ps = prompts(AutoTokenizer.from_pretrained(model), 3)
+    server = launch_server("hf", served, log_dir=str(tmp_path), timeout_s=180)
     try:
-        spec = {"model_dir": tiny_model_dir, "out": str(tmp_path), "address": server.address, "kill": False,
+        spec = {"model_dir": model, "out": str(tmp_path), "address": server.address, "kill": False,
                 "server_pid": server.proc.pid, "group_port": find_free_port(), "prompts": ps,
-                "engine": "megatron", "parallel": {"tp": 2, "pp": 2}}
-        launch(spec, 4, timeout=600, script=str(Path(__file__).parent / "sync_worker.py"))
+                "engine": "megatron", "parallel": parallel}
+        launch(spec, 2 if layout == "moe_d2e2" else 4, timeout=600,
+               script=str(Path(__file__).parent / "sync_worker.py"))
     finally:
         server.stop()
     _check_pushes(json.loads((tmp_path / "sync.json").read_text()), tmp_path, ps)

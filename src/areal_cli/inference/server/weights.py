@@ -57,8 +57,28 @@ def model_params(model) -> dict[str, torch.Tensor]:
     live = _PARAMS.get(model)
     if live is None:
         live = dict(model.state_dict(keep_vars=True))
+        live.update(_per_expert_views(live))
         _PARAMS[model] = live
     return live
+
+
+def _per_expert_views(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers keeps an MoE layer's experts fused (``experts.gate_up_proj [E, 2I, H]`` = [gate; up] per
+    expert, ``experts.down_proj [E, H, I]``); checkpoints, vLLM and SGLang name them per expert
+    (``experts.{e}.gate_proj.weight`` …). Both names are accepted: the per-expert ones are views into the fused
+    tensors, so an update copies straight into them."""
+    views: dict[str, torch.Tensor] = {}
+    for name, t in live.items():
+        if name.endswith(".experts.gate_up_proj") and t.dim() == 3:
+            base, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                views[f"{base}{e}.gate_proj.weight"] = t.detach()[e, :inter]
+                views[f"{base}{e}.up_proj.weight"] = t.detach()[e, inter:]
+        elif name.endswith(".experts.down_proj") and t.dim() == 3:
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                views[f"{base}{e}.down_proj.weight"] = t.detach()[e]
+    return views
 
 
 def validate(model, tensors: dict[str, torch.Tensor]) -> None:
