@@ -142,3 +142,31 @@ def test_fused_fast_path_form_equals_per_projection(tiny_model_dir):
     out = torch.zeros(3, got.shape[1])
     SL.add_delta(out, x, *fused[1]["qkv"], torch.tensor([2]))
     assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.allclose(out[2], got[2], atol=1e-6)
+
+
+def test_flat_pack_matches_the_receivers_layout_and_nan_is_refused(tiny_model_dir):
+    """The adapter's one-broadcast buffer holds each tensor where the server's flat_layout reads it
+    (one dtype and mixed dtypes); an adapter with a NaN is refused by the server-side check."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_cli.inference.server import lora as SL
+    from areal_cli.inference.server.weights import flat_layout
+    from areal_cli.weight_sync.lora import flat_pack
+
+    g = torch.Generator().manual_seed(0)
+    for dtypes in ([torch.float32] * 3, [torch.float32, torch.bfloat16, torch.float32]):
+        t = {f"t{i}": torch.randn(3, 5 + i, generator=g).to(d) for i, d in enumerate(dtypes)}
+        specs, buf = flat_pack(t)
+        slots, nbytes = flat_layout([s.dtype for s in specs], [s.shape for s in specs])
+        assert buf.numel() == nbytes
+        for s, (d, off, k) in zip(specs, slots):
+            assert torch.equal(buf[off:off + k * d.itemsize].view(d).view(s.shape), t[s.name])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    w = model.model.layers[0].self_attn.q_proj.weight
+    a, b = torch.randn(2, w.shape[1], generator=g), torch.randn(w.shape[0], 2, generator=g)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    cfg = {"r": 2, "lora_alpha": 4, "peft_type": "LORA"}
+    assert SL.build_adapter(model, "ok", "-", cfg, {f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b}, 8)
+    b[0, 0] = float("nan")
+    with pytest.raises(SL.AdapterRejected, match="non-finite"):
+        SL.build_adapter(model, "nan", "-", cfg, {f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b}, 8)

@@ -40,6 +40,8 @@ def flat_pack(tensors: dict[str, Any]) -> tuple[list[ParamSpec], Any]:
     names = list(tensors)
     specs = [ParamSpec(n, str(tensors[n].dtype).replace("torch.", ""), list(tensors[n].shape)) for n in names]
     slots, nbytes = flat_layout([s.dtype for s in specs], [s.shape for s in specs])
+    if len({t.dtype for t in tensors.values()}) == 1:  # one dtype: the slots are back to back, one cat
+        return specs, torch.cat([tensors[n].detach().reshape(-1) for n in names]).view(torch.uint8)
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     for n, (dtype, off, k) in zip(names, slots):
         buf[off:off + k * dtype.itemsize].view(dtype).copy_(tensors[n].detach().reshape(-1).to(dtype))
