@@ -124,8 +124,9 @@ def build_adapter(model, name: str, path: str, cfg: dict, tensors: dict[str, tor
     # costs); only when it is not finite are the modules searched for the culprit.
     if not torch.isfinite(torch.nn.utils.get_total_norm([t for ab in modules.values() for t in ab],
                                                         foreach=True)):
-        bad = next(m for m, (a, b) in modules.items() if not (torch.isfinite(a).all() and torch.isfinite(b).all()))
-        raise AdapterRejected(f"adapter module {bad!r} has non-finite values")
+        bad = [m for m, (a, b) in modules.items() if not (torch.isfinite(a).all() and torch.isfinite(b).all())]
+        raise AdapterRejected(f"adapter module {bad[0]!r} has non-finite values" if bad else
+                              "the adapter's values overflow (their norm is not finite)")
     return Adapter(name, path, r, alpha, modules)
 
 
