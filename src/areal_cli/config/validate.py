@@ -163,10 +163,10 @@ class _SpecChecker:
             if kv % (d.t * d.c) and (d.t * d.c) % kv:
                 raise self.err(f"Ulysses c={d.c} × t={d.t} and model.num_key_value_heads={kv} "
                                f"must divide one another ({who})", "lower c", d, "c", c)
-        own = get_engine_spec(backend).check_layers if c.kind == "train" else None
-        if own is not None:
-            own(self.cfg.engine, d, layers)
-        elif layers % d.p:
+        spec = get_engine_spec(backend) if c.kind == "train" else None
+        if spec is not None and spec.check_layers is not None:
+            spec.check_layers(self.cfg.engine, d, layers)
+        if not (spec is not None and spec.uneven_layers) and layers % d.p:
             raise self.err(f"p={d.p} does not divide model.num_hidden_layers={layers} ({who})",
                            self.divisors_hint("p", layers), d, "p", c)
         self.check_experts(c, d, c.ffn)

@@ -74,12 +74,12 @@ def check_deepspeed_knobs(engine_cfg: Any) -> None:
 
 
 def _megatron_layers(engine_cfg: Any, dims: Any, n_layers: int) -> None:
-    """mcore splits layers evenly over p × virtual stages."""
+    """mcore splits layers evenly over p × virtual stages (the validator checks that p divides them)."""
     v = int(engine_cfg.megatron.virtual_stages)
     if v > 1 and dims.p == 1:
         raise ConfigError("engine.megatron.virtual_stages", f"{v} virtual stages need pipeline parallelism",
                           "set p > 1 in allocation_mode, or engine.megatron.virtual_stages=1")
-    if n_layers % (dims.p * v):
+    if v > 1 and n_layers % (dims.p * v):
         raise ConfigError("allocation_mode.spec", f"p{dims.p} × {v} virtual stages does not divide "
                           f"num_hidden_layers={n_layers}", "use p × engine.megatron.virtual_stages dividing the layers")
 
@@ -106,8 +106,10 @@ class EngineSpec:
     summary: str = ""
     # dims (d, t, p, c, e attributes) -> why this combination cannot run, or None
     constraint: Callable[[Any], str | None] | None = None
-    # (engine config, dims, num_hidden_layers) -> raises ConfigError; replaces "p divides the layers"
+    # (engine config, dims, num_hidden_layers) -> raises ConfigError for the engine's own layer-split rules
     check_layers: Callable[[Any, Any, int], None] | None = None
+    # the engine splits layers over p unevenly (its check_layers decides): no "p divides the layers" rule
+    uneven_layers: bool = False
     # engine config -> raises ConfigError for knobs of its own section that contradict each other
     check_config: Callable[[Any], None] | None = None
 
@@ -128,7 +130,7 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
                    constraint=_megatron_constraint, check_layers=_megatron_layers),
         EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpc", lambda _: FULL_SHARD,
                    "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP",
-                   check_layers=_archon_layers),
+                   check_layers=_archon_layers, uneven_layers=True),
         EngineSpec("deepspeed", "areal_cli.engines.deepspeed:DeepSpeedEngine", "dc", _deepspeed_sharding,
                    "deepspeed", "DeepSpeed ZeRO-1/2/3 with Ulysses context parallel (offload on GPU nodes)",
                    check_config=check_deepspeed_knobs),
