@@ -80,7 +80,7 @@ def test_calculator_tool_and_sft_transcript(tiny_model_dir):
     assert final_number("The answer is 42.") == "42" and final_number("no idea") is None
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     item = {"question": "Ana has 17 apples and buys 25 more. How many apples does Ana have now?",
-            "answer": "17+25=42\n#### 42", "ground_truth": "42"}
+            "answer": "42", "solution": "17+25=42\n#### 42"}  # the shape of data/datasets.py items
     ex = CalculatorAgent.sft_example(item, tok)
     text = tok.decode(ex["prompt_ids"]) + ex["target"] + tok.eos_token
     call = {"id": "c", "type": "function",

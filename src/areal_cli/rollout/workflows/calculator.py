@@ -62,7 +62,8 @@ class CalculatorAgent:
                                                      max_tokens=self.max_tokens, temperature=self.temperature)
             m = r.choices[0].message
             if not m.tool_calls:
-                ok = used_tool and final_number(m.content) == str(data["ground_truth"]).strip()
+                # a data item's "answer" is the reference number (data/datasets.py build_items)
+                ok = used_tool and final_number(m.content) == str(data["answer"]).strip()
                 return Reward(1.0 if ok else 0.0, ok)
             used_tool = True
             msgs.append(m.model_dump(exclude_none=True))
@@ -78,7 +79,8 @@ class CalculatorAgent:
     def sft_example(item: dict, tokenizer: Any) -> dict:
         """``item`` with ``prompt_ids`` (the question with the tool) and ``target`` (the rest of a
         correct transcript: the call, the tool's result, the answer) for the SFT warm start."""
-        expr = str(item["answer"]).split("\n")[0].split("=")[0]  # "17+25=42\n#### 42" -> "17+25"
+        # the built-in task's worked solution: "17+25=42\n#### 42" -> "17+25"
+        expr = str(item.get("solution") or item["answer"]).split("\n")[0].split("=")[0]
         result = calculate(expr)
         call = {"id": "call_0", "type": "function",
                 "function": {"name": "calculator", "arguments": json.dumps({"expression": expr})}}
