@@ -334,17 +334,26 @@ class FSDPEngine(TrainEngine):
         self.step += 1
         return self._reduce_stats(loss_sum, stat_sums, denom, grad_norm, lr, n_mb)
 
+    def _weighted_micro_batches(self, batch: Batch, loss_weight_fn: LossWeightFn, output: str,
+                                to_device: bool = False) -> tuple[list[Batch], list[float], float, int]:
+        """This replica's micro-batches, the loss weight of each, the global weight (summed over the
+        data-parallel ranks; 1 when that is 0) and the step's micro-batch count (the largest over the ranks:
+        a rank with fewer pads with zero-weight micro-batches)."""
+        bins, n_mb = self._split(batch, output)
+        mbs = [packing.select_rows(batch, b) for b in bins]
+        if to_device:
+            mbs = [{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+                   for mb in mbs]
+        weights = [float(loss_weight_fn(mb)) for mb in mbs]
+        total_w = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64)).item())
+        return mbs, weights, (total_w if total_w > 0 else 1.0), n_mb
+
     def _accumulate_grads(self, batch, loss_fn, loss_weight_fn, temperature):
         """Forward/backward every micro-batch; gradients end up summed over ranks (see apply_fsdp)."""
         self.model.train()
         batch = self._share_batch(batch)
-        bins, n_mb = self._split(batch, "values" if self.critic else "logprobs")
-        mbs = [{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
-                for k, v in packing.select_rows(batch, b).items()} for b in bins]
-        weights = [float(loss_weight_fn(mb)) for mb in mbs]
-        total_w = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64)).item())
-        denom = total_w if total_w > 0 else 1.0
         output = "values" if self.critic else "logprobs"
+        mbs, weights, denom, n_mb = self._weighted_micro_batches(batch, loss_weight_fn, output, to_device=True)
         stat_sums: dict[str, float] = {}
         loss_sum = 0.0
         for i in range(n_mb):
@@ -583,17 +592,24 @@ class FSDPEngine(TrainEngine):
             state["model"] = {k: v for k, v in state["model"].items() if lora_mod.is_lora_name(k)}
         return state
 
-    def _load_hf(self, path: str) -> None:
+    def _read_hf(self, path: str, untie: bool = True) -> dict[str, torch.Tensor]:
+        """Every tensor of an HF dir (a critic's value head as ``lm_head.*``); ``untie``: a tied model's
+        head is the embedding, under its own name too (what a module tree with both names wants)."""
         from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full: dict[str, torch.Tensor] = {}
         for f in sorted(Path(path).glob("model*.safetensors")):
             full.update(load_file(str(f)))
         if self.critic and (Path(path) / VALUE_HEAD_FILE).is_file():
             full.update({f"lm_head.{k}": v for k, v in load_file(str(Path(path) / VALUE_HEAD_FILE)).items()})
-        if "lm_head.weight" not in full and "model.embed_tokens.weight" in full and not self.critic:
+        if untie and "lm_head.weight" not in full and "model.embed_tokens.weight" in full and not self.critic:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        return full
+
+    def _load_hf(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = self._read_hf(path)
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
     # ------------------------------------------------------------------ weight sync

@@ -123,11 +123,7 @@ class ArchonEngine(FSDPEngine):
         self.model.train()
         batch = self._share_batch(batch)
         output = "values" if self.critic else "logprobs"
-        bins, n_mb = self._split(batch, output)
-        mbs = [packing.select_rows(batch, b) for b in bins]
-        weights = [float(loss_weight_fn(mb)) for mb in mbs]
-        total_w = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64)).item())
-        denom = total_w if total_w > 0 else 1.0
+        mbs, weights, denom, n_mb = self._weighted_micro_batches(batch, loss_weight_fn, output)
         n_sched = pipeline.valid_microbatch_count(self.pipe.schedule, self.parallel.pp, n_mb)
         mbs += [self._dummy_mb() for _ in range(n_sched - len(mbs))]
         weights += [0.0] * (n_sched - len(weights))
@@ -268,14 +264,9 @@ class ArchonEngine(FSDPEngine):
     def _load_hf(self, path: str) -> None:
         if self.pipe is None:
             return super()._load_hf(path)
-        from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(path).glob("model*.safetensors")):
-            full.update(load_file(str(f)))
-        if "lm_head.weight" not in full and "model.embed_tokens.weight" in full:
-            full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        full = self._read_hf(path)
         for stage in self.model.values():
             names = {n for n, _ in stage.named_parameters()}
             set_model_state_dict(stage, {k: v for k, v in full.items() if k in names},

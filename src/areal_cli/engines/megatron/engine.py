@@ -37,7 +37,7 @@ from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.data import packing
 from areal_cli.engines import sampling_mask
 from areal_cli.engines.dist import send_to_rank0
-from areal_cli.engines.fsdp import VALUE_HEAD_FILE, FSDPEngine, _rng_state, _set_rng_state
+from areal_cli.engines.fsdp import FSDPEngine, _rng_state, _set_rng_state
 from areal_cli.errors import ConfigError
 
 CKPT_FILE = "megatron_rank{rank}.pt"
@@ -374,11 +374,7 @@ class MegatronEngine(FSDPEngine):
         self.model.train()
         batch = self._share_batch(batch)
         output = "values" if self.critic else "logprobs"
-        bins, n_mb = self._split(batch, output)
-        mbs = [packing.select_rows(batch, b) for b in bins]
-        weights = [float(loss_weight_fn(mb)) for mb in mbs]
-        total_w = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64)).item())
-        denom = total_w if total_w > 0 else 1.0
+        mbs, weights, denom, n_mb = self._weighted_micro_batches(batch, loss_weight_fn, output)
         mbs += [self._dummy_mb() for _ in range(n_mb - len(mbs))]
         weights += [0.0] * (n_mb - len(weights))
         # mcore divides each loss by the micro-batch count, and DDP scales grads by 1/dp: undo both
@@ -560,15 +556,9 @@ class MegatronEngine(FSDPEngine):
                 yield name, (full if rank0 else None)
 
     def _load_hf(self, path: str) -> None:
-        from safetensors.torch import load_file
-
         from areal_cli.engines.megatron import convert
 
-        full: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(path).glob("model*.safetensors")):
-            full.update(load_file(str(f)))
-        if self.critic and (Path(path) / VALUE_HEAD_FILE).is_file():
-            full.update({f"lm_head.{k}": v for k, v in load_file(str(Path(path) / VALUE_HEAD_FILE)).items()})
+        full = self._read_hf(path, untie=False)
         with torch.no_grad():
             convert.load_hf(self.chunks, full, self.mc_arch, self.tp_rank, self.parallel.tp, self.experts)
         if self.optimizer is not None:
