@@ -35,7 +35,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-LAYOUTS = {"d1": {}, "t2": {"tp": 2}, "p2": {"pp": 2}, "d2": {"dp": 2}, "t2p2": {"tp": 2, "pp": 2}}
+LAYOUTS = {"d1": {}, "t2": {"tp": 2}, "p2": {"pp": 2}, "d2": {"dp": 2}, "t2p2": {"tp": 2, "pp": 2},
+           "d2e2": {"dp": 2, "ep": 2}}
 
 
 def make_model(out: str, tied: bool) -> int:
@@ -50,6 +51,20 @@ def make_model(out: str, tied: bool) -> int:
     cfg = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=2048,
                       num_hidden_layers=12 if tied else 8, num_attention_heads=8, num_key_value_heads=4,
                       max_position_embeddings=1024, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_moe_model(out: str) -> int:
+    """A Qwen3-MoE of the same width (8 experts, top-2, every layer MoE) for the expert-parallel rows."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=2048, moe_intermediate_size=512,
+                         num_experts=8, num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
@@ -88,7 +103,15 @@ def _megatron_state(engine, run_step) -> dict:
         optim += sum(_bytes(p) for g in inner.param_groups for p in g["params"]
                      if p.untyped_storage().data_ptr() not in ids)
     grads = sum(_bytes(b.grad_data) for m in engine.model for b in m.buffers)
-    return {"params": sum(_bytes(p) for p in params), "grads": grads, "optim": optim}
+    grads += sum(_bytes(b.grad_data) for m in engine.model for b in getattr(m, "expert_parallel_buffers", []))
+    mem = {"params": sum(_bytes(p) for p in params), "grads": grads, "optim": optim}
+    if not engine.cfg.megatron.use_distributed_optimizer:  # optimizer state keyed by the parameters themselves
+        experts = [p for c in engine.chunks for n, p in c.named_parameters() if ".experts." in n]
+        state = {id(p): st for inner in engine._inner_optimizers() for p, st in inner.state.items()}
+        mem["experts"] = sum(_bytes(p) + _bytes(p.main_grad) + sum(_bytes(v) for v in state.get(id(p), {}).values()
+                                                                    if torch.is_tensor(v) and v.dim() > 0)
+                             for p in experts)
+    return mem
 
 
 def _deepspeed_state(engine, run_step) -> dict:
@@ -157,6 +180,10 @@ def worker(spec: dict) -> None:
         from areal_cli.config.engine import DeepSpeedConfig
 
         ecfg.deepspeed = DeepSpeedConfig(zero_stage=int(zero))
+    if spec.get("moe"):  # the expert rows compare e against d with a replicated optimizer (see --moe)
+        from areal_cli.config.engine import MegatronConfig
+
+        ecfg.megatron = MegatronConfig(use_distributed_optimizer=False)
     engine = get_engine_cls(name)(ecfg, OptimConfig(lr=1e-4), total_steps=spec["steps"], seed=0)
     engine.initialize(ParallelStrategy(**spec["parallel"]), spec["model"])
     g = torch.Generator().manual_seed(0)
@@ -196,10 +223,10 @@ def run_layout(engine: str, name: str, model: str, args, tmp: str) -> dict:
 
     parallel = LAYOUTS[name]
     world = 1
-    for v in parallel.values():
-        world *= v
+    for k, v in parallel.items():
+        world *= v if k in ("dp", "tp", "pp", "cp") else 1  # e borrows from d: no processes of its own
     out = os.path.join(tmp, f"{engine}_{name}.json")
-    spec = {"engine": engine, "parallel": parallel, "model": model, "steps": args.steps, "rows": args.rows, "seq": args.seq,
+    spec = {"engine": engine, "moe": bool(getattr(args, "moe", False)), "parallel": parallel, "model": model, "steps": args.steps, "rows": args.rows, "seq": args.seq,
             "mb_tokens": args.rows * args.seq // 4, "out": out}
     port = find_free_port()
     procs = []
@@ -223,6 +250,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--tied", action="store_true", help="tied embeddings (12 layers instead of 8)")
     ap.add_argument("--engines", nargs="+", default=sorted(STATE_BYTES), choices=sorted(STATE_BYTES))
+    ap.add_argument("--moe", action="store_true",
+                    help="a Qwen3-MoE (8 experts) instead: megatron at d2 and d2e2 with a replicated (not "
+                         "distributed) optimizer, so the expert state per rank shows the e sharding alone")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -231,14 +261,16 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    if args.moe:
+        args.engines, args.layouts = ["megatron"], ["d2", "d2e2"]
     layouts = ["d1"] + [x for x in args.layouts if x != "d1"]
     with tempfile.TemporaryDirectory() as tmp:
-        model = os.path.join(tmp, "model59m")
-        n = make_model(model, args.tied)
+        model = os.path.join(tmp, "model")
+        n = make_moe_model(model) if args.moe else make_model(model, args.tied)
         res = {(e, name): run_layout(e, name, model, args, tmp) for e in args.engines for name in layouts
                if name in ENGINE_LAYOUTS.get(e, LAYOUTS)}
-    table = Table(title=f"Per-rank training state, {n / 1e6:.1f}M-parameter Qwen2 "
-                        f"({'tied' if args.tied else 'untied'}), fp32 + Adam")
+    kind = "Qwen3-MoE" if args.moe else f"Qwen2 ({'tied' if args.tied else 'untied'})"
+    table = Table(title=f"Per-rank training state, {n / 1e6:.1f}M-parameter {kind}, fp32 + Adam")
     for col in ("engine", "layout", "params MB", "grads MB", "optim MB", "total MB", "vs d1", "step s",
                 "step vs d1"):
         table.add_column(col, justify="right")
@@ -249,6 +281,12 @@ def main() -> None:
                       f"{m['total'] / mb:.1f}", f"{m['total'] / base['mem']['total']:.2f}x", f"{r['step_s']:.2f}",
                       f"{r['step_s'] / base['step_s']:.2f}x")
     Console().print(table)
+    if args.moe:
+        d2, e2 = res[("megatron", "d2")]["mem"]["experts"], res[("megatron", "d2e2")]["mem"]["experts"]
+        mb_ = 1024 ** 2
+        print(f"megatron expert state per rank: d2 {d2 / mb_:.1f} MB, d2e2 {e2 / mb_:.1f} MB = {e2 / d2:.2f}x of d2 "
+              f"(target <= 0.6x): {'met' if e2 <= 0.6 * d2 else 'NOT met'}")
+        return
     for (e, name), r in res.items():
         if name in ("t2", "p2") or (e == "deepspeed-z3" and name == "d2"):
             ratio = r["mem"]["total"] / res[(e, "d1")]["mem"]["total"]
