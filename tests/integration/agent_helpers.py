@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
+import os
 import random
+import shutil
+from pathlib import Path
 
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
@@ -36,7 +41,45 @@ def transcript(a: int, b: int) -> list[dict]:
                              {"role": "assistant", "content": f"The answer is {a + b}."}]
 
 
+def _tool_model_key(base_dir: str, steps: int, seed: int) -> str:
+    """A content hash of everything the fine-tuned model depends on: the base model's files, the
+    training code and data below, the step count, the seed and the torch version."""
+    import torch
+
+    h = hashlib.sha256()
+    for f in sorted(Path(base_dir).iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for fn in (question, transcript, _train_tool_model):
+        h.update(inspect.getsource(fn).encode())
+    h.update(json.dumps([TOOL_SHAPES, SYSTEM, steps, seed, torch.__version__], sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
 def make_tool_model(base_dir: str, out_dir: str, steps: int = 100, seed: int = 0) -> str:
+    """The tool-calling tiny model (:func:`_train_tool_model`), cached under
+    ``$AREAL_TEST_CACHE`` (default ``~/.cache/areal/test-tool-models/<content hash>``): the
+    fine-tune runs once per distinct base model / recipe, later sessions copy the result into
+    ``out_dir``. ``AREAL_TEST_CACHE=off`` always trains."""
+    root = os.environ.get("AREAL_TEST_CACHE", "~/.cache/areal/test-tool-models")
+    if root == "off":
+        return _train_tool_model(base_dir, out_dir, steps, seed)
+    cached = Path(os.path.expanduser(root)) / _tool_model_key(base_dir, steps, seed)
+    if not (cached / "READY").exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.parent / f".{cached.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _train_tool_model(base_dir, str(tmp), steps, seed)
+        (tmp / "READY").write_text("1")
+        try:
+            os.replace(tmp, cached)  # atomic; a concurrent builder that lost the race keeps its copy
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(cached, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("READY"))
+    return out_dir
+
+
+def _train_tool_model(base_dir: str, out_dir: str, steps: int = 100, seed: int = 0) -> str:
     """Fine-tune ``base_dir`` (a tiny model) on add-tool transcripts so that, greedily, it answers a
     question with a ``<tool_call>`` and a tool result with a final answer: a real model whose real
     outputs exercise the tool round trip (the numbers it writes need not be right)."""
