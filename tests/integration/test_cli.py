@@ -63,7 +63,7 @@ def test_validate_config_json():
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["valid"] and d["train"][0]["parallel"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1,
-                                                        "world_size": 8}
+                                                        "etp": 0, "world_size": 8}
     assert d["inference"][0]["placement"] == [{"node": 0, "devices": [0, 1, 2, 3]}]
     assert d["train"][0]["memory"]["total_gb"] > 0 and d["train"][0]["micro_batch"]["sequences"] > 0
 

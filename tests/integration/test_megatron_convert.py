@@ -100,7 +100,3 @@ def test_megatron_package_imports_neither_torch_nor_megatron():
     assert out.strip() == "[]"
 
 
-def test_megatron_is_not_trainable_yet():
-    from areal_cli.engines import ENGINE_SPECS
-
-    assert ENGINE_SPECS["megatron"].target is None

@@ -244,7 +244,8 @@ def test_bucketed_push_to_sglang_receivers(servers, flat, wire, monkeypatch):
                 assert dtype == str(want.dtype).removeprefix("torch."), name
                 assert torch.equal(torch.tensor(values, dtype=torch.float64), want.double()), name
         state = httpx.get(f"http://{a}/_state").json()
-        assert state == {"paused": False, "session": False, "weight_version": str(version), "memory_released": False}
+        assert state == {"paused": False, "session": False, "weight_version": str(version), "memory_released": False,
+                         "loras": {}}
         assert_contract(a, "/begin_weight_update", "BeginWeightUpdateReqInput")
         assert_contract(a, "/end_weight_update", "EndWeightUpdateReqInput")
         assert_contract(a, "/init_weights_update_group", "InitWeightsUpdateGroupReqInput")
