@@ -6,7 +6,8 @@ Three launches feed the module: world 1 (the FSDP d1 reference), world 2 (t2 wit
 parallelism, p2, p2 with two virtual stages (interleaved 1F1B), critics) and world 4 (t2p2, d2p2 and d2t2, the
 last two with mcore's distributed optimizer sharding over d). The model is a 4-layer tiny Qwen2 with tied
 embeddings, so p2 with two virtual stages has one layer per chunk and the tied head lives on another stage
-than the embedding. Skips when megatron-core 0.16.1 is not installed.
+than the embedding. Skips when megatron-core 0.16.1 is not installed. Multi-process and a few minutes on 2 cores,
+so it sits behind the `megatron` marker (CI runs it as its own phase): `pytest -m megatron tests/integration`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from fsdp_worker import launch  # noqa: E402
 
 from areal_cli.engines.megatron import compat  # noqa: E402
 
-pytestmark = pytest.mark.skipif(compat.installed_version() != compat.SUPPORTED_VERSION,
-                                reason=f"megatron-core {compat.SUPPORTED_VERSION} is not installed "
-                                       "(scripts/install_test_deps.sh installs it)")
+pytestmark = [pytest.mark.megatron, pytest.mark.skipif(compat.installed_version() != compat.SUPPORTED_VERSION,
+                                 reason=f"megatron-core {compat.SUPPORTED_VERSION} is not installed "
+                                        "(scripts/install_test_deps.sh installs it)")]
 
 BIG, SMALL, TOL = 10_000, 1, 1e-5
 # Adam's update is ~lr·g/|g| with a tiny eps, which turns 1e-9 gradient noise into visible weight

@@ -5,6 +5,7 @@ export of every expert is bit-exact.
 Layouts, in the allocation language (e borrows from d, as in torchtitan): megatron d2e2 (2 processes), d2t2e2
 (experts also cut over t), the hybrid form (attn:d2t2|ffn:d2t1e2) (whole experts, attention over t), and p2e2
 (experts and pipeline stages: mcore's pp-last rank order). Skips when megatron-core 0.16.1 is not installed.
+Behind the `megatron` marker with the engine tests (`pytest -m megatron tests/integration`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from fsdp_worker import launch  # noqa: E402
 
 from areal_cli.engines.megatron import compat  # noqa: E402
 
-pytestmark = pytest.mark.skipif(compat.installed_version() != compat.SUPPORTED_VERSION,
-                                reason=f"megatron-core {compat.SUPPORTED_VERSION} is not installed "
-                                       "(scripts/install_test_deps.sh installs it)")
+pytestmark = [pytest.mark.megatron, pytest.mark.skipif(compat.installed_version() != compat.SUPPORTED_VERSION,
+                                 reason=f"megatron-core {compat.SUPPORTED_VERSION} is not installed "
+                                        "(scripts/install_test_deps.sh installs it)")]
 TOL = 1e-5
 STEPS = {"steps": 2, "optim": {"eps": 1e-2}}  # eps: see test_archon_engine.py
 
