@@ -40,7 +40,7 @@ from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import check_deepspeed_knobs
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import ulysses
-from areal_cli.engines.fsdp import VALUE_HEAD_FILE, FSDPEngine, _rng_state, _set_rng_state
+from areal_cli.engines.fsdp import FSDPEngine, _rng_state, _set_rng_state
 from areal_cli.errors import ConfigError
 
 CHECKPOINT_TAG = "state"
@@ -254,16 +254,9 @@ class DeepSpeedEngine(FSDPEngine):
 
     def _load_hf(self, path: str) -> None:
         """Full HF weights into every rank's partition (and the optimizer's fp32 master copy)."""
-        from safetensors.torch import load_file
         from deepspeed.runtime.zero import GatheredParameters
 
-        full: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(path).glob("model*.safetensors")):
-            full.update(load_file(str(f)))
-        if self.critic and (Path(path) / VALUE_HEAD_FILE).is_file():
-            full.update({f"lm_head.{k}": v for k, v in load_file(str(Path(path) / VALUE_HEAD_FILE)).items()})
-        if "lm_head.weight" not in full and "model.embed_tokens.weight" in full and not self.critic:
-            full["lm_head.weight"] = full["model.embed_tokens.weight"]
+        full = self._read_hf(path)
         missing = [n for n, _ in self.ds.module.named_parameters() if n not in full]
         if missing:
             raise ConfigError("model.path", f"{path} lacks {len(missing)} parameters of the model "
