@@ -3,7 +3,8 @@
 `pytest -m slow tests/integration/test_agent_calculator.py`. The agent is ordinary openai.AsyncOpenAI
 code (areal_cli.rollout.workflows.calculator:CalculatorAgent) run through the in-process client; the
 held-out success (one greedy episode per item, evaluated through the agent workflow) must rise by at
-least 20 points over the run, and the tool-call rate is logged for training and evaluation."""
+least 20 points during the RL phase, i.e. over the SFT warm start (the gain is GRPO's, not the warm
+start's), and the tool-call rate is logged for training and evaluation."""
 
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def test_agent_calculator_learns(tmp_path):
     print(f"\nagent_calculator: wall {wall:.0f}s, held-out success: base {base[0]['eval/pass@1']:.1%}, "
           f"after the SFT warm start {before_rl[0]['eval/pass@1']:.1%}, after RL {after['eval/pass@1']:.1%}; "
           f"tool-call rate {before_rl[0]['eval/tool_call_rate']:.1%} -> {after['eval/tool_call_rate']:.1%}")
-    assert after["eval/pass@1"] - base[0]["eval/pass@1"] >= 0.20, evals
-    assert after["eval/pass@1"] > before_rl[0]["eval/pass@1"], evals  # RL itself improves on the warm start
+    # the RL phase itself: at least +20 points of held-out success over the warm start
+    assert after["eval/pass@1"] - before_rl[0]["eval/pass@1"] >= 0.20, evals
+    assert after["eval/tool_call_rate"] >= before_rl[0]["eval/tool_call_rate"], evals
     train = _records(run_dir, "train")
     assert train and all("agent/tool_call_rate" in r for r in train)
     assert all("eval/tool_call_rate" in r for r in evals)

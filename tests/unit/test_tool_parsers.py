@@ -79,17 +79,31 @@ def test_calculator_tool_and_sft_transcript(tiny_model_dir):
         assert calculate(bad).startswith("error")
     assert final_number("The answer is 42.") == "42" and final_number("no idea") is None
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    item = {"question": "Ana has 17 apples and buys 25 more. How many apples does Ana have now?",
-            "answer": "42", "solution": "17+25=42\n#### 42"}  # the shape of data/datasets.py items
-    ex = CalculatorAgent.sft_example(item, tok)
-    text = tok.decode(ex["prompt_ids"]) + ex["target"] + tok.eos_token
-    call = {"id": "c", "type": "function",
-            "function": {"name": "calculator", "arguments": {"expression": "17+25"}}}
-    want = tok.apply_chat_template([{"role": "user", "content": item["question"]},
-                                    {"role": "assistant", "content": None, "tool_calls": [call]},
-                                    {"role": "tool", "tool_call_id": "c", "content": "42"},
-                                    {"role": "assistant", "content": "The answer is 42."}],
-                                   tools=[CALCULATOR], tokenize=False)
-    assert text == want.rstrip("\n")
-    assert parse_tool_calls(ex["target"].split("<|im_end|>")[0], "hermes").tool_calls[0]["function"]["name"] \
-        == "calculator"
+    kinds = set()
+    for name in ("Ana", "Tom", "Sam", "Mia", "Leo", "Eva"):
+        item = {"question": f"{name} has 17 apples and buys 25 more. How many apples does {name} have now?",
+                "answer": "42", "solution": "17+25=42\n#### 42"}  # the shape of data/datasets.py items
+        ex = CalculatorAgent.sft_example(item, tok)
+        text = tok.decode(ex["prompt_ids"]) + ex["target"] + tok.eos_token
+        user = [{"role": "user", "content": item["question"]}]
+        if "<tools>" not in tok.decode(ex["prompt_ids"]):  # the plain task: the worked solution, no tool
+            kinds.add("plain")
+            assert text == tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False) \
+                + "17+25=42\n#### 42" + tok.eos_token
+            continue
+        kinds.add("transcript")
+        call = {"id": "c", "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": "17+25"}}}
+        want = tok.apply_chat_template(user + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                               {"role": "tool", "tool_call_id": "c", "content": "42"},
+                                               {"role": "assistant", "content": "The answer is 42."}],
+                                       tools=[CALCULATOR], tokenize=False)
+        assert text == want.rstrip("\n")
+        assert parse_tool_calls(ex["target"].split("<|im_end|>")[0], "hermes").tool_calls[0]["function"]["name"] \
+            == "calculator"
+    assert kinds == {"plain", "transcript"}
+    # the shaped reward of a failed episode: operand_credit per operand in the reference's place
+    shaped, ref = CalculatorAgent(operand_credit=0.25), {"solution": "17+25=42\n#### 42"}
+    assert [shaped._partial(e, ref) for e in ("17+3", "4+25", "25+17", "17+25", "x", None)] \
+        == [0.25, 0.25, 0.0, 0.5, 0.0, 0.0]
+    assert CalculatorAgent()._partial("17+3", ref) == 0.0

@@ -3,18 +3,21 @@
 :class:`CalculatorAgent` is ordinary ``openai.AsyncOpenAI`` agent code (no areal-cli API inside
 ``__call__``): it offers one tool, ``calculator(expression)``, executes the calls the model makes,
 sends the results back and reads the final answer. An episode succeeds when the model called the
-tool and its final answer is the right number; the reward is 1 then, else 0.
+tool and its final answer is the right number; the reward is 1 then, else 0, or with
+``operand_credit`` the shaped reward of :meth:`CalculatorAgent._partial`.
 
-``experiment=agent_calculator`` trains it on the built-in ``arith`` task with the built-in tiny
-model: a short SFT warm start on whole tool-use transcripts (:meth:`CalculatorAgent.sft_example`)
-teaches the format, then GRPO through the agent workflow raises the tool-call rate and the accuracy
-(``agent/tool_call_rate``, ``reward/accuracy``, ``eval/pass@1``).
+``experiment=agent_calculator`` trains :data:`shaped_agent` on the built-in ``arith_easy`` task with
+the built-in tiny model: an SFT warm start (:meth:`CalculatorAgent.sft_example`: tool-use transcripts
+and plain worked solutions) teaches the format and the copying of the numbers, then GRPO through the
+agent workflow (``agent/tool_call_rate``, ``reward/accuracy``, ``eval/pass@1``; docs/agents.md has
+the measured figures).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
 from typing import Any
 
 from areal_cli.rewards.outcome import Reward
@@ -49,7 +52,9 @@ class CalculatorAgent:
     whole call: with the tiny model's byte-level tokenizer the ~80-character ``<tool_call>`` block is
     ~75 tokens, and a call cut at the limit is not a call."""
 
-    def __init__(self, max_turns: int = 2, max_tokens: int = 100, temperature: float = 1.0):
+    def __init__(self, max_turns: int = 2, max_tokens: int = 100, temperature: float = 1.0,
+                 operand_credit: float = 0.0):
+        self.operand_credit = float(operand_credit)
         self.max_turns = max_turns
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -57,6 +62,7 @@ class CalculatorAgent:
     async def __call__(self, client: Any, data: dict) -> Reward:
         msgs = _messages(data)
         used_tool = False
+        first_expr = None
         for _ in range(self.max_turns):
             r = await client.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR],
                                                      max_tokens=self.max_tokens, temperature=self.temperature)
@@ -64,7 +70,7 @@ class CalculatorAgent:
             if not m.tool_calls:
                 # a data item's "answer" is the reference number (data/datasets.py build_items)
                 ok = used_tool and final_number(m.content) == str(data["answer"]).strip()
-                return Reward(1.0 if ok else 0.0, ok)
+                return Reward(1.0 if ok else self._partial(first_expr, data), ok)
             used_tool = True
             msgs.append(m.model_dump(exclude_none=True))
             for call in m.tool_calls:
@@ -72,15 +78,39 @@ class CalculatorAgent:
                     expr = json.loads(call.function.arguments).get("expression")
                 except (ValueError, AttributeError):
                     expr = None
+                first_expr = expr if first_expr is None else first_expr
                 msgs.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expr)})
-        return Reward(0.0, False)  # never answered
+        return Reward(self._partial(first_expr, data), False)  # never answered
+
+    def _partial(self, expr: Any, data: dict) -> float:
+        """A failed episode's shaped reward: ``operand_credit`` for each operand of the first call's
+        expression that equals the reference solution's operand in the same place ("4+7": 4, 7), so
+        a call with one right number scores above one with none. 0 (no shaping) by default; success
+        (reward 1, ``eval/pass@1``) is unchanged by it."""
+        if not self.operand_credit or not isinstance(expr, str) or not _EXPR.match(expr):
+            return 0.0
+        ref = str(data.get("solution") or "").split("\n")[0].split("=")[0]
+        got, want = _NUMBER.findall(expr), _NUMBER.findall(ref)
+        return self.operand_credit * sum(a == b for a, b in zip(got, want))
 
     @staticmethod
     def sft_example(item: dict, tokenizer: Any) -> dict:
-        """``item`` with ``prompt_ids`` (the question with the tool) and ``target`` (the rest of a
-        correct transcript: the call, the tool's result, the answer) for the SFT warm start."""
+        """``item`` with ``prompt_ids`` and ``target`` for the SFT warm start.
+
+        Half of the items (by a hash of the question) are whole tool-use transcripts: the question
+        with the tool, then the call, the tool's result and the answer. The other half are the plain
+        task without tools: the question, then the worked solution ("4+7=11\n#### 11"). Those are
+        ~50 tokens instead of ~250, and the tiny model learns to copy the question's numbers from
+        them far sooner than from the long transcripts alone (a measured ~500 steps of batch 8 where
+        transcripts alone had not learned it after 1400); the copying then carries over to the
+        numbers it writes into the call (docs/agents.md)."""
+        solution = str(item.get("solution") or item["answer"])
+        if zlib.crc32(item["question"].encode()) % 2:
+            ids = tokenizer.apply_chat_template(_messages(item), add_generation_prompt=True, tokenize=False)
+            return {**item, "prompt_ids": list(tokenizer.encode(ids, add_special_tokens=False)),
+                    "target": solution}
         # the built-in task's worked solution: "17+25=42\n#### 42" -> "17+25"
-        expr = str(item.get("solution") or item["answer"]).split("\n")[0].split("=")[0]
+        expr = solution.split("\n")[0].split("=")[0]
         result = calculate(expr)
         call = {"id": "call_0", "type": "function",
                 "function": {"name": "calculator", "arguments": json.dumps({"expression": expr})}}
@@ -97,3 +127,8 @@ class CalculatorAgent:
             target = target[:-len(eos)]
         ids = list(tokenizer.encode(prompt, add_special_tokens=False))
         return {**item, "prompt_ids": ids, "target": target}
+
+
+# experiment=agent_calculator's agent: success as above, failed episodes get 0.25 per right operand in
+# their first call (workflow.kwargs.agent names an object; a class would be built without arguments)
+shaped_agent = CalculatorAgent(operand_credit=0.25)
