@@ -435,30 +435,41 @@ class FSDPEngine(TrainEngine):
         out.update({k: float(vec[j + 1]) / denom for j, k in enumerate(keys)})
         return out
 
-    @torch.no_grad()
-    def forward(self, batch: Batch | None, output: str = "logprobs", temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    def _check_output(self, output: str) -> tuple[str, ...]:
+        """The keys ``forward(output=…)`` returns; a clear error for an output this engine cannot give."""
         if output not in ("logprobs", "values"):
             raise ValueError(f"output must be 'logprobs' or 'values', got {output!r}")
         if output == "values" and not self.critic:
             raise ValueError("forward(output='values') needs an engine built with critic=True")
+        return ("values",) if output == "values" else ("logprobs", "entropy")
+
+    @staticmethod
+    def _place_rows(batch: Batch, bins: list[list[int]], results: dict, keys: tuple[str, ...]) -> dict:
+        """Per-micro-batch outputs ``results[i]`` (rows ``bins[i]``, trimmed lengths) back into ``[B, L]``."""
+        B, L = batch["input_ids"].shape
+        res = {k: torch.zeros(B, L, dtype=torch.float32) for k in keys}
+        for i, rows in enumerate(bins):
+            idx = torch.tensor(rows)
+            for k in keys:
+                res[k][idx, : results[i][k].shape[1]] = results[i][k].float()
+        return res
+
+    @torch.no_grad()
+    def forward(self, batch: Batch | None, output: str = "logprobs", temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        keys = self._check_output(output)
         was_training = self.model.training
         self.model.eval()
         batch = self._share_batch(batch)
         bins, n_mb = self._split(batch, output)
-        B, L = batch["input_ids"].shape
-        keys = ("values",) if output == "values" else ("logprobs", "entropy")
-        res = {k: torch.zeros(B, L, dtype=torch.float32) for k in keys}
+        results = {}
         for i in range(n_mb):
             if i < len(bins):
-                mb = packing.select_rows(batch, bins[i])
-                out = self._forward_mb(mb, output, temperature)
-                idx = torch.tensor(bins[i])
-                for k in keys:
-                    res[k][idx, : out[k].shape[1]] = out[k].float().cpu()
+                out = self._forward_mb(packing.select_rows(batch, bins[i]), output, temperature)
+                results[i] = {k: out[k].float().cpu() for k in keys}
             else:
                 self._forward_mb(self._dummy_mb(), output, temperature)
         self.model.train(was_training)
-        return res
+        return self._place_rows(batch, bins, results, keys)
 
     # ------------------------------------------------------------------ full weights
     def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True, keep=None):

@@ -205,8 +205,7 @@ class ArchonEngine(FSDPEngine):
     def forward(self, batch: Batch | None, output: str = "logprobs", temperature: float = 1.0):
         if self.pipe is None:
             return super().forward(batch, output, temperature)
-        if output not in ("logprobs", "values"):
-            raise ValueError(f"output must be 'logprobs' or 'values', got {output!r}")
+        self._check_output(output)
         was_training = self.model.training
         self.model.eval()
         batch = self._share_batch(batch)
@@ -225,14 +224,7 @@ class ArchonEngine(FSDPEngine):
         self.pipe.forward(inputs["input_ids"], n_microbatches=n_sched, output_fn=out_fn,
                           position_ids=inputs["position_ids"], attention_mask=inputs["mask"],
                           targets=torch.arange(n_sched, device=self.device).view(n_sched, 1))
-        results = self._from_last_stage(results)
-        B, L = batch["input_ids"].shape
-        keys = ("values",) if output == "values" else ("logprobs", "entropy")
-        res = {k: torch.zeros(B, L, dtype=torch.float32) for k in keys}
-        for i, rows in enumerate(bins):
-            idx = torch.tensor(rows)
-            for k in keys:
-                res[k][idx, : results[i][k].shape[1]] = results[i][k].float()
+        res = self._place_rows(batch, bins, self._from_last_stage(results), self._check_output(output))
         self.model.train(was_training)
         return res
 

@@ -502,10 +502,7 @@ class MegatronEngine(FSDPEngine):
 
     @torch.no_grad()
     def forward(self, batch: Batch | None, output: str = "logprobs", temperature: float = 1.0):
-        if output not in ("logprobs", "values"):
-            raise ValueError(f"output must be 'logprobs' or 'values', got {output!r}")
-        if output == "values" and not self.critic:
-            raise ValueError("forward(output='values') needs an engine built with critic=True")
+        keys = self._check_output(output)
         was_training = self.model.training
         self.model.eval()
         batch = self._share_batch(batch)
@@ -520,14 +517,7 @@ class MegatronEngine(FSDPEngine):
             return out.new_zeros(())
 
         self._run_schedule(mbs, on_output, forward_only=True)
-        results = self._from_last_stage(results)
-        B, L = batch["input_ids"].shape
-        keys = ("values",) if output == "values" else ("logprobs", "entropy")
-        res = {k: torch.zeros(B, L, dtype=torch.float32) for k in keys}
-        for i, rows in enumerate(bins):
-            idx = torch.tensor(rows)
-            for k in keys:
-                res[k][idx, : results[i][k].shape[1]] = results[i][k]
+        res = self._place_rows(batch, bins, self._from_last_stage(results), keys)
         self.model.train(was_training)
         return res
 
