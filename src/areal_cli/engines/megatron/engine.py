@@ -477,10 +477,6 @@ class MegatronEngine(FSDPEngine):
             m.zero_grad_buffer()
         return norm
 
-    def _clip_grads(self) -> float:
-        self.optimizer.prepare_grads()
-        return float(self.optimizer.get_grad_norm())
-
     def warm_up(self, **_: Any) -> None:
         """A forward/backward through the schedule with a zero loss, then the gradients dropped: lazy
         allocations (grad buffers, p2p shapes) happen while the first rollout is generated. No optimizer
