@@ -26,3 +26,12 @@ def tiny_model_dir_b(tmp_path_factory, tiny_model_dir) -> str:
     from areal_cli.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_model_b"), tokenizer_dir=tiny_model_dir, seed=1)
+
+
+@pytest.fixture(scope="session")
+def model4(tmp_path_factory, tiny_model_dir) -> str:
+    """A 4-layer tiny Qwen2 with tied embeddings (seed 3): enough layers for p2 with two virtual stages.
+    Shared by the engine-vs-reference tests."""
+    from areal_cli.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny4"), tokenizer_dir=tiny_model_dir, seed=3, num_layers=4)

@@ -32,13 +32,6 @@ def _archon(name, parallel, **kw):
 
 
 @pytest.fixture(scope="module")
-def model4(tmp_path_factory, tiny_model_dir):
-    from areal_cli.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny4"), tokenizer_dir=tiny_model_dir, seed=3, num_layers=4)
-
-
-@pytest.fixture(scope="module")
 def runs(model4, tmp_path_factory):
     out = tmp_path_factory.mktemp("archon_runs")
     critic = {"critic": True, "optim": STEPS["optim"]}

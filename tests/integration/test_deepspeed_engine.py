@@ -21,7 +21,7 @@ pytest.importorskip("deepspeed", reason="deepspeed is installed by scripts/insta
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fsdp_worker import launch  # noqa: E402
-from test_archon_engine import STEPS, TOL, _close, model4  # noqa: E402,F401  (model4: the 4-layer tiny model)
+from test_archon_engine import STEPS, TOL, _close  # noqa: E402
 
 BIG, SMALL = 10_000, 1
 
