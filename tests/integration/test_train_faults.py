@@ -26,14 +26,14 @@ def _start(args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
 
 
-def _wait_for(cond, proc: subprocess.Popen, timeout: float, what: str) -> None:
+def _wait_for(cond, proc: subprocess.Popen, timeout: float, what: str, interval: float = 0.3) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if cond():
             return
         if proc.poll() is not None:
             raise AssertionError(f"areal train ended before {what}:\n{proc.communicate()[0][-3000:]}")
-        time.sleep(0.3)
+        time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
 
 

@@ -46,7 +46,9 @@ def _hold_then_kill(run_dir: Path, proc, min_queued: int) -> dict:
         load = httpx.get(f"http://{addr}/get_load", timeout=30).json()
         return load["paused"] and load["waiting"] + load["running"] >= min_queued
 
-    _wait_for(held, proc, 300, f"{min_queued} requests held by the paused server")
+    # Polled often: on a fast machine a step's whole rollout can fit between two slower polls (CI once
+    # caught it only at step 9 of 10 with 0.3 s polls and 128-token rollouts).
+    _wait_for(held, proc, 300, f"{min_queued} requests held by the paused server", interval=0.05)
     return _kill_server(run_dir)
 
 
@@ -89,12 +91,13 @@ def test_server_killed_during_evaluation_is_restarted_and_the_evaluation_finishe
 def test_restarted_server_rejoins_the_weight_update_group(tmp_path, tiny_model_dir):
     steps, batch = 10, 2
     run_dir = tmp_path / "runs" / "itest" / "t0"
-    # The paused server holds step 2's rollout, so the kill lands in the middle of the run.
+    # The paused server holds step 2's rollout, so the kill lands in the middle of the run. 512 forced
+    # tokens keep each rollout long enough to be caught paused, however fast the machine.
     proc = _start(_overrides(tmp_path, tiny_model_dir, **{
         "trainer.total_steps": steps, "algo.batch_size": batch, "rollout.max_head_offpolicyness": 0,
         "trainer.recover_every": 0, "trainer.save_every": 0, "trainer.eval_every": 0,
-        "rollout.weight_update": "distributed", "rollout.gconfig.max_new_tokens": 128,
-        "rollout.gconfig.min_new_tokens": 128}))
+        "rollout.weight_update": "distributed", "rollout.gconfig.max_new_tokens": 512,
+        "rollout.gconfig.min_new_tokens": 512}))
     _wait_for(lambda: any(r["kind"] == "train" for r in _records(run_dir)), proc, 300, "the first step")
     _hold_then_kill(run_dir, proc, 1)
     _finish(proc)
