@@ -99,7 +99,9 @@ class AgentProxy:
                 return err(403, "this endpoint needs the admin key, not a session key")
             return err(401, "missing or unknown admin key ('Authorization: Bearer <admin key>')")
 
-        def session(request: Request) -> _Session | JSONResponse:
+        def session(request: Request, live: bool = False) -> _Session | JSONResponse:
+            """The caller's session, or the error to return: 401/403 for a bad key, and with ``live``
+            410 once the agent has ended the session."""
             self.collect_idle()
             key = key_of(request)
             if is_admin(key):
@@ -109,6 +111,8 @@ class AgentProxy:
                 return err(401, "missing or unknown session key (it may have ended and been exported, or "
                                 "been collected after idling)")
             s = self._sessions[sid]
+            if live and s.ended:
+                return err(410, f"session {s.id} has ended")
             s.last_used = time.monotonic()
             return s
 
@@ -197,11 +201,9 @@ class AgentProxy:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            s = session(request)
+            s = session(request, live=True)
             if isinstance(s, JSONResponse):
                 return s
-            if s.ended:
-                return err(410, f"session {s.id} has ended")
             b = await body(request)
             extra = {k: b.pop(k) for k in ("chat_template_kwargs",) if k in b}
             b.pop("return_token_ids", None)  # the in-process client always adds the token fields
@@ -219,11 +221,9 @@ class AgentProxy:
 
         @app.post("/rl/set_reward")
         async def set_reward(request: Request):
-            s = session(request)
+            s = session(request, live=True)
             if isinstance(s, JSONResponse):
                 return s
-            if s.ended:
-                return err(410, f"session {s.id} has ended")
             b = await body(request)
             iid = b.get("interaction_id")
             try:
@@ -237,11 +237,9 @@ class AgentProxy:
 
         @app.post("/rl/end_session")
         async def end(request: Request):
-            s = session(request)
+            s = session(request, live=True)
             if isinstance(s, JSONResponse):
                 return s
-            if s.ended:
-                return err(410, f"session {s.id} has already ended")
             s.ended = True
             return {"session_id": s.id, "interaction_count": len(s.client.cache)}
 
