@@ -26,6 +26,9 @@ class GenerationConfig:
     ``keep_sampling_mask`` (Keep-Sampling-Mask, ``hf`` server only): the response also carries each
     token's top-k/top-p kept set (``ModelResponse.sampling_cutoffs``) and its ``output_logprobs`` are
     then under the truncated, renormalised distribution the token was drawn from (the behaviour policy).
+
+    ``return_routed_experts`` (routing replay, MoE models; SGLang's request field): the response also
+    carries the experts each MoE layer routed every fed token to (``ModelResponse.routed_experts``).
     """
 
     n: int = 1
@@ -41,6 +44,7 @@ class GenerationConfig:
     # and weights give the same tokens regardless of batching. None: the server's own RNG stream.
     seed: int | None = None
     keep_sampling_mask: bool = False
+    return_routed_experts: bool = False
 
     def new(self, **kwargs: Any) -> "GenerationConfig":
         return dataclasses.replace(self, **kwargs)
@@ -76,6 +80,10 @@ class ModelResponse:
     # Keep-Sampling-Mask: per token, the kept set is every token with ``logits / T >= cutoff`` (-inf:
     # nothing was cut). None unless the request asked for it (``GenerationConfig.keep_sampling_mask``).
     sampling_cutoffs: list[float] | None = None
+    # Routing replay: an int16 tensor ``[input_len + output_len - 1, n_moe_layers * top_k]``, the top-k
+    # experts of every token the server fed through the model (all but the last), layer-major; a resumed
+    # request keeps each position's first recording. None unless ``GenerationConfig.return_routed_experts``.
+    routed_experts: Any = None
 
     @property
     def input_len(self) -> int:

@@ -42,8 +42,10 @@ class Trajectory:
             for t in items:
                 x = t.data[key]
                 if x.dim() >= 2 and x.shape[1] != max_len and key_is_per_token(key, t):
-                    # sampling_cutoff: -inf is "nothing cut" (engines/sampling_mask.py)
-                    fill = {"input_ids": pad_id, "versions": -1, "sampling_cutoff": float("-inf")}.get(key, 0)
+                    # sampling_cutoff: -inf is "nothing cut" (engines/sampling_mask.py); routed_experts: -1
+                    # is "not recorded" (engines/routing_replay.py)
+                    fill = {"input_ids": pad_id, "versions": -1, "sampling_cutoff": float("-inf"),
+                            "routed_experts": -1}.get(key, 0)
                     pad = x.new_full((x.shape[0], max_len - x.shape[1], *x.shape[2:]), fill)
                     x = torch.cat([x, pad], dim=1)
                 parts.append(x)

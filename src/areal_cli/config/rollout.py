@@ -39,4 +39,8 @@ class RolloutConfig:
     # and the trainer renormalises its logprobs over it, so the importance ratio compares the policy
     # the tokens were drawn from. A no-op without truncation (top_p=1, top_k=-1) or with greedy.
     keep_sampling_mask: bool = False
+    # Rollout routing replay, R3 (docs/training.md): the hf server returns the experts every MoE layer
+    # routed each token to, and the trainer's forward uses the same experts (gate weights still its own).
+    # MoE models, the fsdp engine and the hf server only (validated).
+    routing_replay: bool = False
     eval_gconfig: GenerationSettings = field(default_factory=lambda: GenerationSettings(greedy=True))

@@ -282,6 +282,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
             c.backend = cfg.engine.name
     plan.spec = spec.canonical()
     _check_keep_sampling_mask(cfg, plan)
+    _check_routing_replay(cfg, plan)
     check_lora(cfg, plan)
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
@@ -339,6 +340,33 @@ def _check_keep_sampling_mask(cfg: ExperimentConfig, plan: Plan) -> None:
         raise ConfigError("rollout.keep_sampling_mask", "cannot be combined with rollout.gconfig.min_new_tokens="
                           f"{cfg.rollout.gconfig.min_new_tokens} (its stop-token block is not part of the mask)",
                           "set rollout.gconfig.min_new_tokens=0 or rollout.keep_sampling_mask=false")
+
+
+# Train engines whose forward replays recorded routing (engines/routing_replay.py). Archon and Megatron
+# build their own MoE layers (grouped experts, expert parallel); DeepSpeed inherits fsdp's forward but
+# is untested with it.
+ROUTING_REPLAY_ENGINES = ("fsdp",)
+
+
+def _check_routing_replay(cfg: ExperimentConfig, plan: Plan) -> None:
+    if not cfg.rollout.routing_replay:
+        return
+    key = "rollout.routing_replay"
+    if cfg.model.num_experts <= 0:
+        raise ConfigError(key, "needs a mixture-of-experts model; this model is dense (model.num_experts=0)",
+                          "set rollout.routing_replay=false, or use an MoE model")
+    lacking = sorted({t.backend for t in plan.trains if t.backend not in ROUTING_REPLAY_ENGINES})
+    if lacking:
+        what = f"the {', '.join(lacking)} engine{'s' if len(lacking) > 1 else ''}"
+        ok = ", ".join(ROUTING_REPLAY_ENGINES)
+        raise ConfigError(key, f"{what} cannot replay routing yet (supported: {ok})",
+                          "use engine=fsdp or set rollout.routing_replay=false")
+    others = sorted({p.backend for p in plan.inferences if p.backend != "hf"})
+    if others:
+        raise ConfigError(key, f"the {', '.join(others)} server is not wired to return routed experts; "
+                          "only the built-in hf server is (SGLang's --enable-return-routed-experts speaks "
+                          "the same format but is untested here)",
+                          "use the hf inference backend or set rollout.routing_replay=false")
 
 
 def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:

@@ -31,6 +31,7 @@ from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdate
 from areal_cli.data import packing
 from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import parallelize as par
+from areal_cli.engines import routing_replay as r3
 from areal_cli.engines import sampling_mask
 from areal_cli.engines import ulysses
 from areal_cli.errors import ConfigError, WeightSyncError
@@ -243,7 +244,7 @@ class FSDPEngine(TrainEngine):
         # The attention function reads the group from module state; engines sharing a process
         # (actor, reference, critic) may differ, so set it per call.
         ulysses.set_ulysses_group(self.cp_group if cp > 1 else None)
-        if self._shares_prefix(output):
+        if self._shares_prefix(output) and r3.prefix_shareable(mb):
             sp = packing.pack_shared(mb, loss_only=loss_only)
             if sp is not None:
                 return self._forward_shared(sp, mb, temperature)
@@ -261,6 +262,7 @@ class FSDPEngine(TrainEngine):
             pos = ulysses.slice_for_rank(pk.position_ids, group, dim=1).to(self.device)
             keep = packing.loss_positions(mb, pk) if loss_only and cp == 1 and output == "logprobs" else None
             keep = keep.to(self.device) if keep is not None and keep.numel() > 0 else None
+            r3.set_replay(self.model, r3.packed(mb, pk.lengths, pk.input_ids.shape[1], group))
             logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                                 logits_to_keep=keep if keep is not None else 0,
                                 attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
@@ -287,6 +289,7 @@ class FSDPEngine(TrainEngine):
         ids = mb["input_ids"].to(self.device)
         mask = packing.padded_causal_mask(am)
         pos = torch.arange(max_len, device=self.device)[None].expand_as(ids)
+        r3.set_replay(self.model, r3.padded(mb))
         logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                             attention_mask={"full_attention": mask, "sliding_attention": mask}).logits
         if output == "values":
@@ -301,6 +304,7 @@ class FSDPEngine(TrainEngine):
         """Logprobs/entropy of a shared-prefix packed micro-batch (see :func:`packing.pack_shared`)."""
         ulysses.set_varlen(sp.seg_lens, sp.seg_ids)
         dev = self.device
+        r3.set_replay(self.model, r3.shared(mb, sp.input_ids))
         logits = self.model(input_ids=sp.input_ids.to(dev), position_ids=sp.position_ids.to(dev), use_cache=False,
                             logits_to_keep=sp.keep.to(dev),
                             attention_mask={"full_attention": None, "sliding_attention": None}).logits[0]

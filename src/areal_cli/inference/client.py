@@ -82,9 +82,22 @@ class _Partial:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     cutoffs: list[float] | None = None  # Keep-Sampling-Mask, when asked for
+    routing: Any = None  # routing replay, when asked for: [positions so far, n_layers * top_k]
     resumes: int = 0
     ttft: float = 0.0
     stop: str | None = None
+
+
+def _stitch_routing(have: Any, seg: Segment, backend: str) -> Any:
+    """A request's routed experts after one more segment: every segment covers its whole input (the
+    prompt plus the tokens of earlier segments), and a position keeps its first recording."""
+    if seg.routed_experts is None:
+        raise InferenceError(f"return_routed_experts: the {backend} server returned no routed_experts "
+                             "(the hf server records them for MoE models; SGLang with "
+                             "--enable-return-routed-experts)")
+    from areal_cli.engines.routing_replay import stitch
+
+    return stitch(have, seg.routed_experts)
 
 
 def _url(address: str, path: str) -> str:
@@ -350,6 +363,8 @@ class RemoteInferenceEngine(InferenceEngine):
                 else:
                     o.logprobs += seg.output_logprobs
                 o.versions += seg.output_versions
+                if reqs[i].gconfig.return_routed_experts:
+                    o.routing = _stitch_routing(o.routing, seg, self.backend_name)
                 if seg.finish != "abort":
                     o.stop = seg.finish
                     continue
@@ -360,7 +375,7 @@ class RemoteInferenceEngine(InferenceEngine):
         return [ModelResponse(input_tokens=list(r.input_ids), output_tokens=o.tokens, output_logprobs=o.logprobs,
                               output_versions=o.versions, stop_reason=o.stop,  # type: ignore[arg-type]
                               latency=latency, ttft=o.ttft, n_resumes=o.resumes, server=address,
-                              sampling_cutoffs=o.cutoffs)
+                              sampling_cutoffs=o.cutoffs, routed_experts=o.routing)
                 for r, o in zip(reqs, outs)]
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:

@@ -79,7 +79,8 @@ class RolloutService:
         from areal_cli.config.validate import keep_sampling_mask_active
 
         gconfig = build.build_gconfig(cfg.rollout.gconfig, tokenizer,
-                                      keep_sampling_mask=keep_sampling_mask_active(cfg))
+                                      keep_sampling_mask=keep_sampling_mask_active(cfg),
+                                      return_routed_experts=bool(cfg.rollout.routing_replay))
         self.episodes = EpisodeRunner(build.build_workflow(cfg, tokenizer, gconfig),
                                       retry_window_s=float(cfg.launcher.server_startup_timeout_s) + 60,
                                       seed=cfg.seed)

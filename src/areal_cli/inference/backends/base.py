@@ -32,6 +32,9 @@ class Segment:
     # ``logits / T`` (-inf: nothing cut) and the logprob under the truncated distribution. None: not asked.
     sampling_cutoffs: list[float] | None = None
     sampling_logprobs: list[float] | None = None
+    # Routing replay (``return_routed_experts``): int16 ``[prompt + completion - 1, n_layers * top_k]``
+    # (engines/routing_replay.py). None: not asked.
+    routed_experts: Any = None
 
 
 def version_from(value: Any) -> int | None:

@@ -66,6 +66,8 @@ def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens:
                             "return_logprob": True, "stream": False}
     if g.keep_sampling_mask:  # an hf-server field; the config refuses it with other backends
         body["return_sampling_mask"] = True
+    if g.return_routed_experts:  # SGLang's (server flag --enable-return-routed-experts) and the hf server's
+        body["return_routed_experts"] = True
     if rid is not None:
         body["rid"] = rid
     if lora is not None:
@@ -82,6 +84,8 @@ def build_generate_batch(inputs: list[list[int]], gs: list[GenerationConfig],
                             "return_logprob": True, "stream": False}
     if any(g.keep_sampling_mask for g in gs):
         body["return_sampling_mask"] = True
+    if any(g.return_routed_experts for g in gs):
+        body["return_routed_experts"] = True
     if lora is not None:
         body["lora_path"] = lora
     return HttpCall("POST", "/generate", body)
@@ -124,7 +128,20 @@ def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segmen
             seg.sampling_logprobs = [float(x) for x in mlps]
         except (TypeError, ValueError) as e:
             raise InferenceError(f"malformed sampling mask in /generate response ({e})") from None
+    if meta.get("routed_experts") is not None:
+        seg.routed_experts = _routed_experts(meta)
     return seg
+
+
+def _routed_experts(meta: dict[str, Any]) -> Any:
+    """SGLang's ``meta_info.routed_experts`` (base64 int32, ``[prompt + completion - 1, layers, k]``)."""
+    from areal_cli.engines.routing_replay import decode
+
+    try:
+        n = max(0, int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1)
+        return decode(meta["routed_experts"], n)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InferenceError(f"malformed routed_experts in /generate response ({e})") from None
 
 
 def build_pause() -> HttpCall:

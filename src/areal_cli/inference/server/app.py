@@ -140,7 +140,7 @@ def _helpers(state: ServerState) -> SimpleNamespace:
 
     async def run(ids: list[int], sp: SamplingParams, rid: str | None = None,
                   request: Request | None = None, gone: asyncio.Future | None = None,
-                  record_mask: bool = False, lora: str | None = None) -> Sequence:
+                  record_mask: bool = False, lora: str | None = None, routing: bool = False) -> Sequence:
         """Generate ``ids``; a caller that hung up (``request.is_disconnected()``, polled each second,
         or ``gone`` completing) frees its batch slot."""
         check_context(len(ids), sp.max_new_tokens, state.context_length)
@@ -151,7 +151,7 @@ def _helpers(state: ServerState) -> SimpleNamespace:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(seq))
 
         seq = Sequence(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=sp, on_done=done,
-                       record_mask=record_mask, lora=lora)
+                       record_mask=record_mask, lora=lora, record_routing=routing)
         if sp.max_new_tokens == 0:
             seq.finish = {"type": "length", "length": 0}
             return seq
@@ -180,7 +180,8 @@ def _helpers(state: ServerState) -> SimpleNamespace:
             text = text[: text.index(m)]
         return text
 
-    def sglang_out(seq: Sequence, return_logprob: bool, return_mask: bool = False) -> dict:
+    def sglang_out(seq: Sequence, return_logprob: bool, return_mask: bool = False,
+                   routing_from: int | None = None) -> dict:
         meta = {
             "id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt_ids),
             "completion_tokens": len(seq.out_ids), "cached_tokens": seq.cached_tokens,
@@ -194,6 +195,10 @@ def _helpers(state: ServerState) -> SimpleNamespace:
         if return_mask:  # an hf-server extension (Keep-Sampling-Mask); SGLang has no such field
             meta["output_token_sampling_cutoffs"] = list(seq.out_cutoffs)
             meta["output_token_sampling_logprobs"] = list(seq.out_masked_logprobs)
+        if routing_from is not None:  # SGLang's: base64 int32 [prompt + completion - 1 - start, layers, k]
+            from areal_cli.engines.routing_replay import encode
+
+            meta["routed_experts"] = encode(seq.routing, routing_from)
         return {"text": text_of(seq), "output_ids": list(seq.out_ids), "meta_info": meta}
 
     def usage(seqs: list[Sequence]) -> dict:
@@ -278,18 +283,36 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
         for p, s in zip(prompts, sps):
             check_context(len(p), s.max_new_tokens, state.context_length)
         loras = parse_request_adapters(body, len(prompts), batch, state.engine.adapters)  # SGLang's lora_path
+        r_from = _routed_experts_start(body, prompts, state.engine)
         if batch:
-            seqs = await asyncio.gather(*[run(p, s, None, request, gone, ret_mask, a)
+            seqs = await asyncio.gather(*[run(p, s, None, request, gone, ret_mask, a, r_from is not None)
                                           for p, s, a in zip(prompts, sps, loras)])
-            return [sglang_out(s, ret_lp, ret_mask) for s in seqs]
-        seq = await run(prompts[0], sps[0], rid, request, gone, ret_mask, loras[0])
-        return sglang_out(seq, ret_lp, ret_mask)
+            return [sglang_out(s, ret_lp, ret_mask, r_from) for s in seqs]
+        seq = await run(prompts[0], sps[0], rid, request, gone, ret_mask, loras[0], r_from is not None)
+        return sglang_out(seq, ret_lp, ret_mask, r_from)
 
     @app.post("/generate")
     async def generate_route(request: Request):
         return JSONResponse(await generate(await _json(request), request))
 
     return generate
+
+
+def _routed_experts_start(body: dict, prompts: list[list[int]], engine: Any) -> int | None:
+    """SGLang's ``return_routed_experts`` / ``routed_experts_start_len``: None when routing is not asked
+    for, else the first position to return (routing replay, engines/routing_replay.py)."""
+    want = body.get("return_routed_experts", False)
+    if not isinstance(want, bool):
+        raise BadRequest(f"return_routed_experts must be a boolean, got {want!r}")
+    start = body.get("routed_experts_start_len", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= min(len(p) for p in prompts):
+        raise BadRequest(f"routed_experts_start_len must be an integer in [0, prompt tokens], got {start!r}")
+    if not want:
+        return None
+    why = engine.routing_unsupported()
+    if why is not None:
+        raise BadRequest(f"return_routed_experts: {why}")
+    return start
 
 
 def _json_bytes(payload: Any) -> bytes:

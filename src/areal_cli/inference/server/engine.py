@@ -53,6 +53,10 @@ class Sequence:
     record_mask: bool = False
     out_cutoffs: list[float | None] = field(default_factory=list)
     out_masked_logprobs: list[float] = field(default_factory=list)
+    # Routing replay (``return_routed_experts``): per fed token, each MoE layer's top-k experts, in
+    # chunks of ``[n, n_layers, top_k]`` (one per prefill / decode step), prompt tokens included.
+    record_routing: bool = False
+    routing: list[torch.Tensor] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
@@ -71,6 +75,7 @@ class _Prefix:
 
     logits: torch.Tensor  # [V], fp32
     holders: list[Sequence]
+    routing: torch.Tensor | None = None  # [n, n_layers, top_k] when the prefill recorded it
 
 
 class GenerationEngine:
@@ -108,6 +113,7 @@ class GenerationEngine:
         self._prefixes: dict[tuple, _Prefix] = {}
         self.runner = _make_runner(model, self.device, fast_path, self.pad_id, decode_attention)
         self.adapters = lora.AdapterSet()
+        self._capture = None  # routing_replay.Capture, made on the first request that records routing
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
                       "finished": 0}
         self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
@@ -251,9 +257,13 @@ class GenerationEngine:
         # A resumed request's earlier output is part of its prompt here (it is in the KV cache).
         seqs = [s.prompt_ids + s.out_ids for s in batch]
         self._set_row_adapters(batch)
+        routed = self._capture_for(batch)
         logits = self.runner.prefill(seqs)
-        for s, x in zip(batch, seqs):
+        rt = self._take_routing(len(seqs)) if routed else None
+        for i, (s, x) in enumerate(zip(batch, seqs)):
             s.real_len = len(x)
+            if rt is not None and s.record_routing:  # rows are left-padded: the last len(x) columns
+                s.routing.append(rt[i, rt.shape[1] - len(x):])
         self.stats["prefill_tokens"] += sum(len(x) for x in seqs)
         self._running.extend(batch)
         self._sample_and_append(logits, rows=list(range(len(self._running) - len(batch),
@@ -273,16 +283,22 @@ class GenerationEngine:
         copies: list[Sequence] = []
         for s, k in zip(batch, keys):
             s.prefix_key = k
-            if k in self._prefixes or k in computed:
+            held = self._prefixes.get(k)
+            if k in computed or (held is not None and (held.routing is not None or not s.record_routing)):
                 copies.append(s)
-            else:
+            else:  # a running prefix without recorded routing is computed again for a row that records it
                 computed[k] = s
         firsts = list(computed.values())
         if firsts:
             self._set_row_adapters(firsts)
+            routed = self._capture_for(firsts)
             logits = self.runner.prefill([list(k[1]) for k in computed])
-            for k, s, row in zip(computed, firsts, logits):
-                self._prefixes[k] = _Prefix(logits=row.clone(), holders=[s])
+            rt = self._take_routing(len(firsts)) if routed else None
+            for i, (k, s, row) in enumerate(zip(computed, firsts, logits)):
+                old = self._prefixes.get(k)
+                r = None if rt is None else rt[i, rt.shape[1] - len(k[1]):]
+                self._prefixes[k] = _Prefix(logits=row.clone(), holders=[s] + (old.holders if old else []),
+                                            routing=r)
             self.stats["prefill_tokens"] += sum(len(k[1]) for k in computed)
             self._running.extend(firsts)
         if copies:
@@ -297,8 +313,35 @@ class GenerationEngine:
         ordered = firsts + copies
         for s in ordered:
             s.real_len = len(s.prefix_key[1])
+            if s.record_routing:
+                s.routing.append(self._prefixes[s.prefix_key].routing)
         logits = torch.stack([self._prefixes[s.prefix_key].logits for s in ordered])
         self._sample_and_append(logits, rows=list(range(len(self._running) - len(ordered), len(self._running))))
+
+    def routing_unsupported(self) -> str | None:
+        """Why this model's routed experts cannot be recorded (None: they can)."""
+        from areal_cli.engines.routing_replay import unknown_moe_reason
+
+        if not isinstance(self.runner, HFRunner):
+            return "the fast decode path runs dense models only"
+        return unknown_moe_reason(self.model)
+
+    def _capture_for(self, seqs: list[Sequence]) -> bool:
+        """Turn routing capture on for the next forward when a row of ``seqs`` asks for it."""
+        want = any(s.record_routing for s in seqs)
+        if want and self._capture is None:
+            from areal_cli.engines.routing_replay import Capture
+
+            self._capture = Capture(self.model)
+        if self._capture is not None:
+            self._capture.active = want
+        return want
+
+    def _take_routing(self, n_rows: int) -> torch.Tensor:
+        """The last forward's routing as ``[n_rows, width, n_layers, top_k]`` (left-padded like the batch)."""
+        self._capture.active = False
+        r = self._capture.take()
+        return r.view(n_rows, -1, *r.shape[1:])
 
     def _set_row_adapters(self, seqs: list[Sequence]) -> None:
         by_name = self.adapters.by_name
@@ -321,9 +364,13 @@ class GenerationEngine:
 
     def _decode_step(self) -> None:
         self._set_row_adapters(self._running)
+        routed = self._capture_for(self._running)
         logits = self.runner.decode([s.out_ids[-1] for s in self._running])
-        for s in self._running:
+        rt = self._take_routing(len(self._running)) if routed else None
+        for i, s in enumerate(self._running):
             s.real_len += 1
+            if rt is not None and s.record_routing:
+                s.routing.append(rt[i])
         self.stats["steps"] += 1
         self._sample_and_append(logits, rows=list(range(len(self._running))))
 

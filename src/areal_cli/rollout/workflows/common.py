@@ -166,6 +166,7 @@ async def call_rewards(fn: RewardFn, prompt: str, completions: list[str], answer
 
 
 SAMPLING_CUTOFF = "sampling_cutoff"  # the batch key of engines/sampling_mask.py (not imported: no torch here)
+ROUTED_EXPERTS = "routed_experts"  # the batch key of engines/routing_replay.py (-1: not recorded)
 
 
 @dataclass
@@ -176,6 +177,8 @@ class Segment:
     logprobs: list[float] | None = None
     versions: list[int] | None = None
     cutoffs: list[float] | None = None  # Keep-Sampling-Mask (ModelResponse.sampling_cutoffs)
+    # Routing replay (ModelResponse.routed_experts): [positions 0..end-2 of the sequence so far, width]
+    routing: Any = None
 
     @property
     def generated(self) -> bool:
@@ -186,7 +189,11 @@ def build_row(segments: list[Segment]) -> "dict[str, torch.Tensor]":
     """One sequence as 1-D tensors aligned with ``input_ids`` (entry i concerns token i).
 
     ``sampling_cutoff`` (Keep-Sampling-Mask) is added when a generated segment carries cutoffs:
-    ``-inf`` (nothing cut) on prompt tokens and on segments without them."""
+    ``-inf`` (nothing cut) on prompt tokens and on segments without them.
+
+    ``routed_experts`` (routing replay) is added when a generated segment carries routing: each covers
+    the sequence from its start, and a position keeps the first segment's recording (a later turn
+    re-reads earlier tokens); ``-1`` where nothing was recorded (the last token)."""
     import torch
 
     ids: list[int] = []
@@ -222,6 +229,14 @@ def build_row(segments: list[Segment]) -> "dict[str, torch.Tensor]":
     }
     if any(s.cutoffs is not None for s in segments):
         row[SAMPLING_CUTOFF] = torch.tensor(cut, dtype=torch.float32)
+    if any(s.routing is not None for s in segments):
+        from areal_cli.engines.routing_replay import row_routing, stitch
+
+        routing = None
+        for s in segments:
+            if s.routing is not None:
+                routing = stitch(routing, s.routing)
+        row[ROUTED_EXPERTS] = row_routing(routing, len(ids))
     return row
 
 
@@ -239,7 +254,7 @@ def stack_rows(rows: list["dict[str, torch.Tensor]"], rewards: list[float], no_e
 
     from torch.nn.utils.rnn import pad_sequence
 
-    fills = {"input_ids": pad_id, "versions": -1, SAMPLING_CUTOFF: float("-inf")}
+    fills = {"input_ids": pad_id, "versions": -1, SAMPLING_CUTOFF: float("-inf"), ROUTED_EXPERTS: -1}
     # One padded stack per key: this runs on the rollout thread, which shares the trainer's GIL.
     data: dict[str, torch.Tensor] = {key: pad_sequence([r[key] for r in rows], batch_first=True,
                                                        padding_value=fills.get(key, 0))

@@ -103,7 +103,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             resp = await engine.agenerate(ModelRequest(input_ids=list(context), gconfig=self.gconfig))
             out = list(resp.output_tokens)
             d.segments.append(Segment(out, list(resp.output_logprobs), list(resp.output_versions),
-                                      resp.sampling_cutoffs))
+                                      resp.sampling_cutoffs, resp.routed_experts))
             context.extend(out)
             d.turns, d.no_eos = turn + 1, resp.stop_reason == "length"
             d.n_resumes += resp.n_resumes

@@ -77,7 +77,7 @@ class RLVRWorkflow(RolloutWorkflow):
             rewards = [x for _, x in scored]
         rows = [build_row([Segment(prompt.ids),
                            Segment(list(r.output_tokens), list(r.output_logprobs), list(r.output_versions),
-                                   r.sampling_cutoffs)])
+                                   r.sampling_cutoffs, r.routed_experts)])
                 for r in resps]
         meta = {"id": data.get("id"), "prompt_len": len(prompt.ids),
                 "n_resumes": sum(r.n_resumes for r in resps)}
