@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_cli.errors import LaunchError
+from areal_cli.inference.backends import vllm as vb
 from areal_cli.utils.network import find_free_port
 from areal_cli.utils.procs import ManagedProcess, describe_exit, tail_file
 
@@ -34,10 +35,6 @@ def vllm_python() -> str:
         return env
     venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
     return str(venv) if venv.exists() else sys.executable
-
-
-# vLLM accepts only these --max-lora-rank values (LoRAConfig.__post_init__, possible_max_ranks).
-_VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp: int = 1,
@@ -84,16 +81,14 @@ def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp:
         argv = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                 "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp),
                 "--pipeline-parallel-size", str(pp), "--dtype", dt,
-                "--seed", str(seed), "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]
+                "--seed", str(seed), *vb.REQUIRED_SERVER_ARGS, "--disable-log-stats"]
         if context_length:
             argv += ["--max-model-len", str(context_length)]
-        # Dev mode exposes /pause, /resume, /collective_rpc and the weight-transfer endpoints.
-        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.update(vb.REQUIRED_SERVER_ENV)  # dev mode: /pause, /resume, /collective_rpc, weight transfer
         env["VLLM_CACHE_ROOT"] = cache_root or os.path.join(tempfile.gettempdir(), "areal_vllm_cache")
         if lora_rank > 0:  # /v1/load_lora_adapter exists only with runtime LoRA updating on
-            max_rank = next((r for r in _VLLM_LORA_RANKS if r >= lora_rank), lora_rank)
-            argv += ["--enable-lora", "--max-lora-rank", str(max_rank)]
-            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+            argv += vb.lora_server_args(lora_rank)
+            env.update(vb.LORA_SERVER_ENV)
         if device == "cpu":
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default (4+) is too much for small hosts

@@ -54,6 +54,17 @@ def _drain(it: NamedTensors) -> None:
         pass
 
 
+def _broadcast_refused(clients: list) -> WeightSyncError | None:
+    """Servers whose backend cannot take a broadcast at all (``WEIGHT_BROADCAST_UNSUPPORTED``: vLLM)."""
+    bad = [(peer_names(c), why) for c in clients
+           if (why := getattr(getattr(c, "backend", None), "WEIGHT_BROADCAST_UNSUPPORTED", None))]
+    if not bad:
+        return None
+    names = ", ".join(n for n, _ in bad)
+    return WeightSyncError(f"weight sync (distributed): server(s) {names} cannot receive a broadcast: "
+                           f"{bad[0][1]}")
+
+
 class DiskSender:
     """Writes a versioned safetensors dir and asks every server to load it."""
 
@@ -310,6 +321,10 @@ class DistributedSender:
               is_src: bool) -> WeightSyncError | None:
         import torch
 
+        refused = _broadcast_refused(clients) if is_src else None
+        if refused is not None:  # before any pause, session or group: nothing to undo
+            _drain(named_tensors)  # the other ranks still gather (collectives)
+            return refused
         wire = getattr(torch, meta.dtype) if meta.dtype else None
         flat = bool(clients) and all(getattr(c, "supports_flattened_bucket", False) for c in clients)
         atomic = self.atomic and bool(clients) and all(getattr(c, "supports_atomic_update", False)

