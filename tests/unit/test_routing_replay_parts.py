@@ -20,7 +20,7 @@ def moe():
     torch.manual_seed(0)
     cfg = tiny_qwen3_moe_config(vocab_size=50, hidden_size=32, num_layers=N_LAYERS, num_heads=4,
                                 num_experts=N_EXPERTS, top_k=TOP_K)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()  # stats count training forwards
 
 
 class ExpertsSeen:
@@ -76,8 +76,10 @@ def test_replay_forces_the_recorded_experts_and_differentiates_their_gates(moe):
         out.sum().backward()
         for r in r3.routers(moe):
             assert r.weight.grad is not None and r.weight.grad.abs().sum() > 0  # gate scores still trained
-        stats = r3.replay_stats(moe, reset=True)
-        assert stats["routing_replay/replayed"] == 13 * N_LAYERS and stats["routing_replay/mismatch_rate"] > 0
+        st = moe._areal_r3_stats.clone()
+        assert int(st[1]) == 13 * N_LAYERS and int(st[0]) > 0  # counted: 13 replayed tokens, some differ
+        assert r3.replay_stats(moe)["routing_replay/mismatch_rate"] == int(st[0]) / int(st[1])
+        assert r3.replay_stats(moe) == {}  # reset
     finally:
         r3.set_replay(moe, None)
         seen.close()
@@ -103,7 +105,7 @@ def test_replaying_the_models_own_routing_changes_nothing(moe):
     for n, p in moe.named_parameters():
         if n in ref_grads:
             torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7)
-    assert r3.replay_stats(moe, reset=True)["routing_replay/mismatch_rate"] == 0.0
+    assert r3.replay_stats(moe)["routing_replay/mismatch_rate"] == 0.0
     moe.zero_grad(set_to_none=True)
 
 

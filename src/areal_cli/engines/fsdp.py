@@ -365,6 +365,7 @@ class FSDPEngine(TrainEngine):
             if i < len(mbs):
                 out = self._forward_mb(mbs[i], output, temperature, loss_only=True)
                 loss, stats = loss_fn(out, mbs[i])
+                stats = {**stats, **r3.replay_stats(self.model)}  # routing replay's mismatch, when replayed
                 scaled = loss * (weights[i] / denom)
                 loss_sum += float(scaled.detach())
                 for k, v in stats.items():

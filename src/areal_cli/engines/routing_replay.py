@@ -163,16 +163,17 @@ def set_replay(model: torch.nn.Module, routing: torch.Tensor | None) -> None:
         r._areal_r3_stats = model._areal_r3_stats
 
 
-def replay_stats(model: torch.nn.Module, reset: bool = False) -> dict[str, float]:
-    """Tokens × layers replayed since the last reset and how many of them the trainer's own router
-    would have routed differently (``routing_replay/mismatch_rate``)."""
+def replay_stats(model: torch.nn.Module, reset: bool = True) -> dict[str, float]:
+    """``routing_replay/mismatch_rate``: of the (token, MoE layer) pairs replayed by training forwards
+    since the last reset, the fraction the trainer's own router would have sent to other experts (the
+    train/inference routing mismatch that replay removes). Empty when nothing was replayed."""
     st = getattr(model, "_areal_r3_stats", None)
-    if st is None:
+    if st is None or int(st[1]) == 0:
         return {}
     diff, n = int(st[0]), int(st[1])
     if reset:
         st.zero_()
-    return {"routing_replay/replayed": float(n), "routing_replay/mismatch_rate": diff / n if n else 0.0}
+    return {"routing_replay/mismatch_rate": diff / n}
 
 
 def _replay_hook(mod: torch.nn.Module, _args: Any, out: Any) -> Any:
@@ -193,9 +194,10 @@ def _replay_hook(mod: torch.nn.Module, _args: Any, out: Any) -> Any:
         if not torch.allclose(mine.to(scores.dtype).float(), scores.float(), rtol=1e-3, atol=1e-5):
             raise RoutingReplayError(f"{type(mod).__name__}'s weights are not a softmax top-k; cannot replay")
         mod._areal_r3_checked = True
-    with torch.no_grad():
-        same = (natural.sort(dim=-1).values == idx.sort(dim=-1).values).all(dim=-1)
-        mod._areal_r3_stats += torch.stack([(have & ~same).sum(), have.sum()]).cpu()
+    if mod.training:  # counted for training forwards (the step's stats), not for forward()
+        with torch.no_grad():
+            same = (natural.sort(dim=-1).values == idx.sort(dim=-1).values).all(dim=-1)
+            mod._areal_r3_stats += torch.stack([(have & ~same).sum(), have.sum()]).cpu()
     weights = probs.gather(1, chosen)
     if _renormalises(mod):
         weights = weights / weights.sum(dim=-1, keepdim=True)
