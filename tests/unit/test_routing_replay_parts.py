@@ -198,3 +198,25 @@ def test_config_refuses_what_cannot_replay(tmp_path):
         with pytest.raises(ConfigError) as e:
             validate(load_config(overrides))
         assert e.value.path == "rollout.routing_replay" and text in str(e.value), str(e.value)
+
+
+def test_activation_checkpointing_recomputes_with_the_replayed_routing(moe):
+    """The recomputation in backward must route as the forward did: same gradients with and without it."""
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(4))
+    forced = _other_routing(_natural(moe, ids), seed=5)
+    grads = []
+    for ckpt in (False, True):
+        if ckpt:
+            moe.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        r3.set_replay(moe, forced)
+        try:
+            moe(input_ids=ids).logits.square().sum().backward()
+        finally:
+            r3.set_replay(moe, None)
+            moe.gradient_checkpointing_disable()
+        grads.append({n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None})
+        moe.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
+    r3.replay_stats(moe)

@@ -8,7 +8,10 @@ Batches are dicts of right-padded tensors with a leading batch dim ``[B, L]``:
   ``values``, ``returns``, ``versions`` (-1 on prompt tokens), ``sampling_cutoff`` (float;
   Keep-Sampling-Mask: token ``i`` was drawn from the tokens with ``logits / T >= sampling_cutoff[i]``,
   ``-inf`` where nothing was cut, on prompts and padding; when present, every logprob and entropy the
-  engine returns is under that truncated, renormalised distribution, see ``engines/sampling_mask.py``)
+  engine returns is under that truncated, renormalised distribution, see ``engines/sampling_mask.py``),
+  ``routed_experts`` (int16 ``[B, L, n_moe_layers * top_k]``; routing replay: the experts the inference
+  server routed token ``i`` to in every MoE layer, ``-1`` where not recorded; when present, engines that
+  support it run those experts, see ``engines/routing_replay.py``)
 - optional per-sequence ``[B]``: ``rewards``, ``seq_no_eos_mask``
 
 Position convention: per-token tensors are aligned with ``input_ids``; entry ``i`` concerns the
