@@ -1,9 +1,9 @@
-"""Worker for test_routing_replay.py: real FSDP engines (world 1, gloo) run a batch the hf server generated
-(with its routed experts) and count, per fed token and MoE layer, where the experts the trainer's MoE blocks
-actually ran differ from the server's.
+"""Worker for test_routing_replay.py: real FSDP engines (world 1, gloo) run a batch the hf server
+generated (with its routed experts) and count, per fed token and MoE layer, where the experts the
+trainer's MoE blocks actually ran differ from the server's.
 
-argv[1]: JSON ``{"model_dir", "batch", "out", "lr"}``. The batch (``torch.save``) carries ``routed_experts``
-and ``row`` (its row index). Writes a dict of results to ``out``:
+argv[1]: JSON ``{"model_dir", "batch", "out", "lr", "stale_dir"}``. The batch (``torch.save``) carries
+``routed_experts`` and ``row`` (its row index). Writes a dict of results to ``out``:
 
 - ``fp32_same/off``: the server's weights, the engine's own routing (no replay);
 - ``bf16_same/off`` and ``/on``: the same weights in bf16 on the trainer side;
@@ -11,6 +11,10 @@ and ``row`` (its row index). Writes a dict of results to ``out``:
   through ``forward``; ``stale/train_on``: the training path (``_accumulate_grads``) with replay;
 - ``logprobs``: the stale policy's logprobs under replay in the padded, packed and shared-prefix layouts,
   and packed without replay; ``router_grad``: the routers' gradient norm of the replayed training step.
+  The stale policy is exported to ``stale_dir``.
+
+With ``"cp": 2`` (run on 2 ranks): the stale policy from ``stale_dir`` under Ulysses (``c2``, the packed
+row split over the ranks), logprobs with replay (``cp_on``) and without (``cp_off``), from rank 0.
 """
 
 from __future__ import annotations
@@ -113,13 +117,35 @@ def train_on(e, batch, server):
     return tot, norm
 
 
+def ulysses(spec, batch) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.engines import get_engine_cls
+
+    e = get_engine_cls("fsdp")(EngineConfig(max_tokens_per_mb=100_000), OptimConfig(lr=spec["lr"]), seed=0)
+    e.initialize(ParallelStrategy(cp=spec["cp"]), spec["stale_dir"])
+    res = {"cp_on": e.forward(dict(batch))["logprobs"],
+           "cp_off": e.forward({k: v for k, v in batch.items() if k != KEY})["logprobs"]}
+    if dist.get_rank() == 0:
+        torch.save(res, spec["out"])
+    e.destroy()
+
+
 def main() -> None:
     import dataclasses
 
     import torch
 
+    from areal_cli.api.io_struct import SaveLoadMeta
+
     spec = json.loads(sys.argv[1])
     batch = torch.load(spec["batch"], weights_only=False)
+    if spec.get("cp"):
+        return ulysses(spec, batch)
     server = batch[KEY]
     res: dict = {}
     padded = {"padding_free": False}
@@ -138,6 +164,7 @@ def main() -> None:
     res["stale/off"] = measure(e, batch, server, replay=False)
     res["stale/on"] = measure(e, batch, server, replay=True)
     res["stale/train_on"], res["router_grad"] = train_on(e, batch, server)
+    e.save(SaveLoadMeta(path=spec["stale_dir"], tokenizer_path=spec["model_dir"]))
     lps = {"padded": e.forward(dict(batch))["logprobs"]}
     for name, cfg in {"packed": {"shared_prefix": False}, "shared": {}}.items():
         e.cfg = dataclasses.replace(e.cfg, padding_free=True, **cfg)

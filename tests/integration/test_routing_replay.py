@@ -85,17 +85,13 @@ def test_trainer_routes_every_token_as_the_server_did(server, moe_dir, tmp_path)
     # every fed token is recorded: all but each row's last; padding never
     assert torch.equal(recorded.sum(1), lens - 1) and not recorded[~am].any()
     torch.save(batch, tmp_path / "batch.pt")
-
-    from areal_cli.utils.network import find_free_port
-
     out = tmp_path / "res.pt"
-    spec = {"model_dir": moe_dir, "batch": str(tmp_path / "batch.pt"), "out": str(out), "lr": 1e-3}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
-    p = subprocess.run([sys.executable, str(Path(__file__).parent / "r3_worker.py"), json.dumps(spec)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    spec = {"model_dir": moe_dir, "batch": str(tmp_path / "batch.pt"), "out": str(out), "lr": 1e-3,
+            "stale_dir": str(tmp_path / "stale")}
+    _worker(spec, 1)
     res = torch.load(out, weights_only=False)
+    _worker({**spec, "cp": 2, "out": str(tmp_path / "cp.pt")}, 2)  # Ulysses: the packed row over 2 ranks
+    res["logprobs"].update(torch.load(tmp_path / "cp.pt", weights_only=False))
 
     print(f"\nrouting mismatch vs the server (token x MoE layer; all fed tokens / generated tokens), "
           f"{res['stale/on']['n']} pairs:")
@@ -112,11 +108,31 @@ def test_trainer_routes_every_token_as_the_server_did(server, moe_dir, tmp_path)
     assert res["stale/train_on"]["reported"] == pytest.approx(_rate(res["stale/off"]), abs=5e-3)
 
     lps, loss = res["logprobs"], batch["loss_mask"] > 0
-    for name in ("packed", "shared"):  # under replay, every layout runs the server's experts
+    for name in ("packed", "shared", "cp_on"):  # under replay, every layout runs the server's experts
         torch.testing.assert_close(lps[name][loss], lps["padded"][loss], rtol=0, atol=1e-5)
     gap = (lps["packed_off"][loss] - lps["padded"][loss]).abs().max().item()
     print(f"  max |logprob| change from replay on the stale policy: {gap:.3g} nats")
     assert gap > 1e-4
+    assert (lps["cp_off"][loss] - lps["padded"][loss]).abs().max().item() > 1e-4
+
+
+def _worker(spec: dict, world: int) -> None:
+    """r3_worker.py on ``world`` gloo ranks."""
+    from areal_cli.utils.network import find_free_port
+
+    port = str(find_free_port())
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "r3_worker.py"), json.dumps(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                                   "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(world)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n----\n".join(x[-3000:] for x in logs)
 
 
 @pytest.mark.slow
