@@ -127,9 +127,12 @@ def train_memory(f: ModelFacts, sharding, par, ffn_tp: int, dtype: str, mb_token
     local = dense + experts
     shard = par.dp * par.cp
     sw, sg, so = (shard if on else 1 for on in (sharding.weights, sharding.grads, sharding.optimizer))
+    # What the d×c sharding divides. When e is cut out of d×c (archon), an expert shard is sharded over the
+    # d×c/e remaining ranks only: experts end up over d×c ranks in all, not e × d×c.
+    stored = dense + experts * par.ep if getattr(sharding, "experts_share_dc", False) else local
     # LoRA: gradients and Adam states exist for the adapter only; the frozen base keeps its weights.
-    trainable = f.lora_params() / (par.tp * par.pp) if f.lora_rank > 0 else local
-    weights = local * pb / sw + (trainable * pb / sw if f.lora_rank > 0 else 0.0)
+    trainable = f.lora_params() / (par.tp * par.pp) if f.lora_rank > 0 else stored
+    weights = stored * pb / sw + (trainable * pb / sw if f.lora_rank > 0 else 0.0)
     if sharding.gathers_layers:
         # One or two layers are gathered unsharded at a time (prefetch).
         weights += 2 * (local / max(1, f.layers // par.pp)) * pb

@@ -259,9 +259,12 @@ def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None
     """
     path = cfg.model.path
     if path.startswith("builtin:"):
-        if path != "builtin:tiny":
+        from areal_cli.data.builtin_model import BUILTIN_SPECS
+
+        if path.split(":", 1)[1] not in BUILTIN_SPECS:
             raise ConfigError("model.path", f"unknown built-in model '{path}'",
-                              "use builtin:tiny or a local HF model directory")
+                              f"use one of: {', '.join('builtin:' + s for s in BUILTIN_SPECS)}, "
+                              "or a local HF model directory")
         return
     local = os.path.expanduser(path)
     if not os.path.isdir(local):

@@ -36,6 +36,8 @@ class ArchonConfig:
     pp_virtual_stages: int = ranged(1, ge=1)
     # Decoder layers per stage, first to last (p × virtual stages entries); empty = split evenly.
     pp_layers: list[int] = field(default_factory=list)
+    # MoE models: weight of the router's load-balancing (aux) loss; 0 turns it off. Logged as moe_aux_loss.
+    moe_aux_loss_coeff: float = ranged(0.0, ge=0.0, le=1.0)
 
 
 @dataclass

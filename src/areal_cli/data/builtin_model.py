@@ -1,4 +1,5 @@
-"""The built-in tiny model: a tokenizer trained on the built-in task plus a random tiny Qwen2.
+"""The built-in tiny models: a tokenizer trained on the built-in task plus a random tiny Qwen2 (``tiny``,
+``micro``, ``small``) or Qwen3-MoE (``tiny_moe``: 4 experts, top-2).
 
 ``ensure_builtin_model(fileroot)`` creates it on first use under
 ``<fileroot>/models/builtin-<hash>`` and returns that dir on every later call. The hash covers the
@@ -39,9 +40,17 @@ class BuiltinModelSpec:
     max_position_embeddings: int = 512
     task: str = "arith"
     seed: int = 0  # weight init
+    family: str = "qwen2"  # qwen2 (dense) | qwen3_moe (every layer an MoE layer)
+    num_experts: int = 0  # qwen3_moe: experts per layer
+    num_experts_per_tok: int = 0  # qwen3_moe: top-k
+    moe_intermediate_size: int = 0  # qwen3_moe: each expert's FFN width
 
     def digest(self) -> str:
-        blob = json.dumps({"v": BUILD_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if self.family == "qwen2":  # the dense specs hash as before the MoE fields existed (same cached dirs)
+            for k in ("family", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                fields.pop(k)
+        blob = json.dumps({"v": BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -52,6 +61,9 @@ BUILTIN_SPECS: dict[str, BuiltinModelSpec] = {
                               intermediate_size=256),
     "small": BuiltinModelSpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                               intermediate_size=1024),
+    # model=tiny_moe: a Qwen3-MoE as wide as tiny, 4 experts of width 256, top-2 (active FFN width 512, as tiny)
+    "tiny_moe": BuiltinModelSpec(family="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=256),
 }
 
 
@@ -73,6 +85,9 @@ def resolve_spec(spec: str | BuiltinModelSpec, overrides: dict[str, Any] | None 
         if unknown:
             raise ValueError(f"unknown BuiltinModelSpec fields: {sorted(unknown)}")
         spec = dataclasses.replace(spec, **overrides)
+    if spec.family == "qwen3_moe" and not 0 < spec.num_experts_per_tok <= spec.num_experts:
+        raise ConfigError("model.num_experts_per_tok", f"top-k {spec.num_experts_per_tok} is not in 1..num_experts="
+                          f"{spec.num_experts}", "set model.num_experts_per_tok between 1 and model.num_experts")
     if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         raise ConfigError("model.hidden_size", f"hidden_size={spec.hidden_size}, heads={spec.num_heads}, "
                           f"kv_heads={spec.num_kv_heads} do not divide", "pick heads dividing hidden_size "
@@ -135,10 +150,13 @@ def _build(out: Path, s: BuiltinModelSpec) -> None:
 
     train_tokenizer(out, builtin.corpus(s.task), vocab_size=s.vocab_size,
                     model_max_length=s.max_position_embeddings)
-    make_tiny_model(out, tokenizer_dir=out, seed=s.seed, hidden_size=s.hidden_size,
-                    num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-                    intermediate_size=s.intermediate_size,
-                    max_position_embeddings=s.max_position_embeddings)
+    common = dict(hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
+                  num_kv_heads=s.num_kv_heads, max_position_embeddings=s.max_position_embeddings)
+    if s.family == "qwen3_moe":
+        make_tiny_model(out, tokenizer_dir=out, seed=s.seed, family="qwen3_moe", num_experts=s.num_experts,
+                        top_k=s.num_experts_per_tok, moe_intermediate_size=s.moe_intermediate_size, **common)
+    else:
+        make_tiny_model(out, tokenizer_dir=out, seed=s.seed, intermediate_size=s.intermediate_size, **common)
 
 
 def overrides_from_model_config(model_cfg: Any) -> dict[str, Any]:
@@ -148,7 +166,12 @@ def overrides_from_model_config(model_cfg: Any) -> dict[str, Any]:
     ``vocab_size`` is not taken: the tokenizer decides the real vocabulary, and validation only
     needs an upper bound.
     """
-    return {"hidden_size": int(model_cfg.hidden_size), "num_layers": int(model_cfg.num_hidden_layers),
-            "num_heads": int(model_cfg.num_attention_heads),
-            "num_kv_heads": int(model_cfg.num_key_value_heads),
-            "intermediate_size": int(model_cfg.intermediate_size)}
+    out = {"hidden_size": int(model_cfg.hidden_size), "num_layers": int(model_cfg.num_hidden_layers),
+           "num_heads": int(model_cfg.num_attention_heads),
+           "num_kv_heads": int(model_cfg.num_key_value_heads),
+           "intermediate_size": int(model_cfg.intermediate_size)}
+    experts = int(getattr(model_cfg, "num_experts", 0) or 0)
+    if experts > 0:
+        out.update(family="qwen3_moe", num_experts=experts, num_experts_per_tok=int(model_cfg.num_experts_per_tok),
+                   moe_intermediate_size=int(model_cfg.moe_intermediate_size))
+    return out

@@ -28,9 +28,14 @@ class Sharding:
     grads: bool
     optimizer: bool
     gathers_layers: bool  # unsharded layers are gathered one or two at a time (FSDP-style prefetch)
+    # the expert ranks e are taken from the d×c ranks that shard the state (archon, torchtitan): experts are
+    # sharded over d×c in all (e × d×c/e), not e × d×c
+    experts_share_dc: bool = False
 
 
 FULL_SHARD = Sharding(weights=True, grads=True, optimizer=True, gathers_layers=True)
+# Archon: e borrows from d×c, so experts cut over e are FSDP-sharded over the remaining d×c/e ranks only
+ARCHON_SHARD = Sharding(weights=True, grads=True, optimizer=True, gathers_layers=True, experts_share_dc=True)
 
 
 ARCHON_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
@@ -128,8 +133,8 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
                                                              True)), gathers_layers=False),
                    "megatron", "megatron-core TP/PP (+ virtual stages)/DP with a distributed optimizer",
                    constraint=_megatron_constraint, check_layers=_megatron_layers),
-        EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpc", lambda _: FULL_SHARD,
-                   "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP",
+        EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpce", lambda _: ARCHON_SHARD,
+                   "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP + expert parallel",
                    check_layers=_archon_layers, uneven_layers=True),
         EngineSpec("deepspeed", "areal_cli.engines.deepspeed:DeepSpeedEngine", "dc", _deepspeed_sharding,
                    "deepspeed", "DeepSpeed ZeRO-1/2/3 with Ulysses context parallel (offload on GPU nodes)",

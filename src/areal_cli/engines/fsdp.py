@@ -263,9 +263,11 @@ class FSDPEngine(TrainEngine):
             keep = packing.loss_positions(mb, pk) if loss_only and cp == 1 and output == "logprobs" else None
             keep = keep.to(self.device) if keep is not None and keep.numel() > 0 else None
             r3.set_replay(self.model, r3.packed(mb, pk.lengths, pk.input_ids.shape[1], group))
+            # A 4-D mask goes to every layer as it is. (A {"full_attention": …} mapping only reaches models whose
+            # forward reads one: Qwen3-MoE's builds its own mask, gets None for the engine's attention function,
+            # and a packed row would attend across its sequences.)
             logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
-                                logits_to_keep=keep if keep is not None else 0,
-                                attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
+                                logits_to_keep=keep if keep is not None else 0, attention_mask=mask).logits[0]
             if output == "values":
                 vals = ulysses.gather_seq(logits[:, 0].float(), group)
                 return {"values": packing.unpack_shifted(vals, pk, max_len)}
@@ -290,8 +292,7 @@ class FSDPEngine(TrainEngine):
         mask = packing.padded_causal_mask(am)
         pos = torch.arange(max_len, device=self.device)[None].expand_as(ids)
         r3.set_replay(self.model, r3.padded(mb))
-        logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
-                            attention_mask={"full_attention": mask, "sliding_attention": mask}).logits
+        logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=mask).logits
         if output == "values":
             return {"values": packing.shift_padded(logits[..., 0].float()) * am}
         tgt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)

@@ -10,7 +10,8 @@ What it shares with :class:`~areal_cli.engines.fsdp.FSDPEngine` (micro-batching,
 normalisation, optimizer and schedules, checkpoints, the weight-sync senders) it inherits; it
 overrides the mesh, the forward (vocab-parallel logprobs, the pipeline path), gradient clipping over
 several meshes and stages, and the full-tensor stream (gathered over TP, sent from the stage that owns
-each tensor).
+each tensor). MoE models (Qwen3-MoE) run their experts through :mod:`.expert_parallel`, cut over the
+``e`` ranks when the allocation has ``e``; the experts stream out in the checkpoint's per-expert names.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.data import packing
 from areal_cli.engines import parallelize as fsdp_par
 from areal_cli.engines import sampling_mask, ulysses
-from areal_cli.engines.archon import clip, pipeline, vocab_parallel
+from areal_cli.engines.archon import clip, expert_parallel, pipeline, vocab_parallel
 from areal_cli.engines.archon.mesh import ArchonMesh, ParallelDims
 from areal_cli.engines.archon.parallelize import parallelize
 from areal_cli.engines.dist import send_to_rank0
@@ -38,7 +39,7 @@ from areal_cli.errors import ConfigError
 class ArchonEngine(FSDPEngine):
     """PyTorch-native 4-D parallel training of HF decoder models (Qwen2/2.5, Qwen3, Llama)."""
 
-    dims = "dtpc"
+    dims = "dtpce"
 
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
         from transformers import AutoConfig
@@ -48,11 +49,16 @@ class ArchonEngine(FSDPEngine):
         init_distributed()
         self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
         self.parallel, self.model_path = parallel, model_path
+        self._aux_values: list[torch.Tensor] = []  # this step's load-balancing losses (one per layer and mb)
+        self._aux_total = 1.0  # (replica, micro-batch, Ulysses slice) count they are averaged over
+        self._dummy: Batch | None = None
         if not (Path(model_path) / "config.json").is_file():
             raise ConfigError("model.path", f"{model_path} is not an HF model dir (no config.json)",
                               "point model.path at a local dir with config.json and safetensors")
         dims = ParallelDims.from_strategy(parallel)
-        dims.check_model(AutoConfig.from_pretrained(model_path))
+        hf_cfg = AutoConfig.from_pretrained(model_path)
+        dims.check_model(hf_cfg)
+        self._check_moe(hf_cfg, dims)
         self.mesh: ArchonMesh = dims.build(self.device.type)
         m = self.mesh
         self._meshes = fsdp_par.Meshes(mesh=m.world, fsdp_mesh=m.fsdp_mesh, dp_group=m.dp_group,
@@ -76,7 +82,58 @@ class ArchonEngine(FSDPEngine):
             self.model = torch.nn.ModuleDict({f"stage{s.stage_index}": s for s in stages})
         else:
             self.model = parallelize(model, m, **opts)
+        self.moe = expert_parallel.moe_blocks(self.model)
         self._build_optimizer(self.model.parameters())
+
+    def _check_moe(self, hf_cfg: Any, dims: ParallelDims) -> None:
+        coeff = float(self.cfg.archon.moe_aux_loss_coeff)
+        if coeff > 0 and not expert_parallel.is_moe_config(hf_cfg):
+            raise ConfigError("engine.archon.moe_aux_loss_coeff", f"{coeff} is set but the model has no experts",
+                              "set engine.archon.moe_aux_loss_coeff=0 for a dense model")
+        if coeff > 0 and dims.pp > 1:
+            raise ConfigError("engine.archon.moe_aux_loss_coeff", "the load-balancing loss does not run under "
+                              f"pipeline parallelism yet (p{dims.pp})",
+                              "drop p from the archon dims, or set engine.archon.moe_aux_loss_coeff=0")
+        if expert_parallel.is_moe_config(hf_cfg) and type(hf_cfg).__name__ != "Qwen3MoeConfig":
+            raise ConfigError("model.path", f"archon runs MoE models of the family {expert_parallel.SUPPORTED}, "
+                              f"got model_type={hf_cfg.model_type!r}", "use a Qwen3-MoE model, or engine=megatron")
+
+    # ------------------------------------------------------------------ MoE load-balancing loss
+    def _weighted_micro_batches(self, batch, loss_weight_fn, output, to_device=False):
+        mbs, weights, denom, n_mb = super()._weighted_micro_batches(batch, loss_weight_fn, output, to_device)
+        self._aux_values = []
+        coeff = float(self.cfg.archon.moe_aux_loss_coeff) if self.moe else 0.0
+        if coeff > 0:  # mcore's weighting: the mean over every (replica, micro-batch) of each layer's loss
+            n = self._all_reduce(torch.tensor([float(len(mbs))], dtype=torch.float64))
+            self._aux_total = float(n.item()) * self.parallel.cp  # each Ulysses slice counts on its own
+            for b in self.moe:
+                b.aux_scale, b.aux_record = coeff / self._aux_total, self._aux_values.append
+        return mbs, weights, denom, n_mb
+
+    def _dummy_mb(self) -> Batch:
+        self._dummy = super()._dummy_mb()  # a padding micro-batch: no load-balancing loss of its own
+        return self._dummy
+
+    def _forward_mb(self, mb: Batch, output: str, temperature: float, loss_only: bool = False):
+        coeff = float(self.cfg.archon.moe_aux_loss_coeff) if self.moe else 0.0
+        if coeff > 0 and self.model.training:
+            for b in self.moe:
+                b.aux_scale = 0.0 if mb is self._dummy else coeff / self._aux_total
+        return super()._forward_mb(mb, output, temperature, loss_only)
+
+    def train_batch(self, batch, loss_fn, loss_weight_fn, temperature: float = 1.0) -> dict[str, float]:
+        stats = super().train_batch(batch, loss_fn, loss_weight_fn, temperature)
+        if self.moe and float(self.cfg.archon.moe_aux_loss_coeff) > 0:
+            # before its coefficient, averaged over layers, micro-batches and data-parallel ranks (as megatron)
+            total = torch.tensor([sum(float(v) for v in self._aux_values)], dtype=torch.float64)
+            if self.parallel.cp > 1:
+                total = total.to(self._comm_device())
+                dist.all_reduce(total, group=self.cp_group)
+            total = self._all_reduce(total.cpu())
+            stats["moe_aux_loss"] = float(total.item()) / (len(self.moe) * self._aux_total)
+            for b in self.moe:
+                b.aux_scale, b.aux_record = 0.0, None
+        return stats
 
     # ------------------------------------------------------------------ layout
     @property
@@ -233,8 +290,11 @@ class ArchonEngine(FSDPEngine):
         """``(HF name, full tensor)`` on global rank 0, ``(name, None)`` elsewhere, one tensor at a time:
         each is gathered over its stage's FSDP×TP mesh and sent from the stage that owns it, so no rank
         holds more than one full tensor beyond its own shards. Tied weights appear once."""
-        if self.pipe is None:
+        if self.pipe is None and not self.moe:
             yield from super()._named_full_tensors(include_value_head, to_cpu, keep)
+            return
+        if self.pipe is None:
+            yield from self._moe_full_tensors(include_value_head, to_cpu, keep)
             return
         mine = [(n, p) for s in self.model.values() for n, p in s.named_parameters()
                 if not (s.tied_copy and n == "lm_head.weight") and (keep is None or keep(n))]
@@ -246,6 +306,10 @@ class ArchonEngine(FSDPEngine):
             for j, name in enumerate(stage_names):
                 if self.critic and name.startswith("lm_head.") and not include_value_head:
                     continue
+                if _is_expert(name):
+                    yield from self._expert_tensors(name, mine[j][1] if self.mesh.pp_rank == stage_rank else None,
+                                                    stage_rank)
+                    continue
                 full = None
                 if self.mesh.pp_rank == stage_rank:  # a collective over this stage's FSDP×TP mesh
                     full = _full(mine[j][1]).detach().cpu()
@@ -253,14 +317,71 @@ class ArchonEngine(FSDPEngine):
                     full = send_to_rank0(full, head_of[stage_rank])
                 yield name, (full if src_rank0 else None)
 
+    def _moe_full_tensors(self, include_value_head: bool, to_cpu: bool, keep):
+        """The FSDP engine's stream, with each layer's experts streamed one expert at a time."""
+        seen: set[int] = set()
+        src = dist.get_rank() == 0
+        for name, p in self.model.state_dict().items():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if (self.critic and name.startswith("lm_head.") and not include_value_head) or (keep and not keep(name)):
+                continue
+            if _is_expert(name):
+                yield from self._expert_tensors(name, p, 0)
+                continue
+            full = _full(p)
+            yield name, ((full.detach().cpu() if to_cpu else full.detach()) if src else None)
+
+    def _expert_tensors(self, name: str, p: torch.Tensor | None, stage: int):
+        """One fused expert tensor (``experts.gate_up_proj [E, 2I, H]`` or ``experts.down_proj``) as the
+        checkpoint's per-expert tensors, one expert at a time: the expert-parallel shard is gathered over
+        the ``efsdp`` ranks of ``stage`` (collective there; ``p`` None elsewhere), then expert ``j`` goes
+        point to point from the ``ep`` rank that holds it (at ``efsdp`` 0) to global rank 0. No rank holds
+        more than its own ``E/e`` experts of this tensor, and rank 0 one expert beyond that."""
+        E, ep = int(self.hf_config.num_experts), max(1, self.parallel.ep)
+        n_local = E // ep
+        local = None if p is None else _ep_local(p).detach().cpu()
+        owners = [int(r) for r in self.mesh.world.mesh[stage].flatten().tolist()]  # dp_cp order (t is 1)
+        me = dist.get_rank()
+        for j in range(E):
+            owner = owners[j // n_local] if ep > 1 else owners[0]
+            t = local[j % n_local] if (local is not None and me == owner) else None
+            if me in (0, owner):
+                t = send_to_rank0(t, owner)
+            for piece_name, piece in expert_parallel.per_expert_names(name, t, expert=j):
+                yield piece_name, (piece.clone() if me == 0 else None)
+
     def _load_hf(self, path: str) -> None:
-        if self.pipe is None:
+        if self.pipe is None and not self.moe:
             return super()._load_hf(path)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full = self._read_hf(path)
+        full = expert_parallel.fuse_experts(self._read_hf(path))
+        if self.pipe is None:
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+            return
         for stage in self.model.values():
             names = {n for n, _ in stage.named_parameters()}
             set_model_state_dict(stage, {k: v for k, v in full.items() if k in names},
                                  options=StateDictOptions(full_state_dict=True, strict=False))
 
+
+
+def _is_expert(name: str) -> bool:
+    return name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj")
+
+
+def _ep_local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's expert-parallel shard ``[E/e, ...]`` of an expert tensor: a 2-D ``(efsdp, ep)`` DTensor
+    is gathered over efsdp first; a 1-D one (ep, or FSDP alone at e=1) is its full tensor over that mesh."""
+    if not hasattr(p, "to_local"):
+        return p
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = p.device_mesh
+    if mesh.ndim == 2:
+        return p.redistribute(mesh, [Replicate(), Shard(0)]).to_local()
+    if mesh.mesh_dim_names == ("ep",):
+        return p.to_local()
+    return _full(p)

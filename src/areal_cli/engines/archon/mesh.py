@@ -7,6 +7,11 @@ ask which dims exist.
 
 Parameters are FSDP-sharded over the flattened ``dp×cp`` ranks: Ulysses ranks hold the same weights,
 so sharding over them too saves memory for free (the same choice as the FSDP engine).
+
+Expert parallelism (``ep``) adds no ranks: it borrows from ``dp×cp`` as in torchtitan. The flattened
+``dp_cp`` mesh is unflattened into ``(efsdp, ep)``, ``ep`` innermost (neighbouring ranks exchange tokens):
+experts are cut over ``ep`` and FSDP-sharded over ``efsdp = dp×cp / ep``; everything else stays
+FSDP-sharded over ``dp_cp``. Both come from the one world mesh, so FSDP2 accepts the 2-D expert DTensors.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ class ParallelDims:
     dp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel: borrows from dp×cp, adds no ranks
 
     def __post_init__(self) -> None:
-        for name in DIM_NAMES:
+        for name in DIM_NAMES + ("ep",):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError("allocation_mode",
@@ -39,7 +45,8 @@ class ParallelDims:
     @classmethod
     def from_strategy(cls, parallel: Any) -> "ParallelDims":
         """From an :class:`~areal_cli.api.io_struct.ParallelStrategy` (fields dp/cp/tp/pp)."""
-        return cls(pp=int(parallel.pp), dp=int(parallel.dp), cp=int(parallel.cp), tp=int(parallel.tp))
+        return cls(pp=int(parallel.pp), dp=int(parallel.dp), cp=int(parallel.cp), tp=int(parallel.tp),
+                   ep=int(getattr(parallel, "ep", 1) or 1))
 
     @property
     def world_size(self) -> int:
@@ -65,10 +72,30 @@ class ParallelDims:
         if self.cp > 1 and (heads // self.tp) % self.cp:
             raise ConfigError("allocation_mode", f"c{self.cp} must divide the heads per tensor-parallel rank "
                               f"({heads}/t{self.tp})", "pick c that divides num_attention_heads / t")
+        self.check_experts(hf_config)
         layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
         if self.pp > layers:
             raise ConfigError("allocation_mode", f"p{self.pp} exceeds num_hidden_layers={layers}",
                               "use at most one pipeline stage per layer")
+
+    def check_experts(self, hf_config: Any) -> None:
+        """``e`` needs an MoE model whose expert count it divides, and must divide ``d×c``."""
+        if self.ep == 1:
+            return
+        experts = int(getattr(hf_config, "num_experts", 0) or 0)
+        if experts <= 0:
+            raise ConfigError("allocation_mode", f"e{self.ep} needs an MoE model, but model_type="
+                              f"{getattr(hf_config, 'model_type', '?')!r} has no experts",
+                              "drop e from the archon dims or pick an MoE model (e.g. model=tiny_moe)")
+        if experts % self.ep:
+            raise ConfigError("allocation_mode", f"e{self.ep} does not divide num_experts={experts}",
+                              "pick e that divides the expert count")
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError("allocation_mode", f"e{self.ep} must divide d×c={self.dp * self.cp} (archon cuts the "
+                              "experts over data-parallel ranks)", "lower e or raise d")
+        if self.tp > 1:
+            raise ConfigError("allocation_mode", f"archon runs expert parallelism without t, got t{self.tp}e{self.ep}",
+                              "drop t (use d×e), or use engine=megatron for experts cut over t")
 
     def build(self, device_type: str) -> "ArchonMesh":
         """Build the mesh (collective: every rank of the default group must call it)."""
@@ -80,7 +107,10 @@ class ParallelDims:
         fsdp = world["dp", "cp"]._flatten("dp_cp")
         # Everything one data-parallel replica spans: the batch is broadcast from its head over this.
         replica = world["pp", "cp", "tp"]._flatten("pp_cp_tp")
-        return ArchonMesh(dims=self, world=world, fsdp_mesh=fsdp, replica_mesh=replica)
+        expert = None
+        if self.ep > 1:
+            expert = fsdp._unflatten(0, (self.dp * self.cp // self.ep, self.ep), ("efsdp", "ep"))
+        return ArchonMesh(dims=self, world=world, fsdp_mesh=fsdp, replica_mesh=replica, expert_mesh=expert)
 
 
 @dataclass
@@ -91,6 +121,7 @@ class ArchonMesh:
     world: Any  # DeviceMesh ("pp", "dp", "cp", "tp")
     fsdp_mesh: Any  # 1-D DeviceMesh over dp×cp ("dp_cp")
     replica_mesh: Any  # 1-D DeviceMesh over pp×cp×tp: one data-parallel replica
+    expert_mesh: Any = None  # 2-D DeviceMesh ("efsdp", "ep") over dp×cp when ep > 1
     _coords: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,6 +151,16 @@ class ArchonMesh:
     @property
     def cp_mesh(self):
         return self.world["cp"]
+
+    @property
+    def ep_mesh(self):
+        """1-D mesh of the ranks that split the experts (None when ep is 1)."""
+        return None if self.expert_mesh is None else self.expert_mesh["ep"]
+
+    @property
+    def efsdp_mesh(self):
+        """1-D mesh over which the expert shards are FSDP-sharded once more (dp×cp / ep ranks)."""
+        return None if self.expert_mesh is None else self.expert_mesh["efsdp"]
 
     # ---- groups
     def group(self, name: str):
