@@ -16,7 +16,10 @@ on the rank holding the most:
 - the median step time (wall clock of ``train_batch``, steps after the first).
 
 Ratios are against each engine's d1 measured in the same run. Targets (issue 15): t2 and p2 at most 0.6x of
-d1's memory; (issue 18) ZeRO-3 at d2 at most 0.6x of ZeRO-3 at d1.
+d1's memory; (issue 18) ZeRO-3 at d2 at most 0.6x of ZeRO-3 at d1; (issue 17, ``--moe``) expert memory per
+rank at d2e2 at most 0.6x of d2. Archon's FSDP shards the experts over d at d2 already, so its held expert
+state is the same at d2 and d2e2; what e removes is the layer-by-layer gather of every expert (weights in
+forward, weights and unsharded gradients in backward), reported beside it.
 Step times on a 2-core machine with a 4-process layout mostly measure process contention;
 they are printed for what they are.
 """
@@ -79,12 +82,37 @@ def _archon_state(engine, run_step) -> dict:
     import torch
 
     params = list(engine.model.parameters())
+    # MoE: the expert weights a layer materialises while it runs beyond the rank's own shards (FSDP's
+    # all-gathered copies; under e the local experts are the shard itself), largest layer
+    extra = [0]
+    hooks = []
+    for block in getattr(engine, "moe", []):
+        own = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+               for p in (block.experts.gate_up_proj, block.experts.down_proj)}
+
+        def seen(mod, args, own=own):
+            from areal_cli.engines.archon.expert_parallel import _local
+
+            ts = [_local(mod.gate_up_proj), _local(mod.down_proj)]
+            extra[0] = max(extra[0], sum(_bytes(t) for t in ts if t.untyped_storage().data_ptr() not in own))
+        hooks.append(block.experts.register_forward_pre_hook(seen))
     # train_batch frees gradients after its step: one more forward/backward, to count them held.
     run_step()
+    for h in hooks:
+        h.remove()
+    state = {id(p): st for p, st in engine.optimizer.state.items()}
     mem = {"params": sum(_bytes(p) for p in params),
            "grads": sum(_bytes(p.grad) for p in params if p.grad is not None),
            "optim": sum(_bytes(v) for st in engine.optimizer.state.values() for v in st.values()
                         if torch.is_tensor(v) and v.dim() > 0)}
+    if getattr(engine, "moe", None):
+        experts = [p for n, p in engine.model.named_parameters() if ".experts." in n]
+        mem["experts"] = sum(_bytes(p) + (_bytes(p.grad) if p.grad is not None else 0)
+                             + sum(_bytes(v) for v in state.get(id(p), {}).values()
+                                   if torch.is_tensor(v) and v.dim())
+                             for p in experts)
+        # in backward the layer also holds the unsharded gradient of what it gathered, as large again
+        mem["experts_gathered"] = 2 * extra[0]
     engine.optimizer.zero_grad(set_to_none=True)
     return mem
 
@@ -251,8 +279,9 @@ def main() -> None:
     ap.add_argument("--tied", action="store_true", help="tied embeddings (12 layers instead of 8)")
     ap.add_argument("--engines", nargs="+", default=sorted(STATE_BYTES), choices=sorted(STATE_BYTES))
     ap.add_argument("--moe", action="store_true",
-                    help="a Qwen3-MoE (8 experts) instead: megatron at d2 and d2e2 with a replicated (not "
-                         "distributed) optimizer, so the expert state per rank shows the e sharding alone")
+                    help="a Qwen3-MoE (8 experts) instead: megatron and archon at d2 and d2e2 (megatron "
+                         "with a replicated, not distributed, optimizer, so the expert state per rank shows "
+                         "the e sharding alone; archon: the expert state held and what a layer gathers)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -262,7 +291,8 @@ def main() -> None:
     from rich.table import Table
 
     if args.moe:
-        args.engines, args.layouts = ["megatron"], ["d2", "d2e2"]
+        args.engines = [e for e in args.engines if e in ("megatron", "archon")] or ["megatron", "archon"]
+        args.layouts = ["d2", "d2e2"]
     layouts = ["d1"] + [x for x in args.layouts if x != "d1"]
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model")
@@ -282,10 +312,23 @@ def main() -> None:
                       f"{r['step_s'] / base['step_s']:.2f}x")
     Console().print(table)
     if args.moe:
-        d2, e2 = res[("megatron", "d2")]["mem"]["experts"], res[("megatron", "d2e2")]["mem"]["experts"]
         mb_ = 1024 ** 2
-        print(f"megatron expert state per rank: d2 {d2 / mb_:.1f} MB, d2e2 {e2 / mb_:.1f} MB = {e2 / d2:.2f}x of d2 "
-              f"(target <= 0.6x): {'met' if e2 <= 0.6 * d2 else 'NOT met'}")
+        if ("megatron", "d2") in res:
+            d2, e2 = res[("megatron", "d2")]["mem"]["experts"], res[("megatron", "d2e2")]["mem"]["experts"]
+            print(f"megatron expert state per rank: d2 {d2 / mb_:.1f} MB, d2e2 {e2 / mb_:.1f} MB = "
+                  f"{e2 / d2:.2f}x of d2 (target <= 0.6x): {'met' if e2 <= 0.6 * d2 else 'NOT met'}")
+        if ("archon", "d2") in res:
+            a, b = res[("archon", "d2")]["mem"], res[("archon", "d2e2")]["mem"]
+            print(f"archon expert state held per rank (FSDP shards it over d either way): "
+                  f"d2 {a['experts'] / mb_:.1f} MB, d2e2 {b['experts'] / mb_:.1f} MB = "
+                  f"{b['experts'] / a['experts']:.2f}x")
+            ga, gb = a["experts_gathered"], b["experts_gathered"]
+            print(f"archon expert weights + grads one layer materialises beyond its shards: "
+                  f"d2 {ga / mb_:.1f} MB, d2e2 {gb / mb_:.1f} MB")
+            pa, pb = a["experts"] + ga, b["experts"] + gb
+            print(f"archon expert memory per rank at its peak (held + one layer's gathered): "
+                  f"d2 {pa / mb_:.1f} MB, d2e2 {pb / mb_:.1f} MB = {pb / pa:.2f}x of d2 (target <= 0.6x): "
+                  f"{'met' if pb <= 0.6 * pa else 'NOT met'}")
         return
     for (e, name), r in res.items():
         if name in ("t2", "p2") or (e == "deepspeed-z3" and name == "d2"):

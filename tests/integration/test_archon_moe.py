@@ -1,7 +1,7 @@
-"""Expert parallelism under the Archon engine: a tiny Qwen3-MoE (4 experts, top-2, renormalised; routing fixed by
-the weights' seed) trains the same global batch to the same loss and updated weights as the one-process HF model
-(fsdp engine, fp32, 1e-5), and its forward logprobs match, under archon d2e2 (2 processes: e borrows from d) and
-d4e2 (4 processes: experts cut over 2 ranks and FSDP-sharded over the other 2).
+"""Expert parallelism under the Archon engine: a tiny Qwen3-MoE (4 experts, top-2, renormalised; routing fixed
+by the weights' seed) trains the same global batch to the same loss and updated weights as the one-process HF
+model (fsdp engine, fp32, 1e-5), and its forward logprobs match, under archon d2e2 (2 processes: e borrows
+from d) and d4e2 (4 processes: experts cut over 2 ranks and FSDP-sharded over the other 2).
 
 Also: the load-balancing loss (engine.archon.moe_aux_loss_coeff) is logged as moe_aux_loss with megatron's
 meaning, does not depend on how the experts are cut (d2 equals d2e2), and trains the router; the HF export
@@ -76,15 +76,17 @@ def test_expert_parallel_layout_matches_the_one_process_reference(runs, name):
         assert abs(s_ref["grad_norm"] - s_got["grad_norm"]) <= 1e-4, (s_ref["grad_norm"], s_got["grad_norm"])
     assert _max_diff(ref["logprobs"], got["logprobs"]) <= TOL  # the forward before training
     assert _max_diff(ref["weights"], got["weights"]) <= TOL  # after two AdamW steps
-    assert any(k.endswith("experts.3.down_proj.weight") for k in got["weights"])  # every expert, gathered over e
+    # every expert, gathered over e
+    assert any(k.endswith("experts.3.down_proj.weight") for k in got["weights"])
     moved = _max_diff(runs["rt_d2e2"]["weights"], got["weights"])
     assert moved > 1e-3, "training did not change the weights"
 
 
 def test_load_balancing_loss_is_logged_independent_of_e_and_trains(runs):
-    """engine.archon.moe_aux_loss_coeff > 0: the router's load-balancing loss (before the coefficient, averaged
-    over layers, micro-batches and data-parallel ranks) is in the step's stats; cutting the experts over e
-    changes neither it nor the gradients; its gradient moves the router away from the coefficient-0 run."""
+    """engine.archon.moe_aux_loss_coeff > 0: the router's load-balancing loss (before the coefficient,
+    averaged over layers, micro-batches and data-parallel ranks) is in the step's stats; cutting the experts
+    over e changes neither it nor the gradients; its gradient moves the router away from the coefficient-0
+    run."""
     d2, e2, plain = runs["d2_aux"], runs["d2e2_aux"], runs["d2e2"]
     values = [s["moe_aux_loss"] for s in e2["stats"]]
     assert all(0.9 < v < 4.0 for v in values), values  # 1 when the top-2 of 4 experts are used evenly
@@ -112,8 +114,8 @@ def test_experts_round_trip_bit_exact_across_layouts(runs, moe_model):
 
 def test_archon_d2e2_sync_into_hf_server(tiny_model_dir, tmp_path):
     """Weight sync from archon d2e2 (experts cut over two ranks, streamed expert by expert in the checkpoint's
-    per-expert names) into a running hf server serving another tiny Qwen3-MoE, disk then distributed: after each
-    push the server's greedy output equals the trained model's (its HF export run by transformers)."""
+    per-expert names) into a running hf server serving another tiny Qwen3-MoE, disk then distributed: after
+    each push the server's greedy output equals the trained model's (its HF export run by transformers)."""
     from test_weight_sync_hf import _check_pushes
     from transformers import AutoTokenizer
 
@@ -134,3 +136,28 @@ def test_archon_d2e2_sync_into_hf_server(tiny_model_dir, tmp_path):
     finally:
         server.stop()
     _check_pushes(json.loads((tmp_path / "sync.json").read_text()), tmp_path, ps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_areal_train_tiny_moe_archon_d2e2_learns(tmp_path):
+    """`areal train model=tiny_moe engine=archon allocation_mode=hf:d1+archon:d2e2` on the embedded default
+    task: the built-in Qwen3-MoE is built on first use, served by the hf server, trained with its experts cut
+    over two ranks and synced every step; the held-out accuracy must rise (docs/training.md records a run)."""
+    import subprocess
+    import time
+
+    from test_train import _env
+
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", f"cluster.fileroot={tmp_path}",
+                          "model=tiny_moe", "engine=archon", "allocation_mode=hf:d1+archon:d2e2",
+                          "cluster.n_gpus_per_node=3"], capture_output=True, text=True, env=_env(),
+                         timeout=1700)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    (summary_path,) = (tmp_path / "runs").glob("*/*/summary.json")
+    s = json.loads(summary_path.read_text())
+    gain = s["accuracy_after"] - s["accuracy_before"]
+    print(f"\ntiny_moe archon d2e2: {s['accuracy_before']:.1%} -> {s['accuracy_after']:.1%} ({gain:+.1%}) "
+          f"in {time.time() - t0:.0f}s")
+    assert gain >= 0.40, s  # as the embedded default's other engine runs (test_train_default.py)

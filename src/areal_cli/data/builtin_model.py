@@ -61,7 +61,7 @@ BUILTIN_SPECS: dict[str, BuiltinModelSpec] = {
                               intermediate_size=256),
     "small": BuiltinModelSpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                               intermediate_size=1024),
-    # model=tiny_moe: a Qwen3-MoE as wide as tiny, 4 experts of width 256, top-2 (active FFN width 512, as tiny)
+    # model=tiny_moe: a Qwen3-MoE as wide as tiny, 4 experts of width 256, top-2 (active FFN width 512)
     "tiny_moe": BuiltinModelSpec(family="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=256),
 }
@@ -86,8 +86,9 @@ def resolve_spec(spec: str | BuiltinModelSpec, overrides: dict[str, Any] | None 
             raise ValueError(f"unknown BuiltinModelSpec fields: {sorted(unknown)}")
         spec = dataclasses.replace(spec, **overrides)
     if spec.family == "qwen3_moe" and not 0 < spec.num_experts_per_tok <= spec.num_experts:
-        raise ConfigError("model.num_experts_per_tok", f"top-k {spec.num_experts_per_tok} is not in 1..num_experts="
-                          f"{spec.num_experts}", "set model.num_experts_per_tok between 1 and model.num_experts")
+        raise ConfigError("model.num_experts_per_tok", f"top-k {spec.num_experts_per_tok} is not in "
+                          f"1..num_experts={spec.num_experts}",
+                          "set model.num_experts_per_tok between 1 and model.num_experts")
     if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         raise ConfigError("model.hidden_size", f"hidden_size={spec.hidden_size}, heads={spec.num_heads}, "
                           f"kv_heads={spec.num_kv_heads} do not divide", "pick heads dividing hidden_size "
@@ -172,6 +173,7 @@ def overrides_from_model_config(model_cfg: Any) -> dict[str, Any]:
            "intermediate_size": int(model_cfg.intermediate_size)}
     experts = int(getattr(model_cfg, "num_experts", 0) or 0)
     if experts > 0:
-        out.update(family="qwen3_moe", num_experts=experts, num_experts_per_tok=int(model_cfg.num_experts_per_tok),
+        out.update(family="qwen3_moe", num_experts=experts,
+                   num_experts_per_tok=int(model_cfg.num_experts_per_tok),
                    moe_intermediate_size=int(model_cfg.moe_intermediate_size))
     return out

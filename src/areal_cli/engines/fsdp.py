@@ -263,9 +263,9 @@ class FSDPEngine(TrainEngine):
             keep = packing.loss_positions(mb, pk) if loss_only and cp == 1 and output == "logprobs" else None
             keep = keep.to(self.device) if keep is not None and keep.numel() > 0 else None
             r3.set_replay(self.model, r3.packed(mb, pk.lengths, pk.input_ids.shape[1], group))
-            # A 4-D mask goes to every layer as it is. (A {"full_attention": …} mapping only reaches models whose
-            # forward reads one: Qwen3-MoE's builds its own mask, gets None for the engine's attention function,
-            # and a packed row would attend across its sequences.)
+            # A 4-D mask goes to every layer as it is. (A {"full_attention": …} mapping only reaches models
+            # whose forward reads one: Qwen3-MoE's builds its own mask, gets None for the engine's attention
+            # function, and a packed row would attend across its sequences.)
             logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                                 logits_to_keep=keep if keep is not None else 0, attention_mask=mask).logits[0]
             if output == "values":

@@ -88,15 +88,17 @@ class ArchonEngine(FSDPEngine):
     def _check_moe(self, hf_cfg: Any, dims: ParallelDims) -> None:
         coeff = float(self.cfg.archon.moe_aux_loss_coeff)
         if coeff > 0 and not expert_parallel.is_moe_config(hf_cfg):
-            raise ConfigError("engine.archon.moe_aux_loss_coeff", f"{coeff} is set but the model has no experts",
+            raise ConfigError("engine.archon.moe_aux_loss_coeff",
+                              f"{coeff} is set but the model has no experts",
                               "set engine.archon.moe_aux_loss_coeff=0 for a dense model")
         if coeff > 0 and dims.pp > 1:
-            raise ConfigError("engine.archon.moe_aux_loss_coeff", "the load-balancing loss does not run under "
-                              f"pipeline parallelism yet (p{dims.pp})",
+            raise ConfigError("engine.archon.moe_aux_loss_coeff",
+                              f"the load-balancing loss does not run under pipelining yet (p{dims.pp})",
                               "drop p from the archon dims, or set engine.archon.moe_aux_loss_coeff=0")
         if expert_parallel.is_moe_config(hf_cfg) and type(hf_cfg).__name__ != "Qwen3MoeConfig":
-            raise ConfigError("model.path", f"archon runs MoE models of the family {expert_parallel.SUPPORTED}, "
-                              f"got model_type={hf_cfg.model_type!r}", "use a Qwen3-MoE model, or engine=megatron")
+            raise ConfigError("model.path", f"archon runs MoE models of the family "
+                              f"{expert_parallel.SUPPORTED}, got model_type={hf_cfg.model_type!r}",
+                              "use a Qwen3-MoE model, or engine=megatron")
 
     # ------------------------------------------------------------------ MoE load-balancing loss
     def _weighted_micro_batches(self, batch, loss_weight_fn, output, to_device=False):
@@ -124,7 +126,7 @@ class ArchonEngine(FSDPEngine):
     def train_batch(self, batch, loss_fn, loss_weight_fn, temperature: float = 1.0) -> dict[str, float]:
         stats = super().train_batch(batch, loss_fn, loss_weight_fn, temperature)
         if self.moe and float(self.cfg.archon.moe_aux_loss_coeff) > 0:
-            # before its coefficient, averaged over layers, micro-batches and data-parallel ranks (as megatron)
+            # before its coefficient, averaged over layers, micro-batches and dp ranks (as megatron)
             total = torch.tensor([sum(float(v) for v in self._aux_values)], dtype=torch.float64)
             if self.parallel.cp > 1:
                 total = total.to(self._comm_device())
@@ -307,8 +309,8 @@ class ArchonEngine(FSDPEngine):
                 if self.critic and name.startswith("lm_head.") and not include_value_head:
                     continue
                 if _is_expert(name):
-                    yield from self._expert_tensors(name, mine[j][1] if self.mesh.pp_rank == stage_rank else None,
-                                                    stage_rank)
+                    owned = mine[j][1] if self.mesh.pp_rank == stage_rank else None
+                    yield from self._expert_tensors(name, owned, stage_rank)
                     continue
                 full = None
                 if self.mesh.pp_rank == stage_rank:  # a collective over this stage's FSDP×TP mesh
@@ -325,7 +327,9 @@ class ArchonEngine(FSDPEngine):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            if (self.critic and name.startswith("lm_head.") and not include_value_head) or (keep and not keep(name)):
+            if self.critic and name.startswith("lm_head.") and not include_value_head:
+                continue
+            if keep is not None and not keep(name):
                 continue
             if _is_expert(name):
                 yield from self._expert_tensors(name, p, 0)
@@ -359,7 +363,8 @@ class ArchonEngine(FSDPEngine):
 
         full = expert_parallel.fuse_experts(self._read_hf(path))
         if self.pipe is None:
-            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+            opts = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self.model, full, options=opts)
             return
         for stage in self.model.values():
             names = {n for n, _ in stage.named_parameters()}

@@ -81,7 +81,8 @@ class _AuxLossScaler(torch.autograd.Function):
 def load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``E · Σ_i P_i · f_i`` over these tokens (a differentiable scalar through ``P``)."""
     probs = torch.softmax(logits.float(), dim=-1)
-    frac = torch.bincount(indices.reshape(-1), minlength=num_experts).to(probs.dtype) / max(1, indices.numel())
+    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(probs.dtype)
+    frac = counts / max(1, indices.numel())
     return num_experts * (probs.mean(0) * frac).sum()
 
 

@@ -91,10 +91,11 @@ class ParallelDims:
             raise ConfigError("allocation_mode", f"e{self.ep} does not divide num_experts={experts}",
                               "pick e that divides the expert count")
         if (self.dp * self.cp) % self.ep:
-            raise ConfigError("allocation_mode", f"e{self.ep} must divide d×c={self.dp * self.cp} (archon cuts the "
-                              "experts over data-parallel ranks)", "lower e or raise d")
+            raise ConfigError("allocation_mode", f"e{self.ep} must divide d×c={self.dp * self.cp} "
+                              "(archon cuts the experts over data-parallel ranks)", "lower e or raise d")
         if self.tp > 1:
-            raise ConfigError("allocation_mode", f"archon runs expert parallelism without t, got t{self.tp}e{self.ep}",
+            raise ConfigError("allocation_mode",
+                              f"archon runs expert parallelism without t, got t{self.tp}e{self.ep}",
                               "drop t (use d×e), or use engine=megatron for experts cut over t")
 
     def build(self, device_type: str) -> "ArchonMesh":
