@@ -6,6 +6,9 @@ from d) and d4e2 (4 processes: experts cut over 2 ranks and FSDP-sharded over th
 Also: the load-balancing loss (engine.archon.moe_aux_loss_coeff) is logged as moe_aux_loss with megatron's
 meaning, does not depend on how the experts are cut (d2 equals d2e2), and trains the router; the HF export
 streams every expert in the checkpoint's per-expert names, bit-exact after a load, from any layout.
+
+The multi-process tests (~3.5 min on 2 cores) are behind the `moe` marker (`pytest -m moe tests/integration`,
+a CI phase of their own); the config checks run in the default suite, the areal-train run under `slow`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("name", ["d1", "d2e2", "d4e2"])
 def test_expert_parallel_layout_matches_the_one_process_reference(runs, name):
     ref, got = runs["ref"], runs[name]
@@ -82,6 +86,7 @@ def test_expert_parallel_layout_matches_the_one_process_reference(runs, name):
     assert moved > 1e-3, "training did not change the weights"
 
 
+@pytest.mark.moe
 def test_load_balancing_loss_is_logged_independent_of_e_and_trains(runs):
     """engine.archon.moe_aux_loss_coeff > 0: the router's load-balancing loss (before the coefficient,
     averaged over layers, micro-batches and data-parallel ranks) is in the step's stats; cutting the experts
@@ -99,6 +104,7 @@ def test_load_balancing_loss_is_logged_independent_of_e_and_trains(runs):
     assert any("mlp.gate.weight" in k for k in moved), moved
 
 
+@pytest.mark.moe
 def test_experts_round_trip_bit_exact_across_layouts(runs, moe_model):
     """Streamed at d2e2 (per-expert names, expert by expert) the model dir comes back bit-exact; the trained
     d2e2 model's HF export, loaded into d4e2 (another cut of the experts), streams back bit-exact too."""
@@ -112,6 +118,7 @@ def test_experts_round_trip_bit_exact_across_layouts(runs, moe_model):
             assert torch.equal(got[k], want[k]), (name, k)
 
 
+@pytest.mark.moe
 def test_archon_d2e2_sync_into_hf_server(tiny_model_dir, tmp_path):
     """Weight sync from archon d2e2 (experts cut over two ranks, streamed expert by expert in the checkpoint's
     per-expert names) into a running hf server serving another tiny Qwen3-MoE, disk then distributed: after
@@ -161,3 +168,23 @@ def test_areal_train_tiny_moe_archon_d2e2_learns(tmp_path):
     print(f"\ntiny_moe archon d2e2: {s['accuracy_before']:.1%} -> {s['accuracy_after']:.1%} ({gain:+.1%}) "
           f"in {time.time() - t0:.0f}s")
     assert gain >= 0.40, s  # as the embedded default's other engine runs (test_train_default.py)
+
+
+def test_validate_config_accepts_archon_e_for_the_tiny_moe_and_refuses_it_for_dense():
+    """model=tiny_moe validates at archon d2e2 (e adds no devices) with the experts' memory sharded over d×c in
+    all; e on a dense model, or e not dividing d×c, is a typed error naming allocation_mode."""
+    from areal_cli.config.compose import load_config
+    from areal_cli.config.validate import validate
+    from areal_cli.errors import ConfigError
+
+    base = ["engine=archon", "cluster.n_gpus_per_node=3"]
+    plan = validate(load_config(["model=tiny_moe", "allocation_mode=hf:d1+archon:d2e2", *base]))
+    assert (plan.train.parallel.dp, plan.train.parallel.ep) == (2, 2)
+    d2 = validate(load_config(["model=tiny_moe", "allocation_mode=hf:d1+archon:d2", *base]))
+    # e borrows from d: the held state (sharded over d×c either way) is the same; only the gather shrinks
+    assert plan.train.memory.grads_gb == pytest.approx(d2.train.memory.grads_gb)
+    assert plan.train.memory.weights_gb < d2.train.memory.weights_gb
+    for bad in (["allocation_mode=hf:d1+archon:d2e2"], ["model=tiny_moe", "allocation_mode=hf:d1+archon:d1e2"]):
+        with pytest.raises(ConfigError) as err:
+            validate(load_config([*bad, *base]))
+        assert err.value.path.startswith("allocation_mode"), err.value
