@@ -47,3 +47,33 @@ def test_distributed_push_to_vllm_is_refused_before_anything_is_sent():
     from areal_cli.weight_sync.senders import _broadcast_refused
 
     assert _broadcast_refused([RemoteInferenceEngine(["10.255.255.1:9"], "hf")]) is None
+
+
+def test_auto_weight_update_picks_disk_for_vllm_and_explicit_distributed_is_refused():
+    """The default ``rollout.weight_update=auto`` pushes through disk wherever a vLLM server takes part
+    (full weights) or a vLLM/SGLang server takes a LoRA adapter, else over the broadcast group; an
+    explicit ``distributed`` with vLLM is refused by validate-config, naming the path and the fix."""
+    from areal_cli.config.compose import load_config
+    from areal_cli.config.rollout import resolved_weight_update
+    from areal_cli.config.validate import validate
+    from areal_cli.errors import ConfigError
+
+    assert resolved_weight_update("auto", ["hf", "hf"]) == "distributed"
+    assert resolved_weight_update("auto", ["sglang"]) == "distributed"
+    assert resolved_weight_update("auto", ["hf", "vllm"]) == "disk"
+    assert resolved_weight_update("auto", ["sglang"], lora=True) == "disk"
+    assert resolved_weight_update("auto", ["hf"], lora=True) == "distributed"
+    assert resolved_weight_update("distributed", ["vllm"]) == "distributed"  # validation's job
+    gpu = ["allocation_mode=vllm.d2t2+fsdp.d4", "cluster.device=cuda", "cluster.n_gpus_per_node=8",
+           "model=qwen2_5_1_5b"]
+    assert load_config(gpu).rollout.weight_update == "auto"
+    validate(load_config(gpu))
+    validate(load_config([*gpu, "rollout.weight_update=disk"]))
+    with pytest.raises(ConfigError) as e:
+        validate(load_config([*gpu, "rollout.weight_update=distributed"]))
+    assert e.value.path == "rollout.weight_update" and "rollout.weight_update=disk" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(["allocation_mode=sglang.d2t2+fsdp.d4", "cluster.device=cuda",
+                              "cluster.n_gpus_per_node=8", "model=qwen2_5_1_5b", "model.lora.rank=8",
+                              "rollout.weight_update=distributed"]))
+    assert e.value.path == "rollout.weight_update"

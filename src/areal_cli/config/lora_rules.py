@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from areal_cli.config.model import lora_target_modules
+from areal_cli.config.rollout import LORA_DISK_ONLY_BACKENDS
 from areal_cli.errors import ConfigError
 
 # Training engines that apply peft adapters (engines/lora.py); the others refuse model.lora.rank > 0.
 LORA_ENGINES = ("fsdp", "archon", "deepspeed")
 # Servers that load adapters from an areal-written directory; the adapter travels by disk to these.
-LORA_DISK_ONLY_BACKENDS = ("sglang", "vllm")
 
 
 def check_lora(cfg: Any, plan: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from areal_cli.config.ranges import ranged
@@ -29,7 +30,10 @@ class RolloutConfig:
     request_timeout_s: float = ranged(300.0, gt=0.0)
     request_retries: int = ranged(3, ge=0)
     routing: str = "least_loaded"  # least_loaded | round_robin
-    weight_update: str = "distributed"  # distributed | disk
+    # auto | distributed | disk. auto: a broadcast from the trainer (distributed), except through disk where a
+    # vLLM server takes part (its weight transfer is its own NCCL rendezvous, docs/inference.md) or where
+    # a LoRA adapter goes to a vLLM/SGLang server (they load adapters from a directory only).
+    weight_update: str = "auto"
     weight_update_dtype: str = "float32"
     # Trainer rank 0 runs the executor, client and workflow in a worker process of their own (true)
     # or as a thread sharing the trainer's GIL (false); see trainer/rollout_worker.py.
@@ -44,3 +48,19 @@ class RolloutConfig:
     # MoE models, the fsdp engine and the hf server only (validated).
     routing_replay: bool = False
     eval_gconfig: GenerationSettings = field(default_factory=lambda: GenerationSettings(greedy=True))
+
+
+# Servers that cannot join the trainer's broadcast group for full weights (resolved_weight_update).
+DISK_ONLY_BACKENDS = ("vllm",)
+# Servers that load LoRA adapters from a directory only.
+LORA_DISK_ONLY_BACKENDS = ("sglang", "vllm")
+
+
+def resolved_weight_update(mode: str, backends: Iterable[str], lora: bool = False) -> str:
+    """The push mode ``rollout.weight_update`` means for these server backends: ``auto`` picks disk where
+    any server cannot take the broadcast, else distributed; an explicit mode is kept (validation refuses
+    the combinations that cannot work)."""
+    if mode != "auto":
+        return mode
+    disk_only = LORA_DISK_ONLY_BACKENDS if lora else DISK_ONLY_BACKENDS
+    return "disk" if any(b in disk_only for b in backends) else "distributed"

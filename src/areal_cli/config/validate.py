@@ -23,6 +23,7 @@ from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
 from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.ranges import check_ranges
+from areal_cli.config.rollout import DISK_ONLY_BACKENDS
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.engines import ENGINE_SPECS, engine_dims, get_engine_spec
 from areal_cli.errors import ConfigError
@@ -33,7 +34,7 @@ CHOICES = {
     "cluster.device": ("cpu", "cuda"),
     "engine.dtype": ("float32", "bfloat16", "float16"),
     "launcher.name": ("local", "slurm", "skypilot", "ray"),
-    "rollout.weight_update": ("distributed", "disk"),
+    "rollout.weight_update": ("auto", "distributed", "disk"),
     "rollout.routing": ("least_loaded", "round_robin"),
     "cluster.name_resolve": ("file", "etcd"),
 }
@@ -283,6 +284,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     plan.spec = spec.canonical()
     _check_keep_sampling_mask(cfg, plan)
     _check_routing_replay(cfg, plan)
+    _check_weight_update(cfg, plan)
     check_lora(cfg, plan)
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
@@ -367,6 +369,15 @@ def _check_routing_replay(cfg: ExperimentConfig, plan: Plan) -> None:
                           "only the built-in hf server is (SGLang's --enable-return-routed-experts speaks "
                           "the same format but is untested here)",
                           "use the hf inference backend or set rollout.routing_replay=false")
+
+
+def _check_weight_update(cfg: ExperimentConfig, plan: Plan) -> None:
+    others = sorted({p.backend for p in plan.inferences if p.backend in DISK_ONLY_BACKENDS})
+    if others and cfg.rollout.weight_update == "distributed" and cfg.algo.name != "sft":
+        raise ConfigError("rollout.weight_update", f"{', '.join(others)} cannot join the trainer's broadcast "
+                          "group: its weight transfer is its own NCCL rendezvous (CUDA only; docs/inference.md)",
+                          "set rollout.weight_update=disk or auto (vLLM reloads the pushed checkpoint from a "
+                          "shared path)")
 
 
 def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from areal_cli.config.rollout import resolved_weight_update
 from areal_cli.errors import WeightSyncError
 from areal_cli.launchers.base import JobLayout, read_servers, wait_for_servers
 from areal_cli.trainer import build
@@ -100,7 +101,8 @@ class RLTrainer:
                                  enabled=rank == 0)
         self.ckpt = CheckpointManager(run_dir, rank=rank, keep=cfg.trainer.keep_checkpoints,
                                       tokenizer_path=model_path)
-        self.weight_mode = cfg.rollout.weight_update
+        self.weight_mode = resolved_weight_update(cfg.rollout.weight_update,
+                                                  [sp.backend for sp in layout.servers], build.lora_enabled(cfg))
         self.server_epochs: dict[int, int] = {}
         self.restarts_synced = 0
         # Bumped whenever a restarted server is brought back: the next distributed push then builds a
