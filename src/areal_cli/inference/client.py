@@ -60,6 +60,10 @@ async def _close_on_shutdown(session: aiohttp.ClientSession) -> Any:
 class _ClientError(InferenceError):
     """A 4xx answer: the request itself is wrong, retrying elsewhere will not help."""
 
+    def __init__(self, message: str, status: int = 400, body: str = ""):
+        super().__init__(message)
+        self.status, self.body = status, body
+
 
 class _Unreachable(InferenceError):
     """Connection refused/reset: the server is down."""
@@ -220,7 +224,8 @@ class RemoteInferenceEngine(InferenceEngine):
         except asyncio.TimeoutError as e:
             raise InferenceError(f"{address}{call.path} timed out after {timeout:.0f}s ({type(e).__name__})") from None
         if 400 <= status < 500:
-            raise _ClientError(f"{address}{call.path} rejected the request ({status}): {_text(content)[:500]}")
+            body = _text(content)[:500]
+            raise _ClientError(f"{address}{call.path} rejected the request ({status}): {body}", status, body)
         if status >= 500:
             raise InferenceError(f"{address}{call.path} failed ({status}): {_text(content)[:500]}")
         if not content:
@@ -288,7 +293,7 @@ class RemoteInferenceEngine(InferenceEngine):
             call = await build(s)
             s.inflight += rows
             try:
-                return parse(await self._send(s.address, call, self.timeout_s)), s.address
+                return parse(await self._send_through_swaps(s.address, call)), s.address
             except _ClientError:
                 raise
             except _Unreachable as e:
@@ -304,6 +309,22 @@ class RemoteInferenceEngine(InferenceEngine):
                 s.inflight -= rows
             tried.add(s.address)
         raise InferenceError(f"generation failed after {self.retries + 1} attempt(s): {last}")
+
+    async def _send_through_swaps(self, address: str, call: HttpCall) -> Any:
+        """``_send`` for generation calls, waiting out a backend's brief refusals that are not the
+        request's fault: vLLM answers 404 for the LoRA adapter's name between the unload and the load of
+        a runtime adapter swap (backend ``is_transient_rejection``). Bounded by the request timeout."""
+        transient = getattr(self.backend, "is_transient_rejection", None)
+        deadline = time.monotonic() + self.timeout_s
+        wait = 0.05
+        while True:
+            try:
+                return await self._send(address, call, self.timeout_s)
+            except _ClientError as e:
+                if transient is None or not transient(e.status, e.body) or time.monotonic() + wait > deadline:
+                    raise
+            await asyncio.sleep(wait)
+            wait = min(2.0, wait * 2)
 
     async def _one_call(self, inputs: list[list[int]], gs: list[GenerationConfig],
                         budgets: list[int]) -> tuple[list[Segment], str]:

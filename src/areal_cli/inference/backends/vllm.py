@@ -174,6 +174,12 @@ def parse_model_name(resp: dict[str, Any]) -> str:
         raise InferenceError(f"vLLM /v1/models returned no model: {str(resp)[:200]}") from None
 
 
+def is_transient_rejection(status: int, body: str) -> bool:
+    """A generation request naming the adapter while a runtime LoRA swap (unload, then load) is in flight
+    gets 404 "The model `<name>` does not exist" from vLLM's OpenAI layer; the client waits it out."""
+    return status == 404 and "does not exist" in body
+
+
 def build_unload_lora(name: str) -> HttpCall:
     return HttpCall("POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
