@@ -393,6 +393,7 @@ def _check_vllm_moe(cfg: ExperimentConfig, plan: Plan) -> None:
                       "use the hf inference backend (allocation_mode=hf:...+...), a dense model, or vLLM on "
                       "cluster.device=cuda (docs/inference.md)")
 
+
 def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
     if cfg.launcher.name == "local" and cfg.cluster.n_nodes > 1 and not cfg.cluster.hosts:
         plan.warnings.append("launcher=local with cluster.n_nodes>1 needs cluster.hosts (or use "
