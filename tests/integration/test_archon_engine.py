@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from engine_reference import assert_matches_reference, close, max_diff  # noqa: E402
 from fsdp_worker import launch  # noqa: E402
 
 BIG, SMALL, TOL = 10_000, 1, 1e-5
@@ -57,15 +58,7 @@ def runs(model4, tmp_path_factory):
     return {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
 
 
-def _close(a: dict, b: dict, tol: float = TOL) -> None:
-    # The tied head: a plain module's state_dict lists it under both names, a pipeline stream once.
-    for d in (a, b):
-        if "lm_head.weight" in d:
-            assert torch.equal(d.pop("lm_head.weight"), d["model.embed_tokens.weight"])
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    for k in a:
-        diff = (a[k].float() - b[k].float()).abs().max().item()
-        assert diff <= tol, f"{k}: max diff {diff:.3g} > {tol}"
+_close = close
 
 
 LAYOUTS = ["t2", "t2_x8", "p2_1f1b", "p2_gpipe", "p2_interleaved", "c2", "d2t2", "d2p2", "t2p2", "c2p2"]
@@ -73,12 +66,7 @@ LAYOUTS = ["t2", "t2_x8", "p2_1f1b", "p2_gpipe", "p2_interleaved", "c2", "d2t2",
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_the_one_process_reference(runs, name):
-    ref, got = runs["ref"], runs[name]
-    for s_ref, s_got in zip(ref["stats"], got["stats"], strict=True):
-        assert abs(s_ref["loss"] - s_got["loss"]) <= TOL, (s_ref["loss"], s_got["loss"])
-        assert abs(s_ref["grad_norm"] - s_got["grad_norm"]) <= 1e-4, (s_ref["grad_norm"], s_got["grad_norm"])
-    _close(ref["weights"], got["weights"])
-    _close(ref["logprobs"], got["logprobs"])
+    assert_matches_reference(runs["ref"], runs[name])
 
 
 def test_micro_batch_invariance(runs):
@@ -89,9 +77,7 @@ def test_micro_batch_invariance(runs):
 
 def test_mixed_precision_d2_matches_fsdp(runs):
     _close(runs["fsdp_d2_mp"]["weights"], runs["d2_mp"]["weights"])
-    moved = max((runs["d2_mp"]["weights"][k] - runs["ref"]["weights"][k]).abs().max().item()
-                for k in runs["ref"]["weights"])
-    assert moved > 0  # bf16 compute really differs from fp32
+    assert max_diff(runs["ref"]["weights"], runs["d2_mp"]["weights"]) > 0  # bf16 compute really differs from fp32
 
 
 def test_weights_moved(runs, model4):

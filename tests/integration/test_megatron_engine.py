@@ -19,6 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from engine_reference import assert_matches_reference, close  # noqa: E402
 from fsdp_worker import launch  # noqa: E402
 
 from areal_cli.engines.megatron import compat  # noqa: E402
@@ -64,14 +65,7 @@ def runs(model4, tmp_path_factory):
     return {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
 
 
-def _close(a: dict, b: dict, tol: float = TOL) -> None:
-    for d in (a, b):  # a plain module lists the tied head under both names, an export once
-        if "lm_head.weight" in d and "model.embed_tokens.weight" in d:
-            assert torch.equal(d.pop("lm_head.weight"), d["model.embed_tokens.weight"])
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    for k in a:
-        diff = (a[k].float() - b[k].float()).abs().max().item()
-        assert diff <= tol, f"{k}: max diff {diff:.3g} > {tol}"
+_close = close
 
 
 LAYOUTS = ["t2", "t2_x8", "t2_no_sp", "p2", "p2v2", "t2p2", "d2p2", "d2t2"]
@@ -79,12 +73,7 @@ LAYOUTS = ["t2", "t2_x8", "t2_no_sp", "p2", "p2v2", "t2p2", "d2p2", "d2t2"]
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_the_one_process_reference(runs, name):
-    ref, got = runs["ref"], runs[name]
-    for s_ref, s_got in zip(ref["stats"], got["stats"], strict=True):
-        assert abs(s_ref["loss"] - s_got["loss"]) <= TOL, (s_ref["loss"], s_got["loss"])
-        assert abs(s_ref["grad_norm"] - s_got["grad_norm"]) <= 1e-4, (s_ref["grad_norm"], s_got["grad_norm"])
-    _close(ref["weights"], got["weights"])
-    _close(ref["logprobs"], got["logprobs"])  # forward logprobs and entropy, before training
+    assert_matches_reference(runs["ref"], runs[name])
 
 
 def test_micro_batches_really_vary(runs):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from engine_reference import assert_matches_reference, close  # noqa: E402
 from fsdp_worker import launch  # noqa: E402
 
 from areal_cli.engines.megatron import compat  # noqa: E402
@@ -76,21 +77,13 @@ def _per_expert(d: dict) -> dict:
 
 
 def _close(a: dict, b: dict) -> None:
-    a, b = _per_expert(a), _per_expert(b)
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    for k in a:
-        diff = (a[k].float() - b[k].float()).abs().max().item()
-        assert diff <= TOL, f"{k}: max diff {diff:.3g} > {TOL}"
+    close(a, b, names=_per_expert)
 
 
 @pytest.mark.parametrize("name", ["d2e2", "d2t2e2", "hybrid", "p2e2"])
 def test_expert_parallel_layout_matches_the_one_process_reference(runs, name):
-    ref, got = runs["ref"], runs[name]
-    for s_ref, s_got in zip(ref["stats"], got["stats"], strict=True):
-        assert abs(s_ref["loss"] - s_got["loss"]) <= TOL, (s_ref["loss"], s_got["loss"])
-        assert abs(s_ref["grad_norm"] - s_got["grad_norm"]) <= 1e-4, (s_ref["grad_norm"], s_got["grad_norm"])
-    _close(ref["weights"], got["weights"])
-    _close(ref["logprobs"], got["logprobs"])
+    got = runs[name]
+    assert_matches_reference(runs["ref"], got, names=_per_expert)
     assert {k for k in got["weights"] if "experts.3.down_proj" in k}  # every expert, gathered over e
 
 
