@@ -35,3 +35,13 @@ def model4(tmp_path_factory, tiny_model_dir) -> str:
     from areal_cli.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny4"), tokenizer_dir=tiny_model_dir, seed=3, num_layers=4)
+
+
+@pytest.fixture(scope="session")
+def moe_model(tmp_path_factory, tiny_model_dir) -> str:
+    """A 2-layer tiny Qwen3-MoE (4 experts, top-2; seed 3) with the shared tokenizer. Shared by the archon
+    and megatron expert-parallel tests."""
+    from areal_cli.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_moe"), tokenizer_dir=tiny_model_dir, seed=3,
+                           family="qwen3_moe", num_layers=2)

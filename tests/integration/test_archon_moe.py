@@ -34,14 +34,6 @@ def _ar(name, parallel, **engine):
 
 
 @pytest.fixture(scope="module")
-def moe_model(tmp_path_factory, tiny_model_dir):
-    from areal_cli.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_moe"), tokenizer_dir=tiny_model_dir, seed=3,
-                           family="qwen3_moe", num_layers=2)
-
-
-@pytest.fixture(scope="module")
 def runs(moe_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("archon_moe_runs")
     aux = {"archon": {"moe_aux_loss_coeff": 0.1}}

@@ -495,8 +495,13 @@ class FSDPEngine(TrainEngine):
                 continue
             if keep is not None and not keep(name):
                 continue
-            full = _full(p)
-            yield name, ((full.detach().cpu() if to_cpu else full.detach()) if src else None)
+            yield from self._stream_tensor(name, p, to_cpu, src)
+
+    def _stream_tensor(self, name: str, p: torch.Tensor, to_cpu: bool, src: bool):
+        """One parameter's full tensor for :meth:`_named_full_tensors` (a collective); an engine may
+        stream one parameter as several (archon: fused experts, one expert at a time)."""
+        full = _full(p)
+        yield name, ((full.detach().cpu() if to_cpu else full.detach()) if src else None)
 
     def _write_hf(self, path: str, tensors: dict) -> None:
         from areal_cli.weight_sync.hf_io import write_hf_dir

@@ -292,11 +292,8 @@ class ArchonEngine(FSDPEngine):
         """``(HF name, full tensor)`` on global rank 0, ``(name, None)`` elsewhere, one tensor at a time:
         each is gathered over its stage's FSDP×TP mesh and sent from the stage that owns it, so no rank
         holds more than one full tensor beyond its own shards. Tied weights appear once."""
-        if self.pipe is None and not self.moe:
-            yield from super()._named_full_tensors(include_value_head, to_cpu, keep)
-            return
         if self.pipe is None:
-            yield from self._moe_full_tensors(include_value_head, to_cpu, keep)
+            yield from super()._named_full_tensors(include_value_head, to_cpu, keep)
             return
         mine = [(n, p) for s in self.model.values() for n, p in s.named_parameters()
                 if not (s.tied_copy and n == "lm_head.weight") and (keep is None or keep(n))]
@@ -319,23 +316,12 @@ class ArchonEngine(FSDPEngine):
                     full = send_to_rank0(full, head_of[stage_rank])
                 yield name, (full if src_rank0 else None)
 
-    def _moe_full_tensors(self, include_value_head: bool, to_cpu: bool, keep):
+    def _stream_tensor(self, name: str, p: torch.Tensor, to_cpu: bool, src: bool):
         """The FSDP engine's stream, with each layer's experts streamed one expert at a time."""
-        seen: set[int] = set()
-        src = dist.get_rank() == 0
-        for name, p in self.model.state_dict().items():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if self.critic and name.startswith("lm_head.") and not include_value_head:
-                continue
-            if keep is not None and not keep(name):
-                continue
-            if _is_expert(name):
-                yield from self._expert_tensors(name, p, 0)
-                continue
-            full = _full(p)
-            yield name, ((full.detach().cpu() if to_cpu else full.detach()) if src else None)
+        if self.moe and _is_expert(name):
+            yield from self._expert_tensors(name, p, 0)
+        else:
+            yield from super()._stream_tensor(name, p, to_cpu, src)
 
     def _expert_tensors(self, name: str, p: torch.Tensor | None, stage: int):
         """One fused expert tensor (``experts.gate_up_proj [E, 2I, H]`` or ``experts.down_proj``) as the
