@@ -57,8 +57,8 @@ SPECS = {v["name"]: v for v in W2 + W4}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("archon_runs")
-    launch({"out": str(out), "variants": W2}, 2, script=WORKER, timeout=300)
-    launch({"out": str(out), "variants": W4}, 4, script=WORKER, timeout=300)
+    launch({"out": str(out), "variants": W2}, 2, script=WORKER, timeout=900)
+    launch({"out": str(out), "variants": W4}, 4, script=WORKER, timeout=900)
     return {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
 
 

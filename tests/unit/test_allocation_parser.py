@@ -127,7 +127,7 @@ REJECTED = [
     ('deepspeed:t2', 10, 'allocation_mode.spec: deepspeed does not support tensor parallelism (t2) — fix: drop t2 or pick a backend that supports tensor parallelism (megatron, archon)'),
     ('fsdp:d999999', 6, "allocation_mode.spec: dimension 'd999999' is larger than 65536 — fix: use a realistic size"),
     ('sglang:d2;fsdp:d2', 9, "allocation_mode.spec: unexpected ';' at column 9 — fix: separate components with '+' (or '|' to colocate them)"),
-    ('fsdp:e2', 5, 'allocation_mode.spec: fsdp does not support expert parallelism (e2) — fix: drop e2 or pick a backend that supports expert parallelism (megatron)'),
+    ('fsdp:e2', 5, 'allocation_mode.spec: fsdp does not support expert parallelism (e2) — fix: drop e2 or pick a backend that supports expert parallelism (megatron, archon)'),
 ]
 
 
