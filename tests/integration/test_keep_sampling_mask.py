@@ -7,9 +7,6 @@ at every token: that gap is measured and printed (the bias the mask removes).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fsdp_worker import launch  # noqa: E402
 from hf_server_helpers import prompts, start_hf_server  # noqa: E402
 
 TOL = 1e-4
@@ -40,24 +38,10 @@ VARIANTS_2 = [{"name": "archon_t2", "cls": "archon", "parallel": {"tp": 2}, "eng
 def _recompute(model_dir: str, tmp_path: Path, tag: str, variants: list[dict], world: int) -> dict:
     """Run ksm_worker.py on ``world`` ranks; per variant, rank 0's forward and the training-path logprobs
     of the rank that ran the loss (the last pipeline stage)."""
-    from areal_cli.utils.network import find_free_port
-
     out = tmp_path / f"{tag}.pt"
     spec = {"model_dir": model_dir, "batch": str(tmp_path / "batch.pt"), "out": str(out),
             "temperature": TEMPERATURE, "variants": variants}
-    port = str(find_free_port())
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "ksm_worker.py"), json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": str(r),
-                                   "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": port}) for r in range(world)]
-    try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n----\n".join(x[-3000:] for x in logs)
+    launch(spec, world, timeout=600, script=str(Path(__file__).parent / "ksm_worker.py"))
     ranks = [torch.load(str(out).replace(".pt", f".{r}.pt"), weights_only=False) for r in range(world)]
     res = {}
     for v in variants:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fsdp_worker import launch  # noqa: E402
 from hf_server_helpers import prompts, start_hf_server  # noqa: E402
 
 KEY = "routed_experts"
@@ -118,21 +119,7 @@ def test_trainer_routes_every_token_as_the_server_did(server, moe_dir, tmp_path)
 
 def _worker(spec: dict, world: int) -> None:
     """r3_worker.py on ``world`` gloo ranks."""
-    from areal_cli.utils.network import find_free_port
-
-    port = str(find_free_port())
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "r3_worker.py"), json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                                   "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(world)]
-    try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n----\n".join(x[-3000:] for x in logs)
+    launch(spec, world, timeout=600, script=str(Path(__file__).parent / "r3_worker.py"))
 
 
 @pytest.mark.slow
