@@ -17,6 +17,8 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
+# Runs that get cancelled or requeued mid-way: long enough that the signal lands before the last step.
+LONG = 40
 
 
 def _overrides(fileroot: Path, model_dir: str, **extra: object) -> list[str]:
@@ -113,7 +115,8 @@ def test_slurm_train_completes_then_cancel_and_resubmit_resumes(slurm_cluster, t
     # 2. scancel mid-run, then resubmit with resume=auto: it continues from the recover step.
     root_b = tmp_path / "b"
     run_b = root_b / "runs" / "slurm" / "t0"
-    p = _areal(_overrides(root_b, tiny_model_dir, **{"trainer.total_steps": 8}))
+    # 40 steps: on a fast machine 6 steps ran between the first recover state and the scancel taking effect.
+    p = _areal(_overrides(root_b, tiny_model_dir, **{"trainer.total_steps": LONG}))
     step = _wait_for_recover(p, run_b)
     job = _job_id(run_b)
     subprocess.run(["scancel", job], check=True)
@@ -122,22 +125,22 @@ def test_slurm_train_completes_then_cancel_and_resubmit_resumes(slurm_cluster, t
     assert f"slurm job {job}" in out
     _gone(job)
     done_before = max(r["step"] for r in _records(run_b) if r.get("kind") == "train")
-    assert done_before < 8
-    p = _areal(_overrides(root_b, tiny_model_dir, **{"trainer.total_steps": 8, "resume": "auto"}))
+    assert done_before < LONG
+    p = _areal(_overrides(root_b, tiny_model_dir, **{"trainer.total_steps": LONG, "resume": "auto"}))
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-4000:]
     assert _job_id(run_b) != job
     starts = _starts(run_b)
     assert starts[0] == 0 and starts[-1] >= step >= 2, starts
     steps_after = [r["step"] for r in _records(run_b) if r.get("kind") == "train"]
-    assert steps_after[-1] == 8
+    assert steps_after[-1] == LONG
 
 
 def test_requeue_resumes_from_recover_checkpoint(slurm_cluster, tmp_path, tiny_model_dir):
     """``scontrol requeue`` (what preemption does): the same job restarts with resume=auto."""
     root = tmp_path / "rq"
     run = root / "runs" / "slurm" / "t0"
-    p = _areal(_overrides(root, tiny_model_dir, **{"trainer.total_steps": 8}))
+    p = _areal(_overrides(root, tiny_model_dir, **{"trainer.total_steps": LONG}))
     step = _wait_for_recover(p, run)
     job = _job_id(run)
     subprocess.run(["scontrol", "requeue", job], check=True)
@@ -148,7 +151,7 @@ def test_requeue_resumes_from_recover_checkpoint(slurm_cluster, tmp_path, tiny_m
     assert len(starts) >= 2 and starts[0] == 0 and starts[-1] >= step, starts
     cfg_text = (run / "config.yaml").read_text()
     assert "resume: auto" in cfg_text
-    assert [r["step"] for r in _records(run) if r.get("kind") == "train"][-1] == 8
+    assert [r["step"] for r in _records(run) if r.get("kind") == "train"][-1] == LONG
 
 
 def test_storage_probe_runs_through_srun(slurm_cluster, tmp_path):
