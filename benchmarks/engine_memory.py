@@ -196,9 +196,9 @@ def worker(spec: dict) -> None:
     from areal_cli.api.io_struct import ParallelStrategy
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
-    from areal_cli.data.packing import split_batch_for_dp
     from areal_cli.engines import get_engine_cls
-    from areal_cli.engines.dist import init_distributed
+    from areal_cli.engines.packing import split_batch_for_dp
+    from areal_cli.utils.dist import init_distributed
 
     torch.set_num_threads(1)
     init_distributed("gloo")

@@ -77,8 +77,8 @@ def main() -> None:
     from areal_cli.algorithms.actor import PPOActor
     from areal_cli.api.io_struct import ParallelStrategy
     from areal_cli.config.compose import load_config
-    from areal_cli.data import packing
     from areal_cli.data.datasets import load_split
+    from areal_cli.engines import packing
     from areal_cli.engines.fsdp import FSDPEngine
     from areal_cli.trainer.build import resolve_model_path
 

@@ -53,12 +53,12 @@ def bench_sync(model_dir: str, root: Path, repeats: int, only: list[str] | None 
     """Median and best seconds per push for each case."""
     from areal_cli.api.io_struct import ParallelStrategy, WeightUpdateMeta
     from areal_cli.config.engine import EngineConfig
-    from areal_cli.engines.dist import init_distributed
     from areal_cli.engines.fsdp import FSDPEngine
     from areal_cli.inference.client import RemoteInferenceEngine
     from areal_cli.inference.launch import launch_server
+    from areal_cli.utils.concurrency import LoopRunner
+    from areal_cli.utils.dist import init_distributed
     from areal_cli.utils.network import find_free_port
-    from areal_cli.weight_sync.common import LoopRunner
 
     shm = Path(tempfile.mkdtemp(prefix="areal_bench_", dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp(prefix="areal_bench_", dir=str(root)))
@@ -139,13 +139,13 @@ def bench_busy(root: Path, pushes: int, blocks: int, concurrency: int, max_new: 
     from areal_cli.api.io_struct import GenerationConfig, ModelRequest, ParallelStrategy, WeightUpdateMeta
     from areal_cli.config.engine import EngineConfig
     from areal_cli.data.builtin_model import ensure_builtin_model
-    from areal_cli.engines.dist import init_distributed
     from areal_cli.engines.fsdp import FSDPEngine
     from areal_cli.inference.client import RemoteInferenceEngine
     from areal_cli.inference.launch import launch_server
     from areal_cli.models.tiny import model_param_count
+    from areal_cli.utils.concurrency import LoopRunner
+    from areal_cli.utils.dist import init_distributed
     from areal_cli.utils.network import find_free_port
-    from areal_cli.weight_sync.common import LoopRunner
     from areal_cli.weight_sync.senders import DistributedSender
 
     model_dir = ensure_builtin_model(str(root), "tiny")
@@ -276,9 +276,9 @@ def _train_worker(model_dir: str, out: str, steps: int, n_seqs: int, seq_len: in
     from areal_cli.api.io_struct import ParallelStrategy
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
-    from areal_cli.data.packing import split_batch_for_dp
-    from areal_cli.engines.dist import init_distributed
     from areal_cli.engines.fsdp import FSDPEngine
+    from areal_cli.engines.packing import split_batch_for_dp
+    from areal_cli.utils.dist import init_distributed
 
     rank, world = init_distributed("gloo")
     engine = FSDPEngine(EngineConfig(max_tokens_per_mb=2048), OptimConfig(lr=1e-5), total_steps=steps + 1, seed=0)

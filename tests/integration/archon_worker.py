@@ -71,7 +71,7 @@ def mb_weight(mb) -> float:
 def masks_and_positions(batch):
     import torch
 
-    from areal_cli.data.packing import padded_causal_mask
+    from areal_cli.engines.packing import padded_causal_mask
 
     B, L = batch["input_ids"].shape
     return padded_causal_mask(batch["attention_mask"]), torch.arange(L)[None].expand(B, L).contiguous()
@@ -257,8 +257,8 @@ class Setup:
     def _trimmed_then_padded(mbs, mask, pos):
         """Cut every micro-batch to its own longest row, then pad back with the pipeline helpers:
         the step's micro-batches have different lengths, as an engine's packed ones do."""
-        from areal_cli.data.packing import padded_causal_mask
         from areal_cli.engines.archon.pipeline import pad_stack, pad_stack_masks
+        from areal_cli.engines.packing import padded_causal_mask
 
         ids, poss, masks = [], [], []
         for k, mb in enumerate(mbs):
@@ -413,7 +413,7 @@ def main() -> None:
     # thread's stack and exit instead, so the failure shows where.
     faulthandler.dump_traceback_later(float(spec.get("hang_s", 240)), exit=True)
     sys.path.insert(0, str(Path(__file__).parent))
-    from areal_cli.engines.dist import init_distributed
+    from areal_cli.utils.dist import init_distributed
 
     init_distributed("gloo")
     for v in spec["variants"]:

@@ -36,6 +36,6 @@ if __name__ == "__main__":
         fsdp_worker.make_batch = skewed_batch
     fsdp_worker.main()
     if spec.get("trainer_exit"):  # as trainer/entry.py ends every run
-        from areal_cli.engines.dist import destroy_distributed
+        from areal_cli.utils.dist import destroy_distributed
 
         destroy_distributed()

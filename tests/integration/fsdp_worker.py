@@ -129,8 +129,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import ArchonConfig, EngineConfig, MegatronConfig
-    from areal_cli.data.packing import split_batch_for_dp
     from areal_cli.engines import get_engine_cls
+    from areal_cli.engines.packing import split_batch_for_dp
 
     ekw = dict(v.get("engine", {}))
     if "archon" in ekw:
@@ -191,7 +191,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     spec = json.loads(sys.argv[1])
-    from areal_cli.engines.dist import init_distributed
+    from areal_cli.utils.dist import init_distributed
 
     init_distributed(spec.get("backend", "gloo"))
     for v in spec["variants"]:

@@ -30,9 +30,9 @@ def run(v: dict, model_dir: str, out_dir: str) -> None:
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
     from areal_cli.config.model import LoRAConfig
-    from areal_cli.data.packing import split_batch_for_dp
     from areal_cli.engines import get_engine_cls
     from areal_cli.engines.lora import ReferenceView
+    from areal_cli.engines.packing import split_batch_for_dp
 
     lora = LoRAConfig(**v["lora"]) if v.get("lora") else None
     ocfg = OptimConfig(lr=1e-3, grad_clip=1e9)
@@ -81,7 +81,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     spec = json.loads(sys.argv[1])
-    from areal_cli.engines.dist import init_distributed
+    from areal_cli.utils.dist import init_distributed
 
     init_distributed(spec.get("backend", "gloo"))
     for v in spec["variants"]:

@@ -25,8 +25,8 @@ def main() -> None:
     from areal_cli.api.io_struct import GenerationConfig, ModelRequest, ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
-    from areal_cli.data.packing import split_batch_for_dp
-    from areal_cli.engines.dist import init_distributed
+    from areal_cli.engines.packing import split_batch_for_dp
+    from areal_cli.utils.dist import init_distributed
     from areal_cli.engines import get_engine_cls
     from areal_cli.errors import WeightSyncError
     from areal_cli.inference.client import RemoteInferenceEngine
@@ -52,7 +52,7 @@ def main() -> None:
     client = RemoteInferenceEngine([spec["address"]], timeout_s=60, retries=1, backoff_s=0.2,
                                    lora_name=SERVED_NAME if kw else None)
     res: dict = {"pushes": [], "failures": []}
-    from areal_cli.weight_sync.common import LoopRunner
+    from areal_cli.utils.concurrency import LoopRunner
 
     runner = LoopRunner()  # the loop that owns the client's HTTP session, shared with the engine
 

@@ -51,7 +51,7 @@ def test_hf_export_loads_in_transformers(tiny_model_dir, tmp_path):
     export = tmp_path / "hf"
     script.write_text(f"""
 import torch
-from areal_cli.engines.dist import init_distributed
+from areal_cli.utils.dist import init_distributed
 from areal_cli.engines.fsdp import FSDPEngine
 from areal_cli.config.engine import EngineConfig
 from areal_cli.config.algo import OptimConfig

@@ -122,14 +122,3 @@ def test_train_cfg_job_and_dry_run():
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert areal("train", "--cfg", "hydra").returncode == 2
 
-
-def test_train_without_launch_module_is_a_typed_error(monkeypatch):
-    from areal_cli.cli.train import launch
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.validate import validate
-    from areal_cli.errors import LaunchError
-
-    monkeypatch.setitem(sys.modules, "areal_cli.trainer.launch", None)  # import now fails
-    cfg = load_config([])
-    with pytest.raises(LaunchError, match="areal_cli.trainer.launch"):
-        launch(cfg, validate(cfg))

@@ -89,7 +89,7 @@ def test_shared_prefix_packs_fewer_tokens():
     """The packing itself: one prompt copy per group, every loss token mapped to its predictor."""
     from fsdp_worker import make_group_batch
 
-    from areal_cli.data import packing
+    from areal_cli.engines import packing
 
     b = make_group_batch(0)
     sp = packing.pack_shared(b)

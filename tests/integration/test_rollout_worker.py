@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from areal_cli.rollout.executor import RolloutError
-from areal_cli.trainer.rollout_worker import RolloutProcess, RolloutService, RolloutWorkerDied
+from areal_cli.rollout.worker import RolloutProcess, RolloutService, RolloutWorkerDied
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -126,7 +126,7 @@ WORKER_SCRIPT = """
 import sys, time
 sys.path.insert(0, {here!r})
 from test_rollout_worker import _cfg, _items
-from areal_cli.trainer.rollout_worker import RolloutProcess
+from areal_cli.rollout.worker import RolloutProcess
 cfg = _cfg({root!r})
 side = RolloutProcess(cfg, ["127.0.0.1:9"], "hf", {model!r}, _items(cfg, {model!r}))
 print(side.pid, flush=True)

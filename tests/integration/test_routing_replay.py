@@ -53,8 +53,8 @@ def _rollout(address: str, model_dir: str) -> dict:
     from areal_cli.api.io_struct import GenerationConfig
     from areal_cli.api.workflow_api import Trajectory
     from areal_cli.inference.client import RemoteInferenceEngine
+    from areal_cli.rollout.episodes import SeededEngine
     from areal_cli.rollout.workflows.rlvr import RLVRWorkflow
-    from areal_cli.trainer.episodes import SeededEngine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     g = GenerationConfig(max_new_tokens=12, temperature=1.0, return_routed_experts=True)

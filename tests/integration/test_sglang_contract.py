@@ -37,7 +37,7 @@ from areal_cli.inference.backends import sglang as sgl
 from areal_cli.inference.client import RemoteInferenceEngine
 from areal_cli.utils.network import find_free_port
 from areal_cli.utils.procs import die_with_parent
-from areal_cli.weight_sync.common import LoopRunner
+from areal_cli.utils.concurrency import LoopRunner
 from areal_cli.weight_sync.senders import DistributedSender
 
 TP = 2

@@ -21,7 +21,7 @@ from areal_cli.api.io_struct import GenerationConfig, ModelRequest, WeightUpdate
 from areal_cli.errors import InferenceError, WeightSyncError
 from areal_cli.inference.client import RemoteInferenceEngine
 from areal_cli.utils.network import find_free_port
-from areal_cli.weight_sync.common import LoopRunner
+from areal_cli.utils.concurrency import LoopRunner
 from areal_cli.weight_sync.group import make_group
 from areal_cli.weight_sync.senders import DistributedSender
 

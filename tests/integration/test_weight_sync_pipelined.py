@@ -14,7 +14,7 @@ from areal_cli.api.io_struct import GenerationConfig, ModelRequest, WeightUpdate
 from areal_cli.inference.client import RemoteInferenceEngine
 from areal_cli.inference.launch import launch_server
 from areal_cli.utils.network import find_free_port
-from areal_cli.weight_sync.common import LoopRunner
+from areal_cli.utils.concurrency import LoopRunner
 from areal_cli.weight_sync.senders import DistributedSender
 
 from hf_server_helpers import hf_greedy, load_model, prompts

@@ -13,7 +13,7 @@ from areal_cli.api.inference_api import InferenceEngine
 from areal_cli.api.io_struct import WeightUpdateMeta
 from areal_cli.errors import WeightSyncError
 from areal_cli.utils.network import find_free_port
-from areal_cli.weight_sync.common import LoopRunner
+from areal_cli.utils.concurrency import LoopRunner
 from areal_cli.weight_sync.senders import DiskSender, DistributedSender
 
 from hf_server_helpers import UnroutableServer

@@ -26,12 +26,12 @@ def main() -> None:
                                          WeightUpdateMeta)
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
-    from areal_cli.data.packing import split_batch_for_dp
+    from areal_cli.engines.packing import split_batch_for_dp
     from areal_cli.engines import get_engine_cls
-    from areal_cli.engines.dist import init_distributed
+    from areal_cli.utils.dist import init_distributed
     from areal_cli.errors import WeightSyncError
     from areal_cli.inference.client import RemoteInferenceEngine
-    from areal_cli.weight_sync.common import LoopRunner
+    from areal_cli.utils.concurrency import LoopRunner
 
     torch.set_num_threads(1)
     spec = json.loads(sys.argv[1])

@@ -131,7 +131,7 @@ def test_groups_by_id_when_episodes_have_different_row_counts():
 
 
 def test_episode_slices_and_canonical_order_with_variable_rows():
-    from areal_cli.trainer.rollout_worker import canonical_order, episode_slices
+    from areal_cli.rollout.worker import canonical_order, episode_slices
 
     batch = {"input_ids": torch.arange(6)[:, None], "group_id": torch.tensor([5, 5, 5, 2, 8, 8])}
     assert episode_slices(batch, 3) == [(0, 3), (3, 4), (4, 6)]

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_cli.data import packing
+from areal_cli.engines import packing
 from areal_cli.errors import ConfigError
 from areal_cli.utils.optim import lr_factor
 
@@ -108,8 +108,7 @@ def test_varlen_attention_equals_block_diagonal_mask(lens, pad):
     over the full packed block-diagonal mask."""
     import torch
 
-    from areal_cli.data import packing
-    from areal_cli.engines import ulysses
+    from areal_cli.engines import packing, ulysses
 
     torch.manual_seed(0)
     t = sum(lens) + pad

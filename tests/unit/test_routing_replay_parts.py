@@ -138,7 +138,7 @@ def _mb(ids: list[list[int]], loss_from: list[int]) -> dict:
 
 
 def test_layouts_carry_each_tokens_routing():
-    from areal_cli.data import packing
+    from areal_cli.engines import packing
 
     mb = _mb([[5, 6, 7, 9, 10], [5, 6, 7, 11], [3, 2, 1]], [3, 3, 1])
     flat = r3.padded(mb)

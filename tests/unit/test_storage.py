@@ -12,7 +12,7 @@ import pytest
 
 from areal_cli.config.model import ModelConfig
 from areal_cli.storage import estimate_checkpoint_bytes, param_count, run_storage_check
-from areal_cli.storage.probes import check_filesystem, find_mount
+from areal_cli.storage.path_checks import check_filesystem, find_mount
 
 SMALL_TP = 1024 * 1024  # keep throughput probes cheap on the shared 2-core machine
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from areal_cli.launchers.base import JobLayout, ServerSpec, TrainerSpec, publish_server, read_servers, retract_server
-from areal_cli.trainer.data_stream import PromptStream
+from areal_cli.rollout.data_stream import PromptStream
 from areal_cli.utils.procs import ManagedProcess, describe_exit, tail_file
 
 SPAWNER = r"""
@@ -111,7 +111,7 @@ def test_layout_from_plan_default_and_dp2():
 def test_metrics_truncate_and_report(tmp_path):
     from types import SimpleNamespace
 
-    from areal_cli.trainer.report import MetricsTail, plot_learning_curve, summarize
+    from areal_cli.cli.report import MetricsTail, plot_learning_curve, summarize
     from areal_cli.trainer.stats import StatsLogger, read_metrics
 
     cfg = SimpleNamespace(tensorboard=True, wandb=False)
@@ -170,7 +170,7 @@ def test_seeded_engine_assigns_per_request_seeds():
     import asyncio
 
     from areal_cli.api.io_struct import GenerationConfig, ModelRequest
-    from areal_cli.trainer.episodes import SeededEngine as _SeededEngine
+    from areal_cli.rollout.episodes import SeededEngine as _SeededEngine
 
     seen = []
 

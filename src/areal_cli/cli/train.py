@@ -1,7 +1,7 @@
 """``areal train [overrides…]``: compose, validate, then launch (or ``--dry-run`` / ``--cfg job``).
 
-The launch itself is one call, :func:`areal_cli.trainer.launch.run_train`, owned by the
-training-loop layer; this module only composes, validates and hands over.
+The launch itself is one call, :func:`areal_cli.cli.launch.run_train` (prepare, launch, watch,
+summarise); this module only composes, validates and hands over.
 """
 
 from __future__ import annotations
@@ -12,15 +12,8 @@ HELP = ("Compose and validate the config, then launch inference servers and trai
 
 def launch(cfg, plan) -> int:
     """Hand the validated config and plan to the launcher; returns the exit code."""
-    from areal_cli.errors import LaunchError
+    from areal_cli.cli.launch import run_train
 
-    try:
-        from areal_cli.trainer.launch import run_train
-    except ModuleNotFoundError as exc:
-        if exc.name in ("areal_cli.trainer.launch", "areal_cli.trainer"):
-            raise LaunchError("training launch is not available: areal_cli.trainer.launch is not "
-                              "installed in this build — use `areal train --dry-run` to check the plan") from None
-        raise
     rv = run_train(cfg, plan)
     return rv if isinstance(rv, int) else 0
 

@@ -36,7 +36,7 @@ class RolloutConfig:
     weight_update: str = "auto"
     weight_update_dtype: str = "float32"
     # Trainer rank 0 runs the executor, client and workflow in a worker process of their own (true)
-    # or as a thread sharing the trainer's GIL (false); see trainer/rollout_worker.py.
+    # or as a thread sharing the trainer's GIL (false); see rollout/worker.py.
     process: bool = True
     gconfig: GenerationSettings = field(default_factory=GenerationSettings)
     # Keep-Sampling-Mask (docs/training.md): the hf server records each token's top-k/top-p kept set

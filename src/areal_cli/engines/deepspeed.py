@@ -68,7 +68,7 @@ def import_deepspeed():
     if not _EXIT_HOOK:
         import atexit
 
-        from areal_cli.engines.dist import destroy_distributed
+        from areal_cli.utils.dist import destroy_distributed
 
         atexit.register(destroy_distributed)
         _EXIT_HOOK = True
@@ -84,7 +84,7 @@ class DeepSpeedEngine(FSDPEngine):
     dims = "dc"
 
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
-        from areal_cli.engines.dist import default_device, init_distributed
+        from areal_cli.utils.dist import default_device, init_distributed
 
         deepspeed = import_deepspeed()
         init_distributed()

@@ -4,7 +4,7 @@ Runs the same code on CPU (gloo) and CUDA (nccl). Batch format, position convent
 normalisation are defined in :mod:`areal_cli.api.engine_api`. Data layout across ranks:
 
 - ``train_batch``/``forward`` take the *rank-local* batch of this data-parallel replica (use
-  :func:`areal_cli.data.packing.split_batch_for_dp` to cut a global batch). Inside a Ulysses group
+  :func:`areal_cli.engines.packing.split_batch_for_dp` to cut a global batch). Inside a Ulysses group
   only the head (``is_dp_head``) needs to pass a batch; the others may pass ``None``.
 - Every rank returns the same stats; ``forward`` returns outputs for the replica's batch.
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn, TrainEngine
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
-from areal_cli.data import packing
+from areal_cli.engines import packing
 from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
@@ -66,7 +66,7 @@ class FSDPEngine(TrainEngine):
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
         from transformers import AutoConfig
 
-        from areal_cli.engines.dist import default_device, init_distributed
+        from areal_cli.utils.dist import default_device, init_distributed
 
         init_distributed()
         self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
@@ -659,7 +659,7 @@ class FSDPEngine(TrainEngine):
         self._sync_weights(meta, engines, loop)
 
     def _sync_weights(self, meta: WeightUpdateMeta, engines: list, loop=None) -> None:
-        from areal_cli.weight_sync.common import LoopRunner
+        from areal_cli.utils.concurrency import LoopRunner
         from areal_cli.weight_sync.senders import DiskSender, DistributedSender
 
         version = meta.version

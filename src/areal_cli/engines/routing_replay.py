@@ -212,7 +212,7 @@ def padded(mb: dict) -> torch.Tensor | None:
 
 
 def packed(mb: dict, lengths: list[int], total: int, group: Any = None) -> torch.Tensor | None:
-    """Routing of :func:`areal_cli.data.packing.pack`'s row (real tokens of each row in order, then
+    """Routing of :func:`areal_cli.engines.packing.pack`'s row (real tokens of each row in order, then
     ``-1`` padding up to ``total``), this Ulysses rank's slice of it."""
     r = mb.get(KEY)
     if r is None:
@@ -228,9 +228,9 @@ def packed(mb: dict, lengths: list[int], total: int, group: Any = None) -> torch
 
 
 def _shared_sources(mb: dict) -> tuple[list[int], list[int]]:
-    """(row, column) of every token of :func:`areal_cli.data.packing.pack_shared`'s row: each prefix
+    """(row, column) of every token of :func:`areal_cli.engines.packing.pack_shared`'s row: each prefix
     group's prefix from its first row, then every row's suffix (the same walk as ``pack_shared``)."""
-    from areal_cli.data import packing
+    from areal_cli.engines import packing
 
     lens, first = packing.seq_lens(mb), packing.first_loss_index(mb)
     rows: list[int] = []
@@ -246,7 +246,7 @@ def _shared_sources(mb: dict) -> tuple[list[int], list[int]]:
 
 
 def shared(mb: dict, packed_ids: torch.Tensor) -> torch.Tensor | None:
-    """Routing of :func:`areal_cli.data.packing.pack_shared`'s row ``packed_ids`` ``[1, T]``."""
+    """Routing of :func:`areal_cli.engines.packing.pack_shared`'s row ``packed_ids`` ``[1, T]``."""
     r = mb.get(KEY)
     if r is None:
         return None
@@ -263,7 +263,7 @@ def prefix_shareable(mb: dict) -> bool:
     r = mb.get(KEY)
     if r is None:
         return True
-    from areal_cli.data import packing
+    from areal_cli.engines import packing
 
     lens, first = packing.seq_lens(mb), packing.first_loss_index(mb)
     for g in packing.prefix_groups(mb, lens, first):

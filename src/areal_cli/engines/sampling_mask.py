@@ -50,7 +50,7 @@ def masked_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, tempera
 
 def next_token_values(values: torch.Tensor, lengths: list[int], total: int) -> torch.Tensor:
     """``[total]`` per packed position: the value of the *next* token of the same row (``-inf`` at a
-    row's last token and on padding), the layout of ``data/packing.py:next_token_targets``."""
+    row's last token and on padding), the layout of ``engines/packing.py:next_token_targets``."""
     out = torch.full((total,), float("-inf"), dtype=torch.float32)
     start = 0
     for r, n in enumerate(lengths):

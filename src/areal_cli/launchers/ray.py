@@ -4,7 +4,7 @@
   matches every plan node to a Ray node and creates one placement group per component
   (:mod:`areal_cli.launchers.ray_placement`). A plan the cluster cannot hold fails in ``preflight``,
   before the model or the run dir is touched, with one line naming the shortfall.
-- Before launch, the storage probe (:mod:`areal_cli.storage.probe`) runs as one Ray task per node of
+- Before launch, the storage probe (:mod:`areal_cli.storage.node_probe`) runs as one Ray task per node of
   the cluster (pinned by node affinity), so a fileroot that one node does not share is named.
 - Each inference server and each trainer rank is a :class:`ProcessHost` actor in its bundle; the actor
   starts the process on its node (the same command lines as ``launcher=local``) and the process dies

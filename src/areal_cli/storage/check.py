@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from areal_cli.storage.crossnode import DEFAULT_TEMPLATE, NodeSpec, evaluate, run_srun, run_templates
-from areal_cli.storage.probes import run_local_checks
+from areal_cli.storage.path_checks import run_local_checks
 from areal_cli.storage.report import WARN, CheckResult, StorageReport
 
 DEFAULT_THROUGHPUT_BYTES = 32 * 1024 * 1024

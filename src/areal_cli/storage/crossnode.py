@@ -18,7 +18,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 
-from areal_cli.storage.probe import MARKER, remove_session
+from areal_cli.storage.node_probe import MARKER, remove_session
 from areal_cli.storage.report import FAIL, PASS, CheckResult
 
 DEFAULT_TEMPLATE = "ssh -o BatchMode=yes {host} {cmd}"
@@ -45,7 +45,7 @@ class ProbeRun:
 
 def probe_argv(paths: list[str], *, expect: int, session: str, timeout_s: float, node_id: str | None,
                required_bytes: int, throughput_bytes: int, python: str | None = None) -> list[str]:
-    argv = [python or sys.executable, "-m", "areal_cli.storage.probe", "--expect", str(expect),
+    argv = [python or sys.executable, "-m", "areal_cli.storage.node_probe", "--expect", str(expect),
             "--session", session, "--timeout", str(timeout_s), "--required-bytes", str(required_bytes),
             "--throughput-bytes", str(throughput_bytes)]
     if expect == 1:

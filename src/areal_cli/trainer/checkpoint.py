@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import ConfigError
+from areal_cli.utils.dist import barrier
 
 
 def rng_state() -> dict[str, Any]:
@@ -52,13 +53,6 @@ def set_rng_state(st: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 class CheckpointManager:
     """HF exports and recover states of one run. Every method is collective over the trainer ranks."""
 
@@ -76,7 +70,7 @@ class CheckpointManager:
 
         path = self.hf_root / name
         engine.save(SaveLoadMeta(path=str(path), weight_format="hf", tokenizer_path=self.tokenizer_path))
-        _barrier()
+        barrier()
         if self.rank == 0:
             (self.hf_root / "latest").unlink(missing_ok=True)
             os.symlink(name, self.hf_root / "latest")
@@ -95,7 +89,7 @@ class CheckpointManager:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         engine.save(SaveLoadMeta(path=str(tmp / "engine"), weight_format="dcp", with_optim=True,
                                  tokenizer_path=self.tokenizer_path))
         for name, other in (others or {}).items():  # e.g. the critic
@@ -103,7 +97,7 @@ class CheckpointManager:
         torch.save(rng_state(), tmp / f"rank{self.rank}.pt")
         if self.rank == 0:
             (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
-        _barrier()
+        barrier()
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -112,7 +106,7 @@ class CheckpointManager:
             tmp_latest.write_text(json.dumps({"step": step, "path": final.name}))
             os.replace(tmp_latest, latest)
             self._prune(self.recover_root, "step_")
-        _barrier()
+        barrier()
         return str(final)
 
     def find_recover(self, resume: str) -> Path | None:

@@ -1,7 +1,7 @@
 """The asynchronous RL loop (GRPO, PPO, DAPO, ... — whatever ``algo`` configures).
 
 Rank 0 (the data-parallel head) owns the rollout side: executor, client, workflow and prompt
-stream, in a worker process by default (``rollout_worker.py``). Every step it takes one batch of
+stream, in a worker process by default (``rollout/worker.py``). Every step it takes one batch of
 finished episodes and splits it by episode across the trainer ranks; all ranks then compute
 logprobs / advantages and run the PPO update. After the update the version
 is bumped and the weights are pushed to the servers (pause → sync → continue) while the executor
@@ -30,6 +30,7 @@ from areal_cli.launchers.base import JobLayout, read_servers, wait_for_servers
 from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
 from areal_cli.trainer.stats import StatsLogger
+from areal_cli.utils.dist import barrier, broadcast_obj
 from areal_cli.utils.procs import freeze_heap
 
 
@@ -37,15 +38,6 @@ def _dist() -> Any:
     import torch.distributed as dist
 
     return dist
-
-
-def broadcast_obj(obj: Any, src: int = 0) -> Any:
-    dist = _dist()
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def dp_rank_table(engine: Any) -> list[int]:
@@ -75,7 +67,7 @@ def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, dp_of_rank: lis
     if dist.get_rank() == 0:
         if batch is None:
             raise RuntimeError("internal: rank 0 has no batch to train on")
-        from areal_cli.trainer.rollout_worker import episode_slices
+        from areal_cli.rollout.worker import episode_slices
 
         dp = max(dp_of_rank) + 1
         spans, eps_per_dp = episode_slices(batch, n_episodes), n_episodes // dp
@@ -124,8 +116,8 @@ class RLTrainer:
                                 float(self.cfg.launcher.server_startup_timeout_s))
 
     def _setup_rollout(self, train_items: list[dict]) -> None:
-        from areal_cli.trainer.rollout_worker import start_rollout
-        from areal_cli.weight_sync.common import LoopRunner
+        from areal_cli.rollout.worker import start_rollout
+        from areal_cli.utils.concurrency import LoopRunner
 
         recs = self._servers()
         self.server_epochs = {r["index"]: r["epoch"] for r in recs}
@@ -152,7 +144,6 @@ class RLTrainer:
         new group (``weight_group_epoch``) that the restarted server joins like the others.
         """
         from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
-        from areal_cli.trainer.checkpoint import _barrier
 
         self.weight_group_epoch += 1
         path = os.path.join(self.run_dir, "weight_sync", f"restart_v{version:06d}")
@@ -171,7 +162,7 @@ class RLTrainer:
             recs = read_servers(self.run_dir)
             self.client_set_addresses([r["address"] for r in recs if r["index"] in self.server_epochs])
             self.restarts_synced += 1
-        _barrier()
+        barrier()
 
     def _sync_restarted_lora(self, engine: Any, version: int, path: str) -> None:
         """Under LoRA a restarted server holds the base weights already: it only needs the adapter."""
@@ -265,7 +256,6 @@ class RLTrainer:
         the client's ``update_weights_from_disk`` directly.
         """
         from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
-        from areal_cli.trainer.checkpoint import _barrier
 
         path = os.path.join(self.run_dir, "weight_sync", f"init_v{version:06d}")
         if build.lora_enabled(self.cfg):
@@ -280,7 +270,7 @@ class RLTrainer:
             meta = WeightUpdateMeta(type="disk", version=version, path=path)
             self._run(self.client.update_weights_from_disk(meta))
             self.client.set_version(version)
-        _barrier()
+        barrier()
         engine.set_version(version)
 
     def push_weights(self, engine: Any, version: int, *, force_disk: bool = False) -> float:

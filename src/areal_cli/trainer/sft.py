@@ -18,8 +18,9 @@ from typing import Any
 
 from areal_cli.errors import DataError, InferenceError, WeightSyncError
 from areal_cli.launchers.base import JobLayout
+from areal_cli.rollout.data_stream import PromptStream
 from areal_cli.trainer import build
-from areal_cli.trainer.data_stream import PromptStream
+from areal_cli.utils.dist import barrier, broadcast_obj
 
 SFT_DIRNAME = "sft_warmup"
 
@@ -64,7 +65,6 @@ def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: i
                   stats: Any, use_chat_template: bool = True, kind: str = "sft", first_step: int = 1) -> dict[str, float]:
     """``steps`` optimizer steps; logs ``sft/loss`` per step. Returns the last step's stats."""
     from areal_cli.algorithms.actor import sft_step
-
     from areal_cli.utils.procs import freeze_heap
 
     freeze_heap()
@@ -92,8 +92,6 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     Cached: a finished warm start (``<run_dir>/sft_warmup/done.json``) is reused, so a resumed run
     does not repeat it. A warm start killed midway is redone from scratch (it is deterministic).
     """
-    from areal_cli.trainer.checkpoint import _barrier
-
     out_dir = Path(run_dir) / SFT_DIRNAME / "hf"
     done = Path(run_dir) / SFT_DIRNAME / "done.json"
     if done.exists():
@@ -111,7 +109,7 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     stream = PromptStream(train_items, seed=cfg.seed + 17, shuffle=cfg.dataset.shuffle)
     t0 = time.perf_counter()
     # The inference servers idle during the warm start, so this node's trainer ranks may share its cores.
-    from areal_cli.weight_sync.common import torch_threads
+    from areal_cli.utils.concurrency import torch_threads
 
     local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     with torch_threads(max(1, (os.cpu_count() or 1) // local_world)):
@@ -121,13 +119,13 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     from areal_cli.api.io_struct import SaveLoadMeta
 
     engine.save(SaveLoadMeta(path=str(out_dir), weight_format="hf", tokenizer_path=model_path))
-    _barrier()
+    barrier()
     if rank == 0:
         done.write_text(json.dumps({"steps": tc.sft_warmup_steps, "time_s": time.perf_counter() - t0,
                                     "last": last}))
         print(f"[areal] SFT warm start: {tc.sft_warmup_steps} steps in {time.perf_counter() - t0:.1f}s, "
               f"loss {last.get('sft/loss', float('nan')):.3f}", flush=True)
-    _barrier()
+    barrier()
     engine.destroy()
     return str(out_dir)
 
@@ -172,7 +170,6 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
     through the inference servers (weights pushed from disk) when the allocation has any."""
     from areal_cli.launchers.base import wait_for_servers
     from areal_cli.trainer.checkpoint import CheckpointManager
-    from areal_cli.trainer.rl import broadcast_obj
     from areal_cli.trainer.stats import StatsLogger
 
     tc = cfg.trainer

@@ -25,7 +25,8 @@ from typing import Any
 
 from areal_cli.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal_cli.errors import WeightSyncError
-from areal_cli.weight_sync.common import LoopRunner, call_all, peer_names
+from areal_cli.utils.concurrency import LoopRunner
+from areal_cli.weight_sync.common import call_all, peer_names
 from areal_cli.weight_sync.senders import DistributedSender, versioned_dir
 
 SERVED_NAME = "areal-policy"

@@ -40,7 +40,8 @@ from typing import Any
 
 from areal_cli.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal_cli.errors import WeightSyncError
-from areal_cli.weight_sync.common import LoopRunner, call_all, peer_names, torch_threads
+from areal_cli.utils.concurrency import LoopRunner, torch_threads
+from areal_cli.weight_sync.common import call_all, peer_names
 
 NamedTensors = Iterator[tuple[str, Any]]
 

@@ -25,15 +25,14 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.data import packing
+from areal_cli.engines import packing, sampling_mask, ulysses
 from areal_cli.engines import parallelize as fsdp_par
-from areal_cli.engines import sampling_mask, ulysses
 from areal_cli.engines.archon import clip, expert_parallel, pipeline, vocab_parallel
 from areal_cli.engines.archon.mesh import ArchonMesh, ParallelDims
 from areal_cli.engines.archon.parallelize import parallelize
-from areal_cli.engines.dist import send_to_rank0
 from areal_cli.engines.fsdp import FSDPEngine, _full
 from areal_cli.errors import ConfigError
+from areal_cli.utils.dist import send_to_rank0
 
 
 class ArchonEngine(FSDPEngine):
@@ -44,7 +43,7 @@ class ArchonEngine(FSDPEngine):
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
         from transformers import AutoConfig
 
-        from areal_cli.engines.dist import default_device, init_distributed
+        from areal_cli.utils.dist import default_device, init_distributed
 
         init_distributed()
         self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())

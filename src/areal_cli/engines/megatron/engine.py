@@ -34,11 +34,10 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
-from areal_cli.data import packing
-from areal_cli.engines import sampling_mask
-from areal_cli.engines.dist import send_to_rank0
+from areal_cli.engines import packing, sampling_mask
 from areal_cli.engines.fsdp import FSDPEngine, _rng_state, _set_rng_state
 from areal_cli.errors import ConfigError
+from areal_cli.utils.dist import send_to_rank0
 
 CKPT_FILE = "megatron_rank{rank}.pt"
 _LIVE: list["MegatronEngine"] = []  # engines sharing mcore's process-global parallel state
@@ -74,9 +73,9 @@ class MegatronEngine(FSDPEngine):
 
     # ------------------------------------------------------------------ setup
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
-        from areal_cli.engines.dist import default_device, init_distributed
         from areal_cli.engines.megatron import compat, convert
         from areal_cli.engines.megatron import model as mm
+        from areal_cli.utils.dist import default_device, init_distributed
 
         init_distributed()
         self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
@@ -185,8 +184,11 @@ class MegatronEngine(FSDPEngine):
             config.recompute_method, config.recompute_num_layers = "uniform", 1
 
     def _wrap_ddp(self, chunks: list, config: Any) -> list:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
@@ -432,8 +434,10 @@ class MegatronEngine(FSDPEngine):
         layers, the micro-batches and the data-parallel ranks; mcore adds ``coeff ×`` it to the gradients."""
         if not self.mc_arch.num_experts or self.cfg.megatron.moe_aux_loss_coeff <= 0:
             return None
-        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                             get_moe_layer_wise_logging_tracker)
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
 
         entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
         per_layer = torch.zeros(self.mc_arch.num_layers, dtype=torch.float64)

@@ -1,9 +1,16 @@
-"""Process-group bootstrap for trainer processes (torchrun env vars or a single process)."""
+"""torch.distributed helpers of the trainer processes: the process-group bootstrap (torchrun env vars
+or a single process) and the few collectives the trainer loops use between ranks.
+
+One module for both the engines and the trainer loops (rl, sft, checkpoints), so neither reaches into the
+other for them. Every function is a no-op (or the identity) without an initialised group, so the same
+code runs as one plain process. torch is imported inside the functions: the CLI imports nothing here.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 
 def default_backend() -> str:
@@ -75,3 +82,22 @@ def send_to_rank0(t: "torch.Tensor | None", owner: int) -> "torch.Tensor | None"
         dist.recv(out, src=owner)
         return out
     return None
+
+
+def barrier() -> None:
+    """All ranks meet here; nothing to wait for without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_obj(obj: Any, src: int = 0) -> Any:
+    """``src``'s ``obj`` on every rank (pickled through ``broadcast_object_list``)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,4 +1,4 @@
-"""The per-node storage probe: ``python -m areal_cli.storage.probe --path P --node-id N --expect K ...``.
+"""The per-node storage probe: ``python -m areal_cli.storage.node_probe --path P --node-id N --expect K ...``.
 
 Each node writes a random token file into ``<P>/.areal_storage_probe/xnode-<session>/`` and
 records every other node's token it can read while waiting for ``K`` tokens to appear; then it
@@ -30,7 +30,7 @@ def default_node_id() -> str:
 def exchange_tokens(path: str, node_id: str, expect: int, session: str, timeout_s: float,
                     poll_s: float = 0.1) -> dict:
     """Write this node's token, collect the others'. Returns {token, seen, error}."""
-    from areal_cli.storage.probes import PROBE_DIR
+    from areal_cli.storage.path_checks import PROBE_DIR
 
     d = Path(path) / PROBE_DIR / f"xnode-{session}"
     token = uuid.uuid4().hex
@@ -78,7 +78,7 @@ def remove_session(path: str, session: str) -> None:
     """Remove one session's token directory (and stale ones older than an hour)."""
     import shutil
 
-    from areal_cli.storage.probes import PROBE_DIR
+    from areal_cli.storage.path_checks import PROBE_DIR
 
     root = Path(path) / PROBE_DIR
     shutil.rmtree(root / f"xnode-{session}", ignore_errors=True)
@@ -94,7 +94,7 @@ def remove_session(path: str, session: str) -> None:
 def probe(paths: list[str], node_id: str, expect: int, session: str, timeout_s: float, *,
           required_bytes: int = 0, throughput_bytes: int = 0, multi_node: bool = True,
           local_checks: bool = True) -> dict:
-    from areal_cli.storage.probes import check_exists, run_local_checks
+    from areal_cli.storage.path_checks import check_exists, run_local_checks
 
     out: dict = {"node": node_id, "hostname": socket.gethostname(), "pid": os.getpid(), "paths": {}}
     for p in paths:
@@ -112,7 +112,7 @@ def probe(paths: list[str], node_id: str, expect: int, session: str, timeout_s: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m areal_cli.storage.probe")
+    ap = argparse.ArgumentParser(prog="python -m areal_cli.storage.node_probe")
     ap.add_argument("--path", action="append", required=True)
     ap.add_argument("--node-id", default=None)
     ap.add_argument("--expect", type=int, default=1)

@@ -91,11 +91,11 @@ def check_engine_available(cfg: Any) -> None:
 
 def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) -> int:
     """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C)."""
+    from areal_cli.cli.report import LiveView
     from areal_cli.launchers.base import get_launcher
     from areal_cli.trainer.build import layout_from_plan, resolve_model_path
     from areal_cli.trainer.config_io import save_config
     from areal_cli.trainer.entry import LAUNCH_FILE
-    from areal_cli.trainer.report import LiveView
 
     t0 = time.time()
     run_dir = cfg.run_dir()
@@ -130,7 +130,7 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) ->
 
 def _progress_printer(run_dir: str, total: int) -> Any:
     """Without a terminal: one plain line per logged step (CI logs, pipes)."""
-    from areal_cli.trainer.report import MetricsTail
+    from areal_cli.cli.report import MetricsTail
 
     tail = MetricsTail(Path(run_dir) / "metrics.jsonl")
 
@@ -155,7 +155,7 @@ def finish_report(run_dir: str, wall_s: float) -> dict[str, Any]:
     """Summary table on stderr, summary.json and learning_curve.png in the run dir."""
     from rich.console import Console
 
-    from areal_cli.trainer.report import plot_learning_curve, summarize, summary_table
+    from areal_cli.cli.report import plot_learning_curve, summarize, summary_table
 
     summary = summarize(run_dir)
     summary["wall_s"] = round(wall_s, 1)

@@ -70,9 +70,9 @@ class RolloutService:
 
     def __init__(self, cfg: Any, addresses: list[str], backend: str, model_path: str,
                  train_items: list[dict]):
+        from areal_cli.rollout.data_stream import PromptStream
+        from areal_cli.rollout.episodes import EpisodeRunner
         from areal_cli.trainer import build
-        from areal_cli.trainer.data_stream import PromptStream
-        from areal_cli.trainer.episodes import EpisodeRunner
 
         tokenizer = build.build_tokenizer(model_path)
         self.client = build.build_client(cfg, addresses, backend)
