@@ -144,7 +144,15 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     ecfg = EngineConfig(**ekw)
     ocfg = OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
     engine = get_engine_cls(v.get("cls", "fsdp"))(ecfg, ocfg, total_steps=v.get("total_steps", 4), seed=0)
-    engine.initialize(ParallelStrategy(**v.get("parallel", {})), model_dir)
+    if "batch_p2p_comm" in v:  # megatron's p2p mode, to show that the batched one is still wrong on gloo
+        from areal_cli.engines.megatron import model as mcore_model
+
+        mcore_model.BATCH_P2P_COMM = bool(v["batch_p2p_comm"])
+    try:
+        engine.initialize(ParallelStrategy(**v.get("parallel", {})), model_dir)
+    finally:
+        if "batch_p2p_comm" in v:
+            mcore_model.BATCH_P2P_COMM = False
     res: dict = {}
 
     batch_fn = make_group_batch if v.get("batch") == "groups" else make_batch
@@ -163,6 +171,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         engine.load(SaveLoadMeta(path=v["load_hf"], weight_format="hf"))
     if v.get("fwd", False):
         res["logprobs"] = engine.forward(batch_fn(0) if engine.is_dp_head else None)
+    if v.get("fwd_t"):  # logprobs and entropy at a sampling temperature other than 1
+        res["logprobs_t"] = engine.forward(batch_fn(0) if engine.is_dp_head else None, temperature=v["fwd_t"])
     if v.get("probe", False):
         res["logprobs"] = engine.forward(batch_fn(0) if engine.is_dp_head else None)
         engine._accumulate_grads(local(0), loss_fn, loss_weight_fn, 1.0)

@@ -15,6 +15,8 @@ argv[1]: JSON ``{"model_dir", "batch", "out", "lr", "stale_dir"}``. The batch (`
 
 With ``"cp": 2`` (run on 2 ranks): the stale policy from ``stale_dir`` under Ulysses (``c2``, the packed
 row split over the ranks), logprobs with replay (``cp_on``) and without (``cp_off``), from rank 0.
+With ``"archon": {dims}``: the same on the archon engine (``archon_on``, ``archon_off``), plus the stats of
+one replayed training step (``archon_train``), see :func:`archon`.
 """
 
 from __future__ import annotations
@@ -135,6 +137,30 @@ def ulysses(spec, batch) -> None:
     e.destroy()
 
 
+def archon(spec, batch) -> None:
+    """The stale policy on archon (``spec["archon"]``: its dims, e.g. d2e2 with the experts cut over two ranks):
+    logprobs with and without replay on every rank's full batch, and one training step with replay on this
+    rank's share of the rows (its stats carry the mismatch the replay removed)."""
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.engines import get_engine_cls
+    from areal_cli.engines.packing import split_batch_for_dp
+
+    e = get_engine_cls("archon")(EngineConfig(max_tokens_per_mb=100_000), OptimConfig(lr=spec["lr"]), seed=0)
+    e.initialize(ParallelStrategy(**spec["archon"]), spec["stale_dir"])
+    plain = {k: v for k, v in batch.items() if k != KEY}
+    res = {"archon_on": e.forward(dict(batch))["logprobs"], "archon_off": e.forward(plain)["logprobs"]}
+    mine = split_batch_for_dp(dict(batch), e.dp_world_size)[e.dp_rank]
+    res["archon_train"] = e.train_batch(mine, pg_loss, lambda mb: float(mb["loss_mask"].sum()))
+    if dist.get_rank() == 0:
+        torch.save(res, spec["out"])
+    e.destroy()
+
+
 def main() -> None:
     import dataclasses
 
@@ -146,6 +172,8 @@ def main() -> None:
     batch = torch.load(spec["batch"], weights_only=False)
     if spec.get("cp"):
         return ulysses(spec, batch)
+    if spec.get("archon"):
+        return archon(spec, batch)
     server = batch[KEY]
     res: dict = {}
     padded = {"padding_free": False}

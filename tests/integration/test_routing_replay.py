@@ -93,6 +93,10 @@ def test_trainer_routes_every_token_as_the_server_did(server, moe_dir, tmp_path)
     res = torch.load(out, weights_only=False)
     _worker({**spec, "cp": 2, "out": str(tmp_path / "cp.pt")}, 2)  # Ulysses: the packed row over 2 ranks
     res["logprobs"].update(torch.load(tmp_path / "cp.pt", weights_only=False))
+    # archon d2e2: the experts cut over 2 ranks, tokens dispatched by all-to-all; the router is HF's
+    _worker({**spec, "archon": {"dp": 2, "ep": 2}, "out": str(tmp_path / "archon.pt")}, 2)
+    archon = torch.load(tmp_path / "archon.pt", weights_only=False)
+    res["logprobs"].update({k: archon[k] for k in ("archon_on", "archon_off")})
 
     print(f"\nrouting mismatch vs the server (token x MoE layer; all fed tokens / generated tokens), "
           f"{res['stale/on']['n']} pairs:")
@@ -109,12 +113,16 @@ def test_trainer_routes_every_token_as_the_server_did(server, moe_dir, tmp_path)
     assert res["stale/train_on"]["reported"] == pytest.approx(_rate(res["stale/off"]), abs=5e-3)
 
     lps, loss = res["logprobs"], batch["loss_mask"] > 0
-    for name in ("packed", "shared", "cp_on"):  # under replay, every layout runs the server's experts
+    # under replay, every layout (and archon's expert-parallel blocks) runs the server's experts
+    for name in ("packed", "shared", "cp_on", "archon_on"):
         torch.testing.assert_close(lps[name][loss], lps["padded"][loss], rtol=0, atol=1e-5)
     gap = (lps["packed_off"][loss] - lps["padded"][loss]).abs().max().item()
     print(f"  max |logprob| change from replay on the stale policy: {gap:.3g} nats")
     assert gap > 1e-4
-    assert (lps["cp_off"][loss] - lps["padded"][loss]).abs().max().item() > 1e-4
+    for name in ("cp_off", "archon_off"):
+        assert (lps[name][loss] - lps["padded"][loss]).abs().max().item() > 1e-4, name
+    # archon's training step replayed too, and its stat counts what its own routers would have changed
+    assert 0 < archon["archon_train"]["routing_replay/mismatch_rate"] <= 1
 
 
 def _worker(spec: dict, world: int) -> None:

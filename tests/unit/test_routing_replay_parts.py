@@ -191,8 +191,15 @@ def test_config_refuses_what_cannot_replay(tmp_path):
     moe = ["model.num_experts=4", "model.num_experts_per_tok=2", "rollout.routing_replay=true"]
     assert validate(load_config(moe)) is not None
     assert not load_config(moe[:2]).rollout.routing_replay  # off by default
+    # archon without t and p replays (its MoE blocks call the HF router the hook sits on)
+    assert validate(load_config(moe + ["engine=archon", "allocation_mode=hf:d1+archon:d2e2",
+                                       "cluster.n_gpus_per_node=3"])) is not None
     cases = [(["rollout.routing_replay=true"], "dense"),
-             (moe + ["engine=archon"], "archon engine cannot replay routing yet (supported: fsdp)"),
+             (moe + ["engine=megatron"], "megatron engine cannot replay routing yet (supported: fsdp, archon)"),
+             (moe + ["engine=archon", "allocation_mode=hf:d1+archon:d1p2", "cluster.n_gpus_per_node=3"],
+              "archon replays routing under d, c and e only (this plan has t1p2)"),
+             (moe + ["engine=archon", "allocation_mode=hf:d1+archon:d1t2", "cluster.n_gpus_per_node=3"],
+              "archon replays routing under d, c and e only (this plan has t2p1)"),
              (moe + ["allocation_mode=sglang:d1+fsdp:d1", "cluster.device=cuda"], "sglang server")]
     for overrides, text in cases:
         with pytest.raises(ConfigError) as e:

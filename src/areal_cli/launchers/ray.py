@@ -584,7 +584,11 @@ class RayJob:
     def run(self) -> int:
         installed = []
         if threading.current_thread() is threading.main_thread():
-            installed.append((signal.SIGTERM, signal.signal(signal.SIGTERM, self._handle)))
+            # SIGINT too, not Python's default handler: its KeyboardInterrupt can be raised inside Ray's
+            # own calls and swallowed there (a Ctrl-C once went unseen and the run went on to its end).
+            # Ours also records the signal, which the supervision loop re-checks every tick.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                installed.append((sig, signal.signal(sig, self._handle)))
         try:
             self._create_groups()
             where = describe_assignment(self.layout, self.assignment, self.rc.cpus_per_gpu)

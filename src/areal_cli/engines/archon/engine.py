@@ -27,6 +27,7 @@ from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.engines import packing, sampling_mask, ulysses
 from areal_cli.engines import parallelize as fsdp_par
+from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.archon import clip, expert_parallel, pipeline, vocab_parallel
 from areal_cli.engines.archon.mesh import ArchonMesh, ParallelDims
 from areal_cli.engines.archon.parallelize import parallelize
@@ -213,6 +214,9 @@ class ArchonEngine(FSDPEngine):
         (several run in between under a pipeline schedule). Under Ulysses each rank takes its slice
         of the tokens and positions; the mask stays whole, as the attention gathers the sequence.
         """
+        if any(r3.KEY in mb for mb in mbs):  # the validator refuses this plan; a direct caller is told too
+            raise r3.RoutingReplayError("archon's pipeline path (p>1) does not replay routing: drop p, or "
+                                        "train without the batch's routed_experts")
         mult = max(1, self.cfg.pad_to_multiple_of) * self._seq_multiple()
         packs = [packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id) for mb in mbs]
         length = max(p.input_ids.shape[1] for p in packs)

@@ -161,6 +161,12 @@ def _moe_config(arch: HFArch, ep: int, etp: int | None, aux_loss_coeff: float) -
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
+# Batched p2p under gloo with virtual stages swaps activations and grads silently
+# (p2p_communication.py:16-46); the unbatched path is exact. A module constant, not a config knob, so that
+# test_megatron_engine.py can show the batched path is still wrong (and say so when an upgrade fixes it).
+BATCH_P2P_COMM = False
+
+
 def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                        etp: int | None = None, sequence_parallel: bool = False, dtype: Any = None,
                        aux_loss_coeff: float = 0.0) -> Any:
@@ -192,9 +198,7 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, 
         # transformer_config.py:1827 rejects variable_seq_lengths with the default allgather dispatcher, even
         # for dense models
         moe_token_dispatcher_type="alltoall",
-        # batched p2p under gloo with virtual stages swaps activations and grads silently
-        # (p2p_communication.py:16-46); the unbatched path is exact
-        batch_p2p_comm=False,
+        batch_p2p_comm=BATCH_P2P_COMM,
         **_moe_config(arch, ep, etp, aux_loss_coeff),
     )
 
