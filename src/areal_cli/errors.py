@@ -7,6 +7,14 @@ and exit code 1 (``UsageError``: 2). Internal invariants may still ``assert``; u
 from __future__ import annotations
 
 
+def did_you_mean(word: str, options) -> str:
+    """``"did you mean 'x'? "`` for the closest of ``options``, or ``""``: the start of an error's hint."""
+    import difflib
+
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"did you mean '{match[0]}'? " if match else ""
+
+
 class ArealError(Exception):
     """Base of all errors that are the user's to fix. ``str()`` is the one line the CLI prints."""
 

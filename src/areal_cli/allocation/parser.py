@@ -14,8 +14,6 @@ column of the offending character, so the CLI can draw a caret under it.
 
 from __future__ import annotations
 
-import difflib
-
 from areal_cli.allocation.spec import (
     DIM_LETTERS,
     DIM_NAMES,
@@ -26,7 +24,7 @@ from areal_cli.allocation.spec import (
     Dims,
 )
 from areal_cli.engines import ENGINE_SPECS
-from areal_cli.errors import ConfigError
+from areal_cli.errors import ConfigError, did_you_mean
 
 SPEC_PATH = "allocation_mode.spec"
 MAX_DIM = 65536
@@ -41,11 +39,6 @@ BACKEND_DIMS = {
     **{name: spec.dims for name, spec in ENGINE_SPECS.items()},
 }
 UNSPECIFIED_TRAIN_DIMS = "dtpce"  # checked against the engine once it is known
-
-
-def did_you_mean(word: str, options) -> str:
-    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"did you mean '{match[0]}'? " if match else ""
 
 
 class _Parser:

@@ -73,7 +73,7 @@ def _load_preset_spec(name: str) -> str:
 
 
 def _check_group_value(group: str, value: str, options: dict[str, list[str]]) -> None:
-    from areal_cli.allocation.parser import did_you_mean
+    from areal_cli.errors import did_you_mean
 
     if "," in value and not (value.startswith("[") or value.startswith("'")):
         raise ConfigError(group, f"'{value}' is a sweep (comma-separated choices)",

@@ -157,7 +157,7 @@ def get_engine_spec(name: str) -> EngineSpec:
         cls = _import_class(name)
         return EngineSpec(name, name, str(getattr(cls, "dims", "d")), lambda _: FULL_SHARD, None,
                           (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
-    from areal_cli.allocation.parser import did_you_mean
+    from areal_cli.errors import did_you_mean
 
     raise ConfigError("engine.name", f"unknown training engine {name!r}",
                       f"{did_you_mean(name, ENGINE_SPECS)}use one of: {', '.join(ENGINE_SPECS)}, "

@@ -35,7 +35,12 @@ import openai
 
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.inference.server import tool_parsers as TP
-from areal_cli.inference.server.openai_compat import normalise_messages, parse_tools, refuse_unsupported
+from areal_cli.inference.server.openai_compat import (
+    normalise_messages,
+    parse_tools,
+    plain,
+    refuse_unsupported,
+)
 from areal_cli.rollout.interaction_cache import Interaction, InteractionCache
 
 log = logging.getLogger(__name__)
@@ -43,17 +48,6 @@ log = logging.getLogger(__name__)
 
 def _given(v: Any) -> bool:
     return v is not None and not isinstance(v, (openai.NotGiven, openai.Omit))
-
-
-def _plain(obj: Any) -> Any:
-    """SDK pydantic objects / TypedDicts -> plain JSON-like data."""
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump(exclude_none=True)
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items() if v is not None}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
 
 
 class _ChunkStream:
@@ -93,10 +87,10 @@ class _Completions:
             raise ValueError(f"n={n}: the in-process client makes one completion per call (each call is one "
                              "interaction in the cache); call create() n times")
         refuse_unsupported({k: v for k, v in kwargs.items() if _given(v)})
-        body = {"tools": _plain(tools) if _given(tools) else None,
-                "tool_choice": _plain(tool_choice) if _given(tool_choice) else None}
+        body = {"tools": plain(tools) if _given(tools) else None,
+                "tool_choice": plain(tool_choice) if _given(tool_choice) else None}
         tools_l, choice, parse = parse_tools(body)
-        msgs = normalise_messages(_plain(list(messages)) if isinstance(messages, (list, tuple)) else messages)
+        msgs = normalise_messages(plain(list(messages)) if isinstance(messages, (list, tuple)) else messages)
         extra = dict(extra_body) if _given(extra_body) else {}
         limit = max_completion_tokens if _given(max_completion_tokens) else max_tokens
         stops = [stop] if isinstance(stop, str) else list(stop) if _given(stop) else []
@@ -107,7 +101,7 @@ class _Completions:
                                 parallel_tool_calls is not False, store is not False)
         if _given(stream) and stream:
             return _ChunkStream(c._chunks(res, bool(_given(stream_options) and
-                                                    _plain(stream_options).get("include_usage"))))
+                                                    plain(stream_options).get("include_usage"))))
         return res
 
 

@@ -21,19 +21,18 @@ import time
 import uuid
 from typing import Any
 
-from areal_cli.inference.server.openai_compat import normalise_messages, parse_tools, refuse_unsupported
+from areal_cli.inference.server.openai_compat import (
+    normalise_messages,
+    parse_tools,
+    plain,
+    refuse_unsupported,
+)
 
 
 def _given(v: Any) -> bool:
     import openai
 
     return v is not None and not isinstance(v, (openai.NotGiven, openai.Omit))
-
-
-def _plain(obj: Any) -> Any:
-    from areal_cli.rollout.openai_client import _plain as plain
-
-    return plain(obj)
 
 
 def _text(content: Any) -> str:
@@ -53,7 +52,7 @@ def input_to_messages(input: Any, instructions: Any) -> list[dict]:
         msgs.append({"role": "system", "content": str(instructions)})
     if isinstance(input, str):
         return msgs + [{"role": "user", "content": input}]
-    for item in _plain(list(input)):
+    for item in plain(list(input)):
         kind = item.get("type", "message")
         if kind == "message":
             msgs.append({"role": item["role"], "content": _text(item.get("content"))})
@@ -80,7 +79,7 @@ def _chat_tools(tools: Any) -> list[dict] | None:
     if not _given(tools):
         return None
     out = []
-    for t in _plain(list(tools)):
+    for t in plain(list(tools)):
         if t.get("type") != "function":
             raise ValueError(f"responses.create: only function tools are supported, got {t.get('type')!r}")
         fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
@@ -104,7 +103,7 @@ class Responses:
             raise ValueError("responses.create(include=...) is not supported by the in-process client")
         refuse_unsupported({k: v for k, v in kwargs.items() if _given(v)})
         chat_tools = _chat_tools(tools)
-        choice = _plain(tool_choice) if _given(tool_choice) else None
+        choice = plain(tool_choice) if _given(tool_choice) else None
         tools_l, choice, parse = parse_tools({"tools": chat_tools, "tool_choice": choice})
         msgs = normalise_messages(input_to_messages(input, instructions))
         rid = f"resp_{uuid.uuid4().hex}"

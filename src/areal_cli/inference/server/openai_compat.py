@@ -34,6 +34,20 @@ PAUSE_ABORT = "generation paused for a weight update"  # engine.py's pause messa
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def plain(obj: Any) -> Any:
+    """SDK pydantic objects / TypedDicts -> plain JSON-like data (what the functions here take).
+
+    The rollout side's OpenAI-shaped client and its Responses API both use it, so it lives here, below
+    both, rather than in one of them (they would import each other)."""
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(exclude_none=True)
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
 class HTTPError(Exception):
     """Rendered by the app as ``{"error": {...}}`` with ``status``."""
 
