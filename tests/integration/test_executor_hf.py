@@ -189,18 +189,21 @@ def test_trajectory_spanning_two_versions_is_contiguous_and_correct(servers, tok
 def test_multi_turn_with_the_reward_pool_on_a_real_server(servers, tokenizer):
     """multi_turn + AsyncRewardRunner("numeric") through the executor: a random model is always wrong,
     so every sample retries once; the feedback turn sits between the two answers, outside the loss."""
+    from areal_cli.config.rollout import GenerationSettings, RolloutConfig
+    from areal_cli.config.schema import ExperimentConfig
     from areal_cli.config.workflow import WorkflowConfig
     from areal_cli.inference.client import RemoteInferenceEngine
-    from areal_cli.rollout.workflows import build_reward_fn, build_workflow
+    from areal_cli.rewards.runner import AsyncRewardRunner
+    from areal_cli.trainer.build import build_workflow
 
-    cfg = WorkflowConfig(name="multi_turn", reward="numeric", reward_workers=1, max_turns=2,
-                         turn_discount=0.5)
-    reward = build_reward_fn(cfg)
+    # "numeric" runs in-process in the trainer; the pool is what this test exercises, so pass it in.
+    cfg = ExperimentConfig(workflow=WorkflowConfig(name="multi_turn", reward="numeric", reward_workers=1,
+                                                   max_turns=2, turn_discount=0.5),
+                           rollout=RolloutConfig(group_size=2, gconfig=GenerationSettings(max_new_tokens=6)))
+    reward = AsyncRewardRunner("numeric", max_workers=1, timeout_s=cfg.workflow.reward_timeout_s)
     engine = RemoteInferenceEngine([s.address for s in servers], backend="hf")
-    fb = cfg.feedback
-    wf = build_workflow("multi_turn", reward_fn=reward, gconfig=GenerationConfig(max_new_tokens=6),
-                        tokenizer=tokenizer, group_size=2, max_turns=cfg.max_turns,
-                        turn_discount=cfg.turn_discount, feedback=fb)
+    fb = cfg.workflow.feedback
+    wf = build_workflow(cfg, tokenizer, reward_fn=reward)  # the trainer's wiring: EOS stops a turn
     ex = RolloutExecutor(engine, wf, batch_size=1, max_concurrent=2, max_head_offpolicyness=0,
                          pad_token_id=tokenizer.pad_token_id)
     try:

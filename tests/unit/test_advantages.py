@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from areal_cli.algorithms.advantages import (
-    ADV_ESTIMATORS, compute_advantages, discounted_returns, last_token_index, overlong_penalty,
-    token_level_rewards)
+    compute_advantages,
+    discounted_returns,
+    last_token_index,
+    overlong_penalty,
+    token_level_rewards,
+)
+from areal_cli.algorithms.registry import ADV_ESTIMATORS
+from areal_cli.errors import ConfigError
 
 
 def t(x):
@@ -200,7 +206,7 @@ def test_overlong_penalty():
 
 
 def test_registry_unknown_key():
-    with pytest.raises(KeyError, match="known"):
+    with pytest.raises(ConfigError, match="use one of: grpo"):
         compute_advantages("ppo2", rewards=REWARDS, loss_mask=MASK, group_size=2)
     assert set(ADV_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
                                    "gae", "none"}

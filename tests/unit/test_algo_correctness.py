@@ -155,8 +155,8 @@ def test_overlong_penalty_is_per_turn_under_multi_turn():
 
 # --- item 7: Dr.GRPO's constant normaliser ----------------------------------------------------
 
-from areal_cli.algorithms.normalisation import LOSS_AGG, aggregate_loss, count_units  # noqa: E402
-from areal_cli.config.algo import LOSS_AGGS  # noqa: E402
+from areal_cli.algorithms.normalisation import aggregate_loss, count_units  # noqa: E402
+from areal_cli.algorithms.registry import LOSS_AGG  # noqa: E402
 
 NORM_MODE = "seq-mean-token-sum-norm"
 AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
@@ -166,7 +166,7 @@ AGG_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # 
 def test_seq_mean_token_sum_norm_divides_by_a_constant():
     """verl's seq-mean-token-sum-norm / the Dr.GRPO authors' constant_normalizer: each sequence's token
     sum divided by a fixed generation budget, averaged over sequences."""
-    assert NORM_MODE in LOSS_AGG and NORM_MODE in LOSS_AGGS
+    assert NORM_MODE in LOSS_AGG and LOSS_AGG.spec(NORM_MODE).needs_norm
     # (6 + 4) / 2 sequences / 8
     assert aggregate_loss(AGG_LOSS, AGG_MASK, NORM_MODE, norm=8).item() == pytest.approx(10 / 2 / 8)
     assert count_units(AGG_MASK, NORM_MODE) == 2

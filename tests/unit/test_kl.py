@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from areal_cli.algorithms.kl import KL_ESTIMATORS, kl_estimate, kl_reward
+from areal_cli.errors import ConfigError
 
 LOGP = torch.tensor([-1.0, -2.0])
 REF = torch.tensor([-1.5, -1.0])  # log_ratio = logp - ref = (0.5, -1.0)
@@ -61,5 +62,6 @@ def test_k_gradients_match_hand_derivation():
 
 def test_registry():
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
-    with pytest.raises(KeyError, match="known"):
+    with pytest.raises(ConfigError, match="use one of: k1, k2, k3") as ei:
         kl_estimate(LOGP, REF, "k4")
+    assert ei.value.path == "algo.kl_estimator"

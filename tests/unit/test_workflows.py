@@ -240,31 +240,36 @@ def test_rlvr_through_the_executor(tok):
 
 
 def test_build_workflow_from_config(tok):
+    """The trainer's wiring (trainer/build.py, the one production path): workflow.* and rollout.*
+    reach the constructor, the generation config stops on EOS, and bad kwargs are config errors."""
     from areal_cli.config.rollout import GenerationSettings, RolloutConfig
+    from areal_cli.config.schema import ExperimentConfig
     from areal_cli.config.workflow import WorkflowConfig
-    from areal_cli.rollout.workflows import build_workflow_from_config
+    from areal_cli.trainer.build import build_workflow
 
     rcfg = RolloutConfig(group_size=3, gconfig=GenerationSettings(temperature=0.7, max_new_tokens=9))
     wcfg = WorkflowConfig(name="multi_turn", max_turns=4, turn_discount=0.5, feedback="Nope.",
                           kwargs={"success_threshold": 0.5})
-    wf = build_workflow_from_config(wcfg, rcfg, tok, reward_fn=exact_reward)
+    wf = build_workflow(ExperimentConfig(workflow=wcfg, rollout=rcfg), tok, reward_fn=exact_reward)
     assert isinstance(wf, MultiTurnWorkflow)
     got = (wf.group_size, wf.max_turns, wf.turn_discount, wf.feedback, wf.success_threshold)
     assert got == (3, 4, 0.5, "Nope.", 0.5)
     assert (wf.gconfig.temperature, wf.gconfig.max_new_tokens, wf.gconfig.n) == (0.7, 9, 1)
+    assert tok.eos_token_id in wf.gconfig.stop_token_ids
     for kwargs, match in [({"bogus": 3}, "does not accept"), ({"max_turns": 3}, "own config keys")]:
         with pytest.raises(ConfigError, match=match) as ei:
-            build_workflow_from_config(WorkflowConfig(name="rlvr", kwargs=kwargs), rcfg, tok,
-                                       reward_fn=exact_reward)
+            build_workflow(ExperimentConfig(workflow=WorkflowConfig(name="rlvr", kwargs=kwargs), rollout=rcfg),
+                           tok, reward_fn=exact_reward)
         assert ei.value.path == "workflow.kwargs"
 
 
 def test_build_reward_fn_rejects_unknown_reward_before_spawning():
+    from areal_cli.config.schema import ExperimentConfig
     from areal_cli.config.workflow import WorkflowConfig
-    from areal_cli.rollout.workflows import build_reward_fn
+    from areal_cli.trainer.build import build_reward_fn
 
     with pytest.raises(ConfigError) as ei:
-        build_reward_fn(WorkflowConfig(reward="no_such_reward"))
+        build_reward_fn(ExperimentConfig(workflow=WorkflowConfig(reward="no_such_reward")))
     assert ei.value.path == "workflow.reward"
 
 

@@ -21,8 +21,14 @@ from areal_cli.algorithms.advantages import compute_advantages as _estimate
 from areal_cli.algorithms.advantages import longest_turn_len, overlong_penalty
 from areal_cli.algorithms.kl import kl_reward
 from areal_cli.algorithms.losses import ActorLossParams, actor_loss, sft_policy_loss
-from areal_cli.algorithms.normalisation import (NORMED_LOSS_AGGS, Reducer, aggregate_loss, count_units,
-                                                 masked_mean, masked_whiten)
+from areal_cli.algorithms.normalisation import (
+    Reducer,
+    aggregate_loss,
+    count_units,
+    masked_mean,
+    masked_whiten,
+)
+from areal_cli.algorithms.registry import ADV_ESTIMATORS, LOSS_AGG
 from areal_cli.config.algo import AlgoConfig, validate_algo_config
 from areal_cli.errors import ConfigError
 
@@ -70,7 +76,7 @@ def overlong_buffer(cfg: AlgoConfig, max_new_tokens: int | None) -> int:
 
 def loss_agg_norm(cfg: AlgoConfig, max_new_tokens: int | None) -> float | None:
     """The constant of ``loss_agg=seq-mean-token-sum-norm``: the generation budget (None otherwise)."""
-    if cfg.loss_agg not in NORMED_LOSS_AGGS:
+    if not LOSS_AGG.spec(cfg.loss_agg).needs_norm:
         return None
     if max_new_tokens is None:
         raise ConfigError("algo.loss_agg", f"loss_agg={cfg.loss_agg} divides by the generation budget",
@@ -143,8 +149,9 @@ class PPOActor:
             kl = kl_reward(old, batch["ref_logp"], mask, c.kl_coef, c.kl_estimator, c.kl_clamp)
             stats["kl_reward"] = float((kl.sum(-1)).mean().item())
             token_rewards = kl if token_rewards is None else token_rewards + kl
-        if c.adv_estimator == "gae" and "values" not in batch:
-            raise ValueError("adv_estimator=gae: call PPOCritic.compute_values(batch) before compute_advantages")
+        if ADV_ESTIMATORS.spec(c.adv_estimator).needs_values and "values" not in batch:
+            raise ValueError(f"adv_estimator={c.adv_estimator} reads values: call PPOCritic.compute_values(batch) "
+                             "before compute_advantages")
         adv, returns = _estimate(c.adv_estimator, rewards=rewards, loss_mask=mask, group_size=self.group_size,
                                  token_rewards=token_rewards, values=batch.get("values"), gamma=c.gamma,
                                  lam=c.lam, mean_level=c.mean_level, std_level=c.std_level,

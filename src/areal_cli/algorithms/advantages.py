@@ -1,4 +1,5 @@
-"""Advantage estimators, keyed by ``algo.adv_estimator``. Pure tensor functions.
+"""Advantage estimators, keyed by ``algo.adv_estimator`` (declared in algorithms/registry.py). Pure
+tensor functions.
 
 Inputs follow the engine's batch format: ``rewards`` [B] (one scalar per sequence), ``loss_mask``
 [B, L] (1 on generated tokens that are trained), optional ``token_rewards`` [B, L] (per-token
@@ -16,8 +17,6 @@ Outcome estimators (grpo, drgrpo, rloo, reinforce_pp_baseline, none) score a seq
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -120,7 +119,7 @@ def _level_std(x: torch.Tensor, level: str, group_size: int, unbiased: bool,
 def grpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
                     token_rewards: torch.Tensor | None = None, mean_level: str = "group",
                     std_level: str = "group", std_unbiased: bool = True, eps: float = 1e-6,
-                    reduce: Reducer | None = None, group_ids: torch.Tensor | None = None, **_) -> AdvOut:
+                    reduce: Reducer | None = None, group_ids: torch.Tensor | None = None) -> AdvOut:
     """GRPO (Shao et al. 2024): ``(r - mean) / (std + eps)`` with each statistic at its level.
 
     ``reduce`` (sum over data-parallel ranks) makes the ``batch`` levels global. The statistics run
@@ -138,8 +137,7 @@ def grpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_siz
 
 
 def drgrpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
-                      token_rewards: torch.Tensor | None = None, group_ids: torch.Tensor | None = None,
-                      **_) -> AdvOut:
+                      token_rewards: torch.Tensor | None = None, group_ids: torch.Tensor | None = None) -> AdvOut:
     """Dr.GRPO (Liu et al. 2025): group mean baseline, no std division."""
     return grpo_advantages(rewards=rewards, loss_mask=loss_mask, group_size=group_size,
                            token_rewards=token_rewards, mean_level="group", std_level="none",
@@ -147,8 +145,7 @@ def drgrpo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_s
 
 
 def rloo_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
-                    token_rewards: torch.Tensor | None = None, group_ids: torch.Tensor | None = None,
-                    **_) -> AdvOut:
+                    token_rewards: torch.Tensor | None = None, group_ids: torch.Tensor | None = None) -> AdvOut:
     """RLOO (Ahmadian et al. 2024): baseline is the mean of the *other* samples of the prompt.
     Grouped by id, a group of one row has no baseline and gets advantage 0."""
     inv = group_index(group_ids, rewards.shape[0], max(group_size, 1))
@@ -184,7 +181,7 @@ def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor, gam
 
 def reinforce_pp_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor,
                             token_rewards: torch.Tensor | None = None, gamma: float = 1.0,
-                            reduce: Reducer | None = None, **_) -> AdvOut:
+                            reduce: Reducer | None = None) -> AdvOut:
     """REINFORCE++ (Hu 2025): token-level discounted returns (KL in the reward), whitened over the batch."""
     returns = discounted_returns(token_level_rewards(rewards, loss_mask, token_rewards), loss_mask, gamma)
     return masked_whiten(returns, loss_mask, reduce=reduce), returns
@@ -192,8 +189,7 @@ def reinforce_pp_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor,
 
 def reinforce_pp_baseline_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int,
                                      token_rewards: torch.Tensor | None = None,
-                                     reduce: Reducer | None = None, group_ids: torch.Tensor | None = None,
-                                     **_) -> AdvOut:
+                                     reduce: Reducer | None = None, group_ids: torch.Tensor | None = None) -> AdvOut:
     """REINFORCE++-baseline: subtract the group mean, then whiten over the batch's tokens."""
     r = sequence_scores(rewards, loss_mask, token_rewards).double()  # exact zeros for equal groups
     inv = group_index(group_ids, r.shape[0], group_size)
@@ -202,8 +198,7 @@ def reinforce_pp_baseline_advantages(*, rewards: torch.Tensor, loss_mask: torch.
 
 
 def gae_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, values: torch.Tensor | None = None,
-                   token_rewards: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0,
-                   **_) -> AdvOut:
+                   token_rewards: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0) -> AdvOut:
     """GAE (Schulman et al. 2016) over trained tokens; the state after the last token has value 0.
 
     ``values[:, t]`` is V of the state before token ``t`` (the position convention), so
@@ -229,29 +224,18 @@ def gae_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor, values: to
 
 
 def no_baseline_advantages(*, rewards: torch.Tensor, loss_mask: torch.Tensor,
-                           token_rewards: torch.Tensor | None = None, **_) -> AdvOut:
+                           token_rewards: torch.Tensor | None = None) -> AdvOut:
     """Plain REINFORCE: the sequence score itself, on every trained token."""
     return sequence_scores(rewards, loss_mask, token_rewards)[:, None] * loss_mask.float(), None
 
 
-ADV_ESTIMATORS: dict[str, Callable[..., AdvOut]] = {
-    "grpo": grpo_advantages,
-    "drgrpo": drgrpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-    "gae": gae_advantages,
-    "none": no_baseline_advantages,
-}
+def compute_advantages(estimator: str, **inputs) -> AdvOut:
+    """Run the estimator registered as ``estimator`` (algorithms/registry.py) on the inputs it names.
+    An input outside ``registry.ESTIMATOR_INPUTS`` is a TypeError, not silently dropped."""
+    from areal_cli.algorithms.registry import ADV_ESTIMATORS
 
-
-def compute_advantages(estimator: str, **kwargs) -> AdvOut:
-    try:
-        fn = ADV_ESTIMATORS[estimator]
-    except KeyError:
-        raise KeyError(f"unknown adv_estimator {estimator!r}; known: {sorted(ADV_ESTIMATORS)}") from None
     with torch.no_grad():
-        return fn(**kwargs)
+        return ADV_ESTIMATORS.call(estimator, **inputs)
 
 
 def longest_turn_len(loss_mask: torch.Tensor) -> torch.Tensor:

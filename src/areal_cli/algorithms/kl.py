@@ -8,10 +8,9 @@ k2's gradient equals the gradient of the true KL for on-policy samples.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
+from areal_cli.algorithms.registry import KL_ESTIMATORS
 from areal_cli.config.algo import KL_CLAMP
 
 
@@ -28,22 +27,11 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "k1": kl_k1,
-    "k2": kl_k2,
-    "k3": kl_k3,
-}
-
-
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: float = KL_CLAMP,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL estimate clamped to ``[-clamp, clamp]`` (every estimator; ``clamp=0`` disables) and
     zeroed outside ``mask``."""
-    try:
-        fn = KL_ESTIMATORS[estimator]
-    except KeyError:
-        raise KeyError(f"unknown kl_estimator {estimator!r}; known: {sorted(KL_ESTIMATORS)}") from None
-    kl = fn(logp.float(), ref_logp.float())
+    kl = KL_ESTIMATORS.call(estimator, logp=logp.float(), ref_logp=ref_logp.float())
     if clamp and clamp > 0:
         kl = kl.clamp(min=-clamp, max=clamp)
     if mask is not None:

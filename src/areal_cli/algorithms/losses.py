@@ -8,12 +8,11 @@ reduction separate is what lets every loss work with every ``loss_agg`` mode.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from areal_cli.algorithms.kl import kl_estimate
 from areal_cli.algorithms.normalisation import aggregate_loss, masked_mean
+from areal_cli.algorithms.registry import POLICY_LOSSES
 from areal_cli.config.algo import KL_CLAMP
 
 # exp() of a log-ratio above this overflows float32 long before it means anything.
@@ -42,7 +41,7 @@ def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tenso
 
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     loss_mask: torch.Tensor, *, eps_clip: float = 0.2, eps_clip_high: float | None = None,
-                    c_clip: float | None = None, **_) -> PolicyOut:
+                    c_clip: float | None = None) -> PolicyOut:
     """PPO clip (Schulman et al. 2017) with token ratios, DAPO clip-higher and dual clip."""
     mask = loss_mask.to(torch.bool)
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp)).clamp(max=_MAX_LOG_RATIO)
@@ -51,7 +50,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
 
 def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                      loss_mask: torch.Tensor, *, eps_clip: float = 3e-4, eps_clip_high: float | None = 4e-4,
-                     c_clip: float | None = None, **_) -> PolicyOut:
+                     c_clip: float | None = None) -> PolicyOut:
     """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios.
 
     ``s_i = exp(mean_t(logp - old_logp))`` and the sequence's mean advantage are broadcast to its
@@ -66,17 +65,10 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
 
 
 def sft_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, advantages: torch.Tensor | None,
-                    loss_mask: torch.Tensor, **_) -> PolicyOut:
+                    loss_mask: torch.Tensor) -> PolicyOut:
     """Negative log-likelihood of the trained tokens."""
     mask = loss_mask.to(torch.bool)
     return torch.where(mask, -logp, torch.zeros_like(logp)), {}
-
-
-POLICY_LOSSES: dict[str, Callable[..., PolicyOut]] = {
-    "ppo": ppo_policy_loss,
-    "gspo": gspo_policy_loss,
-    "sft": sft_policy_loss,
-}
 
 
 def loglinear_prox_logp(behav_logp: torch.Tensor, cur_logp: torch.Tensor, versions: torch.Tensor,
@@ -187,8 +179,8 @@ def actor_loss(logp: torch.Tensor, entropy: torch.Tensor | None, mb: dict[str, t
     else:
         prox = mb["prox_logp"].float() if "prox_logp" in mb else behav
     adv = mb["advantages"].float() if "advantages" in mb else torch.zeros_like(behav)
-    fn = POLICY_LOSSES[p.policy_loss]
-    pg, diag = fn(logp, prox, adv, mask, eps_clip=p.eps_clip, eps_clip_high=p.eps_clip_high, c_clip=p.c_clip)
+    pg, diag = POLICY_LOSSES.call(p.policy_loss, logp=logp, old_logp=prox, advantages=adv, loss_mask=mask,
+                                  eps_clip=p.eps_clip, eps_clip_high=p.eps_clip_high, c_clip=p.c_clip)
     stats: dict[str, float] = {}
     if p.use_decoupled_loss or (p.behav_imp_weight_cap is not None and "prox_logp" in mb):
         w, kept = behaviour_importance_weights(prox, behav, mask, p.behav_imp_weight_cap,
@@ -198,7 +190,8 @@ def actor_loss(logp: torch.Tensor, entropy: torch.Tensor | None, mb: dict[str, t
         stats["behav_kept_frac"] = _masked_stat(kept.float(), mask)
         stats["behav_approx_kl"] = _masked_stat(prox - behav, mask)
     token_loss = pg
-    if p.kl_coef > 0 and not p.kl_in_reward and p.policy_loss != "sft":
+    # The KL-to-reference penalty belongs to RL objectives, not to a loss without advantages (sft).
+    if p.kl_coef > 0 and not p.kl_in_reward and POLICY_LOSSES.spec(p.policy_loss).uses_advantages:
         if "ref_logp" not in mb:
             raise ValueError("kl_coef > 0 with the KL in the loss needs 'ref_logp' in the batch")
         kl = kl_estimate(logp, mb["ref_logp"], p.kl_estimator, clamp=p.kl_clamp, mask=mask)

@@ -82,37 +82,27 @@ def seq_has_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
 
 # --- loss aggregation --------------------------------------------------------------------------
 
-def _token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(loss, mask) / mask.to(loss.dtype).sum().clamp(min=1.0)
 
 
-def _seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     per_seq = masked_sum(loss, mask, dim=-1)
     n_seq = seq_has_tokens(mask).to(loss.dtype).sum().clamp(min=1.0)
     return per_seq.sum() / n_seq
 
 
-def _seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     per_seq = masked_mean(loss, mask, dim=-1)  # 0 for sequences without tokens
     n_seq = seq_has_tokens(mask).to(loss.dtype).sum().clamp(min=1.0)
     return per_seq.sum() / n_seq
 
 
-def _seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm: float) -> torch.Tensor:
+def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm: float) -> torch.Tensor:
     # verl's seq-mean-token-sum-norm and the Dr.GRPO authors' constant_normalizer: a sequence's token
     # sum over a constant (the generation budget), not over its own length, so long and short
     # responses weigh each token alike.
-    return _seq_mean_token_sum(loss, mask) / norm
-
-
-LOSS_AGG: dict[str, Callable[..., torch.Tensor]] = {
-    "token-mean": _token_mean,
-    "seq-mean-token-sum": _seq_mean_token_sum,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
-}
-# Modes that divide by a constant: aggregate_loss needs ``norm`` for them.
-NORMED_LOSS_AGGS = ("seq-mean-token-sum-norm",)
+    return seq_mean_token_sum(loss, mask) / norm
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -121,22 +111,20 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
 
     ``norm`` is the constant of ``seq-mean-token-sum-norm`` (the trainer passes
     ``rollout.gconfig.max_new_tokens``); other modes ignore it."""
-    try:
-        fn = LOSS_AGG[mode]
-    except KeyError:
-        raise KeyError(f"unknown loss_agg {mode!r}; known: {sorted(LOSS_AGG)}") from None
-    if mode in NORMED_LOSS_AGGS:
+    from areal_cli.algorithms.registry import LOSS_AGG
+
+    if LOSS_AGG.spec(mode).needs_norm:
         if norm is None or not norm > 0:
             raise ValueError(f"loss_agg={mode} needs a positive constant norm (the generation budget), "
                              f"got {norm!r}")
-        return fn(loss, mask, float(norm))
-    return fn(loss, mask)
+        return LOSS_AGG.call(mode, loss=loss, mask=mask, norm=float(norm))
+    return LOSS_AGG.call(mode, loss=loss, mask=mask)
 
 
 def count_units(mask: torch.Tensor, mode: str) -> float:
     """Number of units the aggregation averages over: tokens for token-mean, sequences otherwise."""
-    if mode not in LOSS_AGG:
-        raise KeyError(f"unknown loss_agg {mode!r}; known: {sorted(LOSS_AGG)}")
-    if mode == "token-mean":
+    from areal_cli.algorithms.registry import LOSS_AGG
+
+    if LOSS_AGG.spec(mode).unit == "token":
         return float(mask.to(torch.bool).sum().item())
     return float(seq_has_tokens(mask).sum().item())

@@ -1,9 +1,9 @@
 """``algo`` group: the RL (or SFT) algorithm and its optimiser knobs.
 
 Keys that select functions (``adv_estimator``, ``policy_loss``, ``loss_agg``, ``kl_estimator``)
-are registry keys in :mod:`areal_cli.algorithms`. The tuples below list them without importing
-torch (the CLI validates configs before anything heavy loads); a unit test keeps them equal to the
-registries. Presets in ``conf/algo/*.yaml`` set these the way each paper defines the algorithm;
+are names in the registries of :mod:`areal_cli.algorithms.registry` (torch-free, so the CLI
+validates before anything heavy loads): the allowed values and each entry's requirements (an
+estimator that reads a critic's values, one with a group baseline) come from there. Presets in ``conf/algo/*.yaml`` set these the way each paper defines the algorithm;
 docs/algorithms.md documents every preset.
 """
 
@@ -14,11 +14,7 @@ from dataclasses import dataclass, field
 from areal_cli.config.ranges import check_ranges, ranged
 from areal_cli.errors import ConfigError
 
-ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none")
 NORM_LEVELS = ("group", "batch", "none")
-POLICY_LOSSES = ("ppo", "gspo", "sft")
-LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 BEHAV_IMP_WEIGHT_MODES = ("truncate", "mask")
 BEHAV_IMP_WEIGHT_LEVELS = ("token", "sequence")
@@ -48,7 +44,8 @@ class AlgoConfig:
     batch_size: int = ranged(8, ge=1)
     ppo_n_minibatches: int = ranged(1, ge=1)  # optimiser steps per training step
     # --- advantages ---
-    adv_estimator: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | gae | none
+    # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | gae | none | a registered plugin
+    adv_estimator: str = "grpo"
     mean_level: str = "group"  # group | batch | none
     std_level: str = "group"  # group | batch | none
     std_unbiased: bool = True  # Bessel-corrected std (verl/TRL use torch.std, which is unbiased)
@@ -60,7 +57,7 @@ class AlgoConfig:
     reward_bias: float = ranged(0.0, ge=-1e6, le=1e6)
     reward_clip: float = ranged(20.0, gt=0.0, le=1e6)
     # --- policy loss ---
-    policy_loss: str = "ppo"  # ppo | gspo | sft
+    policy_loss: str = "ppo"  # ppo | gspo | sft | a registered plugin
     eps_clip: float = ranged(0.2, gt=0.0, lt=1.0, why="PPO uses 0.2")
     # DAPO clip-higher; None → eps_clip
     eps_clip_high: float | None = ranged(None, gt=0.0, le=10.0,
@@ -110,23 +107,26 @@ def _one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def validate_algo_config(cfg: AlgoConfig, prefix: str = "algo") -> None:
     """Raise :class:`ConfigError` for a bad ``algo`` section. Import-light (no torch)."""
+    from areal_cli.algorithms.registry import REGISTRIES
+
     check_ranges(cfg, prefix)  # every numeric knob against the range declared next to it
     p = prefix + "."
-    _one_of(p + "adv_estimator", cfg.adv_estimator, ADV_ESTIMATORS)
+    for key, registry in REGISTRIES.items():  # names (built-in or plugin) come from the registries
+        registry.entry(getattr(cfg, key), p + key)
     _one_of(p + "mean_level", cfg.mean_level, NORM_LEVELS)
     _one_of(p + "std_level", cfg.std_level, NORM_LEVELS)
-    _one_of(p + "policy_loss", cfg.policy_loss, POLICY_LOSSES)
-    _one_of(p + "loss_agg", cfg.loss_agg, LOSS_AGGS)
-    _one_of(p + "kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
     _one_of(p + "prox_logp_method", cfg.prox_logp_method, PROX_LOGP_METHODS)
     _one_of(p + "behav_imp_weight_mode", cfg.behav_imp_weight_mode, BEHAV_IMP_WEIGHT_MODES)
     _one_of(p + "behav_imp_weight_level", cfg.behav_imp_weight_level, BEHAV_IMP_WEIGHT_LEVELS)
-    if cfg.adv_estimator == "gae" and not cfg.use_critic:
-        raise ConfigError(p + "use_critic", "adv_estimator=gae needs a value model",
-                          "set algo.use_critic=true (or algo=ppo), or pick a critic-free estimator like grpo")
-    if cfg.use_critic and cfg.adv_estimator != "gae":
+    est = REGISTRIES["adv_estimator"].spec(cfg.adv_estimator)
+    if est.needs_values and not cfg.use_critic:
+        raise ConfigError(p + "use_critic", f"adv_estimator={cfg.adv_estimator} reads a value model's values "
+                          "(it declares needs_values)", "set algo.use_critic=true (or algo=ppo), or pick a "
+                          "critic-free estimator like grpo")
+    if cfg.use_critic and not est.needs_values:
         raise ConfigError(p + "adv_estimator", f"use_critic=true but adv_estimator={cfg.adv_estimator!r} "
-                          "ignores values", "set algo.adv_estimator=gae or algo.use_critic=false")
+                          "ignores values", "set algo.adv_estimator=gae (or another estimator declaring "
+                          "needs_values) or algo.use_critic=false")
     if cfg.prox_logp_method == "loglinear" and not cfg.use_decoupled_loss:
         raise ConfigError(p + "prox_logp_method", "loglinear approximates the proximal policy of the "
                           "decoupled loss, which is off", "set algo.use_decoupled_loss=true")
@@ -139,14 +139,16 @@ def validate_group_size(cfg: AlgoConfig, group_size: int, path: str = "rollout.g
     and only the KL and entropy terms would train; a group std is 0, so ``(r - mean) / (0 + eps)``
     blows the advantages up by 1/eps; and dynamic sampling drops every group, since one reward is
     trivially "all equal"."""
-    if cfg.policy_loss == "sft" or group_size >= 2:
+    from areal_cli.algorithms.registry import ADV_ESTIMATORS, POLICY_LOSSES
+
+    if not POLICY_LOSSES.spec(cfg.policy_loss).uses_advantages or group_size >= 2:
         return
+    est = ADV_ESTIMATORS.spec(cfg.adv_estimator)
     why = None
-    if cfg.adv_estimator in ("drgrpo", "rloo", "reinforce_pp_baseline") or \
-            (cfg.adv_estimator == "grpo" and cfg.mean_level == "group"):
+    if est.group_baseline or (est.uses_levels and cfg.mean_level == "group"):
         why = f"adv_estimator={cfg.adv_estimator} subtracts a group baseline, which for one sample is the " \
               "sample itself: every advantage would be 0"
-    elif cfg.adv_estimator == "grpo" and cfg.std_level == "group":
+    elif est.uses_levels and cfg.std_level == "group":
         why = "std_level=group divides by the std of one sample, which is 0"
     elif cfg.dynamic_sampling:
         why = "dynamic_sampling drops groups whose rewards are all equal, which is every group of one"

@@ -31,6 +31,9 @@ class ExperimentConfig:
     # none | auto (continue the latest recover state in the run dir) | <path to a recover dir>
     resume: str = "none"
     skip_storage_check: bool = False
+    # Modules imported before validation and in every process of the run; they register advantage
+    # estimators, policy losses, rewards or workflows (docs/architecture.md, "Registries and plugins").
+    plugins: list[str] = field(default_factory=list)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     allocation_mode: AllocationModeConfig = field(default_factory=AllocationModeConfig)

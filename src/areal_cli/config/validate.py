@@ -27,6 +27,9 @@ from areal_cli.config.rollout import DISK_ONLY_BACKENDS
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.engines import ENGINE_SPECS, engine_dims, get_engine_spec
 from areal_cli.errors import ConfigError
+from areal_cli.registry import load_plugins
+from areal_cli.rewards.registry import check_reward_name
+from areal_cli.rollout.workflows import check_workflow_config
 
 # Extra rules other modules can register: fn(cfg, plan) raising ConfigError or appending warnings.
 EXTRA_RULES: list[Callable[[ExperimentConfig, Plan], None]] = []
@@ -59,11 +62,9 @@ def _check_scalars(cfg: ExperimentConfig) -> None:
         if v not in choices:
             raise ConfigError(path, f"unknown value '{v}'",
                               f"{did_you_mean(str(v), choices)}choose one of: {', '.join(choices)}")
-    w = cfg.workflow.name
-    if w not in ("rlvr", "multi_turn", "agent") and "." not in w:
-        raise ConfigError("workflow.name", f"unknown workflow '{w}'",
-                          f"{did_you_mean(w, ['rlvr', 'multi_turn', 'agent'])}use rlvr, multi_turn, agent or a "
-                          "dotted import path to a RolloutWorkflow subclass")
+    # Names come from the registries (built-ins and plugins); an import path resolves at run time.
+    check_workflow_config(cfg.workflow.name, cfg.workflow.kwargs)
+    check_reward_name(cfg.workflow.reward)
     m = cfg.model
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads",
@@ -244,6 +245,7 @@ def _micro_batch(cfg: ExperimentConfig, dp: int, c: Component) -> MicroBatch:
 
 def validate(cfg: ExperimentConfig) -> Plan:
     """Check every cross-group rule and return the placement plan with estimates."""
+    load_plugins(cfg.plugins)  # first: plugins add the names the rules below accept
     check_ranges(cfg)  # every numeric knob of every group, against the range declared next to it
     _check_engine_sections(cfg)
     _check_scalars(cfg)

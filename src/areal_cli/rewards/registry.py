@@ -1,37 +1,67 @@
-"""Reward functions by name: ``numeric``, ``exact``, ``math``, ``code`` or a dotted import path."""
+"""Reward functions by name (:data:`REWARDS`: ``numeric``, ``exact``, ``math``, ``code`` and plugins) or
+by dotted import path. Torch-free: the validator reads the names.
+
+A plugin registers its own (docs/architecture.md, "Registries and plugins")::
+
+    from areal_cli.rewards.registry import register_reward
+
+    @register_reward("my_reward", in_process=False)
+    def my_reward(prompt: str, completion: str, answer, **kw) -> float: ...
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from areal_cli.errors import ConfigError
+from areal_cli.registry import Registry
 
 RewardFn = Callable[..., float]
 
-BUILTIN_REWARDS = {
-    "numeric": ("areal_cli.rewards.builtin", "numeric_reward"),
-    "exact": ("areal_cli.rewards.builtin", "exact_reward"),
-    "math": ("areal_cli.rewards.math_reward", "math_reward"),
-    "code": ("areal_cli.rewards.code", "code_reward"),
-}
+
+@dataclass(frozen=True)
+class RewardSpec:
+    # Cheap and cannot hang: called in the rollout process. Otherwise (math-verify, sandboxed code,
+    # user functions by path) it runs in the time-bounded worker pool, so a hanging or crashing
+    # reward cannot take the trainer down.
+    in_process: bool = False
+
+
+REWARDS: Registry[RewardSpec] = Registry("reward", "workflow.reward", RewardSpec)
+REWARDS.declare("numeric", "areal_cli.rewards.builtin:numeric_reward", in_process=True)
+REWARDS.declare("exact", "areal_cli.rewards.builtin:exact_reward", in_process=True)
+REWARDS.declare("math", "areal_cli.rewards.math_reward:math_reward")
+REWARDS.declare("code", "areal_cli.rewards.code:code_reward")
+register_reward = REWARDS.register
+
+
+def is_import_path(name: str) -> bool:
+    return "." in name or ":" in name
+
+
+def check_reward_name(name: str, config_path: str = "workflow.reward") -> None:
+    """A registered name or an import path (resolved later, in the process that runs it)."""
+    if not is_import_path(name):
+        REWARDS.entry(name, config_path)
+
+
+def reward_runs_in_process(name: str) -> bool:
+    return not is_import_path(name) and REWARDS.spec(name).in_process
 
 
 def get_reward_fn(name: str, config_path: str = "workflow.reward") -> RewardFn:
     """``fn(prompt: str, completion: str, answer: str, **kw) -> float`` for ``name``.
 
-    A user function is named ``pkg.module.fn`` or ``pkg.module:fn``.
+    A user function is named ``pkg.module.fn`` or ``pkg.module:fn`` (or registered by a plugin).
     """
-    if name in BUILTIN_REWARDS:
-        mod, attr = BUILTIN_REWARDS[name]
-        return getattr(importlib.import_module(mod), attr)
+    if not is_import_path(name):
+        return REWARDS.entry(name, config_path).load()
     if ":" in name:
         mod, _, attr = name.partition(":")
-    elif "." in name:
-        mod, _, attr = name.rpartition(".")
     else:
-        raise ConfigError(config_path, f"unknown reward {name!r}",
-                          f"use one of {', '.join(BUILTIN_REWARDS)} or an import path like my_pkg.rewards.fn")
+        mod, _, attr = name.rpartition(".")
     try:
         module = importlib.import_module(mod)
     except ImportError as e:

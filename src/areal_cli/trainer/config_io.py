@@ -36,4 +36,10 @@ def load_config_file(path: str | os.PathLike) -> Any:
     except OmegaConfBaseException as e:
         raise ConfigError(getattr(e, "full_key", "") or "--config", f"invalid config file {path}: {e}",
                           "re-create it with `areal train`") from e
-    return OmegaConf.to_object(merged)
+    cfg = OmegaConf.to_object(merged)
+    # The plugins register names this process will look up (trainer ranks under any launcher,
+    # even one that does not pass AREAL_PLUGINS on).
+    from areal_cli.registry import load_plugins
+
+    load_plugins(cfg.plugins)
+    return cfg

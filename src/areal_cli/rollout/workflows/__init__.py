@@ -1,8 +1,11 @@
-"""Workflow registry: built-in names and user workflows by dotted import path.
+"""Workflow registry: built-in names, plugins, and user workflows by dotted import path.
 
-``workflow.name=rlvr`` / ``multi_turn`` select the built-ins; anything containing a dot is imported:
-``my_pkg.module.MyWorkflow`` or ``my_pkg.module:MyWorkflow`` (a RolloutWorkflow subclass, or a
-factory callable returning an instance).
+``workflow.name=rlvr`` / ``multi_turn`` / ``agent`` select the built-ins; a plugin module (named in
+``plugins=[...]``) adds its own with ``@register_workflow("name")``; anything containing a dot is
+imported: ``my_pkg.module.MyWorkflow`` or ``my_pkg.module:MyWorkflow`` (a RolloutWorkflow subclass,
+or a factory callable returning an instance). The trainer builds a workflow from the config with
+``trainer/build.py:build_workflow`` (the one place that wires reward, generation config and
+constructor arguments); :func:`build_workflow` here is the constructor call it ends in.
 """
 
 from __future__ import annotations
@@ -13,21 +16,55 @@ from typing import Any
 
 from areal_cli.api.workflow_api import RolloutWorkflow
 from areal_cli.errors import ConfigError
+from areal_cli.registry import RegistrationError, Registry, _describe
 
-_REGISTRY: dict[str, str | Any] = {
-    "rlvr": "areal_cli.rollout.workflows.rlvr:RLVRWorkflow",
-    "multi_turn": "areal_cli.rollout.workflows.multi_turn:MultiTurnWorkflow",
-    "agent": "areal_cli.rollout.workflows.agent:AgentWorkflow",
-}
+# The trainer-level pieces a workflow constructor may name; each comes from its own config key
+# (so they are refused in workflow.kwargs). A constructor gets the ones it names (all of them
+# with **kwargs), plus workflow.kwargs.
+OFFERED = ("reward_fn", "gconfig", "tokenizer", "group_size", "max_turns", "turn_discount", "feedback")
 
 
-def register_workflow(name: str, target: str | Any) -> None:
-    """Register a short name for a workflow class/factory (or its ``module:attr`` path)."""
-    _REGISTRY[name] = target
+def _check_workflow(name: str, obj: Any, spec: Any) -> None:
+    if inspect.isclass(obj) and not issubclass(obj, RolloutWorkflow) and not hasattr(obj, "arun_episode"):
+        raise RegistrationError(f"workflow {name!r}: {_describe(obj)} is a class but not a RolloutWorkflow; "
+                                "subclass areal_cli.api.workflow_api.RolloutWorkflow and define async arun_episode")
+    if not callable(obj):
+        raise RegistrationError(f"workflow {name!r}: {obj!r} is not a class or factory")
+
+
+WORKFLOWS: Registry = Registry("workflow", "workflow.name", check=_check_workflow)
+WORKFLOWS.declare("rlvr", "areal_cli.rollout.workflows.rlvr:RLVRWorkflow")
+WORKFLOWS.declare("multi_turn", "areal_cli.rollout.workflows.multi_turn:MultiTurnWorkflow")
+WORKFLOWS.declare("agent", "areal_cli.rollout.workflows.agent:AgentWorkflow")
+
+
+def register_workflow(name: str, target: Any = None) -> Any:
+    """Register ``name`` for a workflow class/factory (or its ``module:attr`` path). Without
+    ``target`` it is a class decorator: ``@register_workflow("mine")``."""
+    if target is None:
+        return WORKFLOWS.register(name)
+    WORKFLOWS.declare(name, target)
+    return target
 
 
 def available_workflows() -> list[str]:
-    return sorted(_REGISTRY)
+    return list(WORKFLOWS.names())
+
+
+def is_import_path(name: str) -> bool:
+    return "." in name or ":" in name
+
+
+def check_workflow_config(name: str, kwargs: dict[str, Any]) -> None:
+    """Torch-free checks the validator runs: a registered name (or an import path, resolved in the
+    process that runs it), and no ``workflow.kwargs`` key that has its own config key."""
+    if not is_import_path(name):
+        WORKFLOWS.entry(name, "workflow.name")
+    clash = sorted(set(OFFERED) & set(kwargs or {}))
+    if clash:
+        raise ConfigError("workflow.kwargs", f"{clash} are set by their own config keys, not workflow.kwargs",
+                          "use workflow.max_turns / workflow.turn_discount / workflow.feedback / "
+                          "rollout.group_size / rollout.gconfig / workflow.reward instead")
 
 
 def import_object(path: str, config_path: str = "workflow.name") -> Any:
@@ -55,20 +92,13 @@ def import_object(path: str, config_path: str = "workflow.name") -> Any:
 
 def resolve_workflow(name_or_path: str) -> Any:
     """The class (or factory) for a registered name or an import path."""
-    target = _REGISTRY.get(name_or_path)
-    if target is None:
-        if "." not in name_or_path and ":" not in name_or_path:
-            raise ConfigError("workflow.name", f"unknown workflow {name_or_path!r}",
-                              f"use one of {available_workflows()} or a dotted path like "
-                              "my_pkg.mod.MyWorkflow")
-        target = name_or_path
-    obj = import_object(target) if isinstance(target, str) else target
-    if inspect.isclass(obj) and not issubclass(obj, RolloutWorkflow) and not hasattr(obj, "arun_episode"):
-        raise ConfigError("workflow.name", f"{name_or_path} is a class but not a RolloutWorkflow",
-                          "subclass areal_cli.api.workflow_api.RolloutWorkflow and define async arun_episode")
-    if not callable(obj):
-        raise ConfigError("workflow.name", f"{name_or_path} is not a class or factory",
-                          "point workflow.name at a RolloutWorkflow subclass")
+    if not is_import_path(name_or_path):
+        return WORKFLOWS.entry(name_or_path, "workflow.name").load()
+    obj = import_object(name_or_path)
+    try:
+        _check_workflow(name_or_path, obj, None)
+    except RegistrationError as e:
+        raise ConfigError("workflow.name", str(e), "point workflow.name at a RolloutWorkflow subclass") from e
     return obj
 
 
@@ -92,18 +122,11 @@ def load_workflow(name_or_path: str, **kwargs: Any) -> RolloutWorkflow:
 def build_workflow(name_or_path: str, *, reward_fn: Any, gconfig: Any, tokenizer: Any, group_size: int,
                    max_turns: int = 2, turn_discount: float = 0.9,
                    feedback: str = "Your answer is wrong. Try again.", **user_kwargs: Any) -> RolloutWorkflow:
-    """Build a workflow from trainer-level pieces. Built-ins get what they need; a user workflow gets
-    ``user_kwargs`` plus whichever of ``reward_fn``/``gconfig``/``tokenizer``/``group_size``/
-    ``max_turns``/``turn_discount``/``feedback`` its constructor names (all of them if it takes
-    ``**kwargs``)."""
-    common: dict[str, Any] = {"reward_fn": reward_fn, "gconfig": gconfig, "tokenizer": tokenizer,
-                              "group_size": group_size}
-    if name_or_path == "rlvr":
-        return load_workflow(name_or_path, **common, **user_kwargs)
-    if name_or_path == "multi_turn":
-        return load_workflow(name_or_path, **common, max_turns=max_turns, turn_discount=turn_discount,
-                             feedback=feedback, **user_kwargs)
-    offered = {**common, "max_turns": max_turns, "turn_discount": turn_discount, "feedback": feedback}
+    """Construct a workflow from trainer-level pieces (:data:`OFFERED`): its constructor gets
+    ``user_kwargs`` plus whichever pieces it names (all of them if it takes ``**kwargs``).
+    Built-ins and plugins alike; ``trainer/build.py:build_workflow`` makes the pieces from the config."""
+    offered = {"reward_fn": reward_fn, "gconfig": gconfig, "tokenizer": tokenizer, "group_size": group_size,
+               "max_turns": max_turns, "turn_discount": turn_discount, "feedback": feedback}
     factory = resolve_workflow(name_or_path)
     try:
         params = inspect.signature(factory).parameters
@@ -115,36 +138,6 @@ def build_workflow(name_or_path: str, *, reward_fn: Any, gconfig: Any, tokenizer
     return load_workflow(name_or_path, **kwargs)
 
 
-def build_reward_fn(workflow_cfg: Any) -> Any:
-    """``workflow.reward`` → an :class:`areal_cli.rewards.AsyncRewardRunner` (process pool, timeouts).
-    Close it (``.close()``) when the run ends."""
-    from areal_cli.rewards import AsyncRewardRunner, get_reward_fn
-
-    get_reward_fn(workflow_cfg.reward)  # fail fast on a bad name, in this process
-    return AsyncRewardRunner(workflow_cfg.reward, max_workers=workflow_cfg.reward_workers,
-                             timeout_s=workflow_cfg.reward_timeout_s)
-
-
-def build_workflow_from_config(workflow_cfg: Any, rollout_cfg: Any, tokenizer: Any,
-                               reward_fn: Any = None) -> RolloutWorkflow:
-    """The trainer's one-liner: ``workflow`` + ``rollout`` config groups → a workflow instance.
-    ``reward_fn`` defaults to :func:`build_reward_fn` (the caller owns closing it)."""
-    from areal_cli.rollout.workflows.common import to_generation_config
-
-    user = dict(workflow_cfg.kwargs or {})
-    reserved = {"reward_fn", "gconfig", "tokenizer", "group_size", "max_turns", "turn_discount", "feedback"}
-    clash = sorted(reserved & set(user))
-    if clash:
-        raise ConfigError("workflow.kwargs", f"{clash} are set by their own config keys, not workflow.kwargs",
-                          "use workflow.max_turns / workflow.turn_discount / workflow.feedback / "
-                          "rollout.group_size / rollout.gconfig / workflow.reward instead")
-    return build_workflow(workflow_cfg.name, reward_fn=reward_fn or build_reward_fn(workflow_cfg),
-                          gconfig=to_generation_config(rollout_cfg.gconfig), tokenizer=tokenizer,
-                          group_size=rollout_cfg.group_size, max_turns=workflow_cfg.max_turns,
-                          turn_discount=workflow_cfg.turn_discount, feedback=workflow_cfg.feedback,
-                          **user)
-
-
 def _param_names(factory: Any) -> list[str]:
     try:
         return [p for p in inspect.signature(factory).parameters if p != "self"]
@@ -152,6 +145,5 @@ def _param_names(factory: Any) -> list[str]:
         return []
 
 
-__all__ = ["available_workflows", "build_reward_fn", "build_workflow", "build_workflow_from_config",
-           "import_object", "load_workflow", "register_workflow",
-           "resolve_workflow"]
+__all__ = ["OFFERED", "WORKFLOWS", "available_workflows", "build_workflow", "check_workflow_config",
+           "import_object", "load_workflow", "register_workflow", "resolve_workflow"]
