@@ -31,10 +31,8 @@ def test_every_registered_name_validates_and_resolves():
         assert registry.names()
         for name in registry.names():
             assert callable(registry.get(name))
-            if key == "adv_estimator" and registry.spec(name).needs_values:
-                validate_algo_config(AlgoConfig(adv_estimator=name, use_critic=True))
-            elif key != "adv_estimator":
-                validate_algo_config(AlgoConfig(**{key: name}))
+            critic = key == "adv_estimator" and registry.spec(name).needs_values
+            validate_algo_config(AlgoConfig(**{key: name}, use_critic=critic))
 
 
 @pytest.mark.parametrize("name", PRESETS)
