@@ -143,3 +143,27 @@ def test_get_backend():
     assert get_backend("hf") is hf and get_backend("vllm") is vllm
     with pytest.raises(ConfigError):
         get_backend("tgi")
+
+
+@pytest.mark.parametrize("backend", [hf, sglang, vllm], ids=lambda m: m.NAME)
+def test_every_backend_provides_the_client_interface(backend):
+    """The client calls these members on any backend without asking which it is (no name checks,
+    no hasattr): each backend declares every capability and provides what its capabilities need."""
+    from areal_cli.inference.backends.base import CAPABILITY_MEMBERS, INTERFACE
+
+    missing = [m for m in INTERFACE if not hasattr(backend, m)]
+    for flag, members in CAPABILITY_MEMBERS.items():
+        if getattr(backend, flag):
+            missing += [m for m in members if not hasattr(backend, m)]
+    assert not missing, missing
+    for flag in [m for m in INTERFACE if m.startswith(("SUPPORTS_", "NEEDS_"))]:
+        assert isinstance(getattr(backend, flag), bool), flag
+    assert backend.is_transient_rejection(500, "boom") is False
+
+
+def test_a_lora_adapter_is_named_in_the_request_of_every_backend():
+    assert vllm.build_generate([1], G, model="base", lora="adapter").json["model"] == "adapter"
+    assert vllm.build_generate([1], G, model="base").json["model"] == "base"
+    assert sglang.build_generate([1], G, lora="adapter").json["lora_path"] == "adapter"
+    with pytest.raises(ValueError, match="model name"):
+        vllm.build_generate([1], G)

@@ -314,14 +314,14 @@ class RemoteInferenceEngine(InferenceEngine):
         """``_send`` for generation calls, waiting out a backend's brief refusals that are not the
         request's fault: vLLM answers 404 for the LoRA adapter's name between the unload and the load of
         a runtime adapter swap (backend ``is_transient_rejection``). Bounded by the request timeout."""
-        transient = getattr(self.backend, "is_transient_rejection", None)
+        transient = self.backend.is_transient_rejection
         deadline = time.monotonic() + self.timeout_s
         wait = 0.05
         while True:
             try:
                 return await self._send(address, call, self.timeout_s)
             except _ClientError as e:
-                if transient is None or not transient(e.status, e.body) or time.monotonic() + wait > deadline:
+                if not transient(e.status, e.body) or time.monotonic() + wait > deadline:
                     raise
             await asyncio.sleep(wait)
             wait = min(2.0, wait * 2)
@@ -330,11 +330,9 @@ class RemoteInferenceEngine(InferenceEngine):
                         budgets: list[int]) -> tuple[list[Segment], str]:
         """One prompt, one ``/generate`` call with failover."""
         async def build(s: _ServerState) -> HttpCall:
-            kw: dict[str, Any] = {"max_new_tokens": budgets[0]}
-            if self.backend_name == "vllm":
-                kw["model"] = self.lora_name or await self._model_name(s)
-            elif self.lora_name is not None:
-                kw["lora"] = self.lora_name
+            kw: dict[str, Any] = {"max_new_tokens": budgets[0], "lora": self.lora_name}
+            if self.backend.NEEDS_MODEL_NAME and self.lora_name is None:  # an adapter is served by its name
+                kw["model"] = await self._model_name(s)
             return self.backend.build_generate(inputs[0], gs[0], **kw)
 
         seg, address = await self._route(build, lambda resp: self.backend.parse_generate(
@@ -405,7 +403,7 @@ class RemoteInferenceEngine(InferenceEngine):
     @property
     def supports_batch_generate(self) -> bool:
         """Whether the backend takes several prompts in one ``/generate`` call (SGLang's batch form)."""
-        return hasattr(self.backend, "build_generate_batch")
+        return self.backend.SUPPORTS_BATCH_GENERATE
 
     async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
         """:meth:`agenerate` for several requests; with a batching backend, one HTTP call per round
@@ -454,8 +452,6 @@ class RemoteInferenceEngine(InferenceEngine):
     async def load_lora_adapter(self, name: str, path: str, version: int) -> None:
         """Load adapter version ``version`` from the peft dir ``path`` under ``name`` on every server
         (replacing the one loaded before; generation is paused around it where the server needs that)."""
-        if not hasattr(self.backend, "build_load_lora"):
-            raise InferenceError(f"backend {self.backend.NAME!r} cannot load LoRA adapters")
         await self._all([self.backend.build_load_lora(name, path, version, loaded=a in self._lora_loaded)
                          for a in self._order], "load_lora_adapter")
         self._lora_loaded.update(self._order)
@@ -464,7 +460,7 @@ class RemoteInferenceEngine(InferenceEngine):
     @property
     def supports_lora_broadcast(self) -> bool:
         """Whether the servers take an adapter over the weight-update group (hf only)."""
-        return bool(getattr(self.backend, "SUPPORTS_LORA_BROADCAST", False))
+        return self.backend.SUPPORTS_LORA_BROADCAST
 
     async def load_lora_adapter_from_distributed(self, meta: WeightUpdateMeta, name: str, config: dict,
                                                  specs: list[ParamSpec]) -> None:
@@ -478,24 +474,23 @@ class RemoteInferenceEngine(InferenceEngine):
     async def check_server_versions(self) -> dict[str, str]:
         """SGLang only: read every server's version (``/server_info``) once and refuse one outside
         the supported range (``backends.sglang.SUPPORTED_VERSIONS``)."""
-        check = getattr(self.backend, "check_server_version", None)
+        info = self.backend.build_server_info()  # None: the backend has no version range to check
         todo = [a for a in self._order if a not in self._checked_versions]
-        if check is None or not todo:
+        if info is None or not todo:
             return {}
-        res = await asyncio.gather(*(self._send_retry(a, self.backend.build_server_info(), 30.0) for a in todo))
-        out = {a: check(r, a) for a, r in zip(todo, res)}
+        res = await asyncio.gather(*(self._send_retry(a, info, 30.0) for a in todo))
+        out = {a: self.backend.check_server_version(r, a) for a, r in zip(todo, res)}
         self._checked_versions.update(todo)
         return out
 
     async def begin_weight_update(self) -> None:
         """Open the weight-update session SGLang requires around distributed/disk updates."""
         await self.check_server_versions()
-        if hasattr(self.backend, "build_begin_update"):  # vLLM opens its own in each update call
-            await self._all([self.backend.build_begin_update() for _ in self._order], "begin_weight_update")
+        # vLLM's is an empty list of calls: it opens its own session in each update call.
+        await self._all([self.backend.build_begin_update() for _ in self._order], "begin_weight_update")
 
     async def end_weight_update(self) -> None:
-        if hasattr(self.backend, "build_end_update"):
-            await self._all([self.backend.build_end_update() for _ in self._order], "end_weight_update")
+        await self._all([self.backend.build_end_update() for _ in self._order], "end_weight_update")
 
     async def release_memory_occupation(self) -> None:
         """Free the servers' accelerator memory for a colocated trainer (SGLang ``--enable-memory-saver``)."""
@@ -517,14 +512,14 @@ class RemoteInferenceEngine(InferenceEngine):
     @property
     def supports_flattened_bucket(self) -> bool:
         """Whether the backend takes ``load_format="flattened_bucket"`` (SGLang and hf; not vLLM)."""
-        return self.allow_flattened_bucket and bool(getattr(self.backend, "SUPPORTS_FLATTENED_BUCKET", False))
+        return self.allow_flattened_bucket and self.backend.SUPPORTS_FLATTENED_BUCKET
 
     @property
     def supports_atomic_update(self) -> bool:
         """Whether the backend pauses and continues generation itself around an update request
         (``pause_generation``/``continue_generation`` fields, hf only). SGLang and vLLM need the
         explicit :meth:`pause_generation` / :meth:`continue_generation` calls."""
-        return self.allow_atomic_update and bool(getattr(self.backend, "SUPPORTS_ATOMIC_UPDATE", False))
+        return self.allow_atomic_update and self.backend.SUPPORTS_ATOMIC_UPDATE
 
     async def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: list[ParamSpec], *,
                                               flattened_bucket: bool = False, pause_generation: bool = False,

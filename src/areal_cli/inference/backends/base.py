@@ -45,3 +45,23 @@ def version_from(value: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+# The interface inference/client.py calls on a backend module (hf, sglang, vllm). Every backend
+# provides every member of INTERFACE, so the client never asks which backend it talks to: what differs
+# is a declared capability (a SUPPORTS_*/NEEDS_* flag), or a builder that returns no calls (vLLM's
+# begin/end update session) or no call (build_server_info: no version range to check).
+INTERFACE = (
+    "NAME", "HEALTH", "SUPPORTS_BATCH_GENERATE", "SUPPORTS_FLATTENED_BUCKET", "SUPPORTS_ATOMIC_UPDATE",
+    "SUPPORTS_LORA_BROADCAST", "NEEDS_MODEL_NAME",
+    "build_generate", "parse_generate", "is_transient_rejection", "check_ok",
+    "build_pause", "build_continue", "build_update_from_disk", "build_begin_update", "build_end_update",
+    "build_server_info", "group_ranks", "build_init_group", "build_update_distributed",
+    "build_get_version", "parse_version", "build_load_lora",
+)
+# Members a backend provides only with the capability that makes the client call them.
+CAPABILITY_MEMBERS = {
+    "SUPPORTS_BATCH_GENERATE": ("build_generate_batch", "parse_generate_batch"),
+    "NEEDS_MODEL_NAME": ("build_models", "parse_model_name"),
+    "SUPPORTS_LORA_BROADCAST": ("build_load_lora_distributed",),
+}

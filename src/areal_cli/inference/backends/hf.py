@@ -13,20 +13,44 @@ LoRA (inference/server/lora.py): SGLang's ``/load_lora_adapter`` with the hf fie
 from __future__ import annotations
 
 from areal_cli.inference.backends.base import HttpCall
-from areal_cli.inference.backends.sglang import (HEALTH, build_begin_update, build_continue, build_end_update,
-                                                 build_generate, build_generate_batch, build_get_version,
-                                                 build_init_group, build_pause, build_release_memory,
-                                                 build_resume_memory, build_set_version, build_unload_lora,
-                                                 build_update_from_disk,
-                                                 check_ok, group_ranks, parse_generate, parse_generate_batch,
-                                                 parse_version, sampling_params)
+from areal_cli.inference.backends.sglang import (
+    HEALTH,
+    build_begin_update,
+    build_continue,
+    build_end_update,
+    build_generate,
+    build_generate_batch,
+    build_get_version,
+    build_init_group,
+    build_pause,
+    build_release_memory,
+    build_resume_memory,
+    build_set_version,
+    build_unload_lora,
+    build_update_from_disk,
+    check_ok,
+    group_ranks,
+    is_transient_rejection,
+    parse_generate,
+    parse_generate_batch,
+    parse_version,
+    sampling_params,
+)
 from areal_cli.inference.backends.sglang import build_update_distributed as _sglang_update_distributed
 
 NAME = "hf"
+# Capabilities the client reads (the interface: backends/base.py).
+SUPPORTS_BATCH_GENERATE = True
 SUPPORTS_LORA_BROADCAST = True
 SUPPORTS_FLATTENED_BUCKET = True
 SUPPORTS_ATOMIC_UPDATE = True
+NEEDS_MODEL_NAME = False
 SERVER_ENV: dict[str, str] = {}
+
+
+def build_server_info() -> None:
+    """No version range to check: the server ships with this package."""
+    return
 
 
 def build_update_distributed(meta, specs, *, flush_cache: bool = True, flattened_bucket: bool = False,
@@ -55,10 +79,37 @@ def build_load_lora_distributed(meta, name: str, config: dict, specs) -> HttpCal
         "weight_version": str(meta.version)})
 
 
-__all__ = ["build_load_lora", "build_load_lora_distributed", "build_unload_lora", "SUPPORTS_LORA_BROADCAST",
-           "HEALTH", "NAME", "SERVER_ENV", "SUPPORTS_ATOMIC_UPDATE", "SUPPORTS_FLATTENED_BUCKET",
-           "build_begin_update",
-           "build_continue", "build_end_update", "build_generate", "build_generate_batch", "build_get_version",
-           "build_init_group", "build_pause", "build_release_memory", "build_resume_memory", "build_set_version",
-           "build_update_distributed", "build_update_from_disk", "check_ok", "group_ranks", "parse_generate",
-           "parse_generate_batch", "parse_version", "sampling_params"]
+__all__ = [
+    "HEALTH",
+    "NAME",
+    "NEEDS_MODEL_NAME",
+    "SERVER_ENV",
+    "SUPPORTS_ATOMIC_UPDATE",
+    "SUPPORTS_BATCH_GENERATE",
+    "SUPPORTS_FLATTENED_BUCKET",
+    "SUPPORTS_LORA_BROADCAST",
+    "build_begin_update",
+    "build_continue",
+    "build_end_update",
+    "build_generate",
+    "build_generate_batch",
+    "build_get_version",
+    "build_init_group",
+    "build_load_lora",
+    "build_load_lora_distributed",
+    "build_pause",
+    "build_release_memory",
+    "build_resume_memory",
+    "build_server_info",
+    "build_set_version",
+    "build_unload_lora",
+    "build_update_distributed",
+    "build_update_from_disk",
+    "check_ok",
+    "group_ranks",
+    "is_transient_rejection",
+    "parse_generate",
+    "parse_generate_batch",
+    "parse_version",
+    "sampling_params",
+]

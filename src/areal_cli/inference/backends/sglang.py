@@ -33,8 +33,12 @@ from areal_cli.inference.backends.base import HttpCall, Segment, version_from
 
 NAME = "sglang"
 HEALTH = HttpCall("GET", "/health")
+# Capabilities the client reads (the interface: backends/base.py).
+SUPPORTS_BATCH_GENERATE = True  # /generate takes a list of prompts
 SUPPORTS_FLATTENED_BUCKET = True
 SUPPORTS_ATOMIC_UPDATE = False
+SUPPORTS_LORA_BROADCAST = False  # adapters load from a directory
+NEEDS_MODEL_NAME = False  # /generate serves the one loaded model
 # Inclusive lower bound, exclusive upper bound. The lower bound is the release the contract tests run
 # (begin/end_weight_update, weight_version in /model_info); the upper one the next minor series.
 SUPPORTED_VERSIONS = ((0, 5, 23), (0, 6, 0))
@@ -247,6 +251,11 @@ def build_load_lora(name: str, path: str, version: int, *, loaded: bool) -> list
     calls = [build_pause()] + ([build_unload_lora(name)] if loaded else [])
     return calls + [HttpCall("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path}),
                     build_set_version(version), build_continue()]
+
+
+def is_transient_rejection(status: int, body: str) -> bool:
+    """No refusal here is transient: an error answer is the request's."""
+    return False
 
 
 def check_ok(resp: Any, what: str) -> None:

@@ -34,6 +34,12 @@ from areal_cli.inference.backends.sglang import group_ranks  # noqa: F401  (same
 
 NAME = "vllm"
 HEALTH = HttpCall("GET", "/health")
+# Capabilities the client reads (the interface: backends/base.py).
+SUPPORTS_BATCH_GENERATE = False  # one /v1/completions request per sample
+SUPPORTS_FLATTENED_BUCKET = False
+SUPPORTS_ATOMIC_UPDATE = False
+SUPPORTS_LORA_BROADCAST = False  # adapters load from a directory
+NEEDS_MODEL_NAME = True  # every request names the model (read once per server from /v1/models)
 # What ``launch.build_server_cmd`` adds to every vLLM server (the one definition; launch.py uses these).
 REQUIRED_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs"]
 REQUIRED_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, weight transfer
@@ -66,10 +72,14 @@ MOE_RELOAD_UNSUPPORTED_ON_CPU = (
     "(cpu_prepack_moe_weight) only on the first load, so reloaded experts are read unpacked as packed and "
     "the server generates from wrong weights with no error")
 
-def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str,
-                   max_new_tokens: int | None = None, rid: str | None = None) -> HttpCall:
+def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str | None = None,
+                   max_new_tokens: int | None = None, rid: str | None = None, lora: str | None = None) -> HttpCall:
+    """``model``: the served model's name (:data:`NEEDS_MODEL_NAME`); a LoRA adapter is served under
+    its own name, which then takes its place."""
+    if (lora or model) is None:
+        raise ValueError("vLLM's /v1/completions needs the model name or the LoRA adapter's name")
     body: dict[str, Any] = {
-        "model": model,
+        "model": lora or model,
         "prompt": list(input_ids),
         "max_tokens": g.max_new_tokens if max_new_tokens is None else max_new_tokens,
         "min_tokens": g.min_new_tokens,
@@ -187,6 +197,20 @@ def is_transient_rejection(status: int, body: str) -> bool:
     """A generation request naming the adapter while a runtime LoRA swap (unload, then load) is in flight
     gets 404 "The model `<name>` does not exist" from vLLM's OpenAI layer; the client waits it out."""
     return status == 404 and "does not exist" in body
+
+
+def build_begin_update() -> list[HttpCall]:
+    """No session calls: vLLM opens its own in each update request."""
+    return []
+
+
+def build_end_update() -> list[HttpCall]:
+    return []
+
+
+def build_server_info() -> None:
+    """No version range to check (the contract tests pin what runs)."""
+    return
 
 
 def build_unload_lora(name: str) -> HttpCall:
