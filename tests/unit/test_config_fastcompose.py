@@ -93,3 +93,62 @@ def test_fast_path_equals_hydra_property(overrides):
     fast = outcome(lambda: load_config(overrides))
     hydra = outcome(lambda: via_hydra(overrides))
     assert fast == hydra
+
+
+# --- what falls back to Hydra, and what does not -------------------------------------------------
+
+def _conf_copy(tmp_path):
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    return conf
+
+
+@pytest.mark.parametrize("overrides", [
+    ["+launcher.trainer_env.FOO=1"],  # append
+    ["~seed"],  # delete
+    ["rollout.gconfig.stop=[a,b]"],  # a list value
+    ["plugins=[my_plugin]"],  # a list value
+    ["seed=${trial_name}"],  # an interpolation
+    ["seed=inf"],  # a value Hydra converts its own way
+    ["algo.no_such_key=1"],  # Hydra writes the error
+    ["allocation_mode=a/b"],  # a group option with a path
+])
+def test_each_unusual_override_falls_back(overrides):
+    assert fast_compose(overrides, CONF_DIR) is None
+
+
+def test_a_missing_option_file_or_bad_yaml_falls_back(tmp_path):
+    conf = _conf_copy(tmp_path)
+    (conf / "experiment" / "names_missing.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: no_such_model_q\n")
+    assert fast_compose(["experiment=names_missing"], conf) is None
+    (conf / "algo" / "broken.yaml").write_text("lr: [1, 2\n")
+    assert fast_compose(["algo=broken"], conf) is None
+    (conf / "experiment" / "other_header.yaml").write_text("# @package algo\nlr: 1\n")
+    assert fast_compose(["experiment=other_header"], conf) is None
+    (conf / "model" / "nested_defaults.yaml").write_text("defaults:\n  - tiny\n")
+    assert fast_compose(["model=nested_defaults"], conf) is None
+
+
+def test_a_bug_in_the_fast_path_is_not_swallowed(monkeypatch):
+    """A wrong type or a missing key inside the composer is a bug: it raises, it does not quietly
+    take the Hydra path."""
+    from areal_cli.config import fastcompose
+
+    def broken(*_a, **_k):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(fastcompose, "_convert", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        fast_compose(["seed=3"], CONF_DIR)
+    monkeypatch.setattr(fastcompose, "_convert", lambda *a, **k: (_ for _ in ()).throw(TypeError("bug")))
+    with pytest.raises(TypeError):
+        fast_compose(["seed=3"], CONF_DIR)
+
+
+def test_a_cli_type_error_is_a_config_error_not_a_fallback():
+    with pytest.raises(ConfigError) as ei:
+        fast_compose(["seed=abc"], CONF_DIR)
+    assert ei.value.path == "seed"

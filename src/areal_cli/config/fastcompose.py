@@ -58,9 +58,19 @@ def parse_value(text: str) -> Any:
 
 
 def _load_yaml(path: Path) -> tuple[str | None, Any]:
-    """(package header or None, data); memoised per (path, mtime, size). Callers never mutate."""
-    st = path.stat()
-    return _load_yaml_cached(str(path), st.st_mtime_ns, st.st_size)
+    """(package header or None, data); memoised per (path, mtime, size). Callers never mutate.
+
+    A missing file (an experiment naming an option that does not exist) or malformed YAML is
+    Hydra's to report, with its own message: Unsupported."""
+    import yaml
+
+    try:
+        st = path.stat()
+        return _load_yaml_cached(str(path), st.st_mtime_ns, st.st_size)
+    except FileNotFoundError:
+        raise Unsupported(f"{path} does not exist") from None
+    except yaml.YAMLError:
+        raise Unsupported(f"{path} is not valid YAML") from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -207,12 +217,14 @@ def _defaults(conf_dir: Path) -> list[tuple[str, str]]:
 
 
 def fast_compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig | None:
-    """The composed typed config, or None when Hydra must decide."""
+    """The composed typed config, or None when Hydra must decide.
+
+    Only :class:`Unsupported` falls back (every case is raised on purpose, where the input is
+    outside what this module reproduces); any other exception is a bug here and propagates rather
+    than hiding behind a silent Hydra compose (tests/unit/test_config_fastcompose.py pins both)."""
     try:
         return _compose(hydra_overrides, conf_dir)
     except Unsupported:
-        return None
-    except (OSError, ValueError, TypeError, KeyError, ImportError):
         return None
 
 
