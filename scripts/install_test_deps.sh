@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
 # Test-only system pieces the default and slurm suites use. Idempotent: quick when already present.
-# - etcd-server: the etcd name-resolve backend's tests
 # - s3fs + moto: check-storage against a local S3-compatible server (botocore pinned to what awscli
 #   on the machine wants; a plain `pip install s3fs` would upgrade it)
 # - skypilot in its own venv: installing it globally downgrades click and uvicorn
@@ -17,10 +16,6 @@
 # - slurm-wlm + munge come from slurm/local-cluster.sh, which the slurm suite runs itself
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v etcd >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client) >/dev/null 2>&1 \
-    || echo "install_test_deps: etcd-server not installed; its tests will skip"
-fi
 if ! python -c "import s3fs, moto" 2>/dev/null; then
   BOTO=$(python -c "import botocore; print(botocore.__version__)" 2>/dev/null || true)
   python -m pip install -q s3fs "moto[server]" ${BOTO:+"botocore==$BOTO"} \

@@ -15,5 +15,3 @@ class ClusterConfig:
     gpu_memory_gb: float = ranged(80.0, gt=0.0, le=1e5, why="the GPU's memory in GB")
     fileroot: str = "~/.cache/areal"
     hosts: list[str] = field(default_factory=list)  # explicit host list (non-SLURM multi-node)
-    name_resolve: str = "file"  # file | etcd
-    etcd_endpoint: str = "127.0.0.1:2379"

@@ -39,7 +39,6 @@ CHOICES = {
     "launcher.name": ("local", "slurm", "skypilot", "ray"),
     "rollout.weight_update": ("auto", "distributed", "disk"),
     "rollout.routing": ("least_loaded", "round_robin"),
-    "cluster.name_resolve": ("file", "etcd"),
 }
 
 

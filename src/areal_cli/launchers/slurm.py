@@ -5,9 +5,10 @@
   :func:`areal_cli.launchers.local.run_node`), GPUs per node, CPUs, memory, partition, account,
   QoS and the time limit from ``launcher.slurm``.
 - Torch rendezvous: MASTER_ADDR is the first host of ``SLURM_JOB_NODELIST`` (``scontrol show
-  hostnames``, through submitit's JobEnvironment); node 0 picks a free port and publishes it through
-  :mod:`areal_cli.utils.name_resolve`; other nodes wait for it. Server addresses travel through
-  the run dir's address book (shared fileroot).
+  hostnames``, through submitit's JobEnvironment); node 0 picks a free port and writes it to
+  ``<run_dir>/slurm/rendezvous/<job>.<restart>.json``; other nodes wait for that file. It is the
+  mechanism the server addresses use (the run dir's address book, :mod:`areal_cli.launchers.base`):
+  the run dir is on the shared fileroot, which the storage check verifies every node sees.
 - The submission environment propagates (sbatch exports it); ``launcher.trainer_env`` /
   ``server_env`` are applied by the node runner. submitit's logs go to ``<run_dir>/slurm/``.
 - On preemption or timeout submitit signals the job (USR2), calls :meth:`SlurmNodeJob.checkpoint`
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import LaunchError, StorageError
-from areal_cli.launchers.base import JobLayout
+from areal_cli.launchers.base import JobLayout, write_json_atomic
 
 SUBMITIT_DIR = "slurm"
 JOB_FILE = "slurm_job.json"
@@ -156,26 +157,22 @@ class SlurmNodeJob(_load_submitit_checkpointable()):
         layout = JobLayout.from_dict(self.layout)
         master_addr = env.hostnames[0] if n_nodes > 1 else "127.0.0.1"
         server_host = _reachable_address() if n_nodes > 1 else "127.0.0.1"
-        repo = _repository(cfg)
-        key = f"{cfg.experiment_name}/{cfg.trial_name}/slurm/{job_id}/{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+        # One file per job and attempt: a requeued attempt never reads the port of the one before it.
+        rendezvous = rendezvous_path(self.run_dir, job_id, os.environ.get("SLURM_RESTART_COUNT", "0") or "0")
         if node_rank == 0:
             if resume == "auto":  # requeued (preemption, timeout, scontrol requeue) or resubmitted
                 _switch_to_resume(cfg, self.config_path, self.run_dir)
             from areal_cli.utils.network import find_free_port
 
             port = find_free_port("0.0.0.0" if n_nodes > 1 else "127.0.0.1")
-            repo.add(f"{key}/master", json.dumps({"addr": master_addr, "port": port}), keepalive_ttl=30.0,
-                     replace=True)
+            write_json_atomic(rendezvous, {"addr": master_addr, "port": port})
         else:
-            port = int(json.loads(repo.wait(f"{key}/master", timeout=600))["port"])
+            port = int(wait_rendezvous(rendezvous, timeout_s=600)["port"])
             cfg = load_config_file(self.config_path)  # node 0 may have switched it to resume=auto
         print(f"[areal] slurm job {job_id} node {node_rank}/{n_nodes} on {env.hostname}: master "
               f"{master_addr}:{port}, resume={cfg.resume}", flush=True)
-        try:
-            code = run_node(cfg, layout, self.run_dir, node_rank, master_addr=master_addr, master_port=port,
-                            model_path=self.model_path, server_host=server_host)
-        finally:
-            repo.reset()
+        code = run_node(cfg, layout, self.run_dir, node_rank, master_addr=master_addr, master_port=port,
+                        model_path=self.model_path, server_host=server_host)
         if code != 0:
             raise LaunchError(f"node {node_rank} of slurm job {job_id} ended with code {code}; "
                               f"logs in {self.run_dir}/logs")
@@ -189,10 +186,23 @@ class SlurmNodeJob(_load_submitit_checkpointable()):
             SlurmNodeJob(self.run_dir, self.config_path, self.model_path, self.layout, resume="auto"))
 
 
-def _repository(cfg: Any):
-    from areal_cli.utils.name_resolve import make_repository
+def rendezvous_path(run_dir: str, job_id: str, restart: str) -> Path:
+    """Where node 0 of one attempt of a job publishes the torch rendezvous (master address and port)."""
+    return Path(run_dir) / "slurm" / "rendezvous" / f"{job_id}.{restart}.json"
 
-    return make_repository(cfg.cluster)
+
+def wait_rendezvous(path: Path, timeout_s: float, poll_s: float = 0.2) -> dict[str, Any]:
+    """Node 0's rendezvous record, once it is there (it is written atomically, so a read is whole)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"node 0 did not publish the torch rendezvous ({path}) within "
+                                  f"{timeout_s:.0f}s; is the run dir on a filesystem every node shares? "
+                                  "(areal check-storage)") from None
+            time.sleep(poll_s)
 
 
 def _reachable_address() -> str:
