@@ -154,7 +154,8 @@ class SaveLoadMeta:
     """Where and what to save/load.
 
     ``weight_format="hf"`` writes an HF-loadable dir (safetensors + config + tokenizer);
-    ``"dcp"`` writes resumable sharded state (model, optimizer, scheduler, RNG, step, version).
+    ``"dcp"`` writes resumable sharded state (model, optimizer, scheduler, step, version); the process's
+    RNG state is the trainer checkpoint's (``trainer/checkpoint.py``), not an engine's.
     """
 
     path: str

@@ -20,8 +20,8 @@ are reached:
   ``deepspeed.zero.GatheredParameters`` (a collective on every rank); with bf16 compute over fp32
   weights the fp32 master copies are gathered instead.
 - ``weight_format="dcp"`` checkpoints are DeepSpeed's own ``save_checkpoint``/``load_checkpoint``
-  (module, ZeRO partitions of the optimizer) plus a per-rank file with the step, version, LR schedule
-  and RNG state; they resume bit-exact on the same number of ranks.
+  (module, ZeRO partitions of the optimizer) plus a per-rank file with the step, version and LR schedule;
+  they resume bit-exact on the same number of ranks.
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
-from areal_cli.engines import check_deepspeed_knobs
+from areal_cli.engines import check_deepspeed_knobs, ulysses
 from areal_cli.engines import parallelize as par
-from areal_cli.engines import ulysses
-from areal_cli.engines.fsdp import FSDPEngine, _rng_state, _set_rng_state
+from areal_cli.engines.fsdp import FSDPEngine
 from areal_cli.errors import ConfigError
 
 CHECKPOINT_TAG = "state"
@@ -227,8 +226,8 @@ class DeepSpeedEngine(FSDPEngine):
     def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True, keep=None):
         """``(name, full tensor)`` on global rank 0 and ``(name, None)`` elsewhere, in the same order on
         every rank; under ZeRO-3 each bucket is all-gathered (a collective), copied, and released."""
-        from deepspeed.utils import safe_get_full_fp32_param
         from deepspeed.runtime.zero import GatheredParameters
+        from deepspeed.utils import safe_get_full_fp32_param
 
         src = dist.get_rank() == 0
 
@@ -276,7 +275,7 @@ class DeepSpeedEngine(FSDPEngine):
         # Under LoRA the frozen base is the model dir's: the checkpoint holds the adapter and optimizer.
         self.ds.save_checkpoint(meta.path, tag=CHECKPOINT_TAG, save_latest=False,
                                 exclude_frozen_parameters=self.peft_config is not None)
-        extra = {"step": self.step, "version": self._version, "rng": _rng_state(),
+        extra = {"step": self.step, "version": self._version,
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                  "zero_stage": self.zero_stage, "world_size": dist.get_world_size(),
                  "extra_state": meta.extra_state}
@@ -284,8 +283,8 @@ class DeepSpeedEngine(FSDPEngine):
         dist.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
-        """``dcp``: DeepSpeed's checkpoint (module and ZeRO optimizer partitions) plus step, version, LR
-        schedule and RNG; the saved ``extra_state`` is merged into ``meta.extra_state``. ``hf``: weights."""
+        """``dcp``: DeepSpeed's checkpoint (module and ZeRO optimizer partitions) plus step, version and LR
+        schedule; the saved ``extra_state`` is merged into ``meta.extra_state``. ``hf``: weights."""
         if meta.weight_format == "hf":
             self._load_hf(meta.path)
             return
@@ -310,7 +309,6 @@ class DeepSpeedEngine(FSDPEngine):
         self.step, self._version = extra["step"], extra["version"]
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
-        _set_rng_state(extra["rng"])
         meta.extra_state.update(extra.get("extra_state") or {})
 
     def destroy(self) -> None:

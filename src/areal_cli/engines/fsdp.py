@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,10 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn, TrainEngine
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
-from areal_cli.engines import packing
 from areal_cli.engines import lora as lora_mod
+from areal_cli.engines import packing, sampling_mask, ulysses
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
-from areal_cli.engines import sampling_mask
-from areal_cli.engines import ulysses
 from areal_cli.errors import ConfigError, WeightSyncError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -556,7 +553,7 @@ class FSDPEngine(TrainEngine):
         dist.barrier()
         state = self._dcp_state()
         dcp.save(state, checkpoint_id=meta.path)
-        extra = {"step": self.step, "version": self._version, "rng": _rng_state(),
+        extra = {"step": self.step, "version": self._version,
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                  # DCP's flattened optimizer state can drop a group's float hyperparameters (lr, betas,
                  # eps) on a rank whose parameters differ from rank 0's (pipeline stages): keep them here.
@@ -567,7 +564,7 @@ class FSDPEngine(TrainEngine):
         dist.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
-        """``dcp``: restore model, optimizer, scheduler, RNG, step and version; the saved
+        """``dcp``: restore model, optimizer, scheduler, step and version; the saved
         ``extra_state`` is merged into ``meta.extra_state``. ``hf``: load full weights only."""
         if meta.weight_format == "hf":
             self._load_hf(meta.path)
@@ -598,7 +595,6 @@ class FSDPEngine(TrainEngine):
         self._version = extra["version"]
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
-        _set_rng_state(extra["rng"])
         meta.extra_state.update(extra.get("extra_state") or {})
 
     def _dcp_state(self) -> dict[str, Any]:
@@ -737,22 +733,3 @@ def _orig_tie(model_path: str) -> bool:
         return bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings", False))
     except (OSError, ValueError):
         return False
-
-
-def _rng_state() -> dict:
-    import numpy as np
-
-    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    import numpy as np
-
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])

@@ -3,7 +3,9 @@
 A recover state is a directory ``<run_dir>/recover/step_<N>/``:
 
 - ``engine/``        the engine's resumable state (model, optimizer, scheduler) via ``engine.save(dcp)``
-- ``rank<R>.pt``     per-rank RNG states (python, torch, cuda)
+- ``rank<R>.pt``     per-rank RNG states (python, numpy, torch, cuda): the only place they are saved and
+                     restored. RNG state belongs to the process, not to one engine (a run may hold an
+                     actor, a reference and a critic engine), so engines' checkpoints leave it out.
 - ``trainer.json``   rank 0's loop state: step, policy version, dataloader position, rollout
                      executor counters (accepted / staleness), SFT progress, wall time so far
 

@@ -18,7 +18,6 @@ Order inside one step, and why:
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from areal_cli.trainer.checkpoint import CheckpointManager
 from areal_cli.trainer.stats import StatsLogger
 from areal_cli.utils.dist import barrier, broadcast_obj
 from areal_cli.utils.procs import freeze_heap
+from areal_cli.weight_sync.disk_layout import disk_update_meta, load_meta, prune_pushed
 
 
 def _dist() -> Any:
@@ -143,39 +143,40 @@ class RLTrainer:
         The broadcast group of distributed updates lost a member; the next distributed push makes a
         new group (``weight_group_epoch``) that the restarted server joins like the others.
         """
-        from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
-
         self.weight_group_epoch += 1
-        path = os.path.join(self.run_dir, "weight_sync", f"restart_v{version:06d}")
         if build.lora_enabled(self.cfg):
-            self._sync_restarted_lora(engine, version, path)
+            self._sync_restarted_lora(engine, version)
             return
-        engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=self.model_path))
+        pending = self._pending_servers() if self.rank == 0 else []
+        self._push_saved(engine, version, [build.build_client(self.cfg, [r["address"]], r.get("backend", "hf"))
+                                           for r in pending])
         if self.rank == 0:
-            for rec in self._pending_servers():
-                one = build.build_client(self.cfg, [rec["address"]], rec.get("backend", "hf"))
-                meta = WeightUpdateMeta(type="disk", version=version, path=path)
-                self._run(one.update_weights_from_disk(meta))
+            for rec in pending:
                 self.server_epochs[rec["index"]] = rec["epoch"]
                 print(f"[areal] server {rec['index']} came back at {rec['address']}; loaded version {version}",
                       flush=True)
             recs = read_servers(self.run_dir)
             self.client_set_addresses([r["address"] for r in recs if r["index"] in self.server_epochs])
             self.restarts_synced += 1
+
+    def _push_saved(self, engine: Any, version: int, clients: list) -> None:
+        """Collective: write the trainer's weights into the push dir of ``version`` with ``engine.save``;
+        rank 0 then has ``clients`` load it. For pushes outside a sender: at start-up and to a restarted
+        server, which must not join (or wait for) the other servers' weight-update group."""
+        from areal_cli.api.io_struct import SaveLoadMeta
+
+        meta = load_meta(disk_update_meta(self.run_dir, version))
+        engine.save(SaveLoadMeta(path=meta.path, weight_format="hf", tokenizer_path=self.model_path))
+        if self.rank == 0:
+            for client in clients:
+                self._run(client.update_weights_from_disk(meta))
         barrier()
 
-    def _sync_restarted_lora(self, engine: Any, version: int, path: str) -> None:
+    def _sync_restarted_lora(self, engine: Any, version: int) -> None:
         """Under LoRA a restarted server holds the base weights already: it only needs the adapter."""
-        from areal_cli.api.io_struct import WeightUpdateMeta
-
         pending = broadcast_obj(self._pending_servers() if self.rank == 0 else None)
         clients = [build.build_client(self.cfg, [r["address"]], r.get("backend", "hf")) for r in pending]
-        if self.rank == 0 and self.policy_path != self.model_path:  # the SFT warm start's weights first
-            for c in clients:
-                self._run(c.update_weights_from_disk(WeightUpdateMeta(type="disk", version=version,
-                                                                      path=self.policy_path)))
-        engine.push_adapter(WeightUpdateMeta(type="disk", version=version, path=path),
-                            clients if self.rank == 0 else [], loop=self._loop())
+        self._push_adapter(engine, version, clients)
         if self.rank == 0:
             for rec in pending:
                 self.server_epochs[rec["index"]] = rec["epoch"]
@@ -226,8 +227,7 @@ class RLTrainer:
         from areal_cli.api.io_struct import WeightUpdateMeta
 
         if mode == "disk":
-            path = os.path.join(self.run_dir, "weight_sync", f"v{version:06d}")
-            return WeightUpdateMeta(type="disk", version=version, path=path)
+            return disk_update_meta(self.run_dir, version)
         from areal_cli.utils.network import find_free_port
         from areal_cli.weight_sync.group import trainer_address
 
@@ -255,23 +255,22 @@ class RLTrainer:
         ``engine.update_weights`` always advances the version, so the version-0 case goes through
         the client's ``update_weights_from_disk`` directly.
         """
-        from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
-
-        path = os.path.join(self.run_dir, "weight_sync", f"init_v{version:06d}")
         if build.lora_enabled(self.cfg):
-            if self.rank == 0 and self.policy_path != self.model_path:  # the SFT warm start's: the base
-                self._run(self.client.update_weights_from_disk(
-                    WeightUpdateMeta(type="disk", version=version, path=self.policy_path)))
-            meta = WeightUpdateMeta(type="disk", version=version, path=path)
-            engine.push_adapter(meta, [self.client] if self.rank == 0 else [], loop=self._loop())
+            self._push_adapter(engine, version, [self.client] if self.rank == 0 else [])
             return
-        engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=self.model_path))
+        self._push_saved(engine, version, [self.client] if self.rank == 0 else [])
         if self.rank == 0:
-            meta = WeightUpdateMeta(type="disk", version=version, path=path)
-            self._run(self.client.update_weights_from_disk(meta))
             self.client.set_version(version)
-        barrier()
         engine.set_version(version)
+
+    def _push_adapter(self, engine: Any, version: int, clients: list) -> None:
+        """Collective, under LoRA: the adapter to ``clients`` (rank 0's) at ``version``, preceded by the
+        SFT warm start's full weights (the adapter's base) when there was one."""
+        meta = disk_update_meta(self.run_dir, version)
+        if self.rank == 0 and self.policy_path != self.model_path:
+            for client in clients:
+                self._run(client.update_weights_from_disk(dataclasses.replace(meta, path=self.policy_path)))
+        engine.push_adapter(meta, clients if self.rank == 0 else [], loop=self._loop())
 
     def push_weights(self, engine: Any, version: int, *, force_disk: bool = False) -> float:
         """Push the current weights to every server at ``version``. Returns seconds spent."""
@@ -293,7 +292,7 @@ class RLTrainer:
         engine.set_version(version)
         self.last_push_disk = mode == "disk"
         if mode == "disk" and self.rank == 0:
-            _prune_weight_dirs(Path(self.run_dir) / "weight_sync", keep=1)
+            prune_pushed(meta.path, keep=1)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ evaluation
@@ -533,13 +532,3 @@ def _batch_stats(batch: dict[str, Any], engine: Any) -> dict[str, float]:
                                                  dtype=torch.float64)).item()
         out["agent/tool_call_rate"] = used / max(n, 1)
     return out
-
-
-def _prune_weight_dirs(root: Path, keep: int) -> None:
-    import shutil
-
-    if not root.is_dir():
-        return
-    dirs = sorted(p for p in root.iterdir() if p.is_dir())
-    for p in dirs[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)

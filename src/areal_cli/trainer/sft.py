@@ -138,6 +138,7 @@ def _evaluate_surviving_restarts(cfg: Any, layout: JobLayout, run_dir: str, toke
     import asyncio
 
     from areal_cli.trainer.evaluation import await_restarted_servers, evaluate_on_servers
+    from areal_cli.weight_sync.disk_layout import load_meta
 
     done: dict = {}  # completions scored so far, kept across a restart
     restarts = 0
@@ -150,17 +151,17 @@ def _evaluate_surviving_restarts(cfg: Any, layout: JobLayout, run_dir: str, toke
                 return out
             except InferenceError as e:
                 error = e
-        pushed = sorted(p for p in Path(meta.path).glob("v*") if p.is_dir())  # written before the load
+        pushed = load_meta(meta)  # the sender wrote this dir before the load that may have failed
         epochs = {r["index"]: r["epoch"] for r in recs}
         new = await_restarted_servers(cfg, run_dir, epochs, len(layout.servers))
-        if new is None or not pushed:
+        if new is None or not Path(pushed.path).is_dir():
             raise error
-        print(f"[areal] evaluation at step {meta.version} lost a server ({error}); loading {pushed[-1]} "
+        print(f"[areal] evaluation at step {meta.version} lost a server ({error}); loading {pushed.path} "
               f"into the restarted server and going on ({len(done)} completions kept)", flush=True)
         recs, error, restarts = new, None, restarts + 1
         client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"])
         try:
-            asyncio.run(client.update_weights_from_disk(dataclasses.replace(meta, path=str(pushed[-1]))))
+            asyncio.run(client.update_weights_from_disk(pushed))
         except InferenceError as e:  # died again: wait for the next restart
             error = e
 
@@ -195,14 +196,12 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
     def evaluate(step: int) -> dict[str, float]:
         if not has_servers or not test_items:
             return {}
-        from areal_cli.api.io_struct import WeightUpdateMeta
-        from areal_cli.trainer.evaluation import evaluate_on_servers
+        from areal_cli.weight_sync.disk_layout import disk_update_meta, prune_pushed
 
         recs = wait_for_servers(run_dir, len(layout.servers), cfg.launcher.server_startup_timeout_s) \
             if rank == 0 else []
         client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"]) if rank == 0 else None
-        meta = WeightUpdateMeta(type="disk", version=step,
-                                path=os.path.join(run_dir, "weight_sync", f"v{step:06d}"))
+        meta = disk_update_meta(run_dir, step)
         error: Exception | None = None
         try:
             engine.update_weights(meta, [client] if client is not None else [])
@@ -210,6 +209,7 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
             error = e
         out = {}
         if rank == 0:
+            prune_pushed(meta.path, keep=1)  # every server has loaded this step's weights (or will, from it)
             out = _evaluate_surviving_restarts(cfg, layout, run_dir, tokenizer, test_items, recs, meta, error)
             stats.log("eval", step, out)
         return broadcast_obj(out)

@@ -27,7 +27,8 @@ from areal_cli.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal_cli.errors import WeightSyncError
 from areal_cli.utils.concurrency import LoopRunner
 from areal_cli.weight_sync.common import call_all, peer_names
-from areal_cli.weight_sync.senders import DistributedSender, versioned_dir
+from areal_cli.weight_sync.disk_layout import versioned_dir
+from areal_cli.weight_sync.senders import DistributedSender
 
 SERVED_NAME = "areal-policy"
 

@@ -35,19 +35,15 @@ import dataclasses
 import datetime
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from areal_cli.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal_cli.errors import WeightSyncError
 from areal_cli.utils.concurrency import LoopRunner, torch_threads
 from areal_cli.weight_sync.common import call_all, peer_names
+from areal_cli.weight_sync.disk_layout import versioned_dir
 
 NamedTensors = Iterator[tuple[str, Any]]
-
-
-def versioned_dir(root: str, version: int) -> str:
-    return str(Path(root) / f"v{version}")
 
 
 def _drain(it: NamedTensors) -> None:

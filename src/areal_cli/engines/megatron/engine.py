@@ -35,7 +35,7 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import packing, sampling_mask
-from areal_cli.engines.fsdp import FSDPEngine, _rng_state, _set_rng_state
+from areal_cli.engines.fsdp import FSDPEngine
 from areal_cli.errors import ConfigError
 from areal_cli.utils.dist import send_to_rank0
 
@@ -571,7 +571,7 @@ class MegatronEngine(FSDPEngine):
         Path(meta.path).mkdir(parents=True, exist_ok=True)
         dist.barrier()
         state: dict[str, Any] = {
-            "layout": self._layout(), "step": self.step, "version": self._version, "rng": _rng_state(),
+            "layout": self._layout(), "step": self.step, "version": self._version,
             "extra_state": meta.extra_state,
             "chunks": [{k: v for k, v in c.state_dict().items() if isinstance(v, torch.Tensor)} for c in self.chunks]}
         if self.optimizer is not None:
@@ -606,7 +606,6 @@ class MegatronEngine(FSDPEngine):
                     for p, saved in zip(params, mains, strict=True):
                         p.copy_(saved)
         self.step, self._version = state["step"], state["version"]
-        _set_rng_state(state["rng"])
         meta.extra_state.update(state.get("extra_state") or {})
 
     def destroy(self) -> None:
