@@ -86,3 +86,17 @@ def test_overrides_from_model_config_match_default_spec():
     wider = resolve_spec("tiny", overrides_from_model_config(ModelConfig(hidden_size=256,
                                                                         intermediate_size=1024)))
     assert wider.hidden_size == 256 and wider.digest() != tiny.digest()
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_SPECS))
+def test_every_builtin_model_is_an_option_of_the_model_group(name):
+    """``model=<name>`` reaches each built-in spec with that spec's facts (validation and the memory
+    estimate read the group's facts, so a spec without its preset would be checked as another model)."""
+    from areal_cli.config.compose import load_config
+
+    cfg = load_config([f"model={name}"])
+    spec = BUILTIN_SPECS[name]
+    m = cfg.model
+    assert parse_builtin_model_path(m.path) == name
+    facts = (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads, m.vocab_size)
+    assert facts == (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.vocab_size)

@@ -1,5 +1,7 @@
-"""The built-in tiny models: a tokenizer trained on the built-in task plus a random tiny Qwen2 (``tiny``,
-``micro``, ``small``) or Qwen3-MoE (``tiny_moe``: 4 experts, top-2).
+"""The built-in tiny models: a tokenizer trained on the built-in task plus a random tiny Qwen2 (``tiny``)
+or Qwen3-MoE (``tiny_moe``: 4 experts, top-2). Each is one option of the ``model`` group
+(``conf/model/<name>.yaml``, ``path: builtin:<name>``); a size without a preset would validate against
+another model's facts, so there is none.
 
 ``ensure_builtin_model(fileroot)`` creates it on first use under
 ``<fileroot>/models/builtin-<hash>`` and returns that dir on every later call. The hash covers the
@@ -54,13 +56,9 @@ class BuiltinModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-# The embedded default's model (docs/embedded_default.md explains the choice).
+# The embedded default's model (docs/embedded_default.md explains the choice) and its MoE sibling.
 BUILTIN_SPECS: dict[str, BuiltinModelSpec] = {
     "tiny": BuiltinModelSpec(),
-    "micro": BuiltinModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                              intermediate_size=256),
-    "small": BuiltinModelSpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                              intermediate_size=1024),
     # model=tiny_moe: a Qwen3-MoE as wide as tiny, 4 experts of width 256, top-2 (active FFN width 512)
     "tiny_moe": BuiltinModelSpec(family="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=256),
