@@ -12,7 +12,8 @@ model (Qwen2, hidden 128, 2 layers), each server on 1 torch thread.
 Servers (all started in this run, batches interleaved round-robin so machine-speed drift hits
 every server alike):
 - ``new``: the defaults (hash-seeded sampling, shared-prompt prefill, ASGI ``/generate``);
-- ``old``: ``--seeded-sampling generator --no-shared-prefill --generate-endpoint fastapi``;
+- ``old``: ``--seeded-sampling generator --no-shared-prefill --generate-endpoint fastapi`` (the first two
+  are the baseline paths of ``hf_baseline.py``, which starts that server; they left the product);
 - with ``--ablations``: ``new`` minus one of the three paths each.
 Per server: median wall time per 64-request batch and mean server CPU seconds per batch (the server
 process tree, via psutil), with ratios ``old / new``.
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 
+from hf_baseline import launch as launch_hf  # same directory: the baseline paths live there
 from inference_throughput import _tree_cpu  # same directory: process-tree CPU seconds
 
 OLD = ["--seeded-sampling", "generator", "--no-shared-prefill", "--generate-endpoint", "fastapi"]
@@ -95,7 +97,6 @@ def main() -> int:
 
     from areal_cli.api.io_struct import GenerationConfig
     from areal_cli.data.builtin_model import ensure_builtin_model
-    from areal_cli.inference.launch import launch_server
     from areal_cli.rollout.workflows.common import with_eos_stop
 
     path = args.model_path or ensure_builtin_model(tempfile.mkdtemp(prefix="bench_rollout_"), "tiny")
@@ -107,8 +108,7 @@ def main() -> int:
     servers = {}
     try:
         for name, extra in variants.items():
-            servers[name] = launch_server("hf", path, timeout_s=300, env=env,
-                                          extra=["--num-threads", "1", *extra])
+            servers[name] = launch_hf(path, ["--num-threads", "1", *extra], timeout_s=300, env=env)
         print(f"model {path}; {args.prompts} prompts x {args.group} samples "
               f"(prompt lens {sorted({len(p) for p in prompts})}), max_new_tokens={args.max_new_tokens}, "
               f"{args.batches} interleaved batches per server", flush=True)

@@ -11,9 +11,15 @@ import time
 import httpx
 import pytest
 
-from areal_cli.inference.launch import launch_server
+import sys
+from pathlib import Path
 
 from hf_server_helpers import load_model, prompts, teacher_forced_logprobs
+
+# The old paths: the FastAPI /generate route is the server's; independent prefill and generator sampling
+# are the benchmark's baselines (benchmarks/hf_baseline.py), no longer in the product.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from hf_baseline import launch as launch_hf  # noqa: E402
 
 OLD = ["--generate-endpoint", "fastapi", "--no-shared-prefill", "--seeded-sampling", "generator"]
 
@@ -24,8 +30,8 @@ def servers(tiny_model_dir, tmp_path_factory):
     hs = {}
     try:
         for name, extra in (("new", []), ("old", OLD)):
-            hs[name] = launch_server("hf", tiny_model_dir, log_dir=logs, timeout_s=180,
-                                     env={"OMP_NUM_THREADS": "1"}, extra=["--num-threads", "1", *extra])
+            hs[name] = launch_hf(tiny_model_dir, ["--num-threads", "1", *extra], log_dir=logs, timeout_s=180,
+                                 env={"OMP_NUM_THREADS": "1"})
         yield hs
     finally:
         for h in hs.values():

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from areal_cli.inference.server import decode_kernel
 from areal_cli.inference.server.fastpath import FastRunner, unsupported_reason
+
+# hf_baseline: the server's earlier paths, kept as the benchmark's baselines in benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 def _model(kind: str):
@@ -177,10 +182,11 @@ def test_forked_rows_match_independent_prefill(kind):
     assert (out_s[4] - _ref_last(model, a + [7])).abs().max().item() < 1e-4
 
 
-def _drive(model_dir: str, fast: bool, shared: bool, seeded: str = "hash"):
+def _drive(model_dir: str, fast: bool, shared: bool):
     """Run the engine loop by hand (no thread): a deterministic admission schedule. Prompts A and B
     are sent 3x each at step 0 (copies inside one admission) and A again at step 2 (a copy from a
     running row). Returns per request (tokens, logprobs, cached_tokens) and the engine stats."""
+    from hf_baseline import IndependentPrefillEngine  # benchmarks/: the baseline left the product
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from areal_cli.inference.server.attention import use_areal_sdpa
@@ -189,8 +195,8 @@ def _drive(model_dir: str, fast: bool, shared: bool, seeded: str = "hash"):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     use_areal_sdpa(model)
-    eng = GenerationEngine(model, AutoTokenizer.from_pretrained(model_dir), device="cpu", context_length=512,
-                           fast_path=fast, shared_prefill=shared, seeded_sampling=seeded)
+    cls = GenerationEngine if shared else IndependentPrefillEngine
+    eng = cls(model, AutoTokenizer.from_pretrained(model_dir), device="cpu", context_length=512, fast_path=fast)
     rng = random.Random(4)
     pa, pb = ([rng.randrange(10, 200) for _ in range(n)] for n in (17, 9))
     done: list = []
@@ -303,8 +309,10 @@ def test_seeded_sampling_is_batch_independent_in_mixed_batches():
     shuffled, _ = sample_next(logits[perm], [params[i] for i in perm], [0] * 6, set(),
                               torch.Generator().manual_seed(1), positions=[pos[i] for i in perm])
     assert [shuffled[perm.index(i)].item() for i in (0, 2, 3, 4)] == [full[i].item() for i in (0, 2, 3, 4)]
-    old, _ = sample_next(logits, params, [0] * 6, set(), torch.Generator().manual_seed(0), positions=pos,
-                         seeded="generator")
-    old_alone, _ = sample_next(logits[3:4], params[3:4], [0], set(), torch.Generator().manual_seed(2),
-                               positions=[33], seeded="generator")
+    from hf_baseline import generator_sampling  # benchmarks/: the baseline the benchmark compares with
+
+    with generator_sampling():
+        old, _ = sample_next(logits, params, [0] * 6, set(), torch.Generator().manual_seed(0), positions=pos)
+        old_alone, _ = sample_next(logits[3:4], params[3:4], [0], set(), torch.Generator().manual_seed(2),
+                                   positions=[33])
     assert old[2].item() == full[2].item() and old_alone.item() == old[3].item()

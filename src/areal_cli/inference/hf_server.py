@@ -41,12 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fast path's decode attention: a fused C kernel built with the system compiler, or "
                         "torch ops; auto = the kernel for fp32 on CPU with one thread when it builds "
                         "(see server/decode_kernel.py)")
-    # The earlier code paths, kept so benchmarks/rollout_batch.py can A/B them in one run.
-    p.add_argument("--seeded-sampling", default="hash", choices=["hash", "generator"],
-                   help="requests with sampling_seed: a counter-based hash + inverse CDF, vectorised (hash), "
-                        "or the old per-row torch.Generator + multinomial (generator; draws other tokens)")
-    p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
-                   help="prefill every request, even when its prompt equals one already in the batch")
     p.add_argument("--generate-endpoint", default="asgi", choices=["asgi", "fastapi"],
                    help="serve /generate from a plain ASGI handler (asgi) or the FastAPI route (fastapi)")
     p.add_argument("--max-lora-rank", type=int, default=256,
@@ -113,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = GenerationEngine(model, tok, device=device, max_running=args.max_running_requests,
                                   max_prefill_tokens=args.max_prefill_tokens, context_length=int(ctx),
                                   version=version, seed=args.random_seed,
-                                  decode_attention=args.decode_attention, shared_prefill=args.shared_prefill,
-                                  seeded_sampling=args.seeded_sampling)
+                                  decode_attention=args.decode_attention)
     except ValueError as e:  # e.g. --decode-attention kernel without a C compiler
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -83,13 +84,7 @@ class GenerationEngine:
 
     def __init__(self, model, tokenizer, *, device: str, max_running: int = 256,
                  max_prefill_tokens: int = 8192, context_length: int, version: int = 0, seed: int = 0,
-                 fast_path: bool | None = None, decode_attention: str = "auto",
-                 shared_prefill: bool = True, seeded_sampling: str = "hash"):
-        """``shared_prefill=False`` and ``seeded_sampling="generator"`` select the earlier code paths
-        (independent prefill of every request; per-row ``torch.Generator`` sampling), kept as
-        benchmark baselines (``benchmarks/rollout_batch.py``)."""
-        if seeded_sampling not in ("hash", "generator"):
-            raise ValueError(f"seeded_sampling must be 'hash' or 'generator', got {seeded_sampling!r}")
+                 fast_path: bool | None = None, decode_attention: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -108,8 +103,6 @@ class GenerationEngine:
         self._cancel_pending = False  # a cancelled request waits to be dropped (wakes a paused engine)
         self._stopping = False
         self._running: list[Sequence] = []
-        self.shared_prefill = shared_prefill
-        self.seeded_sampling = seeded_sampling
         self._prefixes: dict[tuple, _Prefix] = {}
         self.runner = _make_runner(model, self.device, fast_path, self.pad_id, decode_attention)
         self.adapters = lora.AdapterSet()
@@ -248,26 +241,7 @@ class GenerationEngine:
                     break
                 batch.append(self._waiting.popleft())
         if batch:
-            if self.shared_prefill:
-                self._prefill_shared(batch)
-            else:
-                self._prefill(batch)
-
-    def _prefill(self, batch: list[Sequence]) -> None:
-        # A resumed request's earlier output is part of its prompt here (it is in the KV cache).
-        seqs = [s.prompt_ids + s.out_ids for s in batch]
-        self._set_row_adapters(batch)
-        routed = self._capture_for(batch)
-        logits = self.runner.prefill(seqs)
-        rt = self._take_routing(len(seqs)) if routed else None
-        for i, (s, x) in enumerate(zip(batch, seqs)):
-            s.real_len = len(x)
-            if rt is not None and s.record_routing:  # rows are left-padded: the last len(x) columns
-                s.routing.append(rt[i, rt.shape[1] - len(x):])
-        self.stats["prefill_tokens"] += sum(len(x) for x in seqs)
-        self._running.extend(batch)
-        self._sample_and_append(logits, rows=list(range(len(self._running) - len(batch),
-                                                         len(self._running))))
+            self._prefill_shared(batch)
 
     def _prefill_shared(self, batch: list[Sequence]) -> None:
         """Prefill each distinct token sequence once; every other request with the same tokens gets a
@@ -380,7 +354,7 @@ class GenerationEngine:
         out = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
                           self.eos_ids, self.generator,
                           positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs],
-                          seeded=self.seeded_sampling, with_mask=with_mask)
+                          with_mask=with_mask)
         next_ids, logps = out[0], out[1]
         if with_mask:
             for s, c, mlp in zip(seqs, out[2].tolist(), out[3].tolist()):
@@ -489,6 +463,10 @@ class HFRunner:
         self.lens: list[int] = []
         self.row_adapters: list = []  # LoRA: the adapter of each row of the next forward (set by the engine)
         self._hooks: lora.HFHooks | None = None
+        # transformers' causal LMs take logits_to_keep (only the last position's logits are computed at
+        # prefill); a custom architecture that does not is asked for all of them, and its forward's
+        # other errors are its own.
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def _set_lora(self, n: int) -> None:
         groups = lora.row_groups(self.row_adapters[:n], None, self.device)
@@ -500,13 +478,9 @@ class HFRunner:
     def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
         kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                       past_key_values=cache, use_cache=True)
-        if last_only:
+        if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        try:
-            out = self.model(**kwargs)
-        except TypeError:  # architectures without logits_to_keep
-            kwargs.pop("logits_to_keep", None)
-            out = self.model(**kwargs)
+        out = self.model(**kwargs)
         return out.logits[:, -1, :].float(), out.past_key_values
 
     @torch.no_grad()

@@ -29,8 +29,7 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated: list[int],
                 eos_ids: set[int], generator: torch.Generator,
-                positions: list[int] | None = None, *, seeded: str = "hash",
-                with_mask: bool = False) -> tuple[torch.Tensor, ...]:
+                positions: list[int] | None = None, *, with_mask: bool = False) -> tuple[torch.Tensor, ...]:
     """Sample one token per row. Returns ``(token_ids [B], logprobs [B])``.
 
     ``with_mask``: also return ``(cutoffs [B], masked_logprobs [B])`` (Keep-Sampling-Mask): the row's
@@ -42,13 +41,9 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
     (``T = 1`` for greedy rows). ``min_new_tokens`` masks stop tokens for sampling only.
     Rows with ``sampling_seed`` draw a token that depends only on (seed, absolute position in
     ``positions``, else ``n_generated``) and the row's probabilities, so a request resumed as
-    prompt + tokens-so-far continues the same random stream whatever the batch. ``seeded``: how —
-    ``"hash"`` (default: one vectorised inverse-CDF draw for all seeded rows, see :func:`seeded_uniform`)
-    or ``"generator"`` (the original per-row ``torch.Generator`` + ``multinomial``, kept as a
-    benchmark baseline; it draws different tokens than ``"hash"``).
+    prompt + tokens-so-far continues the same random stream whatever the batch: one vectorised
+    inverse-CDF draw for all seeded rows (see :func:`seeded_uniform`).
     """
-    if seeded not in ("hash", "generator"):
-        raise ValueError(f"seeded must be 'hash' or 'generator', got {seeded!r}")
     logits = logits.float()
     vocab = logits.shape[1]
     greedy_rows = [p.greedy for p in params]
@@ -79,10 +74,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
         # exp(log_softmax) is the softmax; reuse it unless rows were masked or truncated above.
         probs = logprobs.exp() if work is scaled else torch.softmax(work, dim=-1)
         pos = positions if positions is not None else n_generated
-        if seeded == "generator":
-            next_ids = _sample_generator(probs, params, greedy_rows, pos, generator)
-        else:
-            next_ids = _sample_hash(probs, params, greedy_rows, pos, generator)
+        next_ids = _sample_hash(probs, params, greedy_rows, pos, generator)
         if any(greedy_rows):
             next_ids = torch.where(torch.tensor(greedy_rows), work.argmax(dim=-1), next_ids)
     chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
@@ -93,17 +85,6 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
     kept = scaled.masked_fill(scaled < cutoffs.unsqueeze(1), float("-inf"))
     masked = kept.gather(1, next_ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(kept, dim=-1)
     return next_ids, chosen, cutoffs, torch.where(torch.isinf(cutoffs), chosen, masked)
-
-
-def _sample_generator(probs: torch.Tensor, params: list[SamplingParams], greedy_rows: list[bool],
-                      pos: list[int], generator: torch.Generator) -> torch.Tensor:
-    """The original scheme: a global multinomial, then one seeded Generator + multinomial per seeded row."""
-    next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    for i, p in enumerate(params):
-        if p.sampling_seed is not None and not greedy_rows[i]:
-            g = torch.Generator().manual_seed((p.sampling_seed * 1_000_003 + pos[i]) % (2**63))
-            next_ids[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-    return next_ids
 
 
 def _sample_hash(probs: torch.Tensor, params: list[SamplingParams], greedy_rows: list[bool],
