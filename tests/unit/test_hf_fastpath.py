@@ -196,7 +196,8 @@ def _drive(model_dir: str, fast: bool, shared: bool):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     use_areal_sdpa(model)
     cls = GenerationEngine if shared else IndependentPrefillEngine
-    eng = cls(model, AutoTokenizer.from_pretrained(model_dir), device="cpu", context_length=512, fast_path=fast)
+    eng = cls(model, AutoTokenizer.from_pretrained(model_dir), device="cpu", context_length=512,
+              fast_path=fast)
     rng = random.Random(4)
     pa, pb = ([rng.randrange(10, 200) for _ in range(n)] for n in (17, 9))
     done: list = []
@@ -316,3 +317,27 @@ def test_seeded_sampling_is_batch_independent_in_mixed_batches():
         old_alone, _ = sample_next(logits[3:4], params[3:4], [0], set(), torch.Generator().manual_seed(2),
                                    positions=[33])
     assert old[2].item() == full[2].item() and old_alone.item() == old[3].item()
+
+
+def test_hf_runner_passes_logits_to_keep_only_where_forward_takes_it():
+    """An architecture without ``logits_to_keep`` gets all logits; a TypeError raised inside a model's
+    forward is the model's error, not retried as a missing argument."""
+    from types import SimpleNamespace
+
+    from areal_cli.inference.server.engine import HFRunner
+
+    class NoKeep(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=False):
+            return SimpleNamespace(logits=torch.arange(input_ids.numel() * 3.0).view(*input_ids.shape, 3),
+                                   past_key_values="cache")
+
+    class Broken(torch.nn.Module):
+        def forward(self, input_ids, logits_to_keep=0, **kw):
+            raise TypeError("a bug inside the model")
+
+    ids = torch.ones((1, 2), dtype=torch.long)
+    logits, cache = HFRunner(NoKeep(), torch.device("cpu"), 0)._forward(ids, ids, ids, None, last_only=True)
+    assert logits.tolist() == [[3.0, 4.0, 5.0]] and cache == "cache"
+    with pytest.raises(TypeError, match="a bug inside the model"):
+        HFRunner(Broken(), torch.device("cpu"), 0)._forward(ids, ids, ids, None, last_only=True)
