@@ -33,7 +33,7 @@ def isolated_registries(monkeypatch):
     for reg in (ADV_ESTIMATORS, POLICY_LOSSES, LOSS_AGG, REWARDS, WORKFLOWS):
         monkeypatch.setattr(reg, "_entries", dict(reg._entries))
     monkeypatch.setattr(registry, "_imported", set(registry._imported))
-    monkeypatch.delenv(PLUGINS_ENV, raising=False)
+    monkeypatch.setenv(PLUGINS_ENV, "")  # load_plugins writes it; undone (unset) after the test
 
 
 def test_a_decorated_estimator_is_validated_and_called_with_what_it_names():
