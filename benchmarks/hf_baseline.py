@@ -9,7 +9,7 @@
 runs the built-in server with those paths; :func:`launch_baseline_server` starts it like
 ``areal_cli.inference.launch.launch_server`` starts the real one, and :func:`launch` picks between
 them. Used by ``rollout_batch.py`` and by the tests that compare the paths
-(``tests/unit/test_hf_fastpath.py``, ``tests/integration/test_hf_server_paths.py``).
+(``tests/unit/inference/test_hf_fastpath.py``, ``tests/integration/inference/test_hf_server_paths.py``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('megatro
   python -m pip install -q --no-deps "megatron-core==0.16.1" \
     || echo "install_test_deps: megatron-core not installed; megatron tests will skip"
 fi
-# agent frameworks (the "agents" extra): openai-agents and langchain-openai for tests/integration/test_openai_agents.py;
+# agent frameworks (the "agents" extra): openai-agents and langchain-openai for tests/integration/rollout/test_openai_agents.py;
 # neither depends on torch, and the torch check below catches a swap all the same
 if ! python -c "import agents, langchain_openai" 2>/dev/null; then
   python -m pip install -q "openai-agents>=0.24" "langchain-openai>=1.7" \

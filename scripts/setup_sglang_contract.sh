@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SGLang's own code for the contract tests (tests/integration/test_sglang_contract.py), without SGLang's
+# SGLang's own code for the contract tests (tests/integration/inference/test_sglang_contract.py), without SGLang's
 # runtime: the pinned sglang wheel and the few pure-Python/small packages its request models
 # (srt/managers/io_struct.py), HTTP routes (srt/entrypoints/http_server.py), weight updater and
 # process-group helper (init_custom_process_group) need at import time, installed with --no-deps into
@@ -9,7 +9,7 @@
 # a CUDA stack (flashinfer, sglang-kernel, triton, ...); installing it normally would replace the CPU
 # torch. Nothing here installs torch: the SGLang subprocesses use the main env's torch 2.13.0+cpu.
 # triton (1 GB) and torchvision (CUDA-linked on PyPI) are not installed; the tests stub them at import
-# time (tests/integration/sglang_harness.py), as SGLang's own _platform_stubs does on macOS.
+# time (tests/support/sglang_harness.py), as SGLang's own _platform_stubs does on macOS.
 #
 # Usage: bash scripts/setup_sglang_contract.sh [DIR]   (default .venv-sglang/site; idempotent)
 set -euo pipefail

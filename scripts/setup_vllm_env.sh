@@ -8,7 +8,7 @@
 # models never import them).
 #
 # Usage: bash scripts/setup_vllm_env.sh [VENV_DIR]      (default: .venv-vllm in the repo root)
-# Then:  AREAL_VLLM_PYTHON=.venv-vllm/bin/python python -m pytest -m vllm tests/integration/test_vllm_server.py
+# Then:  AREAL_VLLM_PYTHON=.venv-vllm/bin/python python -m pytest -m vllm tests/integration/inference/test_vllm_server.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv-vllm}"

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# shared helpers, gloo workers, plugins and fakes (tests/support) import by name from every test folder
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -45,3 +50,21 @@ def moe_model(tmp_path_factory, tiny_model_dir) -> str:
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_moe"), tokenizer_dir=tiny_model_dir, seed=3,
                            family="qwen3_moe", num_layers=2)
+
+
+@pytest.fixture
+def fake_engine():
+    """The in-process fake inference engine class (tests/support/rollout_fakes.py): token ``i`` of a prompt is
+    a hash of (prompt, i), logprobs likewise, an optional delay per token, aborts and versions like a server.
+    Call it to make one: ``fake_engine(token_delay=0)``."""
+    from rollout_fakes import FakeEngine
+
+    return FakeEngine
+
+
+@pytest.fixture
+def length_workflow():
+    """A rollout workflow class whose reward is the completion length (tests/support/rollout_fakes.py)."""
+    from rollout_fakes import LengthWorkflow
+
+    return LengthWorkflow

@@ -136,7 +136,7 @@ def test_a_policy_loss_without_advantages_needs_no_group_and_no_kl_term():
 
 
 def test_validate_reads_workflow_and_reward_registries():
-    from test_executor_fakes import LengthWorkflow
+    from rollout_fakes import LengthWorkflow
 
     from areal_cli.config.schema import ExperimentConfig
     from areal_cli.config.validate import validate

@@ -7,7 +7,7 @@ group's package, a ``_global_`` experiment whose defaults are ``override /group:
 plain ``key=value`` overrides with primitive values — and returns ``None`` for anything else
 (``+``/``~`` overrides, lists, interpolations, unusual package headers, any value it cannot
 convert with certainty), in which case the caller uses Hydra itself. Equivalence with Hydra is
-checked by property tests (tests/unit/test_config_fastcompose.py).
+checked by property tests (tests/unit/config/test_config_fastcompose.py).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def fast_compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig
 
     Only :class:`Unsupported` falls back (every case is raised on purpose, where the input is
     outside what this module reproduces); any other exception is a bug here and propagates rather
-    than hiding behind a silent Hydra compose (tests/unit/test_config_fastcompose.py pins both)."""
+    than hiding behind a silent Hydra compose (tests/unit/config/test_config_fastcompose.py pins both)."""
     try:
         return _compose(hydra_overrides, conf_dir)
     except Unsupported:

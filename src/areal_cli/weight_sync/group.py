@@ -6,7 +6,7 @@ rendezvous (a ``TCPStore`` hosted by rank 0), a ``PrefixStore(group_name, store)
 group creation, which adds its own key prefixes. The trainer (rank 0) and the built-in ``hf`` server must take exactly the same
 steps, or their store keys never meet (both sides then wait until the timeout). This is an
 independent implementation of those steps on torch's API; the contract test runs it against
-SGLang's helper itself (tests/integration/test_sglang_contract.py).
+SGLang's helper itself (tests/integration/inference/test_sglang_contract.py).
 
 No default process group is needed: the group is registered with torch under ``group_name`` only.
 """

@@ -2,7 +2,7 @@
 
 Checked against sglang 0.5.23 by the contract tests, which send every payload built here through
 SGLang's own routes and request models (``srt/entrypoints/http_server.py``,
-``srt/managers/io_struct.py``; tests/integration/test_sglang_contract.py). Supported servers:
+``srt/managers/io_struct.py``; tests/integration/inference/test_sglang_contract.py). Supported servers:
 ``SUPPORTED_VERSIONS`` (read from ``GET /server_info``).
 
 - ``/generate``: ``GenerateReqInput`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``rid``);

