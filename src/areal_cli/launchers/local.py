@@ -33,7 +33,7 @@ from areal_cli.launchers.base import (
     retract_server,
     write_json_atomic,
 )
-from areal_cli.utils.procs import ManagedProcess, describe_exit, tail_file
+from areal_cli.utils.procs import ManagedProcess, describe_exit, handling_stop_signals, tail_file
 
 STATUS_FILE = "status.json"
 
@@ -238,20 +238,15 @@ class NodeRunner:
 
     def run(self) -> int:
         """Start, supervise, stop. Returns 0 on success, 128+signal after Ctrl-C/SIGTERM."""
-        installed = []
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                installed.append((sig, signal.signal(sig, self._handle)))
-        try:
-            return self._run()
-        except KeyboardInterrupt:
-            print("\n[areal] interrupted: stopping trainer and servers", file=sys.stderr, flush=True)
-            self._write_status("interrupted")
-            return 128 + (self._signal or signal.SIGINT)
-        finally:
-            self.stop_all()
-            for sig, old in installed:
-                signal.signal(sig, old)
+        with handling_stop_signals(self._handle):
+            try:
+                return self._run()
+            except KeyboardInterrupt:
+                print("\n[areal] interrupted: stopping trainer and servers", file=sys.stderr, flush=True)
+                self._write_status("interrupted")
+                return 128 + (self._signal or signal.SIGINT)
+            finally:
+                self.stop_all()
 
     def _check_trainer(self) -> bool:
         """True once the trainer exited cleanly; raises if it failed."""

@@ -27,7 +27,6 @@ import os
 import secrets
 import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from areal_cli.launchers.ray_placement import (
     placement_groups,
     trainer_rank_node,
 )
+from areal_cli.utils.procs import handling_stop_signals
 
 PLACEMENT_FILE = "ray_placement.json"
 STATUS_FILE = "status.json"
@@ -582,48 +582,41 @@ class RayJob:
         write_json_atomic(Path(self.run_dir) / STATUS_FILE, {"state": state, "time": time.time()})
 
     def run(self) -> int:
-        installed = []
-        if threading.current_thread() is threading.main_thread():
-            # SIGINT too, not Python's default handler: its KeyboardInterrupt can be raised inside Ray's
-            # own calls and swallowed there (a Ctrl-C once went unseen and the run went on to its end).
-            # Ours also records the signal, which the supervision loop re-checks every tick.
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                installed.append((sig, signal.signal(sig, self._handle)))
-        try:
-            self._create_groups()
-            where = describe_assignment(self.layout, self.assignment, self.rc.cpus_per_gpu)
-            print(f"[areal] ray placement: {where}", file=sys.stderr, flush=True)
-            started = [self._spawn_server(s, 0) for s in self.layout.servers]
-            self._start_trainer()  # it boots while the servers load, and waits for the address book
-            self._record()
-            for p in started:
-                self._wait_ready(p)
-            while True:
-                self._check_signal()
-                if self._check_ranks():
-                    self._write_status("done")
-                    return 0
-                self._supervise_servers()
-                if self.on_tick is not None:
-                    self.on_tick()
-                time.sleep(self.poll_s)
-        except LaunchError:
-            self._write_status("failed")  # a server out of restarts, a rank dead, a group not placed
-            raise
-        except KeyboardInterrupt:
-            print(
-                "\n[areal] interrupted: stopping the Ray actors (trainer ranks, then servers)",
-                file=sys.stderr,
-                flush=True,
-            )
-            self._write_status("interrupted")
-            return 128 + (self._signal or signal.SIGINT)
-        finally:
+        # SIGINT too, not Python's default handler: its KeyboardInterrupt can be raised inside Ray's own
+        # calls and swallowed there (a Ctrl-C once went unseen and the run went on to its end). Ours also
+        # records the signal, which the supervision loop re-checks every tick.
+        with handling_stop_signals(self._handle):
             try:
-                self.teardown()
+                return self._run()
+            except LaunchError:
+                self._write_status("failed")  # a server out of restarts, a rank dead, a group not placed
+                raise
+            except KeyboardInterrupt:
+                print("\n[areal] interrupted: stopping the Ray actors (trainer ranks, then servers)",
+                      file=sys.stderr, flush=True)
+                self._write_status("interrupted")
+                return 128 + (self._signal or signal.SIGINT)
             finally:
-                for sig, old in installed:
-                    signal.signal(sig, old)
+                self.teardown()
+
+    def _run(self) -> int:
+        self._create_groups()
+        where = describe_assignment(self.layout, self.assignment, self.rc.cpus_per_gpu)
+        print(f"[areal] ray placement: {where}", file=sys.stderr, flush=True)
+        started = [self._spawn_server(s, 0) for s in self.layout.servers]
+        self._start_trainer()  # it boots while the servers load, and waits for the address book
+        self._record()
+        for p in started:
+            self._wait_ready(p)
+        while True:
+            self._check_signal()
+            if self._check_ranks():
+                self._write_status("done")
+                return 0
+            self._supervise_servers()
+            if self.on_tick is not None:
+                self.on_tick()
+            time.sleep(self.poll_s)
 
     def _kill(self, p: _Proc) -> None:
         try:

@@ -7,9 +7,11 @@ that a Ctrl-C in the terminal reaches only the supervisor, which then stops the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,3 +197,18 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None):
             os._exit(1)
 
     return _set
+
+
+@contextlib.contextmanager
+def handling_stop_signals(handler):
+    """SIGINT and SIGTERM go to ``handler`` while the block runs, then the previous handlers come back.
+    Only the main thread can install handlers; elsewhere the block runs with the process's own."""
+    installed = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            installed.append((sig, signal.signal(sig, handler)))
+    try:
+        yield
+    finally:
+        for sig, old in installed:
+            signal.signal(sig, old)

@@ -21,8 +21,8 @@ from areal_cli.inference.server import weights as W
 from areal_cli.inference.server.lora import parse_request_adapters
 from areal_cli.inference.server.engine import GenerationEngine, Sequence
 from areal_cli.inference.server.sampling import SamplingParams
-from areal_cli.inference.server.schema import (BadRequest, check_context, openai_sampling, parse_sampling,
-                                               parse_token_ids)
+from areal_cli.inference.server.schema import (BadRequest, bucket_request, check_context, openai_sampling,
+                                               parse_sampling, parse_token_ids)
 
 log = logging.getLogger("areal_cli.hf_server")
 
@@ -573,9 +573,9 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(request: Request):
         body = await _json(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise BadRequest("names, dtypes and shapes (lists) are required")
+        # SGLang's load_format="flattened_bucket" (one uint8 broadcast); the older hf-only
+        # "flattened_bucket": true is accepted as the same thing.
+        names, dtypes, shapes, by_format = bucket_request(body)
         if not session["open"]:
             return _err(400, "update_weights_from_distributed must run between /begin_weight_update and "
                              "/end_weight_update")
@@ -585,15 +585,10 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
         gname = body.get("group_name")
         if gname is not None and gname != rec.group_name:
             return _err(400, f"group_name {gname!r} does not match the joined group {rec.group_name!r}")
-        # SGLang's load_format="flattened_bucket" (one uint8 broadcast); the older hf-only
-        # "flattened_bucket": true is accepted as the same thing.
-        load_format = body.get("load_format")
-        if load_format not in (None, "flattened_bucket"):
-            raise BadRequest(f"load_format {load_format!r} is not supported; use 'flattened_bucket' or leave it out")
         flattened = body.get("flattened_bucket", False)
         if not isinstance(flattened, bool):
             raise BadRequest("flattened_bucket (bool) must be true or false")
-        flattened = flattened or load_format == "flattened_bucket"
+        flattened = flattened or by_format
         # hf extension: pause right before / continue right after applying this bucket (saves the
         # trainer two round trips per push; see W.queue_apply)
         pause_gen, cont_gen = body.get("pause_generation", False), body.get("continue_generation", False)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from areal_cli.inference.server import lora as L
 from areal_cli.inference.server import weights as W
-from areal_cli.inference.server.schema import BadRequest
+from areal_cli.inference.server.schema import BadRequest, bucket_request
 
 PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed"}
 
@@ -104,13 +104,7 @@ def register(app: FastAPI, state: Any, read_json: Callable, h: Any) -> None:
     @app.post("/load_lora_adapter_from_distributed")
     async def load_from_distributed(request: Request):
         body = await read_json(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise BadRequest("names, dtypes and shapes (lists) are required")
-        load_format = body.get("load_format")
-        if load_format not in (None, "flattened_bucket"):
-            raise BadRequest(f"load_format {load_format!r} is not supported; use 'flattened_bucket' or "
-                             "leave it out")
+        names, dtypes, shapes, flattened = bucket_request(body)
         replace, version = flags(body)
         rec = state.receiver
         if rec is None:
@@ -126,7 +120,6 @@ def register(app: FastAPI, state: Any, read_json: Callable, h: Any) -> None:
                 problem = f"LoRA adapter {name!r} is already loaded; unload it first"
         except L.AdapterRejected as e:
             problem = str(e)
-        flattened = load_format == "flattened_bucket"
         layout_ok = len(names) == len(dtypes) == len(shapes) and all(isinstance(s, list) for s in shapes)
         if layout_ok:
             try:

@@ -101,3 +101,16 @@ def openai_sampling(body: dict, *, max_tokens_key: tuple[str, ...]) -> SamplingP
         if body.get(k) is not None:
             sp["min_new_tokens" if k == "min_tokens" else k] = body[k]
     return parse_sampling(sp, default_max_new_tokens=16)
+
+
+def bucket_request(body: dict) -> tuple[list, list, list, bool]:
+    """``(names, dtypes, shapes, flattened)`` of a request that receives one bucket of tensors by broadcast.
+    ``load_format="flattened_bucket"`` is SGLang's: the bucket travels as one uint8 tensor."""
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise BadRequest("names, dtypes and shapes (lists) are required")
+    load_format = body.get("load_format")
+    if load_format not in (None, "flattened_bucket"):
+        raise BadRequest(f"load_format {load_format!r} is not supported; use 'flattened_bucket' or "
+                         "leave it out")
+    return names, dtypes, shapes, load_format == "flattened_bucket"
