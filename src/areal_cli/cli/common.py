@@ -20,10 +20,17 @@ def error_json(exc: BaseException) -> dict:
             "message": str(exc)}
 
 
-def compose_and_validate(overrides: list[str]):
-    """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake."""
+def compose_and_validate(overrides: list[str], as_json: bool = False):
+    """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake (after printing it as the JSON
+    error object when ``as_json``, for tools that parse ``--json``)."""
     from areal_cli.config.compose import load_config
     from areal_cli.config.validate import validate
+    from areal_cli.errors import ArealError
 
-    cfg = load_config(overrides)
-    return cfg, validate(cfg)
+    try:
+        cfg = load_config(overrides)
+        return cfg, validate(cfg)
+    except ArealError as exc:
+        if as_json:
+            print_json(error_json(exc))
+        raise

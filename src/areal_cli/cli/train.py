@@ -61,20 +61,15 @@ def show_dry_run(cfg, plan, as_json: bool) -> None:
 
 
 def run(overrides: list[str], dry_run: bool, cfg_mode: str | None, as_json: bool) -> int:
-    from areal_cli.cli.common import compose_and_validate, error_json, print_json
-    from areal_cli.errors import ArealError, UsageError
+    from areal_cli.cli.common import compose_and_validate
+    from areal_cli.errors import UsageError
 
     if cfg_mode is not None:
         if cfg_mode != "job":
             raise UsageError(f"--cfg takes 'job' (print the composed config), got '{cfg_mode}'")
         print_job_config(overrides)
         return 0
-    try:
-        cfg, plan = compose_and_validate(overrides)
-    except ArealError as exc:
-        if as_json:
-            print_json(error_json(exc))
-        raise
+    cfg, plan = compose_and_validate(overrides, as_json)
     if dry_run:
         show_dry_run(cfg, plan, as_json)
         return 0

@@ -10,15 +10,9 @@ HELP = ("Compose the config and check every constraint (no GPU, no weights). Pri
 
 
 def run(overrides: list[str], as_json: bool) -> int:
-    from areal_cli.cli.common import compose_and_validate, error_json, print_json
-    from areal_cli.errors import ArealError
+    from areal_cli.cli.common import compose_and_validate, print_json
 
-    try:
-        _, plan = compose_and_validate(overrides)
-    except ArealError as exc:
-        if as_json:
-            print_json(error_json(exc))
-        raise
+    _, plan = compose_and_validate(overrides, as_json)
     if as_json:
         print_json(plan.to_dict())
     else:
