@@ -21,8 +21,8 @@ from areal_cli.inference.server import weights as W
 from areal_cli.inference.server.lora import parse_request_adapters
 from areal_cli.inference.server.engine import GenerationEngine, Sequence
 from areal_cli.inference.server.sampling import SamplingParams
-from areal_cli.inference.server.schema import (BadRequest, bucket_request, check_context, openai_sampling,
-                                               parse_sampling, parse_token_ids)
+from areal_cli.inference.server.schema import (BadRequest, bucket_request, check_context, group_problem,
+                                               openai_sampling, parse_sampling, parse_token_ids)
 
 log = logging.getLogger("areal_cli.hf_server")
 
@@ -580,11 +580,8 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
             return _err(400, "update_weights_from_distributed must run between /begin_weight_update and "
                              "/end_weight_update")
         rec = state.receiver
-        if rec is None:
-            return _err(400, "no weight-update group: call /init_weights_update_group first")
-        gname = body.get("group_name")
-        if gname is not None and gname != rec.group_name:
-            return _err(400, f"group_name {gname!r} does not match the joined group {rec.group_name!r}")
+        if (problem := group_problem(rec, body)) is not None:
+            return _err(400, problem)
         flattened = body.get("flattened_bucket", False)
         if not isinstance(flattened, bool):
             raise BadRequest("flattened_bucket (bool) must be true or false")

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from areal_cli.inference.server import lora as L
 from areal_cli.inference.server import weights as W
-from areal_cli.inference.server.schema import BadRequest, bucket_request
+from areal_cli.inference.server.schema import BadRequest, bucket_request, group_problem
 
 PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed"}
 
@@ -107,11 +107,8 @@ def register(app: FastAPI, state: Any, read_json: Callable, h: Any) -> None:
         names, dtypes, shapes, flattened = bucket_request(body)
         replace, version = flags(body)
         rec = state.receiver
-        if rec is None:
-            return fail(400, "no weight-update group: call /init_weights_update_group first")
-        gname = body.get("group_name")
-        if gname is not None and gname != rec.group_name:
-            return fail(400, f"group_name {gname!r} does not match the joined group {rec.group_name!r}")
+        if (why := group_problem(rec, body)) is not None:
+            return fail(400, why)
         problem = None
         try:
             name = L.check_name(body.get("lora_name"))

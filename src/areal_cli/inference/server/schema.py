@@ -114,3 +114,13 @@ def bucket_request(body: dict) -> tuple[list, list, list, bool]:
         raise BadRequest(f"load_format {load_format!r} is not supported; use 'flattened_bucket' or "
                          "leave it out")
     return names, dtypes, shapes, load_format == "flattened_bucket"
+
+
+def group_problem(receiver: Any, body: dict) -> str | None:
+    """Why a broadcast request cannot be received (no group joined, or another group named), else None."""
+    if receiver is None:
+        return "no weight-update group: call /init_weights_update_group first"
+    gname = body.get("group_name")
+    if gname is not None and gname != receiver.group_name:
+        return f"group_name {gname!r} does not match the joined group {receiver.group_name!r}"
+    return None
