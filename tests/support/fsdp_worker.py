@@ -153,7 +153,7 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     finally:
         if "batch_p2p_comm" in v:
             mcore_model.BATCH_P2P_COMM = False
-    res: dict = {}
+    res: dict = {"device": str(getattr(engine, "device", ""))}  # where it ran (the gpu check asserts it)
 
     batch_fn = make_group_batch if v.get("batch") == "groups" else make_batch
 
