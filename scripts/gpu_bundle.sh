@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_bundle.sh [OUT_DIR]        # default dist/gpu_bundle
 #   GPU_BUNDLE_EXTRAS=deepspeed,megatron bash scripts/gpu_bundle.sh   # also the optional engines
+#   GPU_BUNDLE_EXCLUDE='numpy|scipy|pyarrow|pandas' bash scripts/gpu_bundle.sh  # the GPU machine has these
 #
 # The bundle is the project's wheel (built from the committed HEAD), a wheel of every package it and the
 # test runner (pytest, pytest-timeout) need at the versions installed here, and a tarball of the HEAD tree
@@ -22,19 +23,23 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
 # 1. the project, as committed (the shared working tree may hold others' unfinished edits)
-git archive --format=tar HEAD | tar -x -C "$tmp" --one-top-level=src
+mkdir "$tmp/proj"
+git archive --format=tar HEAD | tar -x -C "$tmp/proj"
 git archive --format=tar.gz -o "$OUT/areal-cli-src.tar.gz" --prefix=areal-cli/ HEAD
-"$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$OUT/wheels" "$tmp/src"
+# from inside the tree: setuptools resolves the src/ layout against the working directory
+(cd "$tmp/proj" && "$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$OUT/wheels" .)
 
 # 2. the dependency closure at the installed versions, from the installed metadata
-"$PY" - "$EXTRAS" > "$tmp/reqs.txt" <<'EOF'
+"$PY" - "$EXTRAS" "${GPU_BUNDLE_EXCLUDE:-}" > "$tmp/reqs.txt" <<'EOF'
 import re
 import sys
 from importlib import metadata
 
 from packaging.requirements import Requirement
 
-EXCLUDE = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pytorch-triton.*)$")
+# what the GPU machine's CUDA PyTorch brings, plus what the caller says it already has
+also = f"|{sys.argv[2]}" if sys.argv[2] else ""
+EXCLUDE = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pytorch-triton.*" + also + r")$")
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
 extras = [e for e in sys.argv[1].split(",") if e]
 todo = [("areal-cli", set(extras)), ("pytest", set()), ("pytest-timeout", set())]
@@ -63,11 +68,13 @@ cp "$tmp/reqs.txt" "$OUT/requirements.txt"
 
 # 3. report
 n=$(ls "$OUT/wheels" | wc -l)
-echo "gpu_bundle: $("$PY" -c 'import sys, sysconfig; print(sysconfig.get_platform(), "cp%d%d" % sys.version_info[:2])')," \
-     "extras: ${EXTRAS:-none}"
+plat=$("$PY" -c 'import sys, sysconfig; print(sysconfig.get_platform(), "cp%d%d" % sys.version_info[:2])')
+echo "gpu_bundle: $plat," \
+     "extras: ${EXTRAS:-none}, excluded besides torch/CUDA: ${GPU_BUNDLE_EXCLUDE:-none}"
 echo "gpu_bundle: largest wheels:"
 ls -S "$OUT/wheels" | head -8 | while read -r w; do
     printf '    %6s  %s\n' "$(du -h "$OUT/wheels/$w" | cut -f1)" "$w"
 done
-echo "gpu_bundle: $n wheels $(du -sh "$OUT/wheels" | cut -f1), source $(du -h "$OUT/areal-cli-src.tar.gz" | cut -f1)," \
+echo "gpu_bundle: $n wheels $(du -sh "$OUT/wheels" | cut -f1)," \
+     "source $(du -h "$OUT/areal-cli-src.tar.gz" | cut -f1)," \
      "total $(du -sh "$OUT" | cut -f1) in $OUT"

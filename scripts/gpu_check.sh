@@ -50,9 +50,9 @@ import torch
 info = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "packages": {n: metadata.version(n) for n in ("areal-cli", "transformers", "megatron-core", "deepspeed",
-                                                      "transformer-engine", "flash-attn")
-                     if any(True for _ in metadata.distributions(name=n))}}
+        "packages": {n: metadata.version(n) for n in (
+            "areal-cli", "transformers", "megatron-core", "deepspeed", "transformer-engine", "flash-attn")
+            if any(True for _ in metadata.distributions(name=n))}}
 json.dump(info, open(sys.argv[1], "w"), indent=2)
 print(f"gpu_check: torch {info['torch']}, CUDA {info['cuda']}, GPUs {info['gpus'] or 'none (rehearsal)'}")
 EOF
