@@ -4,11 +4,13 @@
 code (areal_cli.rollout.workflows.calculator:CalculatorAgent) run through the in-process client; the
 held-out success (one greedy episode per item, evaluated through the agent workflow) must rise by at
 least 20 points during the RL phase, i.e. over the SFT warm start (the gain is GRPO's, not the warm
-start's), and the tool-call rate is logged for training and evaluation."""
+start's), and the tool-call rate must rise, in evaluation and in training. docs/agents.md records the
+measured gains (several seeds) and wall times; no timing is asserted here."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,23 +33,31 @@ def _records(run_dir, kind):
 def test_agent_calculator_learns(tmp_path):
     t0 = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    seed = os.environ.get("AREAL_CALC_SEED")  # another seed of the same preset (docs/agents.md's runs)
     res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", f"cluster.fileroot={tmp_path}",
-                          "experiment=agent_calculator"], capture_output=True, text=True, env=env,
-                         timeout=3500)
+                          "experiment=agent_calculator", *([f"seed={seed}"] if seed else [])],
+                         capture_output=True, text=True, env=env, timeout=3500, check=False)
     wall = time.time() - t0
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     (summary_path,) = (tmp_path / "runs").glob("*/*/summary.json")
     run_dir = summary_path.parent
     evals = _records(run_dir, "eval")
     base = [r for r in evals if r.get("phase") == "base"]
-    before_rl = [r for r in evals if r.get("phase") == "sft"]  # after the warm start, before any RL step
+    before = next(r for r in evals if r.get("phase") == "sft")  # after the warm start, before any RL step
     after = evals[-1]
-    print(f"\nagent_calculator: wall {wall:.0f}s, held-out success: base {base[0]['eval/pass@1']:.1%}, "
-          f"after the SFT warm start {before_rl[0]['eval/pass@1']:.1%}, after RL {after['eval/pass@1']:.1%}; "
-          f"tool-call rate {before_rl[0]['eval/tool_call_rate']:.1%} -> {after['eval/tool_call_rate']:.1%}")
-    # the RL phase itself: at least +20 points of held-out success over the warm start
-    assert after["eval/pass@1"] - before_rl[0]["eval/pass@1"] >= 0.20, evals
-    assert after["eval/tool_call_rate"] >= before_rl[0]["eval/tool_call_rate"], evals
+    p0, p1, n = before["eval/pass@1"], after["eval/pass@1"], after["eval/n_items"]
+    se = math.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n)  # of the gain, as if the two were independent
     train = _records(run_dir, "train")
-    assert train and all("agent/tool_call_rate" in r for r in train)
+    rate = [r["agent/tool_call_rate"] for r in train]
+    print(f"\nagent_calculator (seed {seed or 'default'}): wall {wall:.0f}s, held-out success ({n:.0f} "
+          f"items): base {base[0]['eval/pass@1']:.1%}, after the SFT warm start {p0:.1%}, after RL {p1:.1%} "
+          f"(+{100 * (p1 - p0):.1f} ± {100 * se:.1f} points); eval tool-call rate "
+          f"{before['eval/tool_call_rate']:.1%} -> {after['eval/tool_call_rate']:.1%}; training tool-call "
+          f"rate {rate[0]:.1%} (step 1) -> {rate[-1]:.1%} (step {len(rate)})")
+    # the RL phase itself: at least +20 points of held-out success over the warm start
+    assert p1 - p0 >= 0.20, evals
+    assert after["eval/tool_call_rate"] > before["eval/tool_call_rate"], evals
+    assert train and len(rate) == len(train)  # every training step logs the tool-call rate
+    k = max(1, len(rate) // 5)
+    assert sum(rate[-k:]) / k > sum(rate[:k]) / k, rate  # the sampled episodes call the tool more
     assert all("eval/tool_call_rate" in r for r in evals)

@@ -25,8 +25,8 @@ TABLE = [
     ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2}}', [], None, True),  # cut off
     ("hermes", '<tool_call>\n{"arguments": {"a": 2}}\n</tool_call>', [], None, True),  # no name
     ("hermes", '<tool_call>\n["add", 1]\n</tool_call>', [], None, True),  # not an object
-    ("hermes", '<think>maybe <tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call></think>'
-               'The answer is 5.',
+    ("hermes", ('<think>maybe <tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call></think>'
+                'The answer is 5.'),
      [], None, False),  # a call only thought about
     ("hermes", '<think>I should add.</think>\n' + QWEN_ONE, [("add", {"a": 2, "b": 3})],
      "<think>I should add.</think>", False),
@@ -68,8 +68,9 @@ def test_parser_per_model_family():
 
 
 def test_calculator_tool_and_sft_transcript(tiny_model_dir):
-    """The built-in agent task's tool, answer reading, and its SFT example: prompt + target is exactly
-    the chat template's rendering of a correct tool-use transcript."""
+    """The built-in agent task's tool, answer reading, and its SFT examples: prompt + target is exactly
+    the chat template's rendering of a correct tool-use transcript, of the plain task, or of an answer
+    given without calling the offered tool."""
     from transformers import AutoTokenizer
 
     from areal_cli.rollout.workflows.calculator import CALCULATOR, CalculatorAgent, calculate, final_number
@@ -83,13 +84,18 @@ def test_calculator_tool_and_sft_transcript(tiny_model_dir):
     for name in ("Ana", "Tom", "Sam", "Mia", "Leo", "Eva"):
         item = {"question": f"{name} has 17 apples and buys 25 more. How many apples does {name} have now?",
                 "answer": "42", "solution": "17+25=42\n#### 42"}  # the shape of data/datasets.py items
-        ex = CalculatorAgent.sft_example(item, tok)
+        ex = CalculatorAgent(sft_mix=(1, 1, 1)).sft_example(item, tok)
         text = tok.decode(ex["prompt_ids"]) + ex["target"] + tok.eos_token
         user = [{"role": "user", "content": item["question"]}]
         if "<tools>" not in tok.decode(ex["prompt_ids"]):  # the plain task: the worked solution, no tool
             kinds.add("plain")
             assert text == tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False) \
                 + "17+25=42\n#### 42" + tok.eos_token
+            continue
+        if "<tool_call>" not in ex["target"]:  # the tool offered, answered without calling it
+            kinds.add("head")
+            assert text == tok.apply_chat_template(user, tools=[CALCULATOR], add_generation_prompt=True,
+                                                   tokenize=False) + "The sum is 42." + tok.eos_token
             continue
         kinds.add("transcript")
         call = {"id": "c", "type": "function",
@@ -99,9 +105,9 @@ def test_calculator_tool_and_sft_transcript(tiny_model_dir):
                                                {"role": "assistant", "content": "The answer is 42."}],
                                        tools=[CALCULATOR], tokenize=False)
         assert text == want.rstrip("\n")
-        assert parse_tool_calls(ex["target"].split("<|im_end|>")[0], "hermes").tool_calls[0]["function"]["name"] \
-            == "calculator"
-    assert kinds == {"plain", "transcript"}
+        parsed = parse_tool_calls(ex["target"].split("<|im_end|>")[0], "hermes")
+        assert parsed.tool_calls[0]["function"]["name"] == "calculator"
+    assert kinds == {"plain", "transcript", "head"}
     # the shaped reward of a failed episode: operand_credit per operand in the reference's place
     shaped, ref = CalculatorAgent(operand_credit=0.25), {"solution": "17+25=42\n#### 42"}
     assert [shaped._partial(e, ref) for e in ("17+3", "4+25", "25+17", "17+25", "x", None)] \

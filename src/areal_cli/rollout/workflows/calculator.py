@@ -7,10 +7,13 @@ tool and its final answer is the right number; the reward is 1 then, else 0, or 
 ``operand_credit`` the shaped reward of :meth:`CalculatorAgent._partial`.
 
 ``experiment=agent_calculator`` trains :data:`shaped_agent` on the built-in ``arith_easy`` task with
-the built-in tiny model: an SFT warm start (:meth:`CalculatorAgent.sft_example`: tool-use transcripts
-and plain worked solutions) teaches the format and the copying of the numbers, then GRPO through the
-agent workflow (``agent/tool_call_rate``, ``reward/accuracy``, ``eval/pass@1``; docs/agents.md has
-the measured figures).
+the built-in tiny model. The SFT warm start (:meth:`CalculatorAgent.sft_example`) is deliberately weak
+at tool use: it teaches the call format and the copying of the numbers, but its demonstrations call
+the offered tool only a quarter of the time (they answer in their head otherwise), so the greedy
+warm-started model never calls it (held-out success 0%). GRPO through the agent workflow then learns
+to call it (``agent/tool_call_rate``, ``reward/accuracy``, ``eval/pass@1``, ``eval/tool_call_rate``).
+This shows RL learning when to use a tool, not RL improving a competent tool user; docs/agents.md has
+the measured figures.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ def _messages(data: dict) -> list[dict]:
 class CalculatorAgent:
     """``async agent(client, data) -> Reward``; ``max_turns`` calls at most. ``max_tokens`` must hold a
     whole call: with the tiny model's byte-level tokenizer the ~80-character ``<tool_call>`` block is
-    ~75 tokens, and a call cut at the limit is not a call."""
+    ~75 tokens, and a call cut at the limit is not a call. ``sft_mix``: the warm start's weights of
+    (plain, call, head) examples (:meth:`sft_example`)."""
 
     def __init__(self, max_turns: int = 2, max_tokens: int = 100, temperature: float = 1.0,
-                 operand_credit: float = 0.0):
+                 operand_credit: float = 0.0, sft_mix: tuple[int, int, int] = (1, 1, 0)):
         self.operand_credit = float(operand_credit)
+        self.sft_mix = tuple(int(w) for w in sft_mix)
         self.max_turns = max_turns
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -93,42 +98,48 @@ class CalculatorAgent:
         got, want = _NUMBER.findall(expr), _NUMBER.findall(ref)
         return self.operand_credit * sum(a == b for a, b in zip(got, want))
 
-    @staticmethod
-    def sft_example(item: dict, tokenizer: Any) -> dict:
+    def sft_example(self, item: dict, tokenizer: Any) -> dict:
         """``item`` with ``prompt_ids`` and ``target`` for the SFT warm start.
 
-        Half of the items (by a hash of the question) are whole tool-use transcripts: the question
-        with the tool, then the call, the tool's result and the answer. The other half are the plain
-        task without tools: the question, then the worked solution ("4+7=11\n#### 11"). Those are
-        ~50 tokens instead of ~250, and the tiny model learns to copy the question's numbers from
-        them far sooner than from the long transcripts alone (a measured ~500 steps of batch 8 where
-        transcripts alone had not learned it after 1400); the copying then carries over to the
-        numbers it writes into the call (docs/agents.md)."""
+        Each item is one of three kinds, picked by a hash of the question with weights ``sft_mix``
+        = (plain, call, head):
+        - plain: the task without tools, the question then the worked solution ("4+7=11\n#### 11");
+        - call: the whole tool-use transcript, the question with the tool, then the call, the tool's
+          result and the answer;
+        - head: the question with the tool offered, answered without calling it ("The sum is 11.": not
+          "The answer is", which then follows only a tool's result, so the model learns to copy that
+          result rather than to do the sum itself).
+        The plain examples are ~50 tokens instead of ~250, and the tiny model learns to copy the
+        question's numbers from them far sooner than from the long transcripts alone; the copying
+        then carries over to the numbers it writes into the call (docs/agents.md)."""
         solution = str(item.get("solution") or item["answer"])
-        if zlib.crc32(item["question"].encode()) % 2:
-            ids = tokenizer.apply_chat_template(_messages(item), add_generation_prompt=True, tokenize=False)
-            return {**item, "prompt_ids": list(tokenizer.encode(ids, add_special_tokens=False)),
-                    "target": solution}
+        plain, call, _head = self.sft_mix
+        bucket = zlib.crc32(item["question"].encode()) % sum(self.sft_mix)
+        msgs = _messages(item)
+        tools = None if bucket < plain else [CALCULATOR]
+        prompt = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        if bucket < plain:
+            return {**item, "prompt_ids": ids, "target": solution}
         # the built-in task's worked solution: "17+25=42\n#### 42" -> "17+25"
         expr = solution.split("\n")[0].split("=")[0]
         result = calculate(expr)
-        call = {"id": "call_0", "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": expr})}}
-        msgs = _messages(item)
-        full = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]},
+        if bucket >= plain + call:
+            return {**item, "prompt_ids": ids, "target": f"The sum is {result}."}
+        tool_call = {"id": "call_0", "type": "function",
+                     "function": {"name": "calculator", "arguments": json.dumps({"expression": expr})}}
+        full = msgs + [{"role": "assistant", "content": None, "tool_calls": [tool_call]},
                        {"role": "tool", "tool_call_id": "call_0", "content": result},
                        {"role": "assistant", "content": f"The answer is {result}."}]
-        prompt = tokenizer.apply_chat_template(msgs, tools=[CALCULATOR], tokenize=False,
-                                               add_generation_prompt=True)
         text = tokenizer.apply_chat_template(full, tools=[CALCULATOR], tokenize=False)
         eos = tokenizer.eos_token or ""
         target = text[len(prompt):].rstrip()
         if eos and target.endswith(eos):  # make_sft_batch appends the end-of-turn token itself
             target = target[:-len(eos)]
-        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
         return {**item, "prompt_ids": ids, "target": target}
 
 
 # experiment=agent_calculator's agent: success as above, failed episodes get 0.25 per right operand in
-# their first call (workflow.kwargs.agent names an object; a class would be built without arguments)
-shaped_agent = CalculatorAgent(operand_credit=0.25)
+# their first call; warm start: 4/8 plain examples, 1/8 tool calls, 3/8 answers without the offered tool
+# (workflow.kwargs.agent names an object; a class would be built without arguments)
+shaped_agent = CalculatorAgent(operand_credit=0.25, sft_mix=(4, 1, 3))
