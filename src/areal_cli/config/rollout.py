@@ -56,11 +56,13 @@ DISK_ONLY_BACKENDS = ("vllm",)
 LORA_DISK_ONLY_BACKENDS = ("sglang", "vllm")
 
 
-def resolved_weight_update(mode: str, backends: Iterable[str], lora: bool = False) -> str:
+def resolved_weight_update(mode: str, backends: Iterable[str], lora: bool = False,
+                           shared_gpu: bool = False) -> str:
     """The push mode ``rollout.weight_update`` means for these server backends: ``auto`` picks disk where
-    any server cannot take the broadcast, else distributed; an explicit mode is kept (validation refuses
-    the combinations that cannot work)."""
+    any server cannot take the broadcast, or where trainer and servers share GPUs (a colocated plan on
+    CUDA: NCCL refuses two ranks of one group on one device), else distributed; an explicit mode is kept
+    (validation refuses the combinations that cannot work)."""
     if mode != "auto":
         return mode
     disk_only = LORA_DISK_ONLY_BACKENDS if lora else DISK_ONLY_BACKENDS
-    return "disk" if any(b in disk_only for b in backends) else "distributed"
+    return "disk" if shared_gpu or any(b in disk_only for b in backends) else "distributed"

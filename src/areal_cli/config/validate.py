@@ -382,6 +382,12 @@ def _check_routing_replay(cfg: ExperimentConfig, plan: Plan) -> None:
 
 
 def _check_weight_update(cfg: ExperimentConfig, plan: Plan) -> None:
+    if plan.colocated and cfg.cluster.device == "cuda" and cfg.rollout.weight_update == "distributed" \
+            and cfg.algo.name != "sft":
+        raise ConfigError("rollout.weight_update", "distributed pushes join trainer and servers in one NCCL "
+                          "group, and this colocated plan puts them on the same GPUs (NCCL refuses two ranks "
+                          "of a group on one device)",
+                          "set rollout.weight_update=disk or auto, or separate them with '+' in allocation_mode")
     others = sorted({p.backend for p in plan.inferences if p.backend in DISK_ONLY_BACKENDS})
     if others and cfg.rollout.weight_update == "distributed" and cfg.algo.name != "sft":
         raise ConfigError("rollout.weight_update", f"{', '.join(others)} cannot join the trainer's broadcast "

@@ -93,8 +93,9 @@ class RLTrainer:
                                  enabled=rank == 0)
         self.ckpt = CheckpointManager(run_dir, rank=rank, keep=cfg.trainer.keep_checkpoints,
                                       tokenizer_path=model_path)
-        self.weight_mode = resolved_weight_update(cfg.rollout.weight_update,
-                                                  [sp.backend for sp in layout.servers], build.lora_enabled(cfg))
+        self.weight_mode = resolved_weight_update(
+            cfg.rollout.weight_update, [sp.backend for sp in layout.servers], build.lora_enabled(cfg),
+            shared_gpu=layout.colocated and cfg.cluster.device == "cuda")
         self.server_epochs: dict[int, int] = {}
         self.restarts_synced = 0
         # Bumped whenever a restarted server is brought back: the next distributed push then builds a

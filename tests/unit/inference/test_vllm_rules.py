@@ -81,6 +81,26 @@ def test_auto_weight_update_picks_disk_for_vllm_and_explicit_distributed_is_refu
     assert e.value.path == "rollout.weight_update"
 
 
+def test_colocated_on_cuda_pushes_through_disk():
+    """A colocated plan on CUDA shares GPUs between trainer and servers; NCCL refuses two ranks of one group
+    on one device, so ``auto`` resolves to disk there and an explicit ``distributed`` is refused."""
+    from areal_cli.config.compose import load_config
+    from areal_cli.config.rollout import resolved_weight_update
+    from areal_cli.config.validate import validate
+    from areal_cli.errors import ConfigError
+
+    assert resolved_weight_update("auto", ["hf"], shared_gpu=True) == "disk"
+    assert resolved_weight_update("auto", ["hf"], shared_gpu=False) == "distributed"
+    colo = ["allocation_mode=hf:d1|d1", "cluster.device=cuda", "cluster.n_gpus_per_node=1"]
+    validate(load_config(colo))
+    validate(load_config([*colo, "rollout.weight_update=disk"]))
+    with pytest.raises(ConfigError) as e:
+        validate(load_config([*colo, "rollout.weight_update=distributed"]))
+    assert e.value.path == "rollout.weight_update" and "same GPUs" in str(e.value)
+    # on CPU (gloo) the colocated broadcast works: the embedded default runs it
+    validate(load_config(["allocation_mode=hf:d1|d1", "rollout.weight_update=distributed"]))
+
+
 class _SwappingVLLM:
     """A vLLM-shaped HTTP server whose LoRA adapter is mid-swap for the first ``swap_calls`` completions:
     it answers them with vLLM's own 404 body, then serves (what a runtime unload + load looks like)."""
