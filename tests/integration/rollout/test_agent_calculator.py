@@ -1,6 +1,6 @@
 """The built-in agentic task learns: `areal train experiment=agent_calculator` (slow).
 
-`pytest -m slow tests/integration/test_agent_calculator.py`. The agent is ordinary openai.AsyncOpenAI
+`pytest -m slow tests/integration/rollout/test_agent_calculator.py`. The agent is ordinary openai.AsyncOpenAI
 code (areal_cli.rollout.workflows.calculator:CalculatorAgent) run through the in-process client; the
 held-out success (one greedy episode per item, evaluated through the agent workflow) must rise by at
 least 20 points during the RL phase, i.e. over the SFT warm start (the gain is GRPO's, not the warm
