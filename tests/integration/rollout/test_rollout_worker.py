@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 import torch
 from support_paths import SUPPORT
@@ -125,7 +127,7 @@ def test_killed_worker_is_named(tiny_model_dir, tmp_path):
 
 WORKER_SCRIPT = """
 import sys, time
-sys.path.insert(0, {here!r})
+sys.path[:0] = [{here!r}, {support!r}]
 from test_rollout_worker import _cfg, _items
 from areal_cli.rollout.worker import RolloutProcess
 cfg = _cfg({root!r})
@@ -136,7 +138,8 @@ time.sleep(600)
 
 
 def test_worker_dies_with_a_killed_trainer(tiny_model_dir, tmp_path):
-    script = WORKER_SCRIPT.format(here=HERE, root=str(tmp_path), model=tiny_model_dir)
+    script = WORKER_SCRIPT.format(here=str(Path(__file__).resolve().parent), support=HERE, root=str(tmp_path),
+                                  model=tiny_model_dir)
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         worker_pid = int(trainer.stdout.readline())
