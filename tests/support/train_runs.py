@@ -85,3 +85,11 @@ def _env_with_reward(tmp_path) -> dict[str, str]:
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     return env
+
+
+def assert_each_prompt_once(train: list[dict], n_prompts: int) -> None:
+    """Synchronous runs log every step's prompt positions: each of 0..n_prompts-1 trained on exactly once
+    (none lost, none duplicated, e.g. across a server restart)."""
+    positions = [p for r in train for p in r["data/positions"]]
+    assert len(positions) == len(set(positions)), "a prompt was trained on twice"
+    assert sorted(positions) == list(range(n_prompts)), "a prompt was lost"

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_runs import _descendants_alive, _overrides, _records, _start, _wait_for
+from train_runs import _descendants_alive, _overrides, _records, _start, _wait_for, assert_each_prompt_once
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -44,9 +44,7 @@ def test_killed_server_is_restarted_and_no_prompt_is_lost_or_duplicated(tmp_path
     assert "restarting" in out
     train = [r for r in _records(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
-    positions = [p for r in train for p in r["data/positions"]]
-    assert len(positions) == len(set(positions)), "a prompt was trained on twice"
-    assert sorted(positions) == list(range(steps * batch)), "a prompt was lost"
+    assert_each_prompt_once(train, steps * batch)
     assert train[-1]["rollout/server_restarts"] >= 1
     log = (run_dir / "logs" / "server0.log").read_text()
     assert log.count("===== start server0") == 2

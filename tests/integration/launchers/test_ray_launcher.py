@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from ray_cluster import LocalRayCluster, ray_env
-from train_runs import _records, _wait_for
+from train_runs import _records, _wait_for, assert_each_prompt_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -206,9 +206,7 @@ def test_killed_server_actor_is_restarted_and_no_sample_is_lost(cluster, fileroo
     assert "server0 on node-a" in out and "its Ray actor died" in out and "restarting" in out, out[-3000:]
     train = [r for r in _records(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
-    positions = [p for r in train for p in r["data/positions"]]
-    assert len(positions) == len(set(positions)), "a prompt was trained on twice"
-    assert sorted(positions) == list(range(steps * batch)), "a prompt was lost"
+    assert_each_prompt_once(train, steps * batch)
     assert train[-1]["rollout/server_restarts"] >= 1
     assert all(r["staleness/max"] == 0 for r in train)
     second = _placement(run_dir)["processes"]["server0"]
