@@ -16,7 +16,8 @@ argv[1]: JSON ``{"model_dir", "batch", "out", "lr", "stale_dir"}``. The batch (`
 With ``"cp": 2`` (run on 2 ranks): the stale policy from ``stale_dir`` under Ulysses (``c2``, the packed
 row split over the ranks), logprobs with replay (``cp_on``) and without (``cp_off``), from rank 0.
 With ``"archon": {dims}``: the same on the archon engine (``archon_on``, ``archon_off``), plus the stats of
-one replayed training step (``archon_train``), see :func:`archon`.
+one replayed training step (``archon_train``), see :func:`archon`. With ``"megatron": {dims}``: the same on
+the megatron engine (mcore's routers), plus what those routers actually chose, see :func:`megatron`.
 """
 
 from __future__ import annotations
@@ -160,6 +161,63 @@ def archon(spec, batch) -> None:
     e.destroy()
 
 
+class McoreChosen:
+    """Forward hooks on mcore's ``TopKRouter``s: per (token, layer) the router replayed, whether the experts
+    in its ``routing_map`` are the replayed ones (``ReplayTopK.target``, where recorded)."""
+
+    def __init__(self, model):
+        self.counts = {"diff": 0, "n": 0}
+        self.routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+        self.handles = [r.register_forward_hook(self._hook) for r in self.routers]
+
+    def _hook(self, mod, _args, out) -> None:
+        import torch
+
+        target = mod.router_replay.target
+        if target is None:
+            return
+        routing_map = out[1]
+        have = (target >= 0).all(-1)
+        used = torch.topk(routing_map.int(), target.shape[1], dim=-1).indices.sort(-1).values
+        diff = (used != target.sort(-1).values).any(-1) & have
+        self.counts["diff"] += int(diff.sum())
+        self.counts["n"] += int(have.sum())
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def megatron(spec, batch) -> None:
+    """The stale policy on megatron (``spec["megatron"]``: its dims, e.g. d2e2, or t2p2 where sequence
+    parallelism hands each router half the tokens and each stage holds one layer): logprobs with and without
+    replay on the full batch, the experts mcore's routers chose under replay against the replayed ones (summed
+    over the ranks), and one replayed training step on this rank's share of the rows."""
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.engines import get_engine_cls
+    from areal_cli.engines.packing import split_batch_for_dp
+
+    e = get_engine_cls("megatron")(EngineConfig(max_tokens_per_mb=100_000), OptimConfig(lr=spec["lr"]), seed=0)
+    e.initialize(ParallelStrategy(**spec["megatron"]), spec["stale_dir"])
+    plain = {k: v for k, v in batch.items() if k != KEY}
+    chosen = McoreChosen(e.model)
+    res = {"megatron_on": e.forward(dict(batch))["logprobs"], "megatron_off": e.forward(plain)["logprobs"]}
+    mine = split_batch_for_dp(dict(batch), e.dp_world_size)[e.dp_rank]
+    res["megatron_train"] = e.train_batch(mine, pg_loss, lambda mb: float(mb["loss_mask"].sum()))
+    chosen.close()
+    counts = torch.tensor([chosen.counts["diff"], chosen.counts["n"]])
+    dist.all_reduce(counts)
+    res["megatron_chosen"] = {"diff": int(counts[0]), "n": int(counts[1]), "routers": len(chosen.routers)}
+    if dist.get_rank() == 0:
+        torch.save(res, spec["out"])
+    e.destroy()
+
+
 def main() -> None:
     import dataclasses
 
@@ -173,6 +231,8 @@ def main() -> None:
         return ulysses(spec, batch)
     if spec.get("archon"):
         return archon(spec, batch)
+    if spec.get("megatron"):
+        return megatron(spec, batch)
     server = batch[KEY]
     res: dict = {}
     padded = {"padding_free": False}

@@ -346,11 +346,12 @@ def _check_keep_sampling_mask(cfg: ExperimentConfig, plan: Plan) -> None:
                           "set rollout.gconfig.min_new_tokens=0 or rollout.keep_sampling_mask=false")
 
 
-# Train engines whose forward replays recorded routing (engines/routing_replay.py): the hook sits on the HF
-# router, which fsdp's and archon's MoE blocks both call. Archon's pipeline path (p>1) is not wired (each
-# stage would need its layers' share of the routing per micro-batch); Megatron builds mcore routers;
-# DeepSpeed inherits fsdp's forward but is untested with it.
-ROUTING_REPLAY_ENGINES = ("fsdp", "archon")
+# Train engines whose forward replays recorded routing: fsdp and archon through the hook on the HF router
+# their MoE blocks call (engines/routing_replay.py), megatron through mcore's router-replay seam
+# (engines/megatron/routing.py). Archon's pipeline path (p>1) is not wired (each stage would need its
+# layers' share of the routing per micro-batch), nor its t (its sequence-parallel regions hand each router a
+# share of the tokens); DeepSpeed inherits fsdp's forward but is untested with it.
+ROUTING_REPLAY_ENGINES = ("fsdp", "archon", "megatron")
 
 
 def _check_routing_replay(cfg: ExperimentConfig, plan: Plan) -> None:
@@ -365,14 +366,19 @@ def _check_routing_replay(cfg: ExperimentConfig, plan: Plan) -> None:
         what = f"the {', '.join(lacking)} engine{'s' if len(lacking) > 1 else ''}"
         ok = ", ".join(ROUTING_REPLAY_ENGINES)
         raise ConfigError(key, f"{what} cannot replay routing yet (supported: {ok})",
-                          "use engine=fsdp or set rollout.routing_replay=false")
-    # pipeline stages hold a share of the layers per micro-batch; sequence parallelism (t) hands each router
-    # a share of the tokens. Neither slices the routing to match.
+                          "use engine=fsdp, archon or megatron, or set rollout.routing_replay=false")
     cut = [t for t in plan.trains if t.backend == "archon" and (t.parallel.pp > 1 or t.parallel.tp > 1)]
     if cut:
         p = cut[0].parallel
         raise ConfigError(key, f"archon replays routing under d, c and e only (this plan has t{p.tp}p{p.pp})",
-                          "drop t and p from the archon dims or set rollout.routing_replay=false")
+                          "drop t and p from the archon dims, use engine=megatron, or set "
+                          "rollout.routing_replay=false")
+    if any(t.backend == "megatron" for t in plan.trains) and cfg.engine.gradient_checkpointing \
+            and cfg.engine.megatron.recompute_granularity == "full":
+        from areal_cli.engines.megatron import FULL_RECOMPUTE
+
+        raise ConfigError(key, FULL_RECOMPUTE, "set engine.megatron.recompute_granularity=selective or "
+                          "rollout.routing_replay=false")
     others = sorted({p.backend for p in plan.inferences if p.backend != "hf"})
     if others:
         raise ConfigError(key, f"the {', '.join(others)} server is not wired to return routed experts; "

@@ -75,20 +75,28 @@ def _rate(c: dict, gen: bool = False) -> float:
     return d / max(n, 1)
 
 
-def test_trainer_routes_every_token_as_the_server_did(server, moe_dir, tmp_path):
+@pytest.fixture(scope="module")
+def replayed(server, moe_dir, tmp_path_factory):
+    """A rollout with its routing, and the fsdp worker's results on it (the stale policy in ``stale_dir``)."""
+    tmp_path = tmp_path_factory.mktemp("r3")
     batch = _rollout(server.address, moe_dir)
+    torch.save(batch, tmp_path / "batch.pt")
+    out = tmp_path / "res.pt"
+    spec = {"model_dir": moe_dir, "batch": str(tmp_path / "batch.pt"), "out": str(out), "lr": 1e-3,
+            "stale_dir": str(tmp_path / "stale")}
+    _worker(spec, 1)
+    return batch, spec, torch.load(out, weights_only=False)
+
+
+def test_trainer_routes_every_token_as_the_server_did(replayed, tmp_path):
+    batch, spec, res = replayed
     rt, am = batch[KEY], batch["attention_mask"]
     assert rt.dtype == torch.int16 and rt.shape[:2] == am.shape and rt.shape[2] == N_LAYERS * TOP_K
     lens = am.sum(1)
     recorded = (rt >= 0).all(-1)
     # every fed token is recorded: all but each row's last; padding never
     assert torch.equal(recorded.sum(1), lens - 1) and not recorded[~am].any()
-    torch.save(batch, tmp_path / "batch.pt")
-    out = tmp_path / "res.pt"
-    spec = {"model_dir": moe_dir, "batch": str(tmp_path / "batch.pt"), "out": str(out), "lr": 1e-3,
-            "stale_dir": str(tmp_path / "stale")}
-    _worker(spec, 1)
-    res = torch.load(out, weights_only=False)
+    res = {**res, "logprobs": dict(res["logprobs"])}
     _worker({**spec, "cp": 2, "out": str(tmp_path / "cp.pt")}, 2)  # Ulysses: the packed row over 2 ranks
     res["logprobs"].update(torch.load(tmp_path / "cp.pt", weights_only=False))
     # archon d2e2: the experts cut over 2 ranks, tokens dispatched by all-to-all; the router is HF's
@@ -123,6 +131,30 @@ def test_trainer_routes_every_token_as_the_server_did(server, moe_dir, tmp_path)
     assert 0 < archon["archon_train"]["routing_replay/mismatch_rate"] <= 1
 
 
+@pytest.mark.megatron
+@pytest.mark.parametrize("layout", ["d2e2", "t2p2"])
+def test_megatron_routes_every_token_as_the_server_did(replayed, tmp_path, layout):
+    """mcore's routers under replay: d2e2 (experts cut over 2 ranks) and t2p2 (sequence parallelism hands each
+    router half the tokens; each stage holds one layer) run the server's experts for every recorded token, and
+    give the fsdp engine's replayed logprobs."""
+    from areal_cli.engines.megatron import compat
+
+    if compat.installed_version() != compat.SUPPORTED_VERSION:
+        pytest.skip(f"megatron-core {compat.SUPPORTED_VERSION} is not installed (pip install -e '.[megatron]')")
+    batch, spec, res = replayed
+    dims = {"d2e2": {"dp": 2, "ep": 2}, "t2p2": {"tp": 2, "pp": 2}}[layout]
+    _worker({**spec, "megatron": dims, "out": str(tmp_path / "mcore.pt")}, 2 if layout == "d2e2" else 4)
+    m = torch.load(tmp_path / "mcore.pt", weights_only=False)
+    c, rate = m["megatron_chosen"], m["megatron_train"]["routing_replay/mismatch_rate"]
+    print(f"\nmegatron {layout}: {c['n']} replayed (token x layer) pairs, {c['diff']} ran other experts; the "
+          f"training step's own routers would have changed {rate:.2%}")
+    assert c["n"] > 0 and c["diff"] == 0, c
+    assert 0 < rate <= 1
+    loss, padded = batch["loss_mask"] > 0, res["logprobs"]["padded"]
+    torch.testing.assert_close(m["megatron_on"][loss], padded[loss], rtol=0, atol=1e-5)
+    assert (m["megatron_off"][loss] - padded[loss]).abs().max().item() > 1e-4
+
+
 def _worker(spec: dict, world: int) -> None:
     """r3_worker.py on ``world`` gloo ranks."""
     launch(spec, world, timeout=600, script=str(SUPPORT / "r3_worker.py"))
@@ -130,10 +162,13 @@ def _worker(spec: dict, world: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_areal_train_with_routing_replay_logs_the_mismatch(moe_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", "megatron_d1t2"])
+def test_areal_train_with_routing_replay_logs_the_mismatch(moe_dir, tmp_path, engine):
     """``areal train rollout.routing_replay=true`` on the MoE model: the routing travels from the server
     through the rollout worker into every training step, which logs what it replaced."""
-    args = {"cluster.fileroot": str(tmp_path), "model.path": moe_dir, "experiment_name": "r3",
+    layout = {"fsdp": {}, "megatron_d1t2": {"engine": "megatron", "allocation_mode": "hf:d1+megatron:d1t2",
+                                            "cluster.n_gpus_per_node": 3}}[engine]
+    args = {**layout, "cluster.fileroot": str(tmp_path), "model.path": moe_dir, "experiment_name": "r3",
             "trial_name": "t0", "trainer.total_steps": 3, "trainer.sft_warmup_steps": 0,
             "trainer.eval_every": 0, "algo.batch_size": 2, "rollout.group_size": 2,
             "rollout.gconfig.max_new_tokens": 6,

@@ -194,8 +194,14 @@ def test_config_refuses_what_cannot_replay(tmp_path):
     # archon without t and p replays (its MoE blocks call the HF router the hook sits on)
     assert validate(load_config(moe + ["engine=archon", "allocation_mode=hf:d1+archon:d2e2",
                                        "cluster.n_gpus_per_node=3"])) is not None
+    # megatron replays at every layout (mcore's router seam), but not under full recompute
+    assert validate(load_config(moe + ["engine=megatron", "allocation_mode=hf:d1+megatron:d1t2p2",
+                                       "cluster.n_gpus_per_node=5"])) is not None
     cases = [(["rollout.routing_replay=true"], "dense"),
-             (moe + ["engine=megatron"], "megatron engine cannot replay routing yet (supported: fsdp, archon)"),
+             (moe + ["engine=deepspeed"], "deepspeed engine cannot replay routing yet (supported: fsdp, archon, "
+              "megatron)"),
+             (moe + ["engine=megatron", "engine.gradient_checkpointing=true",
+                     "engine.megatron.recompute_granularity=full"], "recompute_granularity=full"),
              (moe + ["engine=archon", "allocation_mode=hf:d1+archon:d1p2", "cluster.n_gpus_per_node=3"],
               "archon replays routing under d, c and e only (this plan has t1p2)"),
              (moe + ["engine=archon", "allocation_mode=hf:d1+archon:d1t2", "cluster.n_gpus_per_node=3"],

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import packing, sampling_mask
+from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.fsdp import FSDPEngine
 from areal_cli.errors import ConfigError
 from areal_cli.utils.dist import send_to_rank0
@@ -73,7 +74,7 @@ class MegatronEngine(FSDPEngine):
 
     # ------------------------------------------------------------------ setup
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
-        from areal_cli.engines.megatron import compat, convert
+        from areal_cli.engines.megatron import compat, convert, routing
         from areal_cli.engines.megatron import model as mm
         from areal_cli.utils.dist import default_device, init_distributed
 
@@ -123,6 +124,8 @@ class MegatronEngine(FSDPEngine):
         for c in chunks:
             c.to(self.device)
         self.chunks = chunks
+        self._routing = (routing.ChunkRouting(chunks, arch.num_layers, arch.moe_top_k) if arch.num_experts
+                         else None)
         if self.optim_cfg is not None:
             self.model = torch.nn.ModuleList(self._wrap_ddp(chunks, config))
             self._build_mcore_optimizer(mixed)
@@ -361,6 +364,7 @@ class MegatronEngine(FSDPEngine):
         def forward_step(data_iterator, model):
             i = next(data_iterator)
             x = inputs[i]
+            self._set_routing(mbs[i], x)
             out = model(x["input_ids"], x["position_ids"], x["mask"])
             return out, lambda o: (on_output(i, o, x), {})
 
@@ -371,6 +375,23 @@ class MegatronEngine(FSDPEngine):
             forward_step_func=forward_step, data_iterator=its, model=chunks, num_microbatches=n,
             seq_length=max(x["input_ids"].shape[1] for x in inputs),
             micro_batch_size=max(x["input_ids"].shape[0] for x in inputs), forward_only=forward_only)
+        self._set_routing(None, None)
+
+    def _set_routing(self, mb: Batch | None, x: dict | None) -> None:
+        """The routers' replayed experts for the micro-batch about to run (routing replay, MoE models)."""
+        if self._routing is None:
+            return
+        rt = None if mb is None else mb.get(r3.KEY)
+        if rt is None:
+            self._routing.set(None, 0, 0, 0, 0)
+            return
+        from areal_cli.engines.megatron import FULL_RECOMPUTE
+
+        if self.tconfig.recompute_granularity == "full":
+            raise r3.RoutingReplayError(FULL_RECOMPUTE)
+        rows, length = x["input_ids"].shape
+        sp = self.parallel.tp if self.sequence_parallel else 1
+        self._routing.set(rt.cpu(), rows, length, x["b"], x["n"], self.tp_rank if sp > 1 else 0, sp)
 
     def _accumulate_grads(self, batch, loss_fn, loss_weight_fn, temperature):
         self.model.train()
@@ -427,7 +448,17 @@ class MegatronEngine(FSDPEngine):
         stats = self._reduce_stats(loss_sum, stat_sums, denom, grad_norm, lr, n_mb)
         if aux is not None:
             stats["moe_aux_loss"] = aux
-        return stats
+        return stats | self._replay_stats()
+
+    def _replay_stats(self) -> dict[str, float]:
+        """``routing_replay/mismatch_rate`` of this step over every rank's routers (a stage holds its own
+        layers, a sequence-parallel rank its share of the tokens, a data-parallel rank its rows); empty when
+        nothing was replayed. Counts held t times over (t without sequence parallelism) leave the rate unchanged."""
+        if self._routing is None:
+            return {}
+        counts = self._routing.take_stats()
+        dist.all_reduce(counts)
+        return {"routing_replay/mismatch_rate": float(counts[0] / counts[1])} if counts[1] > 0 else {}
 
     def _moe_aux_loss(self, n_mb: int) -> float | None:
         """The router's load-balancing loss of this step (before its coefficient), averaged over the MoE
