@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,8 +33,9 @@ def _env() -> dict[str, str]:
 
 
 def _areal(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True, **kw)
+    return subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                            start_new_session=True, **kw)
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -57,8 +59,7 @@ def _descendants_alive(pids: list[int]) -> list[int]:
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
+    return _areal(args)
 
 
 def _wait_for(cond, proc: subprocess.Popen, timeout: float, what: str, interval: float = 0.3) -> None:
@@ -93,3 +94,34 @@ def assert_each_prompt_once(train: list[dict], n_prompts: int) -> None:
     positions = [p for r in train for p in r["data/positions"]]
     assert len(positions) == len(set(positions)), "a prompt was trained on twice"
     assert sorted(positions) == list(range(n_prompts)), "a prompt was lost"
+
+
+def _kill_server(run_dir: Path) -> dict:
+    rec = json.loads((run_dir / "servers" / "0.json").read_text())
+    os.killpg(int(rec["pid"]), signal.SIGKILL)
+    return rec
+
+
+def _hold_server(run_dir: Path, proc, min_queued: int) -> None:
+    """Pause the server's generation and wait until at least ``min_queued`` requests are held by it. The
+    run cannot move past the held requests, so a kill after this lands where the test says (inside an
+    evaluation, in the middle of the run) however fast the machine is."""
+    import httpx
+
+    addr = json.loads((run_dir / "servers" / "0.json").read_text())["address"]
+
+    def held() -> bool:
+        # Paused again each time: a weight push of the trainer's own ends with continue_generation.
+        assert httpx.post(f"http://{addr}/pause_generation", json={}, timeout=30).status_code == 200
+        load = httpx.get(f"http://{addr}/get_load", timeout=30).json()
+        return load["paused"] and load["waiting"] + load["running"] >= min_queued
+
+    # Polled often: on a fast machine a step's whole rollout can fit between two slower polls (CI once
+    # caught it only at step 9 of 10 with 0.3 s polls and 128-token rollouts).
+    _wait_for(held, proc, 300, f"{min_queued} requests held by the paused server", interval=0.05)
+
+
+def _hold_then_kill(run_dir: Path, proc, min_queued: int) -> dict:
+    """:func:`_hold_server`, then SIGKILL the server's process group."""
+    _hold_server(run_dir, proc, min_queued)
+    return _kill_server(run_dir)

@@ -57,7 +57,7 @@ async def _close_on_shutdown(session: aiohttp.ClientSession) -> Any:
         await session.close()
 
 
-class _ClientError(InferenceError):
+class RequestRejected(InferenceError):
     """A 4xx answer: the request itself is wrong, retrying elsewhere will not help."""
 
     def __init__(self, message: str, status: int = 400, body: str = ""):
@@ -209,7 +209,7 @@ class RemoteInferenceEngine(InferenceEngine):
         return c
 
     async def _send(self, address: str, call: HttpCall, timeout: float) -> Any:
-        """One HTTP exchange. Raises _Unreachable, _ClientError (4xx) or InferenceError (5xx/timeout)."""
+        """One HTTP exchange. Raises _Unreachable, RequestRejected (4xx) or InferenceError (5xx/timeout)."""
         params = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in call.params.items()} \
             if call.params else None  # query strings as httpx wrote them (True -> "true")
         try:
@@ -225,7 +225,7 @@ class RemoteInferenceEngine(InferenceEngine):
             raise InferenceError(f"{address}{call.path} timed out after {timeout:.0f}s ({type(e).__name__})") from None
         if 400 <= status < 500:
             body = _text(content)[:500]
-            raise _ClientError(f"{address}{call.path} rejected the request ({status}): {body}", status, body)
+            raise RequestRejected(f"{address}{call.path} rejected the request ({status}): {body}", status, body)
         if status >= 500:
             raise InferenceError(f"{address}{call.path} failed ({status}): {_text(content)[:500]}")
         if not content:
@@ -241,7 +241,7 @@ class RemoteInferenceEngine(InferenceEngine):
         for attempt in range(retries + 1):
             try:
                 return await self._send(address, call, timeout)
-            except _ClientError:
+            except RequestRejected:
                 raise
             except InferenceError:
                 if attempt == retries:
@@ -294,7 +294,7 @@ class RemoteInferenceEngine(InferenceEngine):
             s.inflight += rows
             try:
                 return parse(await self._send_through_swaps(s.address, call)), s.address
-            except _ClientError:
+            except RequestRejected:
                 raise
             except _Unreachable as e:
                 s.healthy = False
@@ -320,7 +320,7 @@ class RemoteInferenceEngine(InferenceEngine):
         while True:
             try:
                 return await self._send(address, call, self.timeout_s)
-            except _ClientError as e:
+            except RequestRejected as e:
                 if not transient(e.status, e.body) or time.monotonic() + wait > deadline:
                     raise
             await asyncio.sleep(wait)

@@ -88,11 +88,16 @@ class SeededEngine:
 
 
 def is_transport_error(e: BaseException) -> bool:
-    """Connection-level failures (a dead or restarting server), not bad requests or bugs."""
+    """Connection-level failures (a dead or restarting server), not bad requests or bugs. A request the
+    server refused (4xx, e.g. longer than its context) is not retried: it would be refused again, and
+    the run would wait out the retry window with nothing to show."""
     from areal_cli.errors import InferenceError
+    from areal_cli.inference.client import RequestRejected
 
     seen = 0
     while e is not None and seen < 5:
+        if isinstance(e, RequestRejected):
+            return False
         if isinstance(e, (ConnectionError, TimeoutError, OSError, InferenceError)):
             return True
         name = type(e).__module__ + "." + type(e).__name__

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from train_runs import _descendants_alive, _overrides, _records, _start, _wait_for, assert_each_prompt_once
+from train_runs import (_descendants_alive, _hold_then_kill, _overrides, _records, _start, _wait_for,
+                        assert_each_prompt_once)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,22 +31,25 @@ def _children(pid: int) -> list[int]:
 def test_killed_server_is_restarted_and_no_prompt_is_lost_or_duplicated(tmp_path, tiny_model_dir):
     """Synchronous mode, so every consumed prompt position is known: the run must train on exactly
     positions 0..N-1, each once, although the only server was SIGKILLed mid-run."""
-    steps, batch = 5, 2
+    steps, batch = 10, 2
     run_dir = tmp_path / "runs" / "itest" / "t0"
+    # The kill lands while the paused server holds a step's requests, early in the run: 512 forced tokens
+    # keep each step long enough. (With a plain kill after step 1 and short rollouts, a fast run finished
+    # all 5 of its steps before the kill, and the restart was only seen by the final evaluation.)
     proc = _start(_overrides(tmp_path, tiny_model_dir, **{
         "trainer.total_steps": steps, "algo.batch_size": batch, "rollout.max_head_offpolicyness": 0,
         "trainer.recover_every": 0, "trainer.save_every": 0, "trainer.eval_every": 0,
-        "rollout.gconfig.max_new_tokens": 24}))
+        "rollout.gconfig.max_new_tokens": 512, "rollout.gconfig.min_new_tokens": 512}))
     _wait_for(lambda: any(r["kind"] == "train" for r in _records(run_dir)), proc, 300, "the first step")
-    rec = json.loads((run_dir / "servers" / "0.json").read_text())
-    os.killpg(int(rec["pid"]), signal.SIGKILL)
+    _hold_then_kill(run_dir, proc, 1)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
     assert "restarting" in out
     train = [r for r in _records(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert_each_prompt_once(train, steps * batch)
-    assert train[-1]["rollout/server_restarts"] >= 1
+    restarted = [r["step"] for r in train if r["rollout/server_restarts"] >= 1]
+    assert restarted and restarted[0] < steps, [r["step"] for r in train]  # noticed mid-run, not at the end
     log = (run_dir / "logs" / "server0.log").read_text()
     assert log.count("===== start server0") == 2
 

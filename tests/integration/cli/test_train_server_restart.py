@@ -13,41 +13,11 @@ Each run takes about 20-30 s (server and trainer start-up plus one server restar
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-from pathlib import Path
 
 import pytest
-from train_runs import _overrides, _records, _start, _wait_for
+from train_runs import _hold_then_kill, _overrides, _records, _start, _wait_for
 
 pytestmark = pytest.mark.timeout(400)
-
-
-def _kill_server(run_dir: Path) -> dict:
-    rec = json.loads((run_dir / "servers" / "0.json").read_text())
-    os.killpg(int(rec["pid"]), signal.SIGKILL)
-    return rec
-
-
-def _hold_then_kill(run_dir: Path, proc, min_queued: int) -> dict:
-    """Pause the server's generation, wait until at least ``min_queued`` requests are held by it, then
-    SIGKILL it. The run cannot move past the held requests, so the kill lands where the test says
-    (inside an evaluation, in the middle of the run) however fast the machine is."""
-    import httpx
-
-    addr = json.loads((run_dir / "servers" / "0.json").read_text())["address"]
-
-    def held() -> bool:
-        # Paused again each time: a weight push of the trainer's own ends with continue_generation.
-        assert httpx.post(f"http://{addr}/pause_generation", json={}, timeout=30).status_code == 200
-        load = httpx.get(f"http://{addr}/get_load", timeout=30).json()
-        return load["paused"] and load["waiting"] + load["running"] >= min_queued
-
-    # Polled often: on a fast machine a step's whole rollout can fit between two slower polls (CI once
-    # caught it only at step 9 of 10 with 0.3 s polls and 128-token rollouts).
-    _wait_for(held, proc, 300, f"{min_queued} requests held by the paused server", interval=0.05)
-    return _kill_server(run_dir)
 
 
 def _finish(proc) -> str:

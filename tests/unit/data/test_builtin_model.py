@@ -104,5 +104,8 @@ def test_every_builtin_model_is_an_option_of_the_model_group(name):
     spec = BUILTIN_SPECS[name]
     m = cfg.model
     assert parse_builtin_model_path(m.path) == name
-    facts = (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads, m.vocab_size)
-    assert facts == (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.vocab_size)
+    facts = (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads, m.vocab_size,
+             m.max_position_embeddings, m.intermediate_size, m.num_experts, m.num_experts_per_tok)
+    assert facts == (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.vocab_size,
+                     spec.max_position_embeddings, spec.intermediate_size, spec.num_experts,
+                     spec.num_experts_per_tok)
