@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from ray_cluster import LocalRayCluster, ray_env
-from train_runs import _hold_server, _records, _wait_for, assert_each_prompt_once
+from train_runs import _records, _wait_for, assert_each_prompt_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -190,9 +190,9 @@ def test_killed_server_actor_is_restarted_and_no_sample_is_lost(cluster, fileroo
     actor takes its bundle on the same node, and the run trains on positions 0..N-1, each exactly once."""
     steps, batch = 10, 2
     run_dir = fileroot / "runs" / "rt" / "kill"
-    # 384 forced tokens a sample (the built-in model's context is 512) and the paused server holding a step's
-    # requests: the kill lands early in the run however fast the machine (a late kill is only seen by the
-    # final evaluation)
+    # 10 steps of 384 forced tokens a sample (the built-in model's context is 512): the kill after step 1 lands
+    # early in the run (with 6 steps of 24 tokens a fast run could end before it, and only the final
+    # evaluation saw the restart). The server cannot be held paused here: Ray's servers want an API key.
     proc = _start(
         _args(
             cluster,
@@ -204,7 +204,6 @@ def test_killed_server_actor_is_restarted_and_no_sample_is_lost(cluster, fileroo
     )
     _wait_for(lambda: any(r["kind"] == "train" for r in _records(run_dir)), proc, 300, "the first step")
     first = _placement(run_dir)["processes"]["server0"]
-    _hold_server(run_dir, proc, 1)
     os.kill(int(first["actor_pid"]), signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-5000:]
