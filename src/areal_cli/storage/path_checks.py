@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import statistics
 import time
 import uuid
@@ -83,14 +84,27 @@ def _existing_ancestor(path: str) -> str:
 
 
 def check_exists(path: str, *, create: bool = True) -> CheckResult:
-    if os.path.isdir(path):
+    # One stat, then makedirs(exist_ok): the probes of several nodes run this on the same new path at once,
+    # and an isdir-then-exists pair saw another node's fresh directory as "not a directory".
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:
+        is_dir = None
+    except OSError as e:
+        return CheckResult("exists", FAIL, f"cannot stat: {e.strerror}", "check the path's permissions",
+                           path=path)
+    if is_dir:
         return CheckResult("exists", PASS, "directory exists", path=path)
-    if os.path.exists(path):
-        return CheckResult("exists", FAIL, "exists but is not a directory", "choose a directory path", path=path)
+    not_dir = CheckResult("exists", FAIL, "exists but is not a directory", "choose a directory path",
+                          path=path)
+    if is_dir is False:
+        return not_dir
     if not create:
         return CheckResult("exists", FAIL, "missing", f"mkdir -p {path}", path=path)
     try:
         os.makedirs(path, exist_ok=True)
+    except FileExistsError:  # makedirs(exist_ok=True) raises it only for a path that is not a directory
+        return not_dir
     except OSError as e:
         anc = _existing_ancestor(path)
         return CheckResult("exists", FAIL, f"cannot create: {e.strerror}",

@@ -188,3 +188,31 @@ def test_cli_json_and_exit_codes(tmpfs, tmp_path):
                          "--required-gb", "0", "--throughput-mb", "1"], capture_output=True, text=True, timeout=120)
     assert r2.returncode == 0, r2.stdout + r2.stderr
     assert "file locking" in r2.stdout and "pass" in r2.stdout
+
+
+def test_nodes_creating_the_same_path_at_once_all_pass(tmp_path):
+    """The probes of several nodes check a new path at the same moment (real processes, 40 fresh paths):
+    each must see a directory, created by itself or by another. A check that asked ``isdir`` and then
+    ``exists`` once took another node's fresh directory for a file (CI, test_storage_crossnode)."""
+    import multiprocessing as mp
+
+    from areal_cli.storage.path_checks import check_exists
+
+    paths = [str(tmp_path / f"p{i}" / "shared") for i in range(40)]
+    with mp.get_context("fork").Pool(4) as pool:
+        results = pool.map(_exists_status, [p for p in paths for _ in range(4)])
+    assert all(status == "pass" for status, _ in results), [r for r in results if r[0] != "pass"][:3]
+    assert {fig for _, fig in results} <= {"created", "directory exists"}
+    assert check_exists(paths[0]).figure == "directory exists"
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    bad = check_exists(str(f))
+    assert bad.status == "fail" and bad.figure == "exists but is not a directory"
+    assert check_exists(str(tmp_path / "nope"), create=False).figure == "missing"
+
+
+def _exists_status(path: str) -> tuple[str, str]:
+    from areal_cli.storage.path_checks import check_exists
+
+    r = check_exists(path)
+    return r.status, r.figure
