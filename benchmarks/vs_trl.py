@@ -95,8 +95,8 @@ def trl_run(model_dir: str, args: argparse.Namespace, train_items: list[dict], o
                      per_device_train_batch_size=args.batch * args.group, max_completion_length=args.max_new_tokens,
                      learning_rate=args.lr, lr_scheduler_type="constant", max_steps=args.steps, beta=0.0,
                      temperature=1.0, top_p=1.0, top_k=0, logging_steps=1, report_to="none", save_strategy="no",
-                     seed=1, disable_tqdm=True, num_iterations=1, gradient_accumulation_steps=1,
-                     dataloader_num_workers=0, bf16=False, max_grad_norm=1.0, weight_decay=0.0)
+                     seed=getattr(args, "trl_seed", 1), disable_tqdm=True, num_iterations=1,
+                     gradient_accumulation_steps=1, dataloader_num_workers=0, bf16=False, max_grad_norm=1.0, weight_decay=0.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     clock = {"t0": None, "paused": 0.0, "ckpts": {}}
 
@@ -151,9 +151,9 @@ def evaluate_dirs(dirs: list[str], items: list[dict], max_new_tokens: int) -> di
 def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: argparse.Namespace,
             steps: int, ckpt_every: int, train_items: list[dict]) -> dict:
     """The three systems on one model; returns their rows."""
-    common = [*model_args, f"algo.batch_size={args.batch}", f"rollout.group_size={args.group}",
-              f"rollout.gconfig.max_new_tokens={args.max_new_tokens}", f"algo.optim.lr={args.lr}",
-              "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0", "algo.kl_coef=0",
+    common = [*model_args, *args.areal_args, f"algo.batch_size={args.batch}",
+              f"rollout.group_size={args.group}", f"rollout.gconfig.max_new_tokens={args.max_new_tokens}",
+              f"algo.optim.lr={args.lr}", "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0", "algo.kl_coef=0",
               f"trainer.total_steps={steps}", "trainer.eval_every=0", "dataset.eval_size=8",
               "trainer.sft_warmup_steps=0", "trainer.recover_every=0", f"trainer.save_every={ckpt_every}",
               "trainer.keep_checkpoints=1000"]
@@ -185,6 +185,11 @@ def main() -> None:
                     help="steps of the throughput-only comparison on a ~10M-param model (0: skip)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the three runs")
     ap.add_argument("--fileroot", default=None)
+    ap.add_argument("--seeds", type=int, nargs="*", default=None,
+                    help="a seed study: one round per seed (areal's run seed over fixed data, TRL's seed), "
+                         "held-out accuracy per system and step as mean and range over the seeds")
+    ap.add_argument("--areal-args", nargs="*", default=[],
+                    help="extra overrides for both areal runs, e.g. algo.loss_agg=token-mean")
     args = ap.parse_args()
     root = args.fileroot or tempfile.mkdtemp(prefix="areal_bench_")
     warm = args.warm
@@ -201,6 +206,8 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(warm)
     train_items, _ = load_split(cfg.dataset, tok, "train", seed=cfg.seed)
     test_items = load_split(cfg.dataset, tok, "test", seed=cfg.seed)[0][: args.eval_size]
+    if args.seeds:
+        return seed_study(root, warm, args, train_items, test_items, cfg.seed)
     # Rounds interleave the three systems, so a drift in the machine's speed hits all of them alike;
     # accuracy is read from round 1's checkpoints, throughput ratios are reported per round.
     rounds = [compare(root, f"tiny_r{i}", [f"model.path={warm}"], warm, args, args.steps, args.ckpt_every,
@@ -247,6 +254,39 @@ def report(rows: dict, warm: str, test_items: list[dict], args: argparse.Namespa
         if r["time_to_target_s"] and t["time_to_target_s"]:
             print(f"time to target, TRL / {name}: {t['time_to_target_s'] / r['time_to_target_s']:.2f}x")
     print(json.dumps({k: {kk: vv for kk, vv in r.items() if kk != "checkpoints"} for k, r in rows.items()}))
+
+
+def seed_study(root: str, warm: str, args: argparse.Namespace, train_items: list[dict],
+               test_items: list[dict], data_seed: int) -> None:
+    """Each seed: the three systems from the same warm start and the same data (areal's rows fixed by
+    ``dataset.seed``, so only its sampling and prompt order move with ``seed``), then one evaluator over every
+    checkpoint. Prints held-out accuracy per system and step: mean and range over the seeds."""
+    import statistics
+
+    curves: dict[str, dict[int, list[float]]] = {}
+    for s in args.seeds:
+        extra = [*args.areal_args, f"seed={s}", f"dataset.seed={data_seed}"]
+        sargs = argparse.Namespace(**{**vars(args), "trl_seed": s, "areal_args": extra})
+        rows = compare(root, f"seed{s}", [f"model.path={warm}"], warm, sargs, args.steps, args.ckpt_every,
+                       train_items)
+        dirs = [p for r in rows.values() for _, p in r["checkpoints"].values()]
+        acc = evaluate_dirs(dirs, test_items, args.max_new_tokens)
+        for name, r in rows.items():
+            for step, (_, path) in r["checkpoints"].items():
+                curves.setdefault(name, {}).setdefault(step, []).append(acc[path])
+        print(f"[bench] seed {s}: " + "; ".join(
+            f"{n}: " + " ".join(f"{st}:{acc[p]:.0%}" for st, (_, p) in sorted(r["checkpoints"].items()))
+            for n, r in rows.items()), flush=True)
+    base = evaluate_dirs([warm], test_items, args.max_new_tokens)[warm]
+    steps = sorted({st for c in curves.values() for st in c})
+    print(f"\nseed study: {len(args.seeds)} seeds {args.seeds}, warm start {base:.1%} held-out "
+          f"({len(test_items)} items); areal extra overrides: {args.areal_args or 'none'}")
+    print(f"{'system':24s} " + " ".join(f"{'step ' + str(st):>18s}" for st in steps))
+    for name, c in curves.items():
+        cells = [f"{statistics.mean(c[st]):.1%} [{min(c[st]):.0%}-{max(c[st]):.0%}]" for st in steps]
+        print(f"{name:24s} " + " ".join(f"{x:>18s}" for x in cells))
+    print(json.dumps({"warm": base, "seeds": args.seeds, "areal_args": args.areal_args,
+                      "curves": {n: {str(k): v for k, v in c.items()} for n, c in curves.items()}}))
 
 
 def print_rounds(rounds: list[dict]) -> None:

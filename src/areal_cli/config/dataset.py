@@ -24,3 +24,6 @@ class DatasetConfig:
     test_size: int = ranged(200, ge=0)  # builtin only
     # cap on evaluated test items
     eval_size: int | None = ranged(None, ge=0, why="null evaluates every test item")
+    # The built-in task's rows (its train and test splits); null: the experiment seed. Fix it to vary the run
+    # seed (sampling, prompt order) over the same data, e.g. in a seed study.
+    seed: int | None = ranged(None, ge=0, le=2**32 - 1, why="null uses the experiment seed")

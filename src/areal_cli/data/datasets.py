@@ -204,7 +204,8 @@ def load_split(cfg: "DatasetConfig", tokenizer, split: str = "train",
     if task is not None:
         if task not in builtin.TASKS:
             check_dataset_paths(cfg)  # raises the ConfigError with the fix
-        train_rows, test_rows = builtin.generate_splits(task, cfg.train_size, cfg.test_size, seed=seed)
+        rows_seed = seed if cfg.seed is None else int(cfg.seed)  # dataset.seed fixes the rows alone
+        train_rows, test_rows = builtin.generate_splits(task, cfg.train_size, cfg.test_size, seed=rows_seed)
         rows = train_rows if split == "train" else test_rows
         items, report = build_items(rows, tokenizer, prompt_field="question", answer_field="answer",
                                     use_chat_template=cfg.use_chat_template,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import dataclasses
 import os
 from pathlib import Path
 
@@ -154,3 +155,12 @@ def test_builtin_splits(tok):
     again, _ = load_split(cfg, tok, "train", seed=2)
     assert [i["prompt_ids"] for i in again] == [i["prompt_ids"] for i in train]
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    # another run seed draws other rows; dataset.seed fixes them whatever the run seed
+    other, _ = load_split(cfg, tok, "train", seed=3)
+    assert [i["question"] for i in other] != [i["question"] for i in train]
+    fixed = dataclasses.replace(cfg, seed=2)
+    for run_seed in (3, 7):
+        rows, _ = load_split(fixed, tok, "train", seed=run_seed)
+        assert [i["question"] for i in rows] == [i["question"] for i in train]
+        held, _ = load_split(fixed, tok, "test", seed=run_seed)
+        assert [i["question"] for i in held] == [i["question"] for i in test]
