@@ -383,7 +383,7 @@ class MegatronEngine(FSDPEngine):
             return
         rt = None if mb is None else mb.get(r3.KEY)
         if rt is None:
-            self._routing.set(None, 0, 0, 0, 0)
+            self._routing.clear()
             return
         from areal_cli.engines.megatron import FULL_RECOMPUTE
 

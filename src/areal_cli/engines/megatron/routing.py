@@ -19,7 +19,7 @@ instead, set per micro-batch by the engine:
   replayed one: ``routing_replay/mismatch_rate``, as the HF engines report it.
 
 Under full activation recompute mcore re-runs the router in the backward pass, after later micro-batches have
-set theirs: refused (``FULL_RECOMPUTE``).
+set theirs: refused (``areal_cli.engines.megatron.FULL_RECOMPUTE``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from areal_cli.engines import routing_replay as r3
-from areal_cli.engines.megatron import FULL_RECOMPUTE  # noqa: F401  (the engine raises it)
 
 
 class ReplayTopK:
@@ -72,16 +71,17 @@ class ChunkRouting:
                     self.layers.append((int(m.layer_number) - 1, router.router_replay))
         self.n_layers, self.top_k = n_layers, top_k
 
-    def set(self, routing: torch.Tensor | None, rows: int, length: int, b: int, n: int,
+    def clear(self) -> None:
+        """The next forwards route by the routers' own choice."""
+        for _, rp in self.layers:
+            rp.target = None
+
+    def set(self, routing: torch.Tensor, rows: int, length: int, b: int, n: int,
             sp_rank: int = 0, sp_size: int = 1) -> None:
-        """Route the next forwards by ``routing`` ``[b, n, n_layers * top_k]`` (None: the routers' own).
+        """Route the next forwards by ``routing`` ``[b, n, n_layers * top_k]``.
 
         The forward's input is ``[rows, length]`` (the ``[b, n]`` micro-batch right-padded); its routers see
         ``length / sp_size`` positions of every row, sequence-first."""
-        if routing is None:
-            for _, rp in self.layers:
-                rp.target = None
-            return
         width = self.n_layers * self.top_k
         if routing.dim() != 3 or routing.shape[2] != width:
             raise r3.RoutingReplayError(f"{r3.KEY} has {tuple(routing.shape[2:])} ids per token; this "
