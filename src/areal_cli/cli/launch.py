@@ -166,7 +166,12 @@ def finish_report(run_dir: str, wall_s: float) -> dict[str, Any]:
     console = Console(stderr=True)
     console.print(summary_table(summary))
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
-    if before is not None and after is not None:
+    warm = summary.get("accuracy_warm_start")
+    if before is not None and after is not None and warm is not None:
+        console.print(f"held-out accuracy: before {before:.1%} → SFT warm start {warm:.1%} → after RL {after:.1%} "
+                      f"({(after - before) * 100:+.1f} points, RL {(after - warm) * 100:+.1f}) "
+                      f"in {wall_s / 60:.1f} min")
+    elif before is not None and after is not None:
         console.print(f"held-out accuracy: before {before:.1%} → after {after:.1%} "
                       f"({(after - before) * 100:+.1f} points) in {wall_s / 60:.1f} min")
     return summary

@@ -149,12 +149,21 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     if evals:
         out["accuracy_before"] = evals[0].get("eval/pass@1")
         out["accuracy_after"] = evals[-1].get("eval/pass@1")
+        warm = [r for r in evals if r.get("phase") == "sft"]
+        if warm and warm[-1].get("eval/pass@1") is not None and out["accuracy_after"] is not None:
+            out["accuracy_warm_start"] = warm[-1]["eval/pass@1"]
+            out["rl_gain"] = out["accuracy_after"] - out["accuracy_warm_start"]
         for k in evals[-1]:
             if k.startswith("eval/pass@") and k != "eval/pass@1":
                 out[k.split("/", 1)[1] + "_after"] = evals[-1][k]
     if train:
         out["reward_first"] = train[0].get("reward/mean")
         out["reward_last"] = train[-1].get("reward/mean")
+        rewards = [r["reward/mean"] for r in train if isinstance(r.get("reward/mean"), (int, float))]
+        if rewards:
+            w = smoothing_window(len(rewards))
+            out["reward_smoothed_first"] = sum(rewards[:w]) / w
+            out["reward_smoothed_last"] = sum(rewards[-w:]) / w
         for key in ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s",
                     "staleness/mean", "perf/samples_per_s"):
             vals = [r[key] for r in train if isinstance(r.get(key), (int, float))]
@@ -183,6 +192,23 @@ def summary_table(summary: dict[str, Any]) -> Any:
     return t
 
 
+def smoothing_window(n: int) -> int:
+    """Steps per point of the smoothed reward: a tenth of the run (a single step's reward is the mean of
+    batch_size x group_size samples of a coin with p near 0.5, so it jumps by +-0.1 from step to step)."""
+    return max(1, min(n, round(n / 10)))
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at each position (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
 def plot_learning_curve(run_dir: str | os.PathLike, out_name: str = "learning_curve.png") -> str | None:
     """Reward per step and held-out accuracy per eval, one PNG in the run dir. None if no data."""
     recs = read_metrics(run_dir)
@@ -202,15 +228,23 @@ def plot_learning_curve(run_dir: str | os.PathLike, out_name: str = "learning_cu
     if not train and not evals:
         ax.set_axis_off()
     if train:
-        ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward", color="C0")
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], "o-", label="held-out pass@1",
+        steps, rewards = [r["step"] for r in train], [r["reward/mean"] for r in train]
+        w = smoothing_window(len(rewards))
+        ax.plot(steps, rewards, label="train reward", color="C0", alpha=0.3 if w > 1 else 1.0, linewidth=1)
+        if w > 1:
+            ax.plot(steps, trailing_mean(rewards, w), label=f"train reward, mean of last {w} steps", color="C0",
+                    linewidth=2.5)
+    # The base model's evaluation (before an SFT warm start) shares step 0 with the warm start's: the RL
+    # curve starts from the weights RL starts from.
+    rl_evals = [r for r in evals if r.get("phase") != "base"] or evals
+    if rl_evals:
+        ax.plot([r["step"] for r in rl_evals], [r["eval/pass@1"] for r in rl_evals], "o-", label="held-out pass@1",
                 color="C1")
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("GRPO learning curve")
     ax.grid(alpha=0.3)
-    if train or evals:
+    if train or rl_evals:
         ax.legend(loc="lower right")
     if sft:
         ax2 = axes[0][1]

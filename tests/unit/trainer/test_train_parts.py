@@ -139,6 +139,26 @@ def test_metrics_truncate_and_report(tmp_path):
     assert png and os.path.getsize(png) > 1000
 
 
+def test_summary_separates_the_warm_start_and_smooths_the_reward(tmp_path):
+    from types import SimpleNamespace
+
+    from areal_cli.cli.report import summarize, trailing_mean
+    from areal_cli.trainer.stats import StatsLogger
+
+    log = StatsLogger(str(tmp_path), SimpleNamespace(tensorboard=False, wandb=False))
+    log.log("eval", 0, {"eval/pass@1": 0.0, "phase": "base"})
+    log.log("eval", 0, {"eval/pass@1": 0.5, "phase": "sft"})
+    rewards = [0.3, 0.7] * 10 + [0.6, 1.0] * 10  # noisy, +0.3 on average in the second half
+    for s, r in enumerate(rewards, start=1):
+        log.log("train", s, {"reward/mean": r})
+    log.log("eval", 40, {"eval/pass@1": 0.8, "phase": "rl"})
+    log.close()
+    summ = summarize(tmp_path)
+    assert summ["accuracy_warm_start"] == 0.5 and summ["rl_gain"] == pytest.approx(0.3)
+    assert summ["reward_smoothed_first"] == pytest.approx(0.5) and summ["reward_smoothed_last"] == pytest.approx(0.8)
+    assert trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
 def test_config_roundtrip(tmp_path):
     from areal_cli.config.compose import load_config
     from areal_cli.errors import ConfigError
