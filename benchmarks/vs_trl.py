@@ -181,9 +181,16 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=None,
                     help="held-out accuracy to reach (default: warm start + 10 points)")
     ap.add_argument("--warm", default=None, help="warm-start HF dir (default: run the embedded SFT warm start)")
-    ap.add_argument("--big-steps", type=int, default=10,
-                    help="steps of the throughput-only comparison on a ~10M-param model (0: skip)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the three runs")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the three runs (0: skip)")
+    ap.add_argument("--big-rounds", type=int, default=3,
+                    help="interleaved rounds of the realistic row on the ~11.9M-param model (0: skip it)")
+    ap.add_argument("--big-steps", type=int, default=20, help="RL steps per run of the realistic row")
+    ap.add_argument("--big-new-tokens", type=int, default=64)
+    ap.add_argument("--big-ckpt-every", type=int, default=10)
+    ap.add_argument("--big-warm", default=None, help="warm-started HF dir of the big model (default: make one)")
+    ap.add_argument("--big-warm-steps", type=int, default=300, help="SFT steps of the big model's warm start")
+    ap.add_argument("--big-target", type=float, default=None,
+                    help="held-out accuracy the realistic row must reach (default: its warm start + 5 points)")
     ap.add_argument("--fileroot", default=None)
     ap.add_argument("--seeds", type=int, nargs="*", default=None,
                     help="a seed study: one round per seed (areal's run seed over fixed data, TRL's seed), "
@@ -209,51 +216,86 @@ def main() -> None:
     if args.seeds:
         return seed_study(root, warm, args, train_items, test_items, cfg.seed)
     # Rounds interleave the three systems, so a drift in the machine's speed hits all of them alike;
-    # accuracy is read from round 1's checkpoints, throughput ratios are reported per round.
-    rounds = [compare(root, f"tiny_r{i}", [f"model.path={warm}"], warm, args, args.steps, args.ckpt_every,
-                      train_items) for i in range(args.rounds)]
-    report(rounds[0], warm, test_items, args)
-    if args.rounds > 1:
-        print_rounds(rounds)
-    if args.big_steps > 0:
-        from areal_cli.models.tiny import model_param_count
-        from areal_cli.trainer.build import resolve_model_path
-
-        big_dir = resolve_model_path(cfg)
-        n = model_param_count(big_dir) / 1e6
-        print(f"\n[bench] throughput on a {n:.1f}M-param model (random init, {args.big_steps} steps)", flush=True)
-        big = compare(root, "big", list(BIG), big_dir, args, args.big_steps, args.big_steps, train_items)
-        print_throughput(big, f"{n:.1f}M params, random init")
+    # throughput ratios and time to target are reported per round and as medians.
+    if args.rounds > 0:
+        rounds = [compare(root, f"tiny_r{i}", [f"model.path={warm}"], warm, args, args.steps, args.ckpt_every,
+                          train_items) for i in range(args.rounds)]
+        report(rounds, warm, test_items, args, "warm-started tiny model", gain=0.10)
+        if args.rounds > 1:
+            print_rounds(rounds)
+    if args.big_rounds > 0:
+        realistic_row(root, args, train_items, test_items)
 
 
-# The throughput-only comparison's model: the size of benchmarks/inference_throughput.py's.
+# The realistic row's model: the size of benchmarks/inference_throughput.py's.
 BIG = ("model.path=builtin:tiny", "model.hidden_size=256", "model.num_hidden_layers=12",
        "model.num_attention_heads=8", "model.num_key_value_heads=4", "model.intermediate_size=1024")
 
 
-def report(rows: dict, warm: str, test_items: list[dict], args: argparse.Namespace) -> None:
-    print(f"[bench] evaluating {sum(len(r['checkpoints']) for r in rows.values()) + 1} checkpoints on "
-          f"{len(test_items)} held-out items", flush=True)
-    dirs = [warm] + [p for r in rows.values() for _, p in r["checkpoints"].values()]
+def report(rounds: list[dict], warm: str, test_items: list[dict], args: argparse.Namespace, what: str,
+           gain: float) -> None:
+    """One evaluator over every round's checkpoints; round 1's curves, then per-round time to target
+    (warm start + ``gain`` unless ``--target``) and its median ratio against TRL."""
+    import statistics
+
+    dirs = [warm] + [p for rows in rounds for r in rows.values() for _, p in r["checkpoints"].values()]
+    print(f"[bench] evaluating {len(dirs)} checkpoints on {len(test_items)} held-out items", flush=True)
     acc = evaluate_dirs(dirs, test_items, args.max_new_tokens)
     base = acc[warm]
-    target = args.target if args.target is not None else base + 0.10
-    print(f"\nsame warm start (held-out {base:.1%}), task, prompts per step ({args.batch}), group ({args.group}), "
-          f"max new tokens ({args.max_new_tokens}), steps ({args.steps}); target accuracy {target:.1%}")
-    print(f"{'run':24s} {'samples/s':>10s} {'RL wall s':>10s} {'tok/sample':>11s} {'final acc':>10s} "
-          f"{'t→target s':>11s}  curve (step: acc)")
-    for k, r in rows.items():
-        curve = [(s, acc[p], t) for s, (t, p) in sorted(r["checkpoints"].items())]
-        hit = next((t for _, a, t in curve if a >= target), None)
-        r.update(final_acc=curve[-1][1], time_to_target_s=hit, curve=[(s, a) for s, a, _ in curve])
-        print(f"{k:24s} {r['samples_per_s']:10.2f} {r['rl_wall_s']:10.1f} {r['tokens_per_sample']:11.2f} "
-              f"{r['final_acc']:10.1%} {'-' if hit is None else f'{hit:.0f}':>11s}  "
-              + " ".join(f"{s}:{a:.0%}" for s, a in r["curve"]))
-    a, s, t = print_throughput(rows, "warm-started tiny model")
-    for name, r in (("areal async", a), ("areal sync", s)):
-        if r["time_to_target_s"] and t["time_to_target_s"]:
-            print(f"time to target, TRL / {name}: {t['time_to_target_s'] / r['time_to_target_s']:.2f}x")
-    print(json.dumps({k: {kk: vv for kk, vv in r.items() if kk != "checkpoints"} for k, r in rows.items()}))
+    target = args.target if args.target is not None else base + gain
+    for rows in rounds:
+        for r in rows.values():
+            curve = [(s, acc[p], t) for s, (t, p) in sorted(r["checkpoints"].items())]
+            r.update(final_acc=curve[-1][1], curve=[(s, a) for s, a, _ in curve],
+                     time_to_target_s=next((t for _, a, t in curve if a >= target), None))
+    print(f"\n[{what}] same warm start (held-out {base:.1%}), task, prompts per step ({args.batch}), group "
+          f"({args.group}), max new tokens ({args.max_new_tokens}), steps ({args.steps}); target {target:.1%}")
+    print(f"{'round':>5s} {'run':24s} {'samples/s':>10s} {'tokens/s':>9s} {'RL wall s':>10s} {'tok/sample':>11s} "
+          f"{'final acc':>10s} {'t→target s':>11s}  curve (step: acc)")
+    for i, rows in enumerate(rounds, 1):
+        for k, r in rows.items():
+            hit = r["time_to_target_s"]
+            print(f"{i:5d} {k:24s} {r['samples_per_s']:10.2f} {r['samples_per_s'] * r['tokens_per_sample']:9.1f} "
+                  f"{r['rl_wall_s']:10.1f} {r['tokens_per_sample']:11.2f} {r['final_acc']:10.1%} "
+                  f"{'-' if hit is None else f'{hit:.0f}':>11s}  " + " ".join(f"{s}:{a:.0%}" for s, a in r["curve"]))
+    print_throughput(rounds[0], what)
+    for name in ("areal async (k=2)", "areal sync (k=0)"):
+        ratios = [rows[name]["time_to_target_s"] / rows[TRL]["time_to_target_s"] for rows in rounds
+                  if rows[name]["time_to_target_s"] and rows[TRL]["time_to_target_s"]]
+        missed = len(rounds) - len(ratios)
+        print(f"time to target, {name} / TRL: " + (f"median {statistics.median(ratios):.2f}x over "
+              f"{len(ratios)} rounds (per round: {', '.join(f'{x:.2f}' for x in ratios)}; target <= 0.5x)"
+              if ratios else "no round where both reached the target")
+              + (f"; {missed} round(s) where one of the two missed it" if missed and ratios else ""))
+    print(json.dumps([{k: {kk: vv for kk, vv in r.items() if kk != "checkpoints"} for k, r in rows.items()}
+                      for rows in rounds]))
+
+
+TRL = "TRL GRPOTrainer (cpu)"
+
+
+def realistic_row(root: str, args: argparse.Namespace, train_items: list[dict], test_items: list[dict]) -> None:
+    """Issue 23, item 3: the ~11.9M-param model warm-started (so rewards are not all zero), ``--big-new-tokens``
+    new tokens, the three systems side by side in ``--big-rounds`` interleaved rounds."""
+    from areal_cli.models.tiny import model_param_count
+
+    warm = args.big_warm
+    if warm is None:
+        print(f"[bench] warm start of the big model: {args.big_warm_steps} SFT steps", flush=True)
+        run = areal_train(root, "big_warm", [*BIG, "trainer.total_steps=0", "trainer.eval_every=0",
+                                             "dataset.eval_size=8", f"trainer.sft_warmup_steps={args.big_warm_steps}"])
+        warm = str(run / "sft_warmup" / "hf")
+    n = model_param_count(warm) / 1e6
+    bargs = argparse.Namespace(**{**vars(args), "max_new_tokens": args.big_new_tokens, "steps": args.big_steps,
+                                  "ckpt_every": args.big_ckpt_every, "target": args.big_target})
+    print(f"\n[bench] realistic row: {n:.1f}M params, warm-started, {args.big_new_tokens} new tokens, "
+          f"{args.big_steps} steps, {args.big_rounds} rounds", flush=True)
+    rounds = [compare(root, f"big_r{i}", [f"model.path={warm}"], warm, bargs, args.big_steps, args.big_ckpt_every,
+                      train_items) for i in range(args.big_rounds)]
+    report(rounds, warm, test_items, bargs, f"{n:.1f}M params, warm-started, {args.big_new_tokens} new tokens",
+           gain=0.05)
+    if len(rounds) > 1:
+        print_rounds(rounds)
 
 
 def seed_study(root: str, warm: str, args: argparse.Namespace, train_items: list[dict],

@@ -167,7 +167,7 @@ def finish_report(run_dir: str, wall_s: float) -> dict[str, Any]:
     console.print(summary_table(summary))
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
     warm = summary.get("accuracy_warm_start")
-    if before is not None and after is not None and warm is not None:
+    if before is not None and after is not None and warm is not None and summary.get("steps"):
         console.print(f"held-out accuracy: before {before:.1%} → SFT warm start {warm:.1%} → after RL {after:.1%} "
                       f"({(after - before) * 100:+.1f} points, RL {(after - warm) * 100:+.1f}) "
                       f"in {wall_s / 60:.1f} min")
