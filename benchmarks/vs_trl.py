@@ -96,7 +96,7 @@ def trl_run(model_dir: str, args: argparse.Namespace, train_items: list[dict], o
                      learning_rate=args.lr, lr_scheduler_type="constant", max_steps=args.steps, beta=0.0,
                      temperature=1.0, top_p=1.0, top_k=0, logging_steps=1, report_to="none", save_strategy="no",
                      seed=getattr(args, "trl_seed", 1), disable_tqdm=True, num_iterations=1,
-                     gradient_accumulation_steps=1, dataloader_num_workers=0, bf16=False, max_grad_norm=1.0, weight_decay=0.0)
+                     gradient_accumulation_steps=1, dataloader_num_workers=0, bf16=args.bf16, max_grad_norm=1.0, weight_decay=0.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     clock = {"t0": None, "paused": 0.0, "ckpts": {}}
 
@@ -151,7 +151,8 @@ def evaluate_dirs(dirs: list[str], items: list[dict], max_new_tokens: int) -> di
 def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: argparse.Namespace,
             steps: int, ckpt_every: int, train_items: list[dict]) -> dict:
     """The three systems on one model; returns their rows."""
-    common = [*model_args, *args.areal_args, f"algo.batch_size={args.batch}",
+    precision = ["engine.mixed_precision=true"] if args.bf16 else []
+    common = [*model_args, *precision, *args.areal_args, f"algo.batch_size={args.batch}",
               f"rollout.group_size={args.group}", f"rollout.gconfig.max_new_tokens={args.max_new_tokens}",
               f"algo.optim.lr={args.lr}", "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0", "algo.kl_coef=0",
               f"trainer.total_steps={steps}", "trainer.eval_every=0", "dataset.eval_size=8",
@@ -195,6 +196,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="*", default=None,
                     help="a seed study: one round per seed (areal's run seed over fixed data, TRL's seed), "
                          "held-out accuracy per system and step as mean and range over the seeds")
+    ap.add_argument("--bf16", action="store_true",
+                    help="train in bf16 autocast over fp32 weights on both sides (areal engine.mixed_precision=true, "
+                         "TRL bf16=True); generation stays fp32 in areal's server")
     ap.add_argument("--areal-args", nargs="*", default=[],
                     help="extra overrides for both areal runs, e.g. algo.loss_agg=token-mean")
     args = ap.parse_args()

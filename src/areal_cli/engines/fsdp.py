@@ -86,10 +86,14 @@ class FSDPEngine(TrainEngine):
         mp = self.cfg.mixed_precision and dtype == torch.float32
         # One rank (dp x cp == 1) has nothing to shard: as torchtitan, leave the module plain. FSDP's
         # hooks and DTensor dispatch cost ~15% of a step of the embedded default for no effect.
-        # Mixed precision still goes through FSDP's policy, so it keeps the wrapper.
-        if self._meshes.fsdp_mesh.size() > 1 or mp:
+        # Mixed precision on one rank is autocast around the forward: the fp32 weights stay the module's
+        # and its matmuls run in bf16 (AMX on CPU: 1.06 TFLOP/s against fp32's 0.16 for a [1000, 256] x
+        # [256, 1024] matmul on one core here), while FSDP's policy would cast every parameter every step.
+        if self._meshes.fsdp_mesh.size() > 1:
             par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=torch.bfloat16 if mp else None,
                            reduce_dtype=torch.float32 if mp else None)
+        elif mp:
+            model.forward = torch.autocast(self.device.type, dtype=torch.bfloat16)(model.forward)
         self.model = model
         self._build_optimizer(model.parameters())
         self.hf_config = model.config

@@ -13,6 +13,8 @@ explicit mask, which makes sp=1 and sp>1 runs numerically comparable.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 import torch
@@ -184,11 +186,19 @@ def ulysses_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     mask = attention_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask >= 0  # additive float mask: 0 keeps, -inf hides
-    if mask is None and _STATE["varlen"] is not None and dropout == 0.0:
-        out = varlen_sdpa(query, key, value, _STATE["varlen"], scaling)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None)
+    dtype = query.dtype
+    # Under CPU autocast (engine.mixed_precision on one rank) the projections run in bf16, but the CPU
+    # flash-attention backward is 2.5x slower in bf16 than in fp32 at these shapes: attend in fp32.
+    fp32_attn = query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu", enabled=False) if fp32_attn else contextlib.nullcontext():
+        if fp32_attn:
+            query, key, value = query.float(), key.float(), value.float()
+        if mask is None and _STATE["varlen"] is not None and dropout == 0.0:
+            out = varlen_sdpa(query, key, value, _STATE["varlen"], scaling)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None)
+    out = out.to(dtype)
     if world > 1:
         out = all_to_all(out, 2, 1, group)
     return out.transpose(1, 2).contiguous(), None
