@@ -38,9 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stock-attention", action="store_true",
                    help="keep HF's attention implementation (default: GQA-native SDPA, see server/attention.py)")
     p.add_argument("--decode-attention", default="auto", choices=["auto", "kernel", "torch"],
-                   help="fast path's decode attention: a fused C kernel built with the system compiler, or "
-                        "torch ops; auto = the kernel for fp32 on CPU with one thread when it builds "
-                        "(see server/decode_kernel.py)")
+                   help="fast path's attention, RMSNorm and SiLU: fused C kernels built with the system "
+                        "compiler, or torch ops; auto = the kernels for fp32 on CPU with one thread when they "
+                        "build (see server/decode_kernel.py)")
     p.add_argument("--generate-endpoint", default="asgi", choices=["asgi", "fastapi"],
                    help="serve /generate from a plain ASGI handler (asgi) or the FastAPI route (fastapi)")
     p.add_argument("--max-lora-rank", type=int, default=256,

@@ -40,17 +40,19 @@ def _kernel_or_skip() -> None:
         pytest.skip(f"fused decode kernel unavailable: {reason}")
 
 
-@pytest.mark.parametrize("attention", ["torch", "kernel", "torch-flash-prefill"])
+@pytest.mark.parametrize("attention", ["torch", "kernel", "torch-flash-prefill", "kernel-torch-prefill"])
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_fast_runner_matches_hf_forward(kind, attention):
     model = _model(kind)
     assert unsupported_reason(model) is None
-    if attention == "kernel":
+    if attention.startswith("kernel"):
         _kernel_or_skip()
     runner = FastRunner(model, torch.device("cpu"), attention=attention.split("-")[0])
     assert runner.attention == attention.split("-")[0]
     if attention == "torch-flash-prefill":  # prefill attention through SDPA's flash kernel (long prompts)
         runner.MATMUL_ATTENTION_MAX = 0
+    if attention == "kernel-torch-prefill":  # long prompts: torch prefill into the slabs the kernel decodes
+        runner.KERNEL_PREFILL_MAX_LEN = 0
     rng = random.Random(1)
     seqs = [[rng.randrange(1, 97) for _ in range(rng.randint(1, 30))] for _ in range(5)]
     logits = runner.prefill(seqs[:3])  # rows join in two cohorts, the second while the first decodes

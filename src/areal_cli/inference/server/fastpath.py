@@ -9,12 +9,16 @@ building, and a few hundred small ops per step. This runner keeps the same weigh
 - fused QKV and gate/up projections with weights stored pre-transposed (``mm(x, w_t)``), the softmax
   scale folded into the query projection (fp32);
 - a preallocated K/V slab per layer: row ``i`` holds its tokens at ``0..len_i-1`` (padding after them),
-  a decode step writes one column per row in place; K is kept transposed for the score matmul;
-- one-token attention in a fused C kernel (:mod:`~areal_cli.inference.server.decode_kernel`: K/V write,
-  scores over each row's own columns, softmax, PV in one pass) when it can be built, else as two
-  batched matmuls with queries grouped per KV head (no K/V copies);
-- prefill of newly admitted requests packed without padding for the linear layers (they see only real
-  tokens); attention is one batched causal attention per layer over the right-padded batch.
+  a decode step writes one column per row in place;
+- with the C kernels (:mod:`~areal_cli.inference.server.decode_kernel`; fp32 on CPU, one thread, head
+  size a multiple of 16) a forward is, per layer, four GEMMs writing into preallocated buffers (the
+  residual projections accumulate into the hidden state in place) and three kernel calls: RMSNorm,
+  attention (q/k norm, RoPE, K/V write, scores over each row's own columns, softmax, PV in one pass
+  per (row, KV head)), and ``silu(gate) * up``. Prefill runs the same forward on the admitted prompts'
+  tokens packed without padding (each token attends to its row's prefix, written just before it);
+- without them, torch ops: decode attention as two batched matmuls with queries grouped per KV head
+  (no K/V copies); prefill packed for the linear layers, attention one batched causal attention per
+  layer over the right-padded batch.
 
 Weights are re-fused whenever any model parameter was modified in place (``_version`` counters), so
 weight updates (which ``copy_`` into the parameters between steps) take effect at the next step.
@@ -29,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from areal_cli.inference.server import decode_kernel, lora
-from areal_cli.inference.server.decode_kernel import decode_attention
 
 log = logging.getLogger("areal_cli.hf_server")
 
@@ -73,6 +76,12 @@ class _Linear:
             return torch.mm(x, self.wt)
         return torch.addmm(self.b, x, self.wt)
 
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``linear(x)`` written into ``out``."""
+        if self.b is None:
+            return torch.mm(x, self.wt, out=out)
+        return torch.addmm(self.b, x, self.wt, out=out)
+
     def residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``h + linear(x)`` in one GEMM call (bias-free projections only)."""
         return torch.addmm(h, x, self.wt)
@@ -96,11 +105,16 @@ class FastRunner:
 
     # Prefill score elements (32 MiB fp32) up to which attention runs as two matmuls (else flash SDPA).
     MATMUL_ATTENTION_MAX = 1 << 23
+    # Longest prompt a prefill runs through the C kernels. Their attention handles a prompt token by
+    # token (a matrix-vector product per token and head): faster than padding, masks and batched
+    # matmuls for short prompts (64 prompts of 8-48 tokens: 340 vs 440 ms), slower past ~700 tokens
+    # (one 1536-token prompt: 835 vs 502 ms; 4000: 2.9x), where the torch ops' GEMMs win.
+    KERNEL_PREFILL_MAX_LEN = 512
 
     def __init__(self, model, device: torch.device, attention: str = "auto"):
-        """``attention``: the decode attention — ``"kernel"`` (the fused C kernel of
-        :mod:`~areal_cli.inference.server.decode_kernel`; error if it cannot run), ``"torch"`` (torch
-        ops), or ``"auto"`` (the kernel when it builds and applies: fp32 on CPU, one intra-op thread)."""
+        """``attention``: ``"kernel"`` (the C kernels of :mod:`~areal_cli.inference.server.decode_kernel`
+        for attention, RMSNorm and SiLU; error if they cannot run), ``"torch"`` (torch ops), or ``"auto"``
+        (the kernels when they build and apply: fp32 on CPU, one intra-op thread, head size % 16 == 0)."""
         cfg = model.config
         base = model.model
         a0 = base.layers[0].self_attn
@@ -109,6 +123,7 @@ class FastRunner:
         self.head_dim, self.scaling = a0.head_dim, float(a0.scaling)
         self.eps = float(cfg.rms_norm_eps)
         self.inter = base.layers[0].mlp.gate_proj.weight.shape[0]
+        self.hidden = cfg.hidden_size
         self.dtype = next(model.parameters()).dtype
         self.fold_scale = self.dtype == torch.float32
         self._params = list(model.parameters())
@@ -121,13 +136,15 @@ class FastRunner:
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self.lens: list[int] = []
+        self._bufs: dict[str, torch.Tensor] = {}  # the fused decode step's activations (see _buffers)
 
     def _pick_kernel(self, attention: str, device: torch.device):
         if attention not in ("auto", "kernel", "torch"):
             raise ValueError(f"attention must be auto, kernel or torch, got {attention!r}")
         if attention == "torch":
             return None
-        reason = decode_kernel.usable(self.dtype, device, check_threads=attention == "auto")
+        reason = decode_kernel.usable(self.dtype, device, check_threads=attention == "auto",
+                                      head_dim=self.head_dim)
         if reason is None:
             return decode_kernel.load()[0]
         if attention == "kernel":
@@ -190,21 +207,21 @@ class FastRunner:
     def _ensure(self, rows: int, length: int) -> None:
         """Grow the slabs (doubling) to hold ``rows`` rows of ``length`` tokens.
 
-        K is stored transposed (``[rows, kv_heads, D, capacity]``) so the score matmul reads it without a
-        copy; V is ``[rows, kv_heads, capacity, D]``.
+        K and V are ``[rows, kv_heads, capacity, D]``: a (row, head)'s cached tokens are one contiguous
+        run, which the decode kernel streams (the capacity is a multiple of 16, its vector width).
         """
         cap_r = self._v[0].shape[0] if self._v else 0
         cap_l = self._v[0].shape[2] if self._v else 0
         if rows <= cap_r and length <= cap_l:
             return
         new_r = cap_r if rows <= cap_r else max(rows, 2 * cap_r, 8)
-        new_l = cap_l if length <= cap_l else max(length, 2 * cap_l, 64)
+        new_l = cap_l if length <= cap_l else -(-max(length, 2 * cap_l, 64) // 16) * 16  # the kernel's unit
         n, used = self.rows, max(self.lens, default=0)
         for li in range(len(self.layers)):
-            k = torch.zeros((new_r, self.n_kv, self.head_dim, new_l), dtype=self.dtype, device=self.device)
+            k = torch.zeros((new_r, self.n_kv, new_l, self.head_dim), dtype=self.dtype, device=self.device)
             v = torch.zeros((new_r, self.n_kv, new_l, self.head_dim), dtype=self.dtype, device=self.device)
             if li < len(self._k):
-                k[:n, :, :, :used] = self._k[li][:n, :, :, :used]
+                k[:n, :, :used] = self._k[li][:n, :, :used]
                 v[:n, :, :used] = self._v[li][:n, :, :used]
                 self._k[li], self._v[li] = k, v
             else:
@@ -220,7 +237,7 @@ class FastRunner:
         used = max(self.lens[i] for i in idx) if idx else 0
         it = torch.tensor(idx, dtype=torch.long, device=self.device)
         for k, v in zip(self._k, self._v):
-            k[: len(idx), :, :, :used] = k[it, :, :, :used]
+            k[: len(idx), :, :used] = k[it, :, :used]
             v[: len(idx), :, :used] = v[it, :, :used]
         self.lens = [self.lens[i] for i in idx]
 
@@ -232,7 +249,7 @@ class FastRunner:
         self._ensure(r0 + n, max(width, max(self.lens, default=0)) + 1)
         it = torch.tensor(src, dtype=torch.long, device=self.device)
         for k, v in zip(self._k, self._v):
-            k[r0:r0 + n, :, :, :width] = k[it, :, :, :width]
+            k[r0:r0 + n, :, :width] = k[it, :, :width]
             v[r0:r0 + n, :, :width] = v[it, :, :width]
         self.lens.extend(lengths)
 
@@ -241,6 +258,8 @@ class FastRunner:
 
     # ------------------------------------------------------------------ math
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and x.dim() == 2 and x.stride(1) == 1:
+            return self._kernel.rms_norm(x, w, self.eps, torch.empty_like(x))
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()  # HF's RMSNorm: statistics in fp32, cast back before the weight
@@ -271,7 +290,10 @@ class FastRunner:
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         x = self._rms(h, layer.ln2)
         gu = self._lora(layer, "gate_up", x, layer.gate_up(x))
-        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter:]
+        if self._kernel is not None:
+            act = self._kernel.silu_mul(gu, gu.new_empty((gu.shape[0], self.inter)))
+        else:
+            act = F.silu(gu[:, : self.inter]) * gu[:, self.inter:]
         return self._lora(layer, "down", act, layer.down.residual(h, act))
 
     def _lora(self, layer: _Layer, key: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -299,13 +321,26 @@ class FastRunner:
         self._ensure(r0 + n, max(width, max(self.lens, default=0)) + 1)
         dev = self.device
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-        pos = torch.cat([torch.arange(m, device=dev) for m in lens])
+        pos = torch.tensor([j for m in lens for j in range(m)], dtype=torch.long, device=dev)
+        self._groups = lora.row_groups(self.row_adapters[:n], lens, dev)
+        if self._kernel is not None and width <= self.KERNEL_PREFILL_MAX_LEN:  # packed; causal per row
+            rows = torch.tensor([r0 + i for i, m in enumerate(lens) for _ in range(m)], dtype=torch.long,
+                                device=dev)
+            h = self._forward_fused(ids, rows, pos, self._buffers(len(pos), keep=False))
+        else:
+            h = self._prefill_torch(ids, pos, lens, r0)
+        self.lens.extend(lens)
+        last = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) - 1
+        return self._logits(h.index_select(0, last))
+
+    def _prefill_torch(self, ids: torch.Tensor, pos: torch.Tensor, lens: list[int], r0: int) -> torch.Tensor:
+        """Prefill with torch ops: attention over the right-padded batch, everything else packed."""
+        dev, n, width = self.device, len(lens), max(lens)
         # Packed token i of request r sits at row r*width + j of the right-padded [n, width] batch. Right
         # padding needs no mask under causal attention: a real query only sees earlier, real keys.
         slot = None if n == 1 else (torch.arange(n, device=dev) * width).repeat_interleave(
             torch.tensor(lens, device=dev)) + pos
         h = F.embedding(ids, self.embed)
-        self._groups = lora.row_groups(self.row_adapters[:n], lens, dev)
         cos, sin = self._rope_tables(h, pos)
         causal = None  # additive mask for the matmul path; None → SDPA's flash kernel (long prompts)
         if n * self.n_heads * width * width <= self.MATMUL_ATTENTION_MAX:
@@ -313,15 +348,13 @@ class FastRunner:
         for li, layer in enumerate(self.layers):
             q, k, v = (self._padded(x, slot, n, width)  # [n, heads, width, D]
                        for x in self._qkv(layer, self._rms(h, layer.ln1), cos, sin))
-            self._k[li][r0:r0 + n, :, :, :width] = k.transpose(2, 3)
+            self._k[li][r0:r0 + n, :, :width] = k
             self._v[li][r0:r0 + n, :, :width] = v
             o = self._causal_attention(q, k, v, causal).transpose(1, 2).reshape(n * width, -1)
             o = o if slot is None else o.index_select(0, slot)
             h = self._lora(layer, "o", o, layer.o.residual(h, o))
             h = self._mlp(layer, h)
-        self.lens.extend(lens)
-        last = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) - 1
-        return self._logits(h.index_select(0, last))
+        return h
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           causal: torch.Tensor | None) -> torch.Tensor:
@@ -359,26 +392,74 @@ class FastRunner:
         self._ensure(b, length)
         dev = self.device
         pos = torch.tensor(self.lens, dtype=torch.long, device=dev)
-        h = F.embedding(torch.tensor(tokens, dtype=torch.long, device=dev), self.embed)
+        ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         self._groups = lora.row_groups(self.row_adapters[:b], None, dev)
-        cos, sin = self._rope_tables(h, pos)
-        kernel, mask = self._kernel, None
-        if kernel is not None:
-            out = torch.empty((b, self.n_heads * self.head_dim), dtype=self.dtype, device=dev)
-            scratch = torch.empty(length, dtype=torch.float32, device=dev)
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms(h, layer.ln1), cos, sin)
-            if kernel is not None and _heads_contiguous(q, k, v):
-                decode_attention(kernel, q, k, v, self._k[li], self._v[li], pos, out, scratch)
-                attn = out  # consumed by the o_proj GEMM below before the next layer overwrites it
-            else:
-                if mask is None:
-                    mask = self._decode_mask(pos, length)
-                attn = self._attend_torch(li, q, k, v, pos, mask, length)
-            h = self._lora(layer, "o", attn, layer.o.residual(h, attn))
-            h = self._mlp(layer, h)
+        if self._kernel is not None:
+            h = self._forward_fused(ids, None, pos, self._buffers(b))
+        else:
+            h = self._decode_torch(ids, pos, length)
         self.lens = [n + 1 for n in self.lens]
         return self._logits(h)
+
+    def _buffers(self, b: int, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The fused forward's activations for ``b`` tokens: views of buffers kept across decode steps
+        (grown by doubling), so a step allocates almost nothing and every GEMM writes with ``out=``.
+        ``keep=False`` (a prefill's packed prompts): fresh buffers, freed after the call."""
+        qkv_w = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        widths = {"h": self.hidden, "x": self.hidden, "qkv": qkv_w, "attn": self.n_heads * self.head_dim,
+                  "gu": 2 * self.inter, "act": self.inter}
+        g = self.n_heads // self.n_kv
+        scratch = g * self._k[0].shape[2] + (g + 1) * self.head_dim
+        if not keep:
+            bufs = {k: torch.empty((b, w), dtype=self.dtype, device=self.device) for k, w in widths.items()}
+            return {**bufs, "scratch": torch.empty(scratch, dtype=torch.float32, device=self.device)}
+        have = self._bufs.get("h")
+        if have is None or have.shape[0] < b:
+            rows = max(b, 2 * have.shape[0] if have is not None else 8)
+            self._bufs = {k: torch.empty((rows, w), dtype=self.dtype, device=self.device)
+                          for k, w in widths.items()}
+            self._bufs["scratch"] = torch.empty(0, dtype=torch.float32, device=self.device)
+        if self._bufs["scratch"].numel() < scratch:
+            self._bufs["scratch"] = torch.empty(scratch, dtype=torch.float32, device=self.device)
+        return {k: (v if k == "scratch" else v[:b]) for k, v in self._bufs.items()}
+
+    def _forward_fused(self, ids: torch.Tensor, rows: torch.Tensor | None, pos: torch.Tensor,
+                       buf: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Tokens ``ids`` at positions ``pos`` of slab rows ``rows`` (None: token i is row i, a decode
+        step) through the model with the C kernels: per layer four GEMMs (the residual ones accumulate
+        into ``h`` in place) and three kernel calls, all into the buffers ``buf``. Returns ``h``."""
+        kern, b = self._kernel, ids.shape[0]
+        h, x, qkv, attn, gu, act = buf["h"], buf["x"], buf["qkv"], buf["attn"], buf["gu"], buf["act"]
+        torch.index_select(self.embed, 0, ids, out=h)
+        cos, sin = self._rope_tables(h, pos)
+        cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
+        for li, layer in enumerate(self.layers):
+            kern.rms_norm(h, layer.ln1, self.eps, x)
+            layer.qkv.into(x, qkv)
+            self._lora(layer, "qkv", x, qkv)
+            kern.attention(qkv, self.n_heads, self.n_kv, cos, sin, layer.q_norm, layer.k_norm, self.eps,
+                           self._k[li], self._v[li], rows, pos, attn, buf["scratch"])
+            h.addmm_(attn, layer.o.wt)
+            self._lora(layer, "o", attn, h)
+            kern.rms_norm(h, layer.ln2, self.eps, x)
+            torch.mm(x, layer.gate_up.wt, out=gu)
+            self._lora(layer, "gate_up", x, gu)
+            kern.silu_mul(gu, act)
+            h.addmm_(act, layer.down.wt)
+            self._lora(layer, "down", act, h)
+        return h
+
+    def _decode_torch(self, ids: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """The decode step with torch ops only (bf16/fp16, CUDA, or ``attention="torch"``)."""
+        h = F.embedding(ids, self.embed)
+        cos, sin = self._rope_tables(h, pos)
+        mask = self._decode_mask(pos, length)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms(h, layer.ln1), cos, sin)
+            attn = self._attend_torch(li, q, k, v, pos, mask, length)
+            h = self._lora(layer, "o", attn, layer.o.residual(h, attn))
+            h = self._mlp(layer, h)
+        return h
 
     def _decode_mask(self, pos: torch.Tensor, length: int) -> torch.Tensor:
         """Additive ``[b, 1, 1, length]`` bias: row i attends to its own columns ``0..lens[i]`` (the new
@@ -393,17 +474,12 @@ class FastRunner:
         b = q.shape[0]
         kc, vc = self._k[li], self._v[li]
         rows = torch.arange(b, device=pos.device)
-        kc[rows, :, :, pos] = k
+        kc[rows, :, pos] = k
         vc[rows, :, pos] = v
         qg = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
-        scores = torch.matmul(qg, kc[:b, :, :, :length])  # [b, kv, groups, length]
+        scores = torch.matmul(qg, kc[:b, :, :length].transpose(2, 3))  # [b, kv, groups, length]
         if scores.dtype != torch.float32:
             scores = scores.float()
         probs = torch.softmax(scores.add_(mask), dim=-1).to(vc.dtype)
         out = torch.matmul(probs, vc[:b, :, :length])  # [b, kv, groups, D]
         return out.reshape(b, self.n_heads * self.head_dim)
-
-
-def _heads_contiguous(*xs: torch.Tensor) -> bool:
-    """The C kernel's input layout: ``[B, heads, D]`` views with contiguous heads (any row stride)."""
-    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in xs)

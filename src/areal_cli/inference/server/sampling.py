@@ -93,6 +93,8 @@ def _sample_hash(probs: torch.Tensor, params: list[SamplingParams], greedy_rows:
     seeded_rows = [i for i, p in enumerate(params) if p.sampling_seed is not None and not greedy_rows[i]]
     if len(seeded_rows) == len(params):
         return inverse_cdf(probs, seeded_uniform([p.sampling_seed for p in params], pos))
+    if not seeded_rows and not any(greedy_rows):  # all rows on the generator: no row gather/scatter
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
     next_ids = torch.zeros(len(params), dtype=torch.long)  # greedy rows are filled in by the caller
     taken = set(seeded_rows)
     free = [i for i in range(len(params)) if i not in taken and not greedy_rows[i]]
