@@ -1,21 +1,62 @@
 #!/usr/bin/env bash
 # Build the offline bundle of the GPU check (docs/gpu_check.md) and report its size.
 #
-#   bash scripts/gpu_bundle.sh [OUT_DIR]        # default dist/gpu_bundle
+#   bash scripts/gpu_bundle.sh [OUT_DIR]     # default dist/gpu_bundle: what the check needs, ~38 MB
+#   GPU_BUNDLE_INCLUDE=matplotlib,tensorboard bash scripts/gpu_bundle.sh   # also these EXPECTED packages
+#   GPU_BUNDLE_FULL=1 bash scripts/gpu_bundle.sh      # every project dependency, EXPECTED ones included
 #   GPU_BUNDLE_EXTRAS=deepspeed,megatron bash scripts/gpu_bundle.sh   # also the optional engines
-#   GPU_BUNDLE_EXCLUDE='numpy|scipy|pyarrow|pandas' bash scripts/gpu_bundle.sh  # the GPU machine has these
+#   GPU_BUNDLE_EXCLUDE='regex|of|names' bash scripts/gpu_bundle.sh    # leave out more: the machine has them
+#   bash scripts/gpu_bundle.sh --print-expected   # the EXPECTED names, one a line (gpu_check.sh reads them)
 #
-# The bundle is the project's wheel (built from the committed HEAD), a wheel of every package it and the
-# test runner (pytest, pytest-timeout) need at the versions installed here, and a tarball of the HEAD tree
-# (tests/, scripts/, benchmarks/: what the check runs). Left out: torch and its CUDA stack (triton,
-# nvidia-*, cuda-*), which the GPU machine already has. The wheels are for this machine's platform and
-# Python (see the report's first line); build it on the same OS/arch/Python minor as the GPU machine.
+# The bundle is the project's wheel (built from the committed HEAD), a wheel of every package that the GPU
+# check imports and that the GPU machine cannot be expected to have, at the versions installed here, and a
+# tarball of the HEAD tree (tests/, scripts/, benchmarks/: what the check runs). The wheels are for this
+# machine's platform and Python (see the report's first line); build it on the same OS/arch/Python minor as
+# the GPU machine. expected.txt in the bundle lists what it leaves to the machine, and who needs each.
+#
+# Left out, so the GPU machine must have them (scripts/gpu_check.sh checks EXPECTED before it runs):
+# - torch, its CUDA stack (triton, nvidia-*, cuda-*) and torch's own dependency closure, read from the
+#   installed torch's metadata (sympy, mpmath, networkx, jinja2, markupsafe, fsspec, filelock,
+#   typing-extensions, setuptools): a CUDA torch is installed with them.
+# - EXPECTED below: heavy native packages that CUDA PyTorch images ship (the walk stops at them, so their
+#   own dependencies are theirs: fonttools, kiwisolver, grpcio, tensorboard-data-server, ...).
+# - LEFT_OUT below: the project's dependencies that the check never imports.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
+
+# The project's dependencies (pyproject.toml) that neither the gpu-marked tests nor the `areal train` runs
+# they start import: each is imported lazily, only on the path named. A fresh venv with torch, EXPECTED and
+# this bundle passes the check (docs/gpu_check.md); grep the imports before adding one here.
+LEFT_OUT=(
+  "datasets              # data/datasets.py, dataset.* file paths; the check uses builtin:arith"
+  "hydra-optuna-sweeper  # sweep/: areal sweep searches only (pulls optuna, sqlalchemy, alembic)"
+  "peft                  # engines/lora.py: LoRA only; the check trains full weights"
+  "submitit              # launchers/slurm.py: the SLURM launcher only"
+  "math-verify           # rewards/math_reward.py: the math reward only; builtin:arith has its own"
+  "openai                # rollout/openai_client.py: agent workflows and the proxy only"
+)
+# Packages that the check imports and that CUDA PyTorch images ship: most of the bundle's weight
+# (docs/gpu_check.md gives the evidence and the sizes). A machine without one fails the preflight of
+# scripts/gpu_check.sh, which names it and the option that bundles it (GPU_BUNDLE_INCLUDE, GPU_BUNDLE_FULL).
+EXPECTED=(
+  "numpy       # transformers, the engines; pytorch/pytorch images (conda) and NGC's PyTorch container"
+  "pillow      # matplotlib, tensorboard; torchvision needs it, and both of those images ship torchvision"
+  "tensorboard # trainer/stats.py SummaryWriter (stats.tensorboard=true); NGC's release notes list it"
+  "matplotlib  # cli/report.py, learning_curve.png after areal train; not in the pytorch/pytorch images"
+)
+names() { local e; for e in "$@"; do echo "${e%%[[:space:]]*}"; done; }
+
+if [ "${1:-}" = "--print-expected" ]; then
+    names "${EXPECTED[@]}"
+    exit 0
+fi
+
 PY="${PYTHON:-python}"
 OUT="${1:-dist/gpu_bundle}"
 EXTRAS="${GPU_BUNDLE_EXTRAS:-}"
+FULL="${GPU_BUNDLE_FULL:-}"
+INCLUDE="${GPU_BUNDLE_INCLUDE:-}"
 rm -rf "$OUT"
 mkdir -p "$OUT/wheels"
 OUT="$(cd "$OUT" && pwd)"
@@ -30,37 +71,99 @@ git archive --format=tar.gz -o "$OUT/areal-cli-src.tar.gz" --prefix=areal-cli/ H
 (cd "$tmp/proj" && "$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$OUT/wheels" .)
 
 # 2. the dependency closure at the installed versions, from the installed metadata
-"$PY" - "$EXTRAS" "${GPU_BUNDLE_EXCLUDE:-}" > "$tmp/reqs.txt" <<'EOF'
+"$PY" - "$EXTRAS" "${GPU_BUNDLE_EXCLUDE:-}" "$FULL" "$INCLUDE" "$(names "${LEFT_OUT[@]}")" \
+    "$(names "${EXPECTED[@]}")" "$tmp/reqs.txt" "$OUT/expected.txt" <<'EOF'
 import re
 import sys
 from importlib import metadata
 
 from packaging.requirements import Requirement
 
-# what the GPU machine's CUDA PyTorch brings, plus what the caller says it already has
-also = f"|{sys.argv[2]}" if sys.argv[2] else ""
-EXCLUDE = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pytorch-triton.*" + also + r")$")
+(extras_arg, exclude_arg, full, include_arg, left_out_arg, expected_arg,
+ reqs_path, expected_path) = sys.argv[1:]
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
-extras = [e for e in sys.argv[1].split(",") if e]
-todo = [("areal-cli", set(extras)), ("pytest", set()), ("pytest-timeout", set())]
-seen: dict[str, str] = {}
+full = full not in ("", "0")
+CUDA = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pytorch-triton.*)$")
+USER_EXCLUDE = re.compile(rf"^({exclude_arg})$") if exclude_arg else None
+LEFT_OUT = set() if full else {norm(n) for n in left_out_arg.split()}
+INCLUDE = {norm(n) for n in include_arg.replace(",", " ").split()}
+EXPECTED = {norm(n) for n in expected_arg.split()}
+unknown = INCLUDE - EXPECTED
+if unknown:
+    sys.exit(f"gpu_bundle: GPU_BUNDLE_INCLUDE names {sorted(unknown)}, which are not expected on the GPU "
+             f"machine (expected: {sorted(EXPECTED)}); the bundle has every other package the check needs")
+if not full:
+    EXPECTED -= INCLUDE
+else:
+    EXPECTED = set()
+
+
+def wanted(r: Requirement, extras: set[str]) -> bool:
+    return not r.marker or any(r.marker.evaluate({"extra": e}) for e in [""] + sorted(extras))
+
+
+# torch's own closure: a CUDA torch is installed with these
+torch_deps: set[str] = set()
+todo = ["torch"]
 while todo:
-    name, want = todo.pop()
+    for r in map(Requirement, metadata.requires(todo.pop()) or []):
+        if wanted(r, set()) and not CUDA.match(norm(r.name)) and norm(r.name) not in torch_deps:
+            torch_deps.add(norm(r.name))
+            todo.append(r.name)
+
+
+def brought_by(key: str) -> str | None:
+    """Why the GPU machine has ``key`` already (None: the bundle must carry it)."""
+    if CUDA.match(key):
+        return "torch"
+    if key in torch_deps:
+        return "torch's dependency"
+    if key in EXPECTED:
+        return "expected"
+    if USER_EXCLUDE and USER_EXCLUDE.match(key):
+        return "GPU_BUNDLE_EXCLUDE"
+    return None
+
+
+direct = {norm(Requirement(r).name) for r in metadata.requires("areal-cli") or []}
+if LEFT_OUT - direct:
+    sys.exit(f"gpu_bundle: LEFT_OUT names {sorted(LEFT_OUT - direct)}, which areal-cli does not depend on: "
+             f"update the list in scripts/gpu_bundle.sh (is areal-cli installed from this tree?)")
+extras = {e for e in extras_arg.split(",") if e}
+queue = [("areal-cli", extras), ("pytest", set()), ("pytest-timeout", set())]
+seen: dict[str, str] = {}
+outside: dict[str, tuple[str, set[str]]] = {}  # left to the GPU machine: why, who needs it
+while queue:
+    name, want = queue.pop()
     dist = metadata.distribution(name)
     key = norm(dist.metadata["Name"])
     if key in seen and not want:
         continue
     seen[key] = dist.version
     for r in map(Requirement, dist.requires or []):
-        env_extras = [""] + sorted(want)
-        if r.marker and not any(r.marker.evaluate({"extra": e}) for e in env_extras):
+        rkey = norm(r.name)
+        if not wanted(r, want) or (key == "areal-cli" and rkey in LEFT_OUT):
             continue
-        if EXCLUDE.match(norm(r.name)) or (norm(r.name) in seen and not r.extras):
+        why = brought_by(rkey)
+        if why:
+            outside.setdefault(rkey, (why, set()))[1].add(key)
             continue
-        todo.append((r.name, set(r.extras)))
-for key, version in sorted(seen.items()):
-    if key != "areal-cli":
-        print(f"{key}=={version}")
+        if rkey in seen and not r.extras:
+            continue
+        queue.append((r.name, set(r.extras)))
+
+with open(reqs_path, "w") as f:
+    for key, version in sorted(seen.items()):
+        if key != "areal-cli":
+            print(f"{key}=={version}", file=f)
+with open(expected_path, "w") as f:
+    print("# Not in this bundle: the GPU machine must have these (the version tested here).", file=f)
+    for key, (why, users) in sorted(outside.items()):
+        try:
+            here = f"=={metadata.version(key)}"
+        except metadata.PackageNotFoundError:
+            here = ""
+        print(f"{key}{here}  # {why}; needed by {', '.join(sorted(users))}", file=f)
 EOF
 # pip wheel takes a registry wheel as it is and builds one from an sdist where none exists
 "$PY" -m pip wheel --quiet --no-deps -w "$OUT/wheels" -r "$tmp/reqs.txt"
@@ -69,10 +172,14 @@ cp "$tmp/reqs.txt" "$OUT/requirements.txt"
 # 3. report
 n=$(ls "$OUT/wheels" | wc -l)
 plat=$("$PY" -c 'import sys, sysconfig; print(sysconfig.get_platform(), "cp%d%d" % sys.version_info[:2])')
-echo "gpu_bundle: $plat," \
-     "extras: ${EXTRAS:-none}, excluded besides torch/CUDA: ${GPU_BUNDLE_EXCLUDE:-none}"
+if [ -n "$FULL" ] && [ "$FULL" != 0 ]; then kind="full (every dependency; expected ones included)"
+else kind="default (what the check imports)${INCLUDE:+, also bundled: $INCLUDE}"; fi
+echo "gpu_bundle: $plat, $kind, extras: ${EXTRAS:-none}, GPU_BUNDLE_EXCLUDE: ${GPU_BUNDLE_EXCLUDE:-none}"
+echo "gpu_bundle: left to the GPU machine besides torch and its dependencies (expected.txt):" \
+     "$(grep -v '^#' "$OUT/expected.txt" | grep -v "# torch" | cut -d' ' -f1 | paste -sd' ')" \
+     "(scripts/gpu_check.sh checks for: $(names "${EXPECTED[@]}" | paste -sd' '))"
 echo "gpu_bundle: largest wheels:"
-ls -S "$OUT/wheels" | head -8 | while read -r w; do
+ls -S "$OUT/wheels" | sed -n 1,8p | while read -r w; do
     printf '    %6s  %s\n' "$(du -h "$OUT/wheels/$w" | cut -f1)" "$w"
 done
 echo "gpu_bundle: $n wheels $(du -sh "$OUT/wheels" | cut -f1)," \
