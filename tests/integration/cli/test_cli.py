@@ -78,7 +78,7 @@ WRONG = [
      "t=3 does not divide model.num_attention_heads=28"),
     (["engine=fsdp", "cluster=gpu_2x8", "allocation_mode=sglang.d4+d2p2"],
      "engine fsdp does not support pipeline parallelism (p2)"),
-    (["cluster=gpu_1x8", "allocation_mode=sglang:d2+fsdp:d3"], "algo.batch_size: 8 prompts"),
+    (["cluster=gpu_1x8", "allocation_mode=sglang:d2+fsdp:d3", "algo.batch_size=8"], "algo.batch_size: 8 prompts"),
     (["allocation_mode=vllm:d2t2|fsdp:d2"], "colocated components need the same number of devices"),
     (["model=llama3_8b", "cluster=gpu_2x8", "allocation_mode=sglang:d2+megatron:d2p3"],
      "p=3 does not divide model.num_hidden_layers=32"),
