@@ -107,7 +107,7 @@ def test_user_example_plan():
 def test_default_plan_is_the_cpu_default():
     p = plan_of()
     assert p.spec == "hf:d1+fsdp:d1" and p.device == "cpu"
-    assert p.train.micro_batch is not None and p.train.micro_batch.sequences == 8 * 8  # cpu_default: 8 prompts x group 8
+    assert p.train.micro_batch is not None and p.train.micro_batch.sequences == 16 * 8  # cpu_default: 16 prompts x group 8
     assert p.warnings == []
 
 
