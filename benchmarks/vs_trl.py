@@ -23,8 +23,9 @@ drift in the machine's speed affects all three alike; the per-round ratios and t
 printed last. Accuracy is evaluated on round 1's checkpoints.
 
 Threads: TRL runs in one process with all cores (``torch.set_num_threads(os.cpu_count())``);
-areal runs its server, its trainer and its rollout worker as one process each, torch at one thread
-(the default layout).
+areal runs its server, its trainer and its rollout worker as one process each, torch at one thread,
+except the trainer's RL steps, which take the cores the servers leave idle (the default layout:
+docs/train.md, "Threads of the train step").
 
     python benchmarks/vs_trl.py                      # the default: 3 rounds of 40 steps, 8 prompts x 8, 16 tokens
     python benchmarks/vs_trl.py --steps 10 --warm DIR   # reuse a warm-start HF dir

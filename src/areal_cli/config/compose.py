@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,10 +121,15 @@ def prepare(overrides: list[str]) -> Prepared:
                 prep.explicit_engine = value.strip()
             out.append(f"{key}={value.strip()}")
             continue
-        resolve_path(ExperimentConfig, key)
+        declared = resolve_path(ExperimentConfig, key)
         if key == "engine.name" and value is not None:
             prep.explicit_engine = value.strip()
         prep.explicit_keys.add(key)
+        if not prefix and value is not None and (declared is Any or typing.get_origin(declared) is dict):
+            # A mapping's keys are the user's own (env vars, kwargs): adding one must not need Hydra's '+',
+            # which the schema's struct mode would otherwise demand with an error about "struct".
+            out.append(f"++{raw.strip()}")
+            continue
         out.append(raw.strip())
     _resolve_engine(prep)
     return prep

@@ -43,7 +43,6 @@ from areal_cli.engines.fsdp import FSDPEngine
 from areal_cli.errors import ConfigError
 
 CHECKPOINT_TAG = "state"
-_EXIT_HOOK = False
 
 
 def import_deepspeed():
@@ -60,17 +59,6 @@ def import_deepspeed():
                           "(scripts/install_test_deps.sh does it with the CPU torch kept)") from None
     # Without this, the first TorchBackend compiles deepspeed_shm_comm with the system compiler (~35 s).
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-    # A process that used DeepSpeed and exits with the default group alive can abort in teardown
-    # ("terminate called without an active exception", SIGABRT; seen in one of several 2-rank runs). The
-    # trainer destroys the group itself; this covers any other caller. Idempotent, and no collective.
-    global _EXIT_HOOK
-    if not _EXIT_HOOK:
-        import atexit
-
-        from areal_cli.utils.dist import destroy_distributed
-
-        atexit.register(destroy_distributed)
-        _EXIT_HOOK = True
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)

@@ -52,6 +52,23 @@ def base_env(device: str) -> dict[str, str]:
     return env
 
 
+def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool) -> dict[str, str]:
+    """On CPU, each trainer rank's share of the node's cores for its RL steps (see StepThreads; the rest
+    of the process keeps ``OMP_NUM_THREADS``), and how long an idle OpenMP worker spins before it sleeps.
+
+    libgomp's default (300k spins) has a worker whose peer lost its core to a busy server burn that
+    core: an async step took 12 s instead of 1.2. Sleeping at once (0 spins) is best for RL steps, but
+    the SFT warm start's small steps lose 30% to waking sleeping workers, and the policy is fixed for the
+    process, so a run with a warm start keeps 20k spins (its speed unchanged, RL gains less).
+    Measured in docs/train.md ("Threads of the train step")."""
+    from areal_cli.utils.concurrency import cores_per_rank
+
+    n = cores_per_rank(nproc_per_node) if device == "cpu" else 1
+    if n <= 1:
+        return {}
+    return {"AREAL_TRAIN_THREADS": str(n), "GOMP_SPINCOUNT": "20000" if sft_warm_start else "0"}
+
+
 def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: str,
                 run_dir: str) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` of one inference server (hf / vllm / sglang)."""
@@ -200,6 +217,8 @@ class NodeRunner:
             self.master_port = find_free_port()
         env = base_env(self.layout.device)
         env.update({"AREAL_RUN_DIR": self.run_dir, "AREAL_NODE_RANK": str(self.node_rank)})
+        env.update(train_thread_env(self.layout.device, t.nproc_per_node,
+                                    int(self.cfg.trainer.sft_warmup_steps) > 0))
         env.update({k: str(v) for k, v in self.cfg.launcher.trainer_env.items()})
         self.trainer = ManagedProcess(
             name="trainer", log_path=str(logs_dir(self.run_dir) / f"trainer_node{self.node_rank}.log"),

@@ -18,6 +18,7 @@ Order inside one step, and why:
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from areal_cli.launchers.base import JobLayout, read_servers, wait_for_servers
 from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
 from areal_cli.trainer.stats import StatsLogger
+from areal_cli.utils.concurrency import StepThreads, torch_threads
 from areal_cli.utils.dist import barrier, broadcast_obj
 from areal_cli.utils.procs import freeze_heap
 from areal_cli.weight_sync.disk_layout import disk_update_meta, load_meta, prune_pushed
@@ -109,6 +111,8 @@ class RLTrainer:
         self.weight_sync_s = 0.0
         self.elapsed_before = 0.0  # wall time of earlier (resumed) segments
         self.t_start = time.time()
+        most = int(os.environ.get("AREAL_TRAIN_THREADS", "1")) if cfg.cluster.device == "cpu" else 1
+        self.threads = StepThreads(most, sync=int(cfg.rollout.max_head_offpolicyness) == 0)
 
     # ------------------------------------------------------------------ setup
     def _servers(self) -> list[dict[str, Any]]:
@@ -437,7 +441,9 @@ class RLTrainer:
         t_gen = time.perf_counter() - t0
         local = scatter_batch(batch, self.cfg.algo.batch_size, self.dp_of_rank)
         t1 = time.perf_counter()
-        train_stats = _ppo_step(actor, self.critic, local)
+        threads = self.threads.n
+        with torch_threads(threads):
+            train_stats = _ppo_step(actor, self.critic, local)
         t_train = time.perf_counter() - t1
         sync_s = self.push_weights(engine, step)
         if self.rollout is not None:
@@ -452,6 +458,8 @@ class RLTrainer:
         rec["perf/gen_wait_s"] = t_gen
         rec["perf/train_s"] = t_train
         rec["perf/weight_sync_s"] = sync_s
+        rec["perf/train_threads"] = float(threads)
+        self.threads.observe(t_gen, step_s)
         rec["weight_sync/disk"] = float(self.last_push_disk)  # 1: this step's push went through disk
         rec["perf/train_tokens_per_s"] = rec.pop("_tokens", 0.0) / max(t_train, 1e-9)
         rec["perf/gen_tokens_per_s"] = rec.pop("_gen_tokens", 0.0) / max(step_s, 1e-9)

@@ -109,10 +109,9 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     stream = PromptStream(train_items, seed=cfg.seed + 17, shuffle=cfg.dataset.shuffle)
     t0 = time.perf_counter()
     # The inference servers idle during the warm start, so this node's trainer ranks may share its cores.
-    from areal_cli.utils.concurrency import torch_threads
+    from areal_cli.utils.concurrency import cores_per_rank, torch_threads
 
-    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    with torch_threads(max(1, (os.cpu_count() or 1) // local_world)):
+    with torch_threads(cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))):
         last = run_sft_steps(engine, stream, tokenizer, steps=tc.sft_warmup_steps,
                              batch_size=tc.sft_batch_size, stats=stats,
                              use_chat_template=cfg.dataset.use_chat_template)

@@ -58,3 +58,36 @@ def torch_threads(n: int):
     finally:
         if prev != n:
             torch.set_num_threads(prev)
+
+
+def cores_per_rank(local_world: int) -> int:
+    """This process's usable cores (its affinity mask), split among the node's ``local_world`` ranks."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world))
+
+
+class StepThreads:
+    """Intra-op threads of a CPU trainer's RL step, on cores it shares with the inference servers.
+
+    ``most`` is the rank's share of the node's cores (the local launcher passes it as
+    ``AREAL_TRAIN_THREADS``; 1 elsewhere, as before). A sync step (``max_head_offpolicyness=0``) trains
+    while the servers idle, so it takes all of them. An async step does too when its batch was already
+    waiting (the servers are ahead and idle for the rest of the step), and stays on one thread after a
+    step that waited for its batch: generation is then the bottleneck, and a second trainer thread
+    would take the server's core. Measured in docs/train.md ("Threads of the train step")."""
+
+    WAIT_FRACTION = 0.1
+
+    def __init__(self, most: int, sync: bool):
+        self.most, self.sync = max(1, int(most)), bool(sync)
+        self.n = self.most if self.sync else 1
+
+    def observe(self, wait_s: float, step_s: float) -> None:
+        """After a step: ``wait_s`` of its ``step_s`` seconds went to waiting for the batch."""
+        if not self.sync and self.most > 1:
+            self.n = self.most if wait_s < self.WAIT_FRACTION * step_s else 1

@@ -8,9 +8,12 @@ code runs as one plain process. torch is imported inside the functions: the CLI 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Any
+
+_EXIT_HOOK = False
 
 
 def default_backend() -> str:
@@ -38,6 +41,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     import torch
     import torch.distributed as dist
 
+    global _EXIT_HOOK
+    if not _EXIT_HOOK:
+        # A process that exits with the group alive can abort in interpreter teardown (gloo's worker
+        # threads still hold work: "terminate called without an active exception", SIGABRT; seen with
+        # DeepSpeed and with archon's all-to-all, pytorch#190489). The trainer destroys the group itself;
+        # this covers every other caller, and a group someone else created. Idempotent, no collective.
+        atexit.register(destroy_distributed)
+        _EXIT_HOOK = True
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = backend or default_backend()

@@ -56,6 +56,17 @@ def test_fast_path_defers_unusual_overrides_to_hydra():
     assert load_config(["+launcher.trainer_env.FOO=1"]).launcher.trainer_env == {"FOO": "1"}
 
 
+@pytest.mark.parametrize("compose", ["fast", "hydra"])
+def test_a_mapping_takes_new_keys_without_a_plus(compose, monkeypatch):
+    """``launcher.trainer_env.K=V`` and ``launcher.trainer_env={K: V}`` add keys as ``+`` does: a mapping's
+    keys are the user's, and Hydra's struct error ("Key 'K' is not in struct") would tell them nothing."""
+    monkeypatch.setenv("AREAL_COMPOSE", compose)
+    assert load_config(["launcher.trainer_env.FOO=1"]).launcher.trainer_env == {"FOO": "1"}
+    cfg = load_config(["launcher.trainer_env={A: '2', B: x}", "launcher.server_env.C=3"])
+    assert cfg.launcher.trainer_env == {"A": "2", "B": "x"} and cfg.launcher.server_env == {"C": "3"}
+    assert load_config(["launcher.trainer_env.FOO=1", "launcher.trainer_env.FOO=2"]).launcher.trainer_env == {"FOO": "2"}
+
+
 def test_parse_value_matches_hydra_grammar():
     assert parse_value("1") == 1 and parse_value("-3") == -3 and parse_value("1e-6") == 1e-6
     assert parse_value("1.5") == 1.5 and parse_value("true") is True and parse_value("NULL") is None

@@ -217,3 +217,53 @@ def test_seeded_engine_assigns_per_request_seeds():
 
     asyncio.run(go())
     assert seen == [1000, 1001, 1002, None, 7] and eng.addresses == ["x"]
+
+
+def test_step_threads_follow_the_bottleneck():
+    """Sync steps take the rank's cores (the servers idle while it trains); async steps take them only
+    after a step whose batch was ready, and one thread after a step that waited for generation."""
+    from areal_cli.utils.concurrency import StepThreads
+
+    sync = StepThreads(2, sync=True)
+    sync.observe(wait_s=1.0, step_s=1.5)
+    assert sync.n == 2
+    a = StepThreads(2, sync=False)
+    assert a.n == 1  # the first batch: the servers are still generating the next ones
+    a.observe(wait_s=0.01, step_s=1.6)
+    assert a.n == 2
+    a.observe(wait_s=0.5, step_s=1.6)
+    assert a.n == 1
+    one = StepThreads(1, sync=False)
+    one.observe(wait_s=0.0, step_s=1.0)
+    assert one.n == 1
+
+
+def test_cpu_trainer_gets_its_share_of_the_cores_and_a_spin_for_its_phases():
+    from areal_cli.launchers.local import train_thread_env
+    from areal_cli.utils.concurrency import cores_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    for warm, spin in ((True, "20000"), (False, "0")):
+        env = train_thread_env("cpu", 1, sft_warm_start=warm)
+        assert env == ({"AREAL_TRAIN_THREADS": str(cores), "GOMP_SPINCOUNT": spin} if cores > 1 else {})
+    assert cores_per_rank(cores) == 1 and cores_per_rank(2 * cores) == 1
+    assert train_thread_env("cuda", 1, sft_warm_start=False) == {}
+
+
+def test_a_process_that_forgets_the_group_still_destroys_it_at_exit():
+    """init_distributed registers the teardown: a process that exits with its gloo group alive can abort in
+    interpreter teardown (SIGABRT, "terminate called without an active exception")."""
+    import subprocess
+
+    script = ("import torch.distributed as dist\n"
+              "from areal_cli.utils.dist import init_distributed\n"
+              "init_distributed('gloo')\n"
+              "real = dist.destroy_process_group\n"
+              "def traced(*a, **k):\n"
+              "    print('destroyed', dist.is_initialized(), flush=True)\n"
+              "    return real(*a, **k)\n"
+              "dist.destroy_process_group = traced\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "destroyed True"
