@@ -111,8 +111,10 @@ class RLTrainer:
         self.weight_sync_s = 0.0
         self.elapsed_before = 0.0  # wall time of earlier (resumed) segments
         self.t_start = time.time()
-        most = int(os.environ.get("AREAL_TRAIN_THREADS", "1")) if cfg.cluster.device == "cpu" else 1
-        self.threads = StepThreads(most, sync=int(cfg.rollout.max_head_offpolicyness) == 0)
+        # CPU, under the node runner: the step's threads follow the bottleneck. Elsewhere (CUDA, Ray's
+        # actors) the process's own thread count stays as it was set.
+        most = os.environ.get("AREAL_TRAIN_THREADS") if cfg.cluster.device == "cpu" else None
+        self.threads = StepThreads(int(most), sync=int(cfg.rollout.max_head_offpolicyness) == 0) if most else None
 
     # ------------------------------------------------------------------ setup
     def _servers(self) -> list[dict[str, Any]]:
@@ -441,7 +443,9 @@ class RLTrainer:
         t_gen = time.perf_counter() - t0
         local = scatter_batch(batch, self.cfg.algo.batch_size, self.dp_of_rank)
         t1 = time.perf_counter()
-        threads = self.threads.n
+        import torch
+
+        threads = self.threads.n if self.threads is not None else torch.get_num_threads()
         with torch_threads(threads):
             train_stats = _ppo_step(actor, self.critic, local)
         t_train = time.perf_counter() - t1
@@ -459,7 +463,8 @@ class RLTrainer:
         rec["perf/train_s"] = t_train
         rec["perf/weight_sync_s"] = sync_s
         rec["perf/train_threads"] = float(threads)
-        self.threads.observe(t_gen, step_s)
+        if self.threads is not None:
+            self.threads.observe(t_gen, step_s)
         rec["weight_sync/disk"] = float(self.last_push_disk)  # 1: this step's push went through disk
         rec["perf/train_tokens_per_s"] = rec.pop("_tokens", 0.0) / max(t_train, 1e-9)
         rec["perf/gen_tokens_per_s"] = rec.pop("_gen_tokens", 0.0) / max(step_s, 1e-9)
