@@ -52,9 +52,11 @@ def base_env(device: str) -> dict[str, str]:
     return env
 
 
-def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool) -> dict[str, str]:
+def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool,
+                     servers_here: bool = True) -> dict[str, str]:
     """On CPU, each trainer rank's share of the node's cores for its RL steps (see StepThreads; the rest
-    of the process keeps ``OMP_NUM_THREADS``), and how long an idle OpenMP worker spins before it sleeps.
+    of the process keeps ``OMP_NUM_THREADS``), whether inference servers share the node, and how long an
+    idle OpenMP worker spins before it sleeps.
 
     libgomp's default (300k spins) has a worker whose peer lost its core to a busy server burn that
     core: an async step took 12 s instead of 1.2. Sleeping at once (0 spins) is best for RL steps, but
@@ -66,7 +68,8 @@ def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool) -> 
     n = cores_per_rank(nproc_per_node) if device == "cpu" else 1
     if n <= 1:
         return {}
-    return {"AREAL_TRAIN_THREADS": str(n), "GOMP_SPINCOUNT": "20000" if sft_warm_start else "0"}
+    return {"AREAL_TRAIN_THREADS": str(n), "AREAL_SERVERS_ON_NODE": "1" if servers_here else "0",
+            "GOMP_SPINCOUNT": "20000" if sft_warm_start else "0"}
 
 
 def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: str,
@@ -218,7 +221,8 @@ class NodeRunner:
         env = base_env(self.layout.device)
         env.update({"AREAL_RUN_DIR": self.run_dir, "AREAL_NODE_RANK": str(self.node_rank)})
         env.update(train_thread_env(self.layout.device, t.nproc_per_node,
-                                    int(self.cfg.trainer.sft_warmup_steps) > 0))
+                                    int(self.cfg.trainer.sft_warmup_steps) > 0,
+                                    servers_here=bool(self.layout.servers_on(self.node_rank))))
         env.update({k: str(v) for k, v in self.cfg.launcher.trainer_env.items()})
         self.trainer = ManagedProcess(
             name="trainer", log_path=str(logs_dir(self.run_dir) / f"trainer_node{self.node_rank}.log"),

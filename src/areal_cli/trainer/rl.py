@@ -114,7 +114,8 @@ class RLTrainer:
         # CPU, under the node runner: the step's threads follow the bottleneck. Elsewhere (CUDA, Ray's
         # actors) the process's own thread count stays as it was set.
         most = os.environ.get("AREAL_TRAIN_THREADS") if cfg.cluster.device == "cpu" else None
-        self.threads = StepThreads(int(most), sync=int(cfg.rollout.max_head_offpolicyness) == 0) if most else None
+        self.threads = StepThreads(int(most), sync=int(cfg.rollout.max_head_offpolicyness) == 0,
+                                   shared=os.environ.get("AREAL_SERVERS_ON_NODE", "1") == "1") if most else None
 
     # ------------------------------------------------------------------ setup
     def _servers(self) -> list[dict[str, Any]]:

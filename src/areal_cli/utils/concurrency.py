@@ -75,16 +75,17 @@ class StepThreads:
     """Intra-op threads of a CPU trainer's RL step, on cores it shares with the inference servers.
 
     ``most`` is the rank's share of the node's cores (the node runner passes it as
-    ``AREAL_TRAIN_THREADS``; without it the trainer keeps the process's thread count). A sync step (``max_head_offpolicyness=0``) trains
-    while the servers idle, so it takes all of them. An async step does too when its batch was already
-    waiting (the servers are ahead and idle for the rest of the step), and stays on one thread after a
-    step that waited for its batch: generation is then the bottleneck, and a second trainer thread
-    would take the server's core. Measured in docs/train.md ("Threads of the train step")."""
+    ``AREAL_TRAIN_THREADS``; without it the trainer keeps the process's thread count). A sync step
+    (``max_head_offpolicyness=0``) trains while the servers idle, so it takes all of them. An async step
+    does too when its batch was already waiting (the servers are ahead and idle for the rest of the
+    step), and stays on one thread after a step that waited for its batch: generation is then the
+    bottleneck, and a second trainer thread would take the server's core. With ``shared=False`` (no
+    server on this node) every step takes them. Measured in docs/train.md ("Threads of the train step")."""
 
     WAIT_FRACTION = 0.1
 
-    def __init__(self, most: int, sync: bool):
-        self.most, self.sync = max(1, int(most)), bool(sync)
+    def __init__(self, most: int, sync: bool, shared: bool = True):
+        self.most, self.sync = max(1, int(most)), bool(sync) or not shared
         self.n = self.most if self.sync else 1
 
     def observe(self, wait_s: float, step_s: float) -> None:

@@ -236,6 +236,9 @@ def test_step_threads_follow_the_bottleneck():
     one = StepThreads(1, sync=False)
     one.observe(wait_s=0.0, step_s=1.0)
     assert one.n == 1
+    remote = StepThreads(2, sync=False, shared=False)  # no server on this node: nothing to leave a core to
+    remote.observe(wait_s=1.0, step_s=1.5)
+    assert remote.n == 2
 
 
 def test_cpu_trainer_gets_its_share_of_the_cores_and_a_spin_for_its_phases():
@@ -245,7 +248,10 @@ def test_cpu_trainer_gets_its_share_of_the_cores_and_a_spin_for_its_phases():
     cores = len(os.sched_getaffinity(0))
     for warm, spin in ((True, "20000"), (False, "0")):
         env = train_thread_env("cpu", 1, sft_warm_start=warm)
-        assert env == ({"AREAL_TRAIN_THREADS": str(cores), "GOMP_SPINCOUNT": spin} if cores > 1 else {})
+        assert env == ({"AREAL_TRAIN_THREADS": str(cores), "AREAL_SERVERS_ON_NODE": "1",
+                        "GOMP_SPINCOUNT": spin} if cores > 1 else {})
+    if cores > 1:
+        assert train_thread_env("cpu", 1, sft_warm_start=False, servers_here=False)["AREAL_SERVERS_ON_NODE"] == "0"
     assert cores_per_rank(cores) == 1 and cores_per_rank(2 * cores) == 1
     assert train_thread_env("cuda", 1, sft_warm_start=False) == {}
 
