@@ -343,3 +343,47 @@ def test_hf_runner_passes_logits_to_keep_only_where_forward_takes_it():
     assert logits.tolist() == [[3.0, 4.0, 5.0]] and cache == "cache"
     with pytest.raises(TypeError, match="a bug inside the model"):
         HFRunner(Broken(), torch.device("cpu"), 0)._forward(ids, ids, ids, None, last_only=True)
+
+
+def test_an_engine_failure_fails_the_request_instead_of_looping(tiny_model_dir):
+    """A decode step that raises finishes its requests as "error", not "abort": clients resubmit aborted
+    requests (a weight-update pause), so a failure that repeats looped (seen on CUDA: 1001 resubmissions
+    before the client gave up). The SGLang-format parser and the OpenAI route fail at once with the cause."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_cli.errors import InferenceError
+    from areal_cli.inference.backends.sglang import parse_generate
+    from areal_cli.inference.server.engine import GenerationEngine, Sequence
+    from areal_cli.inference.server.openai_compat import HTTPError, generate_resumable
+    from areal_cli.inference.server.sampling import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    eng = GenerationEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir), device="cpu", context_length=512)
+
+    def broken(tokens):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    eng.runner.decode = broken
+    done = threading.Semaphore(0)
+    seq = Sequence(rid="0", prompt_ids=[5, 6, 7], on_done=lambda s: done.release(),
+                   params=SamplingParams(max_new_tokens=8, ignore_eos=True))
+    eng.start()
+    try:
+        eng.submit(seq)
+        assert done.acquire(timeout=60)
+        assert eng._thread.is_alive()  # the engine keeps serving
+    finally:
+        eng.shutdown()
+    assert seq.finish["type"] == "error" and "same device" in seq.finish["message"], seq.finish
+    with pytest.raises(InferenceError, match="server failed the request: engine error: RuntimeError"):
+        parse_generate({"output_ids": seq.out_ids, "meta_info": {"finish_reason": seq.finish,
+                                                                  "output_token_logprobs": []}})
+
+    async def run(*_a, **_k):
+        return seq
+
+    with pytest.raises(HTTPError) as e:
+        asyncio.run(generate_resumable(run, [5, 6, 7], seq.params, None))
+    assert e.value.status == 500 and "same device" in str(e.value)

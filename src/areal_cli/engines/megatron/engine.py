@@ -111,6 +111,14 @@ class MegatronEngine(FSDPEngine):
         self._recompute(config)
         self.tconfig = config
         torch.manual_seed(self.seed)
+        if self.device.type == "cuda":
+            # mcore initialises weights on the GPU inside its CUDA RNG tracker's model-parallel state
+            # (tensor_parallel/layers.py _initialize_affine_weight_gpu); without it "cuda rng state
+            # model-parallel-rng is not added" (seen on an H200, docs/gpu_check.md). On CPU the compat
+            # shim's inference tracker stands in.
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(self.seed)
         chunks = mm.build_chunks(arch, config)
         if self.critic:
             for c in chunks:

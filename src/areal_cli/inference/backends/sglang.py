@@ -112,6 +112,8 @@ def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segmen
         kind = fr.get("type") if isinstance(fr, dict) else str(fr)
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise InferenceError(f"malformed SGLang /generate response ({e}): {str(resp)[:300]}") from None
+    if kind == "error":  # the hf server's engine failed this request: resubmitting would fail again
+        raise InferenceError(f"the server failed the request: {fr.get('message') if isinstance(fr, dict) else fr}")
     if kind not in ("stop", "length", "abort"):
         raise InferenceError(f"unexpected finish_reason {fr!r} in SGLang response")
     if len(logprobs) != len(tokens):

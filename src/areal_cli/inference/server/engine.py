@@ -94,7 +94,8 @@ class GenerationEngine:
         self.version = version
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # On the model's device: torch.multinomial needs a generator of its input's device.
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             collections.deque())
@@ -205,7 +206,9 @@ class GenerationEngine:
             except Exception as e:  # never let one bad batch kill the server
                 log.exception("engine step failed")
                 for s in self._running:
-                    s.finish = {"type": "abort", "message": f"engine error: {e}"}
+                    # Not an "abort": clients resubmit aborted requests (a weight-update pause), and a
+                    # failure that repeats would loop (seen on CUDA: 1001 resubmissions). "error" fails them.
+                    s.finish = {"type": "error", "message": f"engine error: {type(e).__name__}: {e}"}
                 self._retire(list(range(len(self._running))))
         for s in self._running + list(self._waiting):
             s.finish = {"type": "abort", "message": "server shutting down"}

@@ -225,6 +225,8 @@ async def generate_resumable(run: Callable[..., Awaitable[Any]], ids: list[int],
         lps += seq.out_logprobs
         vers += seq.out_versions
         fin = dict(seq.finish or {})
+        if fin.get("type") == "error":
+            raise HTTPError(500, f"generation failed: {fin.get('message')}")
         if fin.get("type") == "abort":
             if fin.get("message") != PAUSE_ABORT:
                 raise HTTPError(503, f"generation aborted: {fin.get('message')}")

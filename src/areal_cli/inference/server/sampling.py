@@ -45,11 +45,11 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
     inverse-CDF draw for all seeded rows (see :func:`seeded_uniform`).
     """
     logits = logits.float()
-    vocab = logits.shape[1]
+    vocab, dev = logits.shape[1], logits.device  # every helper tensor lives beside the logits (CUDA too)
     greedy_rows = [p.greedy for p in params]
     temps = [1.0 if g else p.temperature for g, p in zip(greedy_rows, params)]
     # The common RL case (every row T=1, no truncation) skips the division and the second softmax.
-    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps).unsqueeze(1)
+    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev).unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
 
     work = scaled
@@ -62,21 +62,22 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
             if stop_ids:
                 work[i, stop_ids] = float("-inf")
 
-    cutoffs = torch.full((logits.shape[0],), float("-inf"))
+    cutoffs = torch.full((logits.shape[0],), float("-inf"), device=dev)
     if all(greedy_rows):
         next_ids = work.argmax(dim=-1)
     else:
         top_k = [p.top_k if p.top_k and 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(x < 1.0 for x in top_p):
-            work, cutoffs = _truncate(work, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32))
-            cutoffs = cutoffs.masked_fill(torch.tensor(greedy_rows), float("-inf"))
+            work, cutoffs = _truncate(work, torch.tensor(top_k, device=dev),
+                                      torch.tensor(top_p, dtype=torch.float32, device=dev))
+            cutoffs = cutoffs.masked_fill(torch.tensor(greedy_rows, device=dev), float("-inf"))
         # exp(log_softmax) is the softmax; reuse it unless rows were masked or truncated above.
         probs = logprobs.exp() if work is scaled else torch.softmax(work, dim=-1)
         pos = positions if positions is not None else n_generated
         next_ids = _sample_hash(probs, params, greedy_rows, pos, generator)
         if any(greedy_rows):
-            next_ids = torch.where(torch.tensor(greedy_rows), work.argmax(dim=-1), next_ids)
+            next_ids = torch.where(torch.tensor(greedy_rows, device=dev), work.argmax(dim=-1), next_ids)
     chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
     if not with_mask:
         return next_ids, chosen
@@ -95,14 +96,15 @@ def _sample_hash(probs: torch.Tensor, params: list[SamplingParams], greedy_rows:
         return inverse_cdf(probs, seeded_uniform([p.sampling_seed for p in params], pos))
     if not seeded_rows and not any(greedy_rows):  # all rows on the generator: no row gather/scatter
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    next_ids = torch.zeros(len(params), dtype=torch.long)  # greedy rows are filled in by the caller
+    dev = probs.device
+    next_ids = torch.zeros(len(params), dtype=torch.long, device=dev)  # greedy rows: filled in by the caller
     taken = set(seeded_rows)
     free = [i for i in range(len(params)) if i not in taken and not greedy_rows[i]]
     if free:  # only unseeded sampled rows consume the server generator
-        fi = torch.tensor(free)
+        fi = torch.tensor(free, device=dev)
         next_ids[fi] = torch.multinomial(probs.index_select(0, fi), 1, generator=generator).squeeze(1)
     if seeded_rows:
-        si = torch.tensor(seeded_rows)
+        si = torch.tensor(seeded_rows, device=dev)
         u = seeded_uniform([params[i].sampling_seed for i in seeded_rows], [pos[i] for i in seeded_rows])
         next_ids[si] = inverse_cdf(probs.index_select(0, si), u)
     return next_ids
@@ -147,7 +149,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the first token whose cumulative probability exceeds ``u * total`` (zero-probability
     tokens are never chosen). Float64 cumsum: a row's draw does not depend on rounding of its batch."""
     cdf = probs.double().cumsum(dim=-1)
-    x = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    x = (u.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, x, right=True).squeeze(1)
     over = idx >= probs.shape[1]  # u * total rounded up to total: the last token with mass
     if bool(over.any()):
@@ -164,7 +166,7 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     kept one are therefore all kept, whatever order ``sort`` put them in, so the trainer can rebuild
     exactly this set from one float per token (Keep-Sampling-Mask), on a vocab shard as well."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[1]).unsqueeze(0)
+    ranks = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
     remove = ranks >= top_k.unsqueeze(1)
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly before this token
