@@ -6,6 +6,7 @@
 #   GPU_BUNDLE_FULL=1 bash scripts/gpu_bundle.sh      # every project dependency, EXPECTED ones included
 #   GPU_BUNDLE_EXTRAS=deepspeed,megatron bash scripts/gpu_bundle.sh   # also the optional engines
 #   GPU_BUNDLE_EXCLUDE='regex|of|names' bash scripts/gpu_bundle.sh    # leave out more: the machine has them
+#   GPU_BUNDLE_PYTHON=3.12 bash scripts/gpu_bundle.sh   # wheels for the GPU machine's Python (manylinux x86_64)
 #   bash scripts/gpu_bundle.sh --print-expected   # the EXPECTED names, one a line (gpu_check.sh reads them)
 #
 # The bundle is the project's wheel (built from the committed HEAD), a wheel of every package that the GPU
@@ -57,6 +58,7 @@ OUT="${1:-dist/gpu_bundle}"
 EXTRAS="${GPU_BUNDLE_EXTRAS:-}"
 FULL="${GPU_BUNDLE_FULL:-}"
 INCLUDE="${GPU_BUNDLE_INCLUDE:-}"
+TARGET_PY="${GPU_BUNDLE_PYTHON:-}"  # e.g. 3.12: wheels for the GPU machine's Python (default: this one's)
 rm -rf "$OUT"
 mkdir -p "$OUT/wheels"
 OUT="$(cd "$OUT" && pwd)"
@@ -165,13 +167,32 @@ with open(expected_path, "w") as f:
             here = ""
         print(f"{key}{here}  # {why}; needed by {', '.join(sorted(users))}", file=f)
 EOF
-# pip wheel takes a registry wheel as it is and builds one from an sdist where none exists
-"$PY" -m pip wheel --quiet --no-deps -w "$OUT/wheels" -r "$tmp/reqs.txt"
+if [ -z "$TARGET_PY" ]; then
+    # pip wheel takes a registry wheel as it is and builds one from an sdist where none exists
+    "$PY" -m pip wheel --quiet --no-deps -w "$OUT/wheels" -r "$tmp/reqs.txt"
+else
+    # Another Python on the GPU machine: the registry's wheels for it, one package at a time, so that a
+    # pure-Python package published only as an sdist can be built here instead (its wheel runs anywhere).
+    plats=(); for p in 2_28 2_27 2_24 2_17 2014 2_5 1; do
+        case $p in 2014|1) plats+=(--platform "manylinux${p}_x86_64");; *) plats+=(--platform "manylinux_${p}_x86_64");; esac
+    done
+    while read -r req; do
+        "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$TARGET_PY" \
+            --implementation cp "${plats[@]}" -d "$OUT/wheels" "$req" 2>/dev/null && continue
+        "$PY" -m pip wheel --quiet --no-deps -w "$tmp/built" "$req"
+        for w in "$tmp"/built/*.whl; do
+            case "$w" in *-py3-none-any.whl|*-py2.py3-none-any.whl) mv "$w" "$OUT/wheels/";;
+            *) echo "gpu_bundle: $req has no wheel for Python $TARGET_PY and builds only for this one" >&2; exit 1;;
+            esac
+        done
+    done < "$tmp/reqs.txt"
+fi
 cp "$tmp/reqs.txt" "$OUT/requirements.txt"
 
 # 3. report
 n=$(ls "$OUT/wheels" | wc -l)
 plat=$("$PY" -c 'import sys, sysconfig; print(sysconfig.get_platform(), "cp%d%d" % sys.version_info[:2])')
+[ -n "$TARGET_PY" ] && plat="manylinux x86_64 cp${TARGET_PY/./} (GPU_BUNDLE_PYTHON)"
 if [ -n "$FULL" ] && [ "$FULL" != 0 ]; then kind="full (every dependency; expected ones included)"
 else kind="default (what the check imports)${INCLUDE:+, also bundled: $INCLUDE}"; fi
 echo "gpu_bundle: $plat, $kind, extras: ${EXTRAS:-none}, GPU_BUNDLE_EXCLUDE: ${GPU_BUNDLE_EXCLUDE:-none}"
