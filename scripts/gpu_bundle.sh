@@ -135,9 +135,14 @@ extras = {e for e in extras_arg.split(",") if e}
 queue = [("areal-cli", extras), ("pytest", set()), ("pytest-timeout", set())]
 seen: dict[str, str] = {}
 outside: dict[str, tuple[str, set[str]]] = {}  # left to the GPU machine: why, who needs it
+unpinned: set[str] = set()  # required, but not installed here: the registry's latest goes in
 while queue:
     name, want = queue.pop()
-    dist = metadata.distribution(name)
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        unpinned.add(norm(name))
+        continue
     key = norm(dist.metadata["Name"])
     if key in seen and not want:
         continue
@@ -158,6 +163,9 @@ with open(reqs_path, "w") as f:
     for key, version in sorted(seen.items()):
         if key != "areal-cli":
             print(f"{key}=={version}", file=f)
+    for key in sorted(unpinned - set(seen)):
+        print(key, file=f)
+        print(f"gpu_bundle: {key} is not installed here; the bundle takes the registry's latest", file=sys.stderr)
 with open(expected_path, "w") as f:
     print("# Not in this bundle: the GPU machine must have these (the version tested here).", file=f)
     for key, (why, users) in sorted(outside.items()):
