@@ -85,10 +85,11 @@ class StepThreads:
     WAIT_FRACTION = 0.1
 
     def __init__(self, most: int, sync: bool, shared: bool = True):
-        self.most, self.sync = max(1, int(most)), bool(sync) or not shared
-        self.n = self.most if self.sync else 1
+        self.most = max(1, int(most))
+        self.always = bool(sync) or not shared  # every step takes ``most``: nothing competes for the cores
+        self.n = self.most if self.always else 1
 
     def observe(self, wait_s: float, step_s: float) -> None:
         """After a step: ``wait_s`` of its ``step_s`` seconds went to waiting for the batch."""
-        if not self.sync and self.most > 1:
+        if not self.always and self.most > 1:
             self.n = self.most if wait_s < self.WAIT_FRACTION * step_s else 1
