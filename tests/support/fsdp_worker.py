@@ -59,6 +59,56 @@ def make_group_batch(seed: int, L: int = 32, vocab: int = 300):
     return {"input_ids": out_ids, "attention_mask": am, "loss_mask": out_lm, "advantages": torch.randn(B, L, generator=g)}
 
 
+def engine_config(ekw: dict):
+    """``EngineConfig`` from a spec's JSON dict, its nested backend sections made typed."""
+    from areal_cli.config.engine import ArchonConfig, DeepSpeedConfig, EngineConfig, MegatronConfig
+
+    ekw = dict(ekw)
+    for key, cls in (("archon", ArchonConfig), ("deepspeed", DeepSpeedConfig), ("megatron", MegatronConfig)):
+        if key in ekw:
+            ekw[key] = cls(**ekw[key])
+    return EngineConfig(**ekw)
+
+
+def local_batch(engine, batch):
+    """This rank's share of ``batch`` (``None`` off the DP heads, as the trainer passes it)."""
+    from areal_cli.engines.packing import split_batch_for_dp
+
+    if engine.dp_world_size > 1:
+        batch = split_batch_for_dp(batch, engine.dp_world_size)[engine.dp_rank]
+    return batch if engine.is_dp_head else None
+
+
+def finish_variant(engine, v: dict, res: dict, out_dir: str) -> None:
+    """The variant's optional DCP save and HF export, rank 0's ``<out>/<name>.pt``, then teardown."""
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import SaveLoadMeta
+
+    if v.get("save"):
+        engine.save(SaveLoadMeta(path=v["save"], weight_format="dcp"))
+    if v.get("export"):
+        engine.save(SaveLoadMeta(path=v["export"], weight_format="hf"))
+    if dist.get_rank() == 0:
+        torch.save(res, Path(out_dir) / f"{v['name']}.pt")
+    dist.barrier()
+    engine.destroy()
+
+
+def greedy_probe(client, runner, prompts: list, timeout: float, max_new_tokens: int = 12) -> tuple:
+    """The server's greedy completions of ``prompts`` (tokens, per-token versions) and its versions."""
+    from areal_cli.api.io_struct import GenerationConfig, ModelRequest
+
+    g = GenerationConfig(greedy=True, max_new_tokens=max_new_tokens)
+
+    async def go():
+        outs = [await client.agenerate(ModelRequest(input_ids=p, gconfig=g)) for p in prompts]
+        return [o.output_tokens for o in outs], [o.output_versions for o in outs], await client.get_server_versions()
+
+    return runner.run(go(), timeout)
+
+
 def loss_fn(out, mb):
     m = mb["loss_mask"].float()
     n = m.sum().clamp(min=1)
@@ -123,27 +173,13 @@ def full_weights(engine):
 
 
 def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
     from areal_cli.config.algo import OptimConfig
-    from areal_cli.config.engine import ArchonConfig, EngineConfig, MegatronConfig
     from areal_cli.engines import get_engine_cls
-    from areal_cli.engines.packing import split_batch_for_dp
 
-    ekw = dict(v.get("engine", {}))
-    if "archon" in ekw:
-        ekw["archon"] = ArchonConfig(**ekw["archon"])
-    if "deepspeed" in ekw:
-        from areal_cli.config.engine import DeepSpeedConfig
-
-        ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
-    if "megatron" in ekw:
-        ekw["megatron"] = MegatronConfig(**ekw["megatron"])
-    ecfg = EngineConfig(**ekw)
     ocfg = OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
-    engine = get_engine_cls(v.get("cls", "fsdp"))(ecfg, ocfg, total_steps=v.get("total_steps", 4), seed=0)
+    engine = get_engine_cls(v.get("cls", "fsdp"))(engine_config(v.get("engine", {})), ocfg,
+                                                  total_steps=v.get("total_steps", 4), seed=0)
     if "batch_p2p_comm" in v:  # megatron's p2p mode, to show that the batched one is still wrong on gloo
         from areal_cli.engines.megatron import model as mcore_model
 
@@ -158,10 +194,7 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     batch_fn = make_group_batch if v.get("batch") == "groups" else make_batch
 
     def local(seed):
-        b = batch_fn(seed)
-        if engine.dp_world_size > 1:
-            b = split_batch_for_dp(b, engine.dp_world_size)[engine.dp_rank]
-        return b if engine.is_dp_head else None
+        return local_batch(engine, batch_fn(seed))
 
     if v.get("warm_up"):
         engine.warm_up()
@@ -184,14 +217,7 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
             engine.warm_up()
         res["stats"].append(engine.train_batch(local(step), loss_fn, loss_weight_fn))
     res["weights"] = full_weights(engine)
-    if v.get("save"):
-        engine.save(SaveLoadMeta(path=v["save"], weight_format="dcp"))
-    if v.get("export"):
-        engine.save(SaveLoadMeta(path=v["export"], weight_format="hf"))
-    if dist.get_rank() == 0:
-        torch.save(res, Path(out_dir) / f"{v['name']}.pt")
-    dist.barrier()
-    engine.destroy()
+    finish_variant(engine, v, res, out_dir)
     if v.get("kill_after"):
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -13,7 +13,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fsdp_worker import loss_fn, loss_weight_fn, make_batch  # noqa: E402
+from fsdp_worker import (  # noqa: E402
+    engine_config,
+    finish_variant,
+    local_batch,
+    loss_fn,
+    loss_weight_fn,
+    make_batch,
+)
 
 
 def _base(engine):
@@ -23,40 +30,24 @@ def _base(engine):
 
 
 def run(v: dict, model_dir: str, out_dir: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
     from areal_cli.config.algo import OptimConfig
-    from areal_cli.config.engine import EngineConfig
     from areal_cli.config.model import LoRAConfig
     from areal_cli.engines import get_engine_cls
     from areal_cli.engines.lora import ReferenceView
-    from areal_cli.engines.packing import split_batch_for_dp
 
     lora = LoRAConfig(**v["lora"]) if v.get("lora") else None
-    ocfg = OptimConfig(lr=1e-3, grad_clip=1e9)
-    ekw = dict(v.get("engine", {}))
-    if "deepspeed" in ekw:
-        from areal_cli.config.engine import DeepSpeedConfig
-
-        ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
-    engine = get_engine_cls(v.get("cls", "fsdp"))(EngineConfig(**ekw), ocfg, total_steps=8,
-                                                   seed=0, lora=lora)
+    engine = get_engine_cls(v.get("cls", "fsdp"))(engine_config(v.get("engine", {})),
+                                                   OptimConfig(lr=1e-3, grad_clip=1e9), total_steps=8, seed=0,
+                                                   lora=lora)
     engine.initialize(ParallelStrategy(**v.get("parallel", {})), model_dir)
-
-    def local(seed):
-        b = make_batch(seed)
-        if engine.dp_world_size > 1:
-            b = split_batch_for_dp(b, engine.dp_world_size)[engine.dp_rank]
-        return b if engine.is_dp_head else None
 
     head_batch = make_batch(99) if engine.is_dp_head else None
     res: dict = {"base_before": _base(engine), "logp_before": engine.forward(head_batch)["logprobs"]}
     if v.get("load"):
         engine.load(SaveLoadMeta(path=v["load"], weight_format="dcp"))
     steps = range(v.get("start", 0), v["steps"])
-    res["stats"] = [engine.train_batch(local(s), loss_fn, loss_weight_fn) for s in steps]
+    res["stats"] = [engine.train_batch(local_batch(engine, make_batch(s)), loss_fn, loss_weight_fn) for s in steps]
     if lora is not None:
         res["adapter"] = engine.adapter_tensors()
         res["ref_logp"] = ReferenceView(engine).forward(head_batch)["logprobs"]
@@ -66,15 +57,7 @@ def run(v: dict, model_dir: str, out_dir: str) -> None:
     res["logp_after"] = engine.forward(head_batch)["logprobs"]
     res["base_after"] = _base(engine)
     res["batch"] = make_batch(99)
-    if v.get("save"):
-        engine.save(SaveLoadMeta(path=v["save"], weight_format="dcp"))
-    if v.get("export"):
-        engine.save(SaveLoadMeta(path=v["export"], weight_format="hf"))
-    if dist.get_rank() == 0:
-        torch.save(res, Path(out_dir) / f"{v['name']}.pt")
-    dist.barrier()
-    engine.destroy()
-
+    finish_variant(engine, v, res, out_dir)
 
 def main() -> None:
     import torch

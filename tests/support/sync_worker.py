@@ -15,24 +15,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fsdp_worker import loss_fn, loss_weight_fn, make_batch  # noqa: E402
+from fsdp_worker import (  # noqa: E402
+    engine_config,
+    greedy_probe,
+    local_batch,
+    loss_fn,
+    loss_weight_fn,
+    make_batch,
+)
 
 
 def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from areal_cli.api.io_struct import (
-        GenerationConfig,
-        ModelRequest,
-        ParallelStrategy,
-        SaveLoadMeta,
-        WeightUpdateMeta,
-    )
+    from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
     from areal_cli.config.algo import OptimConfig
-    from areal_cli.config.engine import EngineConfig
     from areal_cli.engines import get_engine_cls
-    from areal_cli.engines.packing import split_batch_for_dp
     from areal_cli.errors import WeightSyncError
     from areal_cli.inference.client import RemoteInferenceEngine
     from areal_cli.utils.dist import init_distributed
@@ -41,18 +40,13 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     rank, world = init_distributed("gloo")
     out = Path(spec["out"])
-    ekw = dict(spec.get("engine_cfg", {}))
-    if "deepspeed" in ekw:
-        from areal_cli.config.engine import DeepSpeedConfig
-
-        ekw["deepspeed"] = DeepSpeedConfig(**ekw["deepspeed"])
     kw = {}
     if spec.get("lora"):  # LoRA: adapter-only pushes, the server serves the adapter by name
         from areal_cli.config.model import LoRAConfig
         from areal_cli.weight_sync.lora import SERVED_NAME
 
         kw["lora"] = LoRAConfig(**spec["lora"])
-    engine = get_engine_cls(spec.get("engine", "fsdp"))(EngineConfig(**ekw), OptimConfig(lr=5e-2), total_steps=10,
+    engine = get_engine_cls(spec.get("engine", "fsdp"))(engine_config(spec.get("engine_cfg", {})), OptimConfig(lr=5e-2), total_steps=10,
                                                         seed=0, **kw)
     engine.initialize(ParallelStrategy(**spec.get("parallel", {"dp": world})), spec["model_dir"])
     client = RemoteInferenceEngine([spec["address"]], timeout_s=60, retries=1, backoff_s=0.2,
@@ -63,16 +57,7 @@ def main() -> None:
     runner = LoopRunner()  # the loop that owns the client's HTTP session, shared with the engine
 
     def server_state():
-        if rank != 0:
-            return None
-        g = GenerationConfig(greedy=True, max_new_tokens=12, temperature=1.0)
-
-        async def go():
-            outs = [await client.agenerate(ModelRequest(input_ids=p, gconfig=g)) for p in spec["prompts"]]
-            versions = await client.get_server_versions()
-            return [o.output_tokens for o in outs], [o.output_versions for o in outs], versions
-
-        return runner.run(go(), 120)
+        return greedy_probe(client, runner, spec["prompts"], 120) if rank == 0 else None
 
     if kw:  # the adapter at version 0 (B = 0: the base model), as the RL trainer loads it at start-up
         engine.push_adapter(WeightUpdateMeta(type="disk", path=str(out / "weights"), version=0, timeout_s=60),
@@ -80,8 +65,7 @@ def main() -> None:
     res["before"] = server_state()
     for step, (kind, dtype) in enumerate([("disk", "float32"), ("distributed", "float32"),
                                           ("distributed", "float32")]):
-        b = split_batch_for_dp(make_batch(step), engine.dp_world_size)[engine.dp_rank]
-        engine.train_batch(b if engine.is_dp_head else None, loss_fn, loss_weight_fn)
+        engine.train_batch(local_batch(engine, make_batch(step)), loss_fn, loss_weight_fn)
         meta = WeightUpdateMeta(type=kind, path=str(out / "weights"), master_port=spec["group_port"],
                                 dtype=dtype, timeout_s=60, bucket_bytes=64 * 1024)
         engine.update_weights(meta, [client], loop=runner.loop)

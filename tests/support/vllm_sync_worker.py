@@ -15,24 +15,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fsdp_worker import loss_fn, loss_weight_fn, make_batch  # noqa: E402
+from fsdp_worker import greedy_probe, local_batch, loss_fn, loss_weight_fn, make_batch  # noqa: E402
 
 
 def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from areal_cli.api.io_struct import (
-        GenerationConfig,
-        ModelRequest,
-        ParallelStrategy,
-        SaveLoadMeta,
-        WeightUpdateMeta,
-    )
+    from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta, WeightUpdateMeta
     from areal_cli.config.algo import OptimConfig
     from areal_cli.config.engine import EngineConfig
     from areal_cli.engines import get_engine_cls
-    from areal_cli.engines.packing import split_batch_for_dp
     from areal_cli.errors import WeightSyncError
     from areal_cli.inference.client import RemoteInferenceEngine
     from areal_cli.utils.concurrency import LoopRunner
@@ -55,16 +48,11 @@ def main() -> None:
                                    lora_name=SERVED_NAME if kw else None)
     runner = LoopRunner()  # the loop that owns the client's HTTP session, shared with the engine
 
-    def server_state():
+    def server_state():  # vLLM's tokens and the servers' versions
         if rank != 0:
             return None
-        g = GenerationConfig(greedy=True, max_new_tokens=12)
-
-        async def go():
-            outs = [await client.agenerate(ModelRequest(input_ids=p, gconfig=g)) for p in spec["prompts"]]
-            return [o.output_tokens for o in outs], await client.get_server_versions()
-
-        return runner.run(go(), 300)
+        tokens, _, versions = greedy_probe(client, runner, spec["prompts"], 300)
+        return tokens, versions
 
     def meta(kind: str, version: int = 0) -> WeightUpdateMeta:
         return WeightUpdateMeta(type=kind, path=str(out / "weights"), master_port=spec["group_port"],
@@ -75,8 +63,7 @@ def main() -> None:
         engine.push_adapter(meta("disk"), [client], loop=runner.loop)
     res["before"] = server_state()
     for step, kind in enumerate(spec["pushes"]):
-        b = split_batch_for_dp(make_batch(step), engine.dp_world_size)[engine.dp_rank]
-        engine.train_batch(b if engine.is_dp_head else None, loss_fn, loss_weight_fn)
+        engine.train_batch(local_batch(engine, make_batch(step)), loss_fn, loss_weight_fn)
         t0, error = time.monotonic(), None
         try:
             engine.update_weights(meta(kind), [client], loop=runner.loop)
