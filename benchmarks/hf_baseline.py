@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import torch
@@ -98,26 +97,10 @@ def launch_baseline_server(model_path: str, *, log_dir: str | None = None, timeo
                            env: dict[str, str] | None = None, extra: list[str] | tuple[str, ...] = ()):
     """Like ``launch_server("hf", ...)``, running this module instead of the server's: ``extra`` may hold
     the baseline flags next to the server's own."""
-    from areal_cli.inference.launch import ServerHandle, build_server_cmd, wait_until_ready
-    from areal_cli.utils.network import find_free_port
-    from areal_cli.utils.procs import ManagedProcess
+    from areal_cli.inference.launch import launch_server
 
-    port = find_free_port("127.0.0.1")
-    argv, cmd_env = build_server_cmd("hf", model_path, "127.0.0.1", port, extra=list(extra))
-    i = argv.index("-m")
-    argv[i:i + 2] = [os.path.abspath(__file__)]
-    cmd_env.update(env or {})
-    log_dir = log_dir or tempfile.mkdtemp(prefix="areal_baseline_logs_")
-    log_path = os.path.join(log_dir, f"hf_baseline_{port}.log")
-    proc = ManagedProcess(name=f"hf-baseline-{port}", argv=argv, log_path=log_path, env=cmd_env).start()
-    handle = ServerHandle("hf", f"127.0.0.1:{port}", proc, log_path)
-    try:
-        wait_until_ready(handle.address, timeout_s, proc, log_path)
-    except BaseException:
-        handle.stop()
-        raise
-    return handle
-
+    return launch_server("hf", model_path, log_dir=log_dir, timeout_s=timeout_s, env=env,
+                         script=os.path.abspath(__file__), extra=list(extra))
 
 def launch(model_path: str, extra: list[str] | tuple[str, ...] = (), **kw):
     """The real server when ``extra`` names no baseline path, else the baseline one."""

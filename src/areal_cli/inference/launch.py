@@ -126,10 +126,15 @@ class ServerHandle:
 
 def launch_server(backend: str, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
                   log_dir: str | None = None, timeout_s: float = 180.0, wait: bool = True,
-                  env: dict[str, str] | None = None, api_key: str | None = None, **cmd_kwargs) -> ServerHandle:
-    """Start a server on a free port (unless given) and, by default, wait until it is ready."""
+                  env: dict[str, str] | None = None, api_key: str | None = None, script: str | None = None,
+                  **cmd_kwargs) -> ServerHandle:
+    """Start a server on a free port (unless given) and, by default, wait until it is ready. ``script`` runs
+    that file in place of the backend's module, with the same arguments (a benchmark's variant server)."""
     port = port or find_free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
     argv, cmd_env = build_server_cmd(backend, model_path, host, port, api_key=api_key, **cmd_kwargs)
+    if script is not None:
+        i = argv.index("-m")
+        argv[i:i + 2] = [script]
     cmd_env.update(env or {})
     log_dir = log_dir or tempfile.mkdtemp(prefix="areal_server_logs_")
     log_path = os.path.join(log_dir, f"{backend}_server_{port}.log")
