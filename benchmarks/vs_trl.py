@@ -191,13 +191,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the three runs (0: skip)")
     ap.add_argument("--big-rounds", type=int, default=3,
                     help="interleaved rounds of the realistic row on the ~11.9M-param model (0: skip it)")
-    ap.add_argument("--big-steps", type=int, default=20, help="RL steps per run of the realistic row")
+    ap.add_argument("--big-steps", type=int, default=30, help="RL steps per run of the realistic row")
     ap.add_argument("--big-new-tokens", type=int, default=64)
-    ap.add_argument("--big-ckpt-every", type=int, default=10)
+    ap.add_argument("--big-ckpt-every", type=int, default=5)
     ap.add_argument("--big-warm", default=None, help="warm-started HF dir of the big model (default: make one)")
     ap.add_argument("--big-warm-steps", type=int, default=300, help="SFT steps of the big model's warm start")
+    ap.add_argument("--big-sft-lr", type=float, default=5e-4,
+                    help="SFT learning rate of the big model's warm start (the tiny model's 2e-3 is too high for it)")
+    ap.add_argument("--big-lr", type=float, default=1e-4, help="RL learning rate of the realistic row (both systems)")
     ap.add_argument("--big-target", type=float, default=None,
-                    help="held-out accuracy the realistic row must reach (default: its warm start + 5 points)")
+                    help="held-out accuracy the realistic row must reach (default: its warm start + 10 points)")
     ap.add_argument("--fileroot", default=None)
     ap.add_argument("--seeds", type=int, nargs="*", default=None,
                     help="a seed study: one round per seed (areal's run seed over fixed data, TRL's seed), "
@@ -293,17 +296,18 @@ def realistic_row(root: str, args: argparse.Namespace, train_items: list[dict], 
     if warm is None:
         print(f"[bench] warm start of the big model: {args.big_warm_steps} SFT steps", flush=True)
         run = areal_train(root, "big_warm", [*BIG, "trainer.total_steps=0", "trainer.eval_every=0",
-                                             "dataset.eval_size=8", f"trainer.sft_warmup_steps={args.big_warm_steps}"])
+                                             "dataset.eval_size=8", f"trainer.sft_warmup_steps={args.big_warm_steps}",
+                                             f"trainer.sft_lr={args.big_sft_lr}"])
         warm = str(run / "sft_warmup" / "hf")
     n = model_param_count(warm) / 1e6
     bargs = argparse.Namespace(**{**vars(args), "max_new_tokens": args.big_new_tokens, "steps": args.big_steps,
-                                  "ckpt_every": args.big_ckpt_every, "target": args.big_target})
+                                  "ckpt_every": args.big_ckpt_every, "target": args.big_target, "lr": args.big_lr})
     print(f"\n[bench] realistic row: {n:.1f}M params, warm-started, {args.big_new_tokens} new tokens, "
-          f"{args.big_steps} steps, {args.big_rounds} rounds", flush=True)
+          f"{args.big_steps} steps at lr {args.big_lr}, {args.big_rounds} rounds", flush=True)
     rounds = [compare(root, f"big_r{i}", [f"model.path={warm}"], warm, bargs, args.big_steps, args.big_ckpt_every,
                       train_items) for i in range(args.big_rounds)]
     report(rounds, warm, test_items, bargs, f"{n:.1f}M params, warm-started, {args.big_new_tokens} new tokens",
-           gain=0.05)
+           gain=0.10)
     if len(rounds) > 1:
         print_rounds(rounds)
 
