@@ -198,7 +198,9 @@ def main() -> None:
     ap.add_argument("--big-warm-steps", type=int, default=300, help="SFT steps of the big model's warm start")
     ap.add_argument("--big-sft-lr", type=float, default=5e-4,
                     help="SFT learning rate of the big model's warm start (the tiny model's 2e-3 is too high for it)")
-    ap.add_argument("--big-lr", type=float, default=1e-4, help="RL learning rate of the realistic row (both systems)")
+    ap.add_argument("--big-lr", type=float, default=5e-5,
+                    help="RL learning rate of the realistic row (both systems; 1e-4 is already too large for on-policy "
+                         "GRPO on this model: docs/train.md)")
     ap.add_argument("--big-target", type=float, default=None,
                     help="held-out accuracy the realistic row must reach (default: its warm start + 10 points)")
     ap.add_argument("--fileroot", default=None)
