@@ -102,6 +102,7 @@ def launch_baseline_server(model_path: str, *, log_dir: str | None = None, timeo
     return launch_server("hf", model_path, log_dir=log_dir, timeout_s=timeout_s, env=env,
                          script=os.path.abspath(__file__), extra=list(extra))
 
+
 def launch(model_path: str, extra: list[str] | tuple[str, ...] = (), **kw):
     """The real server when ``extra`` names no baseline path, else the baseline one."""
     if any(a in BASELINE_FLAGS for a in extra):

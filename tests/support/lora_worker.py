@@ -59,6 +59,7 @@ def run(v: dict, model_dir: str, out_dir: str) -> None:
     res["batch"] = make_batch(99)
     finish_variant(engine, v, res, out_dir)
 
+
 def main() -> None:
     import torch
 

@@ -46,8 +46,8 @@ def main() -> None:
         from areal_cli.weight_sync.lora import SERVED_NAME
 
         kw["lora"] = LoRAConfig(**spec["lora"])
-    engine = get_engine_cls(spec.get("engine", "fsdp"))(engine_config(spec.get("engine_cfg", {})), OptimConfig(lr=5e-2), total_steps=10,
-                                                        seed=0, **kw)
+    ecfg = engine_config(spec.get("engine_cfg", {}))
+    engine = get_engine_cls(spec.get("engine", "fsdp"))(ecfg, OptimConfig(lr=5e-2), total_steps=10, seed=0, **kw)
     engine.initialize(ParallelStrategy(**spec.get("parallel", {"dp": world})), spec["model_dir"])
     client = RemoteInferenceEngine([spec["address"]], timeout_s=60, retries=1, backoff_s=0.2,
                                    lora_name=SERVED_NAME if kw else None)

@@ -133,6 +133,7 @@ def test_trajectory_spanning_two_versions_is_contiguous_and_correct(servers, tok
                                                              greedy=True), tokenizer, group_size=1)
     ex = RolloutExecutor(engine, wf, batch_size=1, max_concurrent=1, max_head_offpolicyness=1,
                          pad_token_id=tokenizer.pad_token_id)
+
     def generated_tokens() -> int:
         load = httpx.get(f"http://{server.address}/get_load", timeout=10).json()
         return int(load["stats"]["generated_tokens"])
