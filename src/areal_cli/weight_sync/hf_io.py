@@ -1,7 +1,15 @@
-"""Write HF-layout model dirs (safetensors + config + generation config + tokenizer files).
+"""HF-layout model dirs, read and written one tensor at a time.
 
-Used by the HF export of the engines and by disk weight sync. The result loads with
-``AutoModelForCausalLM.from_pretrained``, the built-in ``hf`` server and vLLM.
+- :class:`HFCheckpoint` reads the safetensors of a model dir tensor by tensor, or a slice of one, with
+  plain positioned reads (no mmap: a mapped file's touched pages count as the process's resident memory
+  until it is unmapped, so reading a TP slice through mmap would grow RSS by the whole tensor). A rank
+  that needs only its shard reads only its shard's bytes (a contiguous dim-0 slice) or one tensor at a time.
+- :class:`HFStreamWriter` writes safetensors shards as tensors arrive (HF's sharded layout with an index,
+  or one ``model.safetensors`` when everything fits one shard), holding at most one shard in memory.
+- :func:`write_hf_dir` writes a whole dict through the same writer (tests, small models).
+
+Used by every engine's HF export, by disk weight sync and by sharded model loading. The result loads
+with ``AutoModelForCausalLM.from_pretrained``, the built-in ``hf`` server and vLLM.
 """
 
 from __future__ import annotations
@@ -9,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +26,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json")
 
-# safetensors files above this size are split into shards with an index (HF convention).
-MAX_SHARD_BYTES = 5 * 1024**3
+# A shard is held in memory until written: 512 MiB bounds the export's peak above the training state.
+MAX_SHARD_BYTES = 512 * 1024**2
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 def copy_tokenizer(src: str | os.PathLike | None, dst: str | os.PathLike) -> list[str]:
@@ -33,61 +49,217 @@ def copy_tokenizer(src: str | os.PathLike | None, dst: str | os.PathLike) -> lis
     return copied
 
 
-def write_hf_dir(path: str | os.PathLike, tensors: dict[str, Any], config: Any, *,
-                 architectures: list[str] | None = None, tokenizer_src: str | os.PathLike | None = None,
-                 generation_config: Any = None, dtype: Any = None) -> str:
-    """Write ``tensors`` (full, CPU) as ``model.safetensors`` next to ``config.json``.
+# ---------------------------------------------------------------------------------------------- reading
+class HFCheckpoint:
+    """The tensors of an HF model dir (``model*.safetensors``, with or without an index), read lazily.
 
-    ``config`` is a transformers ``PretrainedConfig``; its ``architectures`` are set explicitly
-    because FSDP2 renames the wrapped class (``FSDPQwen2ForCausalLM``). Tied ``lm_head.weight`` is
-    dropped as transformers does. Writes to a temp name and renames so a reader never sees a half
-    file.
+    ``tied_head``: a tied model has no ``lm_head.weight``; when True it reads as the embedding.
     """
-    import torch
-    from safetensors.torch import save_file
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    if getattr(config, "tie_word_embeddings", False):
-        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-               for k, v in tensors.items()}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    meta = {"format": "pt"}
-    if total <= MAX_SHARD_BYTES:
-        tmp = out / "model.safetensors.tmp"
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, out / "model.safetensors")
-    else:
-        _write_sharded(out, tensors, meta, total)
+    def __init__(self, path: str | os.PathLike, *, tied_head: bool = False):
+        self.path = Path(path)
+        self._entries: dict[str, tuple[Path, str, list[int], int, int]] = {}
+        files = sorted(self.path.glob("model*.safetensors"))
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            names = set(json.loads(index.read_text())["weight_map"].values())
+            files = [self.path / n for n in sorted(names)]
+        for f in files:
+            self._scan(f)
+        if tied_head and "lm_head.weight" not in self._entries and "model.embed_tokens.weight" in self._entries:
+            self._entries["lm_head.weight"] = self._entries["model.embed_tokens.weight"]
+
+    def _scan(self, f: Path) -> None:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        base = 8 + n
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = e["data_offsets"]
+            self._entries[name] = (f, e["dtype"], list(e["shape"]), base + start, base + end)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._entries[name][2])
+
+    def nbytes(self, name: str) -> int:
+        _, _, _, start, end = self._entries[name]
+        return end - start
+
+    def dtype(self, name: str):
+        import torch
+
+        return getattr(torch, _ST_DTYPES[self._entries[name][1]])
+
+    def _read(self, f: Path, dtype, shape: list[int], offset: int, nbytes: int):
+        import torch
+
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        with open(f, "rb", buffering=0) as fh:
+            view = memoryview(buf.numpy())
+            got = 0
+            while got < nbytes:
+                k = os.preadv(fh.fileno(), [view[got:]], offset + got)
+                if k <= 0:
+                    raise OSError(f"{f}: short read at {offset + got}")
+                got += k
+        return buf.view(dtype).reshape(shape)
+
+    def get(self, name: str):
+        """The whole tensor (a fresh CPU tensor in the file's dtype)."""
+        f, _, shape, start, end = self._entries[name]
+        return self._read(f, self.dtype(name), shape, start, end - start)
+
+    def get_rows(self, name: str, start_row: int, stop_row: int):
+        """Rows ``[start_row, stop_row)`` of dim 0, reading only their bytes."""
+        f, _, shape, start, _ = self._entries[name]
+        row = self.nbytes(name) // max(1, shape[0]) if shape else 0
+        return self._read(f, self.dtype(name), [stop_row - start_row, *shape[1:]], start + start_row * row,
+                          (stop_row - start_row) * row)
+
+    def get_chunk(self, name: str, dim: int, index: int, parts: int):
+        """``torch.chunk(t, parts, dim)[index]`` of the stored tensor ``t``: a dim-0 chunk reads only its
+        bytes; another dim reads the tensor once and keeps the slice."""
+        shape = self.shape(name)
+        if parts == 1:
+            return self.get(name)
+        size = -(-shape[dim] // parts)
+        lo, hi = min(index * size, shape[dim]), min((index + 1) * size, shape[dim])
+        if dim == 0:
+            return self.get_rows(name, lo, hi)
+        return self.get(name).narrow(dim, lo, hi - lo).clone()
+
+
+# ---------------------------------------------------------------------------------------------- writing
+class HFStreamWriter:
+    """Writes ``(name, tensor)`` pairs into ``path`` as safetensors shards of at most ``max_shard_bytes``.
+
+    Shards are written under temporary names and renamed by :meth:`close`, which also writes the index
+    (more than one shard) and removes model files of an earlier export in the same dir, so a reader never
+    sees a mix. ``dtype`` casts floating tensors as they arrive; ``drop`` names are skipped (a tied head).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, dtype: Any = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+                 drop: Iterable[str] = ()):
+        self.out = Path(path)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.dtype = dtype
+        self.max_shard_bytes = int(max_shard_bytes)
+        self.drop = set(drop)
+        self._shard: dict[str, Any] = {}
+        self._shard_bytes = 0
+        self._written: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: Any) -> None:
+        if name in self.drop:
+            return
+        t = tensor.detach()
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        t = t.contiguous()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        n = t.numel() * t.element_size()
+        if self._shard and self._shard_bytes + n > self.max_shard_bytes:
+            self._flush()
+        self._shard[name] = t
+        self._shard_bytes += n
+        self.total_bytes += n
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._shard:
+            return
+        tmp = self.out / f".model-part{len(self._written):05d}.safetensors.tmp"
+        save_file(self._shard, str(tmp), metadata={"format": "pt"})
+        self._written.append((tmp, list(self._shard)))
+        self._shard, self._shard_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Finish the dir's weights; returns the weight file names."""
+        self._flush()
+        for old in list(self.out.glob("model*.safetensors")) + [self.out / INDEX_FILE]:
+            if old.is_file():
+                old.unlink()
+        if len(self._written) <= 1:
+            if self._written:
+                os.replace(self._written[0][0], self.out / SINGLE_FILE)
+            else:  # an empty model still gets a loadable file
+                from safetensors.torch import save_file
+
+                save_file({}, str(self.out / SINGLE_FILE), metadata={"format": "pt"})
+            return [SINGLE_FILE]
+        n = len(self._written)
+        weight_map, names = {}, []
+        for i, (tmp, keys) in enumerate(self._written):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, self.out / name)
+            weight_map.update({k: name for k in keys})
+            names.append(name)
+        idx_tmp = self.out / (INDEX_FILE + ".tmp")
+        idx_tmp.write_text(json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map},
+                                      indent=2))
+        os.replace(idx_tmp, self.out / INDEX_FILE)
+        return names
+
+    def abort(self) -> None:
+        for tmp, _ in self._written:
+            tmp.unlink(missing_ok=True)
+        self._written, self._shard = [], {}
+
+
+def write_hf_config(path: str | os.PathLike, config: Any, *, architectures: list[str] | None = None,
+                    tokenizer_src: str | os.PathLike | None = None, generation_config: Any = None,
+                    dtype: Any = None) -> None:
+    """``config.json`` (``architectures`` set explicitly: FSDP2 renames the wrapped class, e.g.
+    ``FSDPQwen2ForCausalLM``), the generation config and the tokenizer files."""
+    import torch
+
     cfg = config.__class__.from_dict(config.to_dict())
     if architectures:
         cfg.architectures = list(architectures)
     if dtype is not None:
         cfg.dtype = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else dtype
-    cfg.save_pretrained(str(out))
+    cfg.save_pretrained(str(path))
     if generation_config is not None:
-        generation_config.save_pretrained(str(out))
-    copy_tokenizer(tokenizer_src, out)
-    return str(out)
+        generation_config.save_pretrained(str(path))
+    copy_tokenizer(tokenizer_src, path)
 
 
-def _write_sharded(out: Path, tensors: dict, meta: dict, total: int) -> None:
-    from safetensors.torch import save_file
+def stream_hf_dir(path: str | os.PathLike, named: Iterable[tuple[str, Any]], config: Any, *,
+                  architectures: list[str] | None = None, tokenizer_src: str | os.PathLike | None = None,
+                  generation_config: Any = None, dtype: Any = None,
+                  max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+    """Write an HF dir from ``(name, tensor)`` pairs as they come (``None`` tensors are skipped: the
+    pairs other ranks see while they take part in the gathers). A tied ``lm_head.weight`` is dropped, as
+    transformers does."""
+    drop = ("lm_head.weight",) if getattr(config, "tie_word_embeddings", False) else ()
+    w = HFStreamWriter(path, dtype=dtype, max_shard_bytes=max_shard_bytes, drop=drop)
+    try:
+        for name, t in named:
+            if t is not None:
+                w.add(name, t)
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    write_hf_config(path, config, architectures=architectures, tokenizer_src=tokenizer_src,
+                    generation_config=generation_config, dtype=dtype)
+    return str(path)
 
-    shards: list[dict] = [{}]
-    size = 0
-    for k, v in tensors.items():
-        n = v.numel() * v.element_size()
-        if shards[-1] and size + n > MAX_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += n
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata=meta)
-        weight_map.update({k: name for k in shard})
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+def write_hf_dir(path: str | os.PathLike, tensors: dict[str, Any], config: Any, *,
+                 architectures: list[str] | None = None, tokenizer_src: str | os.PathLike | None = None,
+                 generation_config: Any = None, dtype: Any = None) -> str:
+    """Write ``tensors`` (full, CPU) next to ``config.json``: :func:`stream_hf_dir` over a dict."""
+    return stream_hf_dir(path, tensors.items(), config, architectures=architectures, tokenizer_src=tokenizer_src,
+                         generation_config=generation_config, dtype=dtype)
