@@ -65,6 +65,9 @@ class EngineConfig:
     padding_free: bool = True  # pack sequences without padding where the attention path allows
     # Samples that share a prompt (a GRPO group) run it once per micro-batch: exact, fewer tokens.
     shared_prefix: bool = True
+    # FSDP2 (fsdp, archon): reduce-scatter gradients after every micro-batch (each rank keeps only its shard
+    # of the accumulated gradient) or only after the last (unsharded gradients held until then)
+    grad_reduce: str = "per_micro_batch"  # per_micro_batch | last_micro_batch
     attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2
     archon: ArchonConfig = field(default_factory=ArchonConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)

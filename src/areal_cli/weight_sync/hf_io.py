@@ -69,7 +69,12 @@ class HFCheckpoint:
         if tied_head and "lm_head.weight" not in self._entries and "model.embed_tokens.weight" in self._entries:
             self._entries["lm_head.weight"] = self._entries["model.embed_tokens.weight"]
 
-    def _scan(self, f: Path) -> None:
+    def add_file(self, f: str | os.PathLike, prefix: str = "") -> None:
+        """Also read the tensors of ``f`` (if it exists), under ``prefix + name`` (a critic's value head)."""
+        if Path(f).is_file():
+            self._scan(Path(f), prefix)
+
+    def _scan(self, f: Path, prefix: str = "") -> None:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
@@ -78,7 +83,7 @@ class HFCheckpoint:
             if name == "__metadata__":
                 continue
             start, end = e["data_offsets"]
-            self._entries[name] = (f, e["dtype"], list(e["shape"]), base + start, base + end)
+            self._entries[prefix + name] = (f, e["dtype"], list(e["shape"]), base + start, base + end)
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries

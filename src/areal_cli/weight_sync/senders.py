@@ -70,23 +70,23 @@ class DiskSender:
         self.last_seconds: dict[str, float] = {}
 
     def send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *, is_src: bool,
-             write_dir: Callable[[str, dict], None]) -> WeightSyncError | None:
-        """``write_dir(path, tensors)`` writes the HF dir (config, tokenizer) on the source rank."""
+             write_dir: Callable[[str, NamedTensors], None]) -> WeightSyncError | None:
+        """``write_dir(path, named_tensors)`` writes the HF dir (weights as they arrive, config, tokenizer) on
+        the source rank; the other ranks drive the stream's gathers."""
         if not meta.path:
             _drain(named_tensors)
             return WeightSyncError("weight sync (disk): WeightUpdateMeta.path is empty — set the directory "
                                    "the servers can read (e.g. /dev/shm/areal/weights)")
-        t0 = time.perf_counter()
-        tensors = {name: t for name, t in named_tensors if is_src}
         if not is_src:
+            _drain(named_tensors)
             return None
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         out = versioned_dir(meta.path, meta.version)
         try:
-            write_dir(out, tensors)
+            write_dir(out, named_tensors)
         except OSError as e:
+            _drain(named_tensors)
             return WeightSyncError(f"weight sync (disk): cannot write {out}: {e}")
-        del tensors
         t2 = time.perf_counter()
         load_meta = dataclasses.replace(meta, path=out)
         try:
@@ -94,7 +94,8 @@ class DiskSender:
         except WeightSyncError as e:
             return e
         t3 = time.perf_counter()
-        self.last_seconds = {"gather": t1 - t0, "write": t2 - t1, "load": t3 - t2, "total": t3 - t0}
+        # gather and write overlap (the dir is written as tensors arrive): "write" is both
+        self.last_seconds = {"gather": 0.0, "write": t2 - t0, "load": t3 - t2, "total": t3 - t0}
         return None
 
     @staticmethod

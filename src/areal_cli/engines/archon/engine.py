@@ -6,8 +6,9 @@ the model cut into pipeline stages driven by a fresh ``torch.distributed.pipelin
 step. Parameter names stay HF names on every rank, so HF export, weight sync and checkpoints need no
 key mapping.
 
-What it shares with :class:`~areal_cli.engines.fsdp.FSDPEngine` (micro-batching, the global loss
-normalisation, optimizer and schedules, checkpoints, the weight-sync senders) it inherits; it
+What it shares with the other HF-module backends (:class:`~areal_cli.engines.hf_model.HFModelEngine`:
+sharded materialisation, micro-batching, the global loss normalisation, optimizer and schedules, DCP
+checkpoints, the weight-sync senders) it inherits; it
 overrides the mesh, the forward (vocab-parallel logprobs, the pipeline path), gradient clipping over
 several meshes and stages, and the full-tensor stream (gathered over TP, sent from the stage that owns
 each tensor). MoE models (Qwen3-MoE) run their experts through :mod:`.expert_parallel`, cut over the
@@ -17,7 +18,6 @@ each tensor). MoE models (Qwen3-MoE) run their experts through :mod:`.expert_par
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +31,12 @@ from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.archon import clip, expert_parallel, pipeline, vocab_parallel
 from areal_cli.engines.archon.mesh import ArchonMesh, ParallelDims
 from areal_cli.engines.archon.parallelize import parallelize
-from areal_cli.engines.fsdp import FSDPEngine, _full
+from areal_cli.engines.hf_model import HFModelEngine, _full
 from areal_cli.errors import ConfigError
 from areal_cli.utils.dist import send_to_rank0
 
 
-class ArchonEngine(FSDPEngine):
+class ArchonEngine(HFModelEngine):
     """PyTorch-native 4-D parallel training of HF decoder models (Qwen2/2.5, Qwen3, Llama)."""
 
     dims = "dtpce"
@@ -52,9 +52,7 @@ class ArchonEngine(FSDPEngine):
         self._aux_values: list[torch.Tensor] = []  # this step's load-balancing losses (one per layer and mb)
         self._aux_total = 1.0  # (replica, micro-batch, Ulysses slice) count they are averaged over
         self._dummy: Batch | None = None
-        if not (Path(model_path) / "config.json").is_file():
-            raise ConfigError("model.path", f"{model_path} is not an HF model dir (no config.json)",
-                              "point model.path at a local dir with config.json and safetensors")
+        self._check_model_dir(model_path)
         dims = ParallelDims.from_strategy(parallel)
         hf_cfg = AutoConfig.from_pretrained(model_path)
         dims.check_model(hf_cfg)
@@ -64,9 +62,8 @@ class ArchonEngine(FSDPEngine):
         self._meshes = fsdp_par.Meshes(mesh=m.world, fsdp_mesh=m.fsdp_mesh, dp_group=m.dp_group,
                                        cp_group=m.cp_group, dp_rank=m.dp_rank, cp_rank=m.cp_rank)
         ulysses.set_ulysses_group(m.cp_group if dims.cp > 1 else None)
-        model, dtype = self._load_hf_model(model_path)
+        model, dtype = self._build_meta_model(model_path)  # meta parameters: nothing read yet
         self.hf_config = model.config
-        model.to(self.device)
         mp = self.cfg.mixed_precision and dtype == torch.float32
         opts = dict(activation_checkpointing=self.cfg.gradient_checkpointing, vocab_parallel=not self.critic,
                     param_dtype=torch.bfloat16 if mp else None, reduce_dtype=torch.float32 if mp else None)
@@ -78,10 +75,12 @@ class ArchonEngine(FSDPEngine):
                 virtual_stages=a.pp_virtual_stages, layers_per_stage=list(a.pp_layers) or None)
             for s in stages:
                 parallelize(s, m, pipelined=True, **opts)
+            self._materialise(stages)  # each rank reads its own shards
             self.pipe = pipeline.Pipeline(stages, m, a.pp_schedule, self.device)
             self.model = torch.nn.ModuleDict({f"stage{s.stage_index}": s for s in stages})
         else:
             self.model = parallelize(model, m, **opts)
+            self._materialise([self.model])  # each rank reads its own shards
         self.moe = expert_parallel.moe_blocks(self.model)
         self._build_optimizer(self.model.parameters())
 
@@ -345,21 +344,8 @@ class ArchonEngine(FSDPEngine):
             for piece_name, piece in expert_parallel.per_expert_names(name, t, expert=j):
                 yield piece_name, (piece.clone() if me == 0 else None)
 
-    def _load_hf(self, path: str) -> None:
-        if self.pipe is None and not self.moe:
-            return super()._load_hf(path)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        full = expert_parallel.fuse_experts(self._read_hf(path))
-        if self.pipe is None:
-            opts = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(self.model, full, options=opts)
-            return
-        for stage in self.model.values():
-            names = {n for n, _ in stage.named_parameters()}
-            set_model_state_dict(stage, {k: v for k, v in full.items() if k in names},
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
-
+    def _hf_modules(self) -> list:
+        return list(self.model.values()) if self.pipe is not None else [self.model]
 
 
 def _is_expert(name: str) -> bool:

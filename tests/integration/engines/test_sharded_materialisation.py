@@ -1,0 +1,63 @@
+"""No engine materialises the full model on a rank that should hold a shard (issue 35).
+
+A ~215 MB (fp32) untied Qwen2 is initialised by two gloo ranks for every engine with a sharding layout;
+each rank must:
+
+- never call ``AutoModelForCausalLM.from_pretrained`` (the worker makes it raise);
+- read at most its share of the checkpoint plus one tensor (row-wise TP slices read their tensor once);
+- grow its resident memory during ``initialize`` by well under the full model's bytes: a rank that built the
+  whole model first (today's failure mode) grows by more than the model, a sharded one by about half of it
+  plus one tensor and its optimizer's lazy state (none before the first step);
+- still compute the one-process model's logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fsdp_worker import launch  # noqa: E402
+from support_paths import SUPPORT
+
+WORKER = str(SUPPORT / "materialise_worker.py")
+
+CASES = [
+    pytest.param({"engine": "fsdp", "dp": 2}, id="fsdp-d2"),
+    pytest.param({"engine": "archon", "dp": 2}, id="archon-d2"),
+    pytest.param({"engine": "archon", "tp": 2}, id="archon-t2"),
+    pytest.param({"engine": "archon", "pp": 2}, id="archon-p2"),
+    pytest.param({"engine": "deepspeed", "dp": 2, "zero": 3}, id="deepspeed-z3-d2"),
+    pytest.param({"engine": "megatron", "tp": 2}, id="megatron-t2", marks=pytest.mark.megatron),
+    pytest.param({"engine": "megatron", "pp": 2}, id="megatron-p2", marks=pytest.mark.megatron),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    out = tmp_path_factory.mktemp("shard_model")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=16000, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_rank_materialises_the_full_model(case, model_dir, tmp_path):
+    if case["engine"] == "deepspeed":
+        pytest.importorskip("deepspeed")
+    if case["engine"] == "megatron":
+        pytest.importorskip("megatron.core")
+    out = tmp_path / "res.json"
+    launch({**case, "model": model_dir, "out": str(out)}, 2, timeout=600, script=WORKER)
+    res = json.loads(out.read_text())
+    for rank, r in res.items():
+        full, largest = r["ckpt_bytes"], r["largest"]
+        assert r["read"] <= full / 2 + largest, (rank, r)
+        # the whole model would be >= 1.0 x full; a shard is ~0.5 x plus one tensor in flight
+        assert r["peak_growth"] <= 0.5 * full + largest + 24 * 2**20, (rank, r["peak_growth"] / full)
+    assert res["0"]["logprobs_diff"] <= 1e-5, res["0"]
