@@ -105,7 +105,7 @@ class ParallelDims:
                               f"drop {''.join(DIM_LETTER[n] for n in missing)} from the {self.engine} dims")
 
     @classmethod
-    def from_strategy(cls, parallel: Any, engine: str | None = None) -> "ParallelDims":
+    def from_strategy(cls, parallel: Any, engine: str | None = None) -> ParallelDims:
         """From a :class:`~areal_cli.api.io_struct.ParallelStrategy` (``etp`` 0 there means ``tp``)."""
         etp = int(getattr(parallel, "etp", 0) or 0)
         return cls(dp=int(parallel.dp), cp=int(parallel.cp), tp=int(parallel.tp), pp=int(parallel.pp),

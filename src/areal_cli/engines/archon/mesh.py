@@ -31,7 +31,7 @@ class ArchonDims(ParallelDims):
     engine: str | None = "archon"
 
     @classmethod
-    def from_strategy(cls, parallel: Any, engine: str | None = "archon") -> "ArchonDims":
+    def from_strategy(cls, parallel: Any, engine: str | None = "archon") -> ArchonDims:
         return super().from_strategy(parallel, engine)  # type: ignore[return-value]
 
     @property
@@ -81,7 +81,7 @@ class ArchonDims(ParallelDims):
                               f"archon runs expert parallelism without t, got t{self.tp}e{self.ep}",
                               "drop t (use d×e), or use engine=megatron for experts cut over t")
 
-    def build(self, device_type: str) -> "ArchonMesh":
+    def build(self, device_type: str) -> ArchonMesh:
         """Build the mesh (collective: every rank of the default group must call it)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
