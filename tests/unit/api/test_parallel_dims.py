@@ -1,8 +1,9 @@
 """ParallelDims: the one table of rank orders agrees with every engine's real mesh builder.
 
 fsdp/deepspeed and archon: the real ``build_meshes`` / ``ArchonDims.build`` run once per rank under
-torch's in-process "fake" process group (no processes, no gloo). megatron: mcore's own
-``RankGenerator`` with the order string ``_init_parallel_state`` passes it (pure python).
+torch's in-process "fake" process group (no processes, no gloo). megatron: the engine's own
+``_init_parallel_state`` building mcore's real groups under the same fake group, and mcore's
+``RankGenerator`` over many more layouts (pure python).
 """
 
 from __future__ import annotations
