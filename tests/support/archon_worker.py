@@ -178,10 +178,10 @@ class Setup:
         import torch
 
         from areal_cli.engines.archon import pipeline
-        from areal_cli.engines.archon.mesh import ParallelDims
+        from areal_cli.engines.archon.mesh import ArchonDims
         from areal_cli.engines.archon.parallelize import parallelize
 
-        self.dims = ParallelDims(pp=v.get("pp", 1), dp=v.get("dp", 1), tp=v.get("tp", 1))
+        self.dims = ArchonDims(pp=v.get("pp", 1), dp=v.get("dp", 1), tp=v.get("tp", 1))
         self.mesh = self.dims.build("cpu")
         self.tied = v.get("tied", False)
         self.model = build_model(v.get("family", "qwen2"), self.tied)
@@ -336,11 +336,11 @@ def run_errors(v: dict, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, MistralConfig
 
     from areal_cli.engines.archon import pipeline
-    from areal_cli.engines.archon.mesh import ParallelDims
+    from areal_cli.engines.archon.mesh import ArchonDims
     from areal_cli.engines.archon.parallelize import parallelize
     from areal_cli.errors import ConfigError
 
-    mesh = ParallelDims(tp=dist.get_world_size()).build("cpu")
+    mesh = ArchonDims(tp=dist.get_world_size()).build("cpu")
     cfg = MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
     res = {}
@@ -348,8 +348,8 @@ def run_errors(v: dict, out_dir: str) -> None:
         "no_plan": lambda: parallelize(AutoModelForCausalLM.from_config(cfg), mesh),
         "schedule": lambda: pipeline.schedule_class("ZeroBubble"),
         "layers": lambda: pipeline.split_layers(4, 2, [3, 2]),
-        "world": lambda: ParallelDims(dp=3).build("cpu"),
-        "dims": lambda: ParallelDims(tp=0),
+        "world": lambda: ArchonDims(dp=3).build("cpu"),
+        "dims": lambda: ArchonDims(tp=0),
     }
     for name, fn in checks.items():
         try:

@@ -1,20 +1,28 @@
 """Place allocation components onto cluster nodes and devices.
 
 Devices are numbered globally ``node * n_per_node + local``. Components are placed in spec order,
-each '+' group on fresh devices, each '|'-colocated group on one shared device range. Inside a
-training component ranks are ordered tp → cp → pp → dp (tp fastest), so one model replica
-(t·c·p devices) is contiguous; inference instances (t·p devices) are contiguous too. A component
-starts at the next free device, or at the next node boundary when that is what keeps every
-TP/PP group inside one node.
+each '+' group on fresh devices, each '|'-colocated group on one shared device range; rank ``r`` of a
+component runs on device ``start + r``. Inference instances (t·p devices) are contiguous. A training
+component's ranks follow its engine's real order (:class:`~areal_cli.api.parallel_dims.ParallelDims`),
+and the groups that exchange data every layer (``ParallelDims.node_local_groups``: the TP group, the
+expert group, Ulysses, megatron's model-parallel group) must each fit in a node and sit on one. A
+component starts at the next free device, or at the next node boundary when that is what keeps those
+groups inside one node. The one exception is a group the engine's order itself strides wider than a
+node (megatron's pp-last order with experts and stages: a replica's stages are d ranks apart); it
+cannot share a node whatever the start, so placement reports it in ``Placement.split`` instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_cli.allocation.parser import SPEC_PATH
 from areal_cli.allocation.spec import AllocationSpec, Component
+from areal_cli.api.parallel_dims import DIM_LETTER, ParallelDims
 from areal_cli.errors import ConfigError
+
+GROUP_WORDS = {"tp": "tensor", "cp": "context", "pp": "pipeline", "ep": "expert", "etp": "expert-tensor",
+               "dp": "data", "edp": "expert-data"}
 
 
 @dataclass
@@ -23,6 +31,7 @@ class Placement:
 
     devices: list[int]
     n_per_node: int
+    split: list[str] = field(default_factory=list)  # node-local group tokens the engine's order strides apart
 
     @property
     def by_node(self) -> list[tuple[int, list[int]]]:
@@ -50,30 +59,67 @@ def _ranges(devs: list[int]) -> str:
     return ",".join(out)
 
 
-def group_block(c: Component) -> tuple[int, str]:
-    """Devices that must share a node (one TP×PP group) and the letter to blame if too big."""
-    d = c.dims
+def train_dims(c: Component, engine: str | None = None) -> ParallelDims:
+    """A training component's sizes with its backend's rank order (``engine`` when the spec names none)."""
+    return c.parallel().dims(c.backend or engine)
+
+
+@dataclass
+class NodeGroups:
+    """The device groups of one component that must each sit on one node, as ``(first, last)`` rank
+    pairs (every rank in between lies on the same node too), and the tokens that cannot."""
+
+    spans: list[tuple[int, int]]
+    split: list[str]
+
+
+def _too_big(spec: AllocationSpec, c: Component, size: int, what: str, letters: list[str],
+             n_per_node: int) -> ConfigError:
+    dims = c.ffn if c.ffn is not None and "e" in letters else c.dims
+    blame = next((x for x in ("p", "t", "c", "e") if x in letters and dims.span.get(x) is not None), "d")
+    keep = "×".join(letters) or "t×p"
+    return ConfigError(
+        SPEC_PATH, f"'{c.label}' needs {size} devices per {what} group but a node has {n_per_node} "
+        "(cluster.n_gpus_per_node)", f"keep {keep} within one node: lower {'/'.join(letters) or 't/p'} "
+        "or use bigger nodes", text=spec.text, column=dims.span.get(blame, c.column))
+
+
+def node_groups(spec: AllocationSpec, c: Component, n_per_node: int, engine: str | None = None) -> NodeGroups:
+    """The groups of ``c`` placement keeps inside one node; a ConfigError when one is bigger than a node."""
     if c.kind == "inference":
-        block = d.t * d.p
-    else:
-        block = d.t * d.c * d.p
-        if c.ffn is not None:
-            block = max(block, c.ffn.t * c.ffn.p)  # expert-tensor × pipeline group
-    letters = [x for x in ("p", "t", "c") if d.get(x) > 1 and d.span.get(x) is not None]
-    return block, (letters[0] if letters else "d")
+        block = c.dims.t * c.dims.p  # one server instance
+        if block > n_per_node:
+            letters = [x for x in ("p", "t") if c.dims.get(x) > 1]
+            raise _too_big(spec, c, block, "tensor/pipeline", letters, n_per_node)
+        return NodeGroups([(k, k + block - 1) for k in range(0, c.world_size, block)], [])
+    dims = train_dims(c, engine)
+    spans: set[tuple[int, int]] = set()
+    split = []
+    for token in dims.node_local_groups:
+        size = dims.group_size(token)
+        if size == 1:
+            continue
+        names = [n for n in token.split("-") if dims.size(n) > 1]
+        if size > n_per_node:
+            raise _too_big(spec, c, size, "/".join(GROUP_WORDS[n] for n in names),
+                           [DIM_LETTER[n] for n in names], n_per_node)
+        mine = {(g[0], g[-1]) for g in dims.groups(token)}
+        if max(b - a + 1 for a, b in mine) > n_per_node:
+            split.append(token)  # strided by the engine's own order: no start keeps it on one node
+        else:
+            spans |= mine
+    return NodeGroups(sorted(spans), split)
 
 
-def _fits(start: int, size: int, block: int, n_per_node: int) -> bool:
-    for k in range(0, size, block):
-        first, last = start + k, start + k + block - 1
-        if first // n_per_node != last // n_per_node:
-            return False
-    return True
+def _fits(start: int, spans: list[tuple[int, int]], n_per_node: int) -> bool:
+    return all((start + a) // n_per_node == (start + b) // n_per_node for a, b in spans)
 
 
-def place(spec: AllocationSpec, n_nodes: int, n_per_node: int, device: str = "cuda") -> list[Placement]:
-    """Placement per component (same order as ``spec.components``) or a ConfigError. On ``device="cpu"``
-    a device is one process slot, so the fix offers more slots per node before more nodes."""
+def place(spec: AllocationSpec, n_nodes: int, n_per_node: int, device: str = "cuda",
+          engine: str | None = None) -> list[Placement]:
+    """Placement per component (same order as ``spec.components``) or a ConfigError. ``engine`` is the
+    train backend of components the spec leaves unnamed. On ``device="cpu"`` a device is one process
+    slot, so the fix offers more slots per node before more nodes."""
     total = n_nodes * n_per_node
     need = sum(spec.components[g[0]].world_size for g in spec.groups)
     cluster_txt = (f"the cluster has {total} (cluster.n_nodes={n_nodes} × "
@@ -90,23 +136,13 @@ def place(spec: AllocationSpec, n_nodes: int, n_per_node: int, device: str = "cu
     for group in spec.groups:
         members = [spec.components[i] for i in group]
         size = members[0].world_size
-        blocks = []
-        for c in members:
-            block, letter = group_block(c)
-            if block > n_per_node:
-                col = c.dims.span.get(letter, c.column)
-                raise ConfigError(
-                    SPEC_PATH, f"'{c.label}' needs {block} devices per tensor/pipeline group but a node "
-                    f"has {n_per_node} (cluster.n_gpus_per_node)",
-                    "keep t×p (×c for training) within one node: lower t/p or use bigger nodes",
-                    text=spec.text, column=col)
-            blocks.append(block)
+        local = {i: node_groups(spec, spec.components[i], n_per_node, engine) for i in group}
         candidates = [cursor]
         boundary = -(-cursor // n_per_node) * n_per_node
         if boundary != cursor:
             candidates.append(boundary)
         start = next((s for s in candidates if s + size <= total
-                      and all(_fits(s, size, b, n_per_node) for b in blocks)), None)
+                      and all(_fits(s, g.spans, n_per_node) for g in local.values())), None)
         if start is None:
             c = members[0]
             raise ConfigError(
@@ -115,6 +151,6 @@ def place(spec: AllocationSpec, n_nodes: int, n_per_node: int, device: str = "cu
                 f"add a node (cluster.n_nodes={n_nodes + 1}) or reorder/shrink the components",
                 text=spec.text, column=c.column)
         for i in group:
-            result[i] = Placement(list(range(start, start + size)), n_per_node)
+            result[i] = Placement(list(range(start, start + size)), n_per_node, local[i].split)
         cursor = start + size
     return [p for p in result if p is not None]

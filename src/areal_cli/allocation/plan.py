@@ -43,11 +43,6 @@ class MicroBatch:
         return asdict(self)
 
 
-# Rank layout inside a training component used by placement: tp fastest, then cp, pp, dp, so one
-# model replica (t·c·p ranks) is contiguous and stays inside a node.
-RANK_ORDER = "tp-cp-pp-dp"
-
-
 @dataclass
 class TrainPart:
     name: str
@@ -58,11 +53,18 @@ class TrainPart:
     ffn: ParallelStrategy | None = None  # hybrid MoE: the expert-part strategy
     micro_batch: MicroBatch | None = None
     memory: TrainMemory | None = None
+    # node-local groups (ParallelDims.node_local_groups) the engine's own order strides over nodes
+    split_groups: list[str] = field(default_factory=list)
+
+    @property
+    def rank_order(self) -> str:
+        """The order the backend's mesh builder really lays the ranks out in (fastest first)."""
+        return self.parallel.dims(self.backend).rank_order
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["parallel"]["world_size"] = self.parallel.world_size
-        d["rank_order"] = RANK_ORDER
+        d["rank_order"] = self.rank_order
         d["placement"] = [{"node": n, "devices": devs} for n, devs in self.placement]
         return d
 

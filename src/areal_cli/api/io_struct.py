@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from areal_cli.api.parallel_dims import ParallelDims
+
 StopReason = Literal["stop", "length", "abort"]
 
 
@@ -114,6 +116,10 @@ class ParallelStrategy:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    def dims(self, engine: str | None = None) -> ParallelDims:
+        """These sizes as :class:`ParallelDims`, with ``engine``'s rank order (None: the default one)."""
+        return ParallelDims.from_strategy(self, engine)
 
 
 @dataclass

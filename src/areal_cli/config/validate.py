@@ -253,7 +253,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     for c in spec.components:
         checker.check(c)
     n_nodes, per_node = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
-    placements = place(spec, n_nodes, per_node, cfg.cluster.device)
+    placements = place(spec, n_nodes, per_node, cfg.cluster.device, engine=cfg.engine.name)
     facts = ModelFacts.from_config(cfg.model)
     dev_gb = device_memory_gb(cfg.cluster.device, cfg.cluster.gpu_memory_gb, per_node)
     seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
@@ -278,7 +278,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
                            ffn.tp if ffn else par.tp, cfg.engine.dtype, mb.tokens_per_mb, mb.n_micro_batches,
                            cfg.engine.gradient_checkpointing, dev_gb)
         plan.trains.append(TrainPart(c.name or backend, backend, par, c.world_size, pl.by_node, ffn, mb,
-                                     mem))
+                                     mem, list(pl.split)))
     for c in spec.train:
         if c.backend is None:
             c.backend = cfg.engine.name
@@ -410,3 +410,9 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
                              "is valid but will only launch on matching hardware")
     if cfg.algo.name == "sft" and plan.inferences:
         plan.warnings.append("algo=sft does not generate: the inference component is unused")
+    for t in plan.trains:
+        if t.split_groups:
+            plan.warnings.append(f"'{t.name}': {t.backend}'s rank order {t.rank_order} spaces the ranks of "
+                                 f"each {', '.join(t.split_groups)} group more than a node apart, so those "
+                                 "groups span nodes (slower links); fewer d, or no e with p, keeps them on "
+                                 "one node")

@@ -1,6 +1,8 @@
 """Device mesh and FSDP2 sharding, kept apart from the model code (torchtitan style).
 
-Mesh layout: ``("dp", "cp")`` with shape ``(dp, cp)``. Parameters are sharded over the flattened
+Mesh layout: ``("dp", "cp")`` with shape ``(dp, cp)``, read from
+:class:`~areal_cli.api.parallel_dims.ParallelDims` (order ``"cp-dp"``: cp fastest, so Ulysses peers
+are neighbouring ranks), the table the plan prints and placement reads. Parameters are sharded over the flattened
 ``dp×cp`` ranks (Ulysses ranks hold the same weights, so sharding over them too saves memory), the
 data-parallel group is the ``dp`` dim and the Ulysses group is the ``cp`` dim.
 """
@@ -48,13 +50,15 @@ def check_strategy(parallel: ParallelStrategy, world_size: int) -> None:
                           "make d×c equal to the number of trainer processes")
 
 
-def build_meshes(parallel: ParallelStrategy, device_type: str) -> Meshes:
+def build_meshes(parallel: ParallelStrategy, device_type: str, engine: str = "fsdp") -> Meshes:
+    """The ``(dp, cp)`` mesh of the fsdp and deepspeed engines (collective: every rank calls it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     check_strategy(parallel, dist.get_world_size())
-    mesh = init_device_mesh(device_type, (parallel.dp, parallel.cp), mesh_dim_names=("dp", "cp"))
-    fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    names, sizes = parallel.dims(engine).mesh_shape()
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    fsdp_mesh = mesh[names]._flatten("dp_cp")
     return Meshes(mesh=mesh, fsdp_mesh=fsdp_mesh, dp_group=mesh.get_group("dp"), cp_group=mesh.get_group("cp"),
                   dp_rank=mesh.get_local_rank("dp"), cp_rank=mesh.get_local_rank("cp"))
 

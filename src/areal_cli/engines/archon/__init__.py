@@ -2,7 +2,7 @@
 
 Modules (import them directly; none imports torch at package import time):
 
-- :mod:`.mesh`: ``ParallelDims`` and the ``(pp, dp, cp, tp)`` ``ArchonMesh``;
+- :mod:`.mesh`: ``ArchonDims`` and the ``(pp, dp, cp, tp)`` ``ArchonMesh``;
 - :mod:`.tp_plans`: DTensor tensor-parallel plans per model family;
 - :mod:`.vocab_parallel`: vocab-sharded ``lm_head`` and logprobs/entropy without a full-vocab gather;
 - :mod:`.pipeline`: ``torch.distributed.pipelining`` stages and schedules for HF causal LMs;

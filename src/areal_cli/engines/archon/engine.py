@@ -29,7 +29,7 @@ from areal_cli.engines import packing, sampling_mask, ulysses
 from areal_cli.engines import parallelize as fsdp_par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.archon import clip, expert_parallel, pipeline, vocab_parallel
-from areal_cli.engines.archon.mesh import ArchonMesh, ParallelDims
+from areal_cli.engines.archon.mesh import ArchonMesh, ArchonDims
 from areal_cli.engines.archon.parallelize import parallelize
 from areal_cli.engines.hf_model import HFModelEngine, _full
 from areal_cli.errors import ConfigError
@@ -53,7 +53,7 @@ class ArchonEngine(HFModelEngine):
         self._aux_total = 1.0  # (replica, micro-batch, Ulysses slice) count they are averaged over
         self._dummy: Batch | None = None
         self._check_model_dir(model_path)
-        dims = ParallelDims.from_strategy(parallel)
+        dims = ArchonDims.from_strategy(parallel)
         hf_cfg = AutoConfig.from_pretrained(model_path)
         dims.check_model(hf_cfg)
         self._check_moe(hf_cfg, dims)
@@ -84,7 +84,7 @@ class ArchonEngine(HFModelEngine):
         self.moe = expert_parallel.moe_blocks(self.model)
         self._build_optimizer(self.model.parameters())
 
-    def _check_moe(self, hf_cfg: Any, dims: ParallelDims) -> None:
+    def _check_moe(self, hf_cfg: Any, dims: ArchonDims) -> None:
         coeff = float(self.cfg.archon.moe_aux_loss_coeff)
         if coeff > 0 and not expert_parallel.is_moe_config(hf_cfg):
             raise ConfigError("engine.archon.moe_aux_loss_coeff",

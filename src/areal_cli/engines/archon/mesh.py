@@ -1,9 +1,10 @@
 """The Archon device mesh: one ``DeviceMesh`` over ``(pp, dp, cp, tp)`` and the groups cut from it.
 
-Dim order follows torchtitan: ``tp`` innermost, so tensor-parallel peers are neighbouring ranks
-(one node, the fastest links), then ``cp``, ``dp``, and ``pp`` outermost (pipeline stages exchange
-only activations, the least traffic). Every dim is kept, even at size 1, so the engine never has to
-ask which dims exist.
+The order comes from :class:`~areal_cli.api.parallel_dims.ParallelDims` (``"tp-cp-ep-dp-pp"``, fastest
+first), the table the plan prints and placement reads. It follows torchtitan: ``tp`` innermost, so
+tensor-parallel peers are neighbouring ranks (one node, the fastest links), then ``cp``, ``dp``, and
+``pp`` outermost (pipeline stages exchange only activations, the least traffic). Every dim is kept,
+even at size 1, so the engine never has to ask which dims exist.
 
 Parameters are FSDP-sharded over the flattened ``dp×cp`` ranks: Ulysses ranks hold the same weights,
 so sharding over them too saves memory for free (the same choice as the FSDP engine).
@@ -19,42 +20,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_cli.api.parallel_dims import ParallelDims
 from areal_cli.errors import ConfigError
-
-DIM_NAMES = ("pp", "dp", "cp", "tp")
 
 
 @dataclass(frozen=True)
-class ParallelDims:
-    """Sizes of the four parallel dims. ``world_size`` is their product."""
+class ArchonDims(ParallelDims):
+    """:class:`ParallelDims` with archon's rank order, plus the checks only archon needs."""
 
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1  # expert parallel: borrows from dp×cp, adds no ranks
-
-    def __post_init__(self) -> None:
-        for name in DIM_NAMES + ("ep",):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError("allocation_mode",
-                                  f"archon dim {name} must be a positive integer, got {v!r}",
-                                  f"set {name[0]}1 or larger")
+    engine: str | None = "archon"
 
     @classmethod
-    def from_strategy(cls, parallel: Any) -> "ParallelDims":
-        """From an :class:`~areal_cli.api.io_struct.ParallelStrategy` (fields dp/cp/tp/pp)."""
-        return cls(pp=int(parallel.pp), dp=int(parallel.dp), cp=int(parallel.cp), tp=int(parallel.tp),
-                   ep=int(getattr(parallel, "ep", 1) or 1))
+    def from_strategy(cls, parallel: Any, engine: str | None = "archon") -> ArchonDims:
+        return super().from_strategy(parallel, engine)  # type: ignore[return-value]
 
     @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp, self.cp, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        """The world mesh's sizes, slowest dim first: ``(pp, dp, cp, tp)``."""
+        return self.mesh_shape()[1]
 
     def check_world(self, world_size: int) -> None:
         if self.world_size != world_size:
@@ -98,13 +81,14 @@ class ParallelDims:
                               f"archon runs expert parallelism without t, got t{self.tp}e{self.ep}",
                               "drop t (use d×e), or use engine=megatron for experts cut over t")
 
-    def build(self, device_type: str) -> "ArchonMesh":
+    def build(self, device_type: str) -> ArchonMesh:
         """Build the mesh (collective: every rank of the default group must call it)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.check_world(dist.get_world_size())
-        world = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+        names, sizes = self.mesh_shape()  # the dims' own rank order, the one the plan prints
+        world = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         fsdp = world["dp", "cp"]._flatten("dp_cp")
         # Everything one data-parallel replica spans: the batch is broadcast from its head over this.
         replica = world["pp", "cp", "tp"]._flatten("pp_cp_tp")
@@ -118,7 +102,7 @@ class ParallelDims:
 class ArchonMesh:
     """The world mesh, its 1-D sub-meshes and this rank's coordinates."""
 
-    dims: ParallelDims
+    dims: ArchonDims
     world: Any  # DeviceMesh ("pp", "dp", "cp", "tp")
     fsdp_mesh: Any  # 1-D DeviceMesh over dp×cp ("dp_cp")
     replica_mesh: Any  # 1-D DeviceMesh over pp×cp×tp: one data-parallel replica
@@ -126,7 +110,7 @@ class ArchonMesh:
     _coords: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._coords = {n: self.world.get_local_rank(n) for n in DIM_NAMES}
+        self._coords = {n: self.world.get_local_rank(n) for n in self.dims.mesh_shape()[0]}
 
     # ---- sub-meshes
     def mesh(self, name: str):

@@ -171,11 +171,9 @@ class MegatronEngine(FSDPEngine):
         if dist.get_world_size() % (tp * pp):
             raise ConfigError("allocation_mode.spec", f"t{tp} × p{pp} does not divide the "
                               f"{dist.get_world_size()} trainer processes", "make d × t × p the world size")
-        # The allocation plan's rank order (allocation/plan.py RANK_ORDER): tp fastest, then pp, dp slowest,
-        # so one replica's t·p ranks are contiguous and stay inside a node; mcore's default puts dp inside pp.
-        # With experts and stages both, mcore 0.16.1 accepts only its pp-last order (the attention and expert
-        # layers' data-parallel sizes differ): a replica's stages are then strided by d.
-        order = "tp-cp-ep-dp-pp" if ep > 1 and pp > 1 else "tp-cp-ep-pp-dp"
+        # The order the plan prints and placement read (api/parallel_dims.py RANK_ORDERS; set by e, p only):
+        # tp fastest, pp before dp so a replica's t·p ranks share a node; pp-last when experts meet stages.
+        order = ParallelStrategy(tp=tp, pp=pp, ep=ep).dims("megatron").rank_order
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                       virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
