@@ -23,6 +23,25 @@ def _kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 
 
+def _warm_imports(spec: dict) -> None:
+    """Import what ``initialize`` imports lazily (the model's modeling code, accelerate, megatron-core's
+    model, DDP and optimizer packages) and build the model once with meta parameters, so the growth
+    measured is the engine's tensors, not module code."""
+    import importlib
+
+    import torch
+    from transformers import AutoConfig
+
+    from areal_cli.engines import materialize
+
+    cfg = AutoConfig.from_pretrained(spec["model"])
+    materialize.meta_model(cfg, torch.float32, "sdpa")
+    if spec["engine"] == "megatron":
+        for mod in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+                    "megatron.core.pipeline_parallel.schedules"):
+            importlib.import_module(mod)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     import torch
@@ -57,6 +76,7 @@ def main() -> None:
         ecfg.deepspeed = DeepSpeedConfig(zero_stage=int(spec["zero"]))
     engine = get_engine_cls(spec["engine"])(ecfg, OptimConfig(lr=1e-4), total_steps=2, seed=0)
     dims = {k: spec[k] for k in ("dp", "tp", "pp", "ep") if k in spec}
+    _warm_imports(spec)  # module code is not model memory: load it before the measurement
     open("/proc/self/clear_refs", "w").write("5")
     base = _kib("VmRSS")
     engine.initialize(ParallelStrategy(**dims), spec["model"])

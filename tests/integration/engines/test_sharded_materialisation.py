@@ -59,5 +59,5 @@ def test_no_rank_materialises_the_full_model(case, model_dir, tmp_path):
         full, largest = r["ckpt_bytes"], r["largest"]
         assert r["read"] <= full / 2 + largest, (rank, r)
         # the whole model would be >= 1.0 x full; a shard is ~0.5 x plus one tensor in flight
-        assert r["peak_growth"] <= 0.5 * full + largest + 24 * 2**20, (rank, r["peak_growth"] / full)
+        assert r["peak_growth"] <= 0.5 * full + largest + 48 * 2**20, (rank, r["peak_growth"] / full)
     assert res["0"]["logprobs_diff"] <= 1e-5, res["0"]
