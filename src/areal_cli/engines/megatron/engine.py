@@ -197,14 +197,15 @@ class MegatronEngine(FSDPEngine):
                 head = {f"lm_head.{k}": v for k, v in load_file(str(src)).items()}
             elif init_head:
                 hidden = int(self.hf_config.hidden_size)
-                hdtype = dtype or par.torch_dtype(self.cfg.dtype)
-                torch.manual_seed(self.seed)
-                lin = torch.nn.Linear(hidden, 1, bias=True, dtype=hdtype)
-                torch.nn.init.normal_(lin.weight, std=1.0 / (hidden + 1) ** 0.5)
-                torch.nn.init.zeros_(lin.bias)
+                # forked: the global RNG continues as when the head was drawn before mcore's init
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.seed)
+                    lin = torch.nn.Linear(hidden, 1, bias=True, dtype=dtype or par.torch_dtype(self.cfg.dtype))
+                    torch.nn.init.normal_(lin.weight, std=1.0 / (hidden + 1) ** 0.5)
+                    torch.nn.init.zeros_(lin.bias)
                 head = {"lm_head.weight": lin.weight.detach(), "lm_head.bias": lin.bias.detach()}
             else:
-                raise ConfigError("path", f"{path} has no {VALUE_HEAD_FILE} for this critic's value head",
+                raise ConfigError("model.path", f"{path} has no {VALUE_HEAD_FILE} for this critic's value head",
                                   "load an HF export of a critic (it writes the head beside the backbone)")
         return TensorSource(ckpt, extra=head, dtype=dtype)
 
