@@ -4,6 +4,7 @@
 mode "convert": for every layout in the spec (re-initialising mcore's model parallel state on the same
 process group) and every model family, HF -> mcore -> HF and the mcore forward logits vs HF's.
 mode "compat": each CPU-shim patch, run unpatched (must hit CUDA) and patched (must work), TP1 PP2.
+mode "sharded": the engine's checkpoint reads, whole-model loads and export gathers, counted per rank.
 Rank 0 writes ``<out>/result.json``.
 """
 
@@ -288,6 +289,100 @@ def train_compat_probes(model_dir: str, moe_model_dir: str) -> dict:
     return out
 
 
+def _instrument() -> dict:
+    """Count, on this rank, the checkpoint bytes read per tensor (through HFCheckpoint, the engine's reader), the
+    calls that would read a whole model (``AutoModelForCausalLM.from_pretrained``, ``safetensors`` ``load_file``
+    of a model file) and the export's gathers (``convert._gather``). Returns the live counters."""
+    import safetensors.torch
+    import transformers
+
+    from areal_cli.engines.megatron import convert
+    from areal_cli.weight_sync import hf_io
+
+    rec: dict = {"reads": {}, "from_pretrained": 0, "load_file_model": 0, "gathers": 0, "expert_gathers": 0}
+
+    def count(name, t):
+        rec["reads"][name] = rec["reads"].get(name, 0) + t.numel() * t.element_size()
+        return t
+
+    get, get_rows = hf_io.HFCheckpoint.get, hf_io.HFCheckpoint.get_rows
+    hf_io.HFCheckpoint.get = lambda self, name: count(name, get(self, name))
+    hf_io.HFCheckpoint.get_rows = lambda self, name, a, b: count(name, get_rows(self, name, a, b))
+    from_pretrained = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def fp(cls, *a, **kw):
+        rec["from_pretrained"] += 1
+        return from_pretrained(cls, *a, **kw)
+
+    transformers.AutoModelForCausalLM.from_pretrained = classmethod(fp)
+    load_file = safetensors.torch.load_file
+
+    def lf(path, *a, **kw):
+        rec["load_file_model"] += Path(path).name.startswith("model")
+        return load_file(path, *a, **kw)
+
+    safetensors.torch.load_file = lf
+    gather = convert._gather
+
+    def g(t, dim, group, tp):
+        from megatron.core import parallel_state as mpu
+
+        rec["gathers" if group is mpu.get_tensor_model_parallel_group() else "expert_gathers"] += 1
+        return gather(t, dim, group, tp)
+
+    convert._gather = g
+    return rec
+
+
+def sharded_case(case: dict, rec: dict) -> dict:
+    """One engine: initialize (counting reads), export (counting gathers; rank 0 compares with the checkpoint),
+    then load the model dir into the running engine (counting reads again)."""
+    import torch
+    import torch.distributed as dist
+
+    from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.engines.megatron import engine as me
+    from areal_cli.weight_sync.hf_io import HFCheckpoint
+
+    rec.update(reads={}, from_pretrained=0, load_file_model=0, gathers=0, expert_gathers=0)
+    engine = me.MegatronEngine(EngineConfig(), OptimConfig(lr=1e-3), total_steps=2)
+    engine.initialize(ParallelStrategy(**case["parallel"]), case["model_dir"])
+    out = {"coords": list(engine._coords[dist.get_rank()]), "init_reads": dict(rec["reads"]),
+           "from_pretrained": rec["from_pretrained"], "load_file_model": rec["load_file_model"]}
+    got = {n: t for n, t in engine._named_full_tensors() if t is not None}
+    out["export_gathers"], out["export_expert_gathers"] = rec["gathers"], rec["expert_gathers"]
+    if dist.get_rank() == 0:
+        ck = HFCheckpoint(case["model_dir"])
+        want = set(ck.names()) - ({"lm_head.weight"} if engine.mc_arch.tied else set())
+        out["export_diff"] = sorted(set(got) ^ want) + [n for n in want & set(got) if not torch.equal(got[n], ck.get(n))]
+    rec["reads"] = {}
+    engine.load(SaveLoadMeta(path=case["model_dir"], weight_format="hf"))
+    out["load_reads"] = dict(rec["reads"])
+    out["from_pretrained"] += rec["from_pretrained"]
+    engine.destroy()
+    return out
+
+
+def sharded(spec: dict) -> dict:
+    import torch.distributed as dist
+
+    from areal_cli.engines.megatron import compat
+    from areal_cli.weight_sync.hf_io import HFCheckpoint
+
+    compat.apply_cpu_compat()
+    rec = _instrument()
+    result = {}
+    for case in spec["cases"]:
+        mine = sharded_case(case, rec)
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        ck = HFCheckpoint(case["model_dir"])
+        result[case["name"]] = {"ranks": ranks, "sizes": {n: ck.nbytes(n) for n in ck.names()}}
+    return result
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
@@ -295,7 +390,9 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
-    if spec["mode"] in ("compat", "train_compat"):
+    if spec["mode"] == "sharded":
+        result = sharded(spec)
+    elif spec["mode"] in ("compat", "train_compat"):
         res = compat_probes() if spec["mode"] == "compat" else train_compat_probes(spec["model_dir"],
                                                                                  spec["moe_model_dir"])
         allres = [None] * dist.get_world_size()

@@ -12,13 +12,16 @@ and would be one more private API pinned with ``--no-deps``. The mapping is smal
   copy in ``output_layer`` (loaded with the same weight, never exported).
 - Layer offsets per PP/VPP rank are read from each layer's ``layer_number`` (1-based, global), so any
   layout mcore builds is converted without recomputing its split.
+- Loading reads through a :class:`TensorSource`: a rank reads only the tensors its chunks own (its stage's
+  layers, its ep rank's experts), column-parallel ones as their dim-0 slices, and converts a layer at a time.
+  Export (:func:`hf_tensors`) gathers one tensor, or one expert's tensor, at a time over TP (expert TP) only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .model import HFArch
 
@@ -43,14 +46,14 @@ def _layer_map(model: Any) -> list[tuple[int, int]]:
     return [(j, int(layer.layer_number) - 1) for j, layer in enumerate(model.decoder.layers)]
 
 
-def _qkv(arch: HFArch, q: Any, k: Any, v: Any) -> Any:
-    """Interleave q/k/v per query group: [q_g; k_g; v_g] for g in groups (weights or biases)."""
+def _qkv(groups: int, q: Any, k: Any, v: Any) -> Any:
+    """Interleave q/k/v per query group: [q_g; k_g; v_g] for g in ``groups`` (weights or biases). A TP rank's
+    dim-0 chunk of the full layout is this interleave of its own q/k/v chunks (it holds whole groups)."""
     import torch
 
-    g = arch.num_kv_heads
     tail = q.shape[1:]
-    return torch.cat([q.reshape(g, -1, *tail), k.reshape(g, -1, *tail), v.reshape(g, -1, *tail)], 1
-                     ).reshape(-1, *tail)
+    return torch.cat([q.reshape(groups, -1, *tail), k.reshape(groups, -1, *tail), v.reshape(groups, -1, *tail)],
+                     1).reshape(-1, *tail)
 
 
 def _split_qkv(arch: HFArch, qkv: Any) -> tuple[Any, Any, Any]:
@@ -61,49 +64,97 @@ def _split_qkv(arch: HFArch, qkv: Any) -> tuple[Any, Any, Any]:
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def hf_to_mcore(hf: Mapping[str, Any], arch: HFArch, model: Any, tp_rank: int, tp: int,
-                experts: "ExpertLayout | None" = None) -> dict[str, Any]:
-    """The state dict of one GPTModel chunk on TP rank ``tp_rank`` (and, for MoE, expert-parallel rank
-    ``experts.ep_rank``) from a full HF state dict."""
+class TensorSource:
+    """Where :func:`load_hf` reads HF tensors, by HF name: ``get(name)`` (the whole tensor) or
+    ``get_chunk(name, dim, index, parts)`` (``torch.chunk(t, parts, dim)[index]``), each a fresh tensor.
+
+    ``base`` is an :class:`~areal_cli.weight_sync.hf_io.HFCheckpoint` (a dim-0 chunk reads only its bytes, so a
+    rank never reads what its chunks do not hold) or an in-memory Mapping of full tensors (tests, small models).
+    ``extra`` tensors are looked up first (a critic's value head, which lives outside the safetensors).
+    ``dtype``: floating tensors are cast to it as read, as HF's ``from_pretrained(dtype=...)`` did before the
+    engine read checkpoints itself (one rounding, so the loaded parameters are the same bits)."""
+
+    def __init__(self, base: Any, extra: Mapping[str, Any] | None = None, dtype: Any = None):
+        self.base, self.extra, self.dtype = base, dict(extra or {}), dtype
+        self._lazy = hasattr(base, "get_chunk")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.extra or name in self.base
+
+    def _cast(self, t: Any) -> Any:
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            return t.to(self.dtype)
+        return t
+
+    def get(self, name: str) -> Any:
+        if self._lazy and name not in self.extra:
+            return self._cast(self.base.get(name))
+        return self._cast((self.extra.get(name) if name in self.extra else self.base[name]).detach().clone())
+
+    def get_chunk(self, name: str, dim: int, index: int, parts: int) -> Any:
+        if self._lazy and name not in self.extra:
+            return self._cast(self.base.get_chunk(name, dim, index, parts))
+        t = self.extra.get(name) if name in self.extra else self.base[name]
+        return self._cast(t.detach().chunk(parts, dim)[index].clone())
+
+
+def _mcore_groups(src: TensorSource, arch: HFArch, model: Any, tp_rank: int, tp: int,
+                  experts: ExpertLayout | None = None) -> Iterator[dict[str, Any]]:
+    """This chunk's mcore tensors on TP rank ``tp_rank`` (and, for MoE, expert-parallel rank ``experts.ep_rank``),
+    one group at a time (the embedding and head, then one layer): only the tensors the chunk owns are read, and
+    column-parallel ones as their dim-0 chunks."""
     import torch
 
-    def col(t: Any) -> Any:
-        return t.chunk(tp, 0)[tp_rank].clone()
+    def col(name: str) -> Any:
+        return src.get_chunk(name, 0, tp_rank, tp)
 
-    def row(t: Any) -> Any:
-        return t.chunk(tp, 1)[tp_rank].clone()
+    def row(name: str) -> Any:
+        return src.get_chunk(name, 1, tp_rank, tp)
 
-    out: dict[str, Any] = {}
+    ends: dict[str, Any] = {}
     if model.pre_process:
-        out[_EMB] = col(hf["model.embed_tokens.weight"])
+        ends[_EMB] = col("model.embed_tokens.weight")
     if model.post_process:
-        out[_NORM] = hf["model.norm.weight"].clone()
+        ends[_NORM] = src.get("model.norm.weight")
         if _VALUE[0] in model.state_dict():  # replicated on every TP rank, like the final norm
-            out[_VALUE[0]], out[_VALUE[1]] = hf["lm_head.weight"].clone(), hf["lm_head.bias"].clone()
-        # one stage with tied weights: output_layer is the embedding itself
+            ends[_VALUE[0]], ends[_VALUE[1]] = src.get("lm_head.weight"), src.get("lm_head.bias")
+        # one stage with tied weights: output_layer is the embedding itself; under PP the last stage's copy
+        # is loaded from the embedding
         elif not (arch.tied and model.pre_process):
-            out[_OUT] = col(hf["model.embed_tokens.weight" if arch.tied else "lm_head.weight"])
+            ends[_OUT] = col("model.embed_tokens.weight" if arch.tied else "lm_head.weight")
+    yield ends
     in_norm, mlp_norm = _norm_names(model)
+    groups = arch.num_kv_heads // tp
     for j, i in _layer_map(model):
         p, m = f"model.layers.{i}.", f"decoder.layers.{j}."
         a = p + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = col(_qkv(
-            arch, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]))
-        if arch.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = col(_qkv(
-                arch, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"]))
+        out: dict[str, Any] = {}
+        for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
+            out[m + f"self_attention.linear_qkv.{kind}"] = _qkv(
+                groups, col(f"{a}q_proj.{kind}"), col(f"{a}k_proj.{kind}"), col(f"{a}v_proj.{kind}"))
         if arch.qk_norm:
-            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"].clone()
-            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"].clone()
-        out[m + "self_attention.linear_proj.weight"] = row(hf[a + "o_proj.weight"])
+            out[m + "self_attention.q_layernorm.weight"] = src.get(a + "q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = src.get(a + "k_norm.weight")
+        out[m + "self_attention.linear_proj.weight"] = row(a + "o_proj.weight")
         if arch.num_experts:
-            out.update(_experts_to_mcore(hf, arch, p, m, experts or ExpertLayout()))
+            out.update(_experts_to_mcore(src, arch, p, m, experts or ExpertLayout()))
         else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([col(hf[p + "mlp.gate_proj.weight"]),
-                                                          col(hf[p + "mlp.up_proj.weight"])], 0)
-            out[m + "mlp.linear_fc2.weight"] = row(hf[p + "mlp.down_proj.weight"])
-        out[m + in_norm] = hf[p + "input_layernorm.weight"].clone()
-        out[m + mlp_norm] = hf[p + "post_attention_layernorm.weight"].clone()
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([col(p + "mlp.gate_proj.weight"),
+                                                          col(p + "mlp.up_proj.weight")], 0)
+            out[m + "mlp.linear_fc2.weight"] = row(p + "mlp.down_proj.weight")
+        out[m + in_norm] = src.get(p + "input_layernorm.weight")
+        out[m + mlp_norm] = src.get(p + "post_attention_layernorm.weight")
+        yield out
+
+
+def hf_to_mcore(hf: Mapping[str, Any] | TensorSource, arch: HFArch, model: Any, tp_rank: int, tp: int,
+                experts: ExpertLayout | None = None) -> dict[str, Any]:
+    """The state dict of one GPTModel chunk on TP rank ``tp_rank`` from a full HF state dict or a
+    :class:`TensorSource`, as one dict (:func:`load_hf` streams it a layer at a time instead)."""
+    src = hf if isinstance(hf, TensorSource) else TensorSource(hf)
+    out: dict[str, Any] = {}
+    for group in _mcore_groups(src, arch, model, tp_rank, tp, experts):
+        out.update(group)
     return out
 
 
@@ -121,40 +172,53 @@ class ExpertLayout:
     etp_group: Any = None
 
 
-def _experts_to_mcore(hf: Mapping[str, Any], arch: HFArch, p: str, m: str, x: ExpertLayout) -> dict[str, Any]:
-    """HF's fused experts (``gate_up_proj [E, 2I, H]`` = [gate; up] per expert, ``down_proj [E, H, I]``) and router
-    (``gate.weight [E, H]``) into mcore's router and this rank's SequentialMLP experts."""
+def _experts_to_mcore(src: TensorSource, arch: HFArch, p: str, m: str, x: ExpertLayout) -> dict[str, Any]:
+    """The router (``gate.weight [E, H]``) and this rank's SequentialMLP experts, read expert by expert: only the
+    experts of this ep rank, and of each only this etp rank's slices."""
     import torch
 
-    out = {m + "mlp.router.weight": hf[p + "mlp.gate.weight"].clone()}
+    out = {m + "mlp.router.weight": src.get(p + "mlp.gate.weight")}
     n = arch.num_experts // x.ep
     for j in range(n):
-        e = x.ep_rank * n + j
-        gate, up, down = _hf_expert(hf, p, e)
+        gate, up, down = _hf_expert(src, arch, p, x.ep_rank * n + j, x)
         q = f"{m}mlp.experts.local_experts.{j}."
-        out[q + "linear_fc1.weight"] = torch.cat([gate.chunk(x.etp, 0)[x.etp_rank], up.chunk(x.etp, 0)[x.etp_rank]], 0)
-        out[q + "linear_fc2.weight"] = down.chunk(x.etp, 1)[x.etp_rank].clone()
+        out[q + "linear_fc1.weight"] = torch.cat([gate, up], 0)
+        out[q + "linear_fc2.weight"] = down
     return out
 
 
-def _hf_expert(hf: Mapping[str, Any], p: str, e: int) -> tuple[Any, Any, Any]:
-    """(gate [I, H], up [I, H], down [H, I]) of expert e: from a checkpoint's per-expert tensors (the format
-    transformers writes and vLLM/SGLang load) or from transformers' in-memory fused ones."""
+def _hf_expert(src: TensorSource, arch: HFArch, p: str, e: int, x: ExpertLayout) -> tuple[Any, Any, Any]:
+    """This etp rank's (gate [I/etp, H], up [I/etp, H], down [H, I/etp]) of expert e: from a checkpoint's
+    per-expert tensors (the format transformers writes and vLLM/SGLang load) or from fused ones
+    (``gate_up_proj [E, 2I, H]`` = [gate; up] per expert, ``down_proj [E, H, I]``: transformers' in-memory form)."""
     fused = p + "mlp.experts.gate_up_proj"
-    if fused in hf:
-        gate, up = hf[fused][e].chunk(2, 0)
-        return gate, up, hf[p + "mlp.experts.down_proj"][e]
+    if fused in src:
+        gate, up = src.get_chunk(fused, 0, e, arch.num_experts)[0].chunk(2, 0)
+        down = src.get_chunk(p + "mlp.experts.down_proj", 0, e, arch.num_experts)[0]
+        return (gate.chunk(x.etp, 0)[x.etp_rank], up.chunk(x.etp, 0)[x.etp_rank],
+                down.chunk(x.etp, 1)[x.etp_rank].clone())
     q = f"{p}mlp.experts.{e}."
-    return hf[q + "gate_proj.weight"], hf[q + "up_proj.weight"], hf[q + "down_proj.weight"]
+    return (src.get_chunk(q + "gate_proj.weight", 0, x.etp_rank, x.etp),
+            src.get_chunk(q + "up_proj.weight", 0, x.etp_rank, x.etp),
+            src.get_chunk(q + "down_proj.weight", 1, x.etp_rank, x.etp))
 
 
-def load_hf(models: Iterable[Any], hf: Mapping[str, Any], arch: HFArch, tp_rank: int, tp: int,
+def load_hf(models: Iterable[Any], hf: Mapping[str, Any] | TensorSource, arch: HFArch, tp_rank: int, tp: int,
             experts: ExpertLayout | None = None) -> None:
-    """Load a full HF state dict into this rank's chunks; every mcore parameter must be covered."""
+    """Load HF weights (a full state dict, or a :class:`TensorSource` over a checkpoint) into this rank's chunks,
+    a layer at a time (so at most one layer's converted tensors are held beside the chunks); every mcore
+    parameter must be covered."""
+    src = hf if isinstance(hf, TensorSource) else TensorSource(hf)
     for model in models:
-        sd = hf_to_mcore(hf, arch, model, tp_rank, tp, experts)
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        want = set(model.state_dict().keys())
+        covered: set[str] = set()
+        unexpected: list[str] = []
+        for group in _mcore_groups(src, arch, model, tp_rank, tp, experts):
+            # mcore's load hooks (default _extra_state, rotary inv_freq, router dtype) run per call: harmless
+            res = model.load_state_dict(group, strict=False)
+            unexpected += res.unexpected_keys
+            covered |= group.keys()
+        missing = sorted(k for k in want - covered if not k.endswith("_extra_state"))
         if missing or unexpected:
             raise RuntimeError(f"HF -> mcore conversion mismatch: missing {missing}, unexpected {unexpected}")
 
@@ -170,16 +234,26 @@ def _gather(t: Any, dim: int, group: Any, tp: int) -> Any:
     return torch.cat(parts, dim)
 
 
-def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
-               experts: ExpertLayout | None = None) -> list[tuple[str, Callable[[], Any]]]:
-    """``(HF name, thunk)`` for every HF tensor this rank's chunks own, in a fixed order. Calling a thunk
-    TP-gathers that one tensor (a collective over ``tp_group``: every TP rank calls the same thunks in the
-    same order), so an exporter holds one full tensor at a time. Each PP stage lists only its own layers;
-    the union over stages is the full HF dict."""
-    out: list[tuple[str, Callable[[], Any]]] = []
+class HFPart(NamedTuple):
+    """One HF tensor of :func:`hf_tensors`. ``fn()`` returns the full tensor; it is a collective over the TP group
+    (dense tensors: every TP rank of the stage calls it) or, for an expert (``expert_owner`` = the ep rank that
+    holds it), over the expert-TP group, called only by that ep rank's ranks."""
 
-    def add(name: str, fn: Callable[[], Any]) -> None:
-        out.append((name, fn))
+    name: str
+    fn: Callable[[], Any]
+    expert_owner: int | None = None
+
+
+def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
+               experts: ExpertLayout | None = None) -> list[HFPart]:
+    """An :class:`HFPart` for every HF tensor this rank's stage owns, in a fixed order (the same on every rank
+    of the stage). Calling a part gathers that one tensor, so an exporter holds one full tensor at a time; the
+    collectives involve only the TP (or expert-TP) group, so a data-parallel replica that does not export skips
+    the calls entirely. Each PP stage lists only its own layers; the union over stages is the full HF dict."""
+    out: list[HFPart] = []
+
+    def add(name: str, fn: Callable[[], Any], owner: int | None = None) -> None:
+        out.append(HFPart(name, fn, owner))
 
     for model in models:
         sd = model.state_dict()
@@ -205,17 +279,14 @@ def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
                 add(a + "k_norm.weight", copied(m + "self_attention.k_layernorm.weight"))
             add(a + "o_proj.weight", gathered(m + "self_attention.linear_proj.weight", 1))
             if arch.num_experts:
-                x = experts or ExpertLayout()
                 add(p + "mlp.gate.weight", copied(m + "mlp.router.weight"))
-                for name, fn in _expert_parts(sd, m, x, arch):
-                    add(p + name, fn)
-                add(p + "input_layernorm.weight", copied(m + in_norm))
-                add(p + "post_attention_layernorm.weight", copied(m + mlp_norm))
-                continue
-            fc1 = sd[m + "mlp.linear_fc1.weight"]  # this rank's [gate_shard; up_shard]
-            add(p + "mlp.gate_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[0], 0, tp_group, tp))
-            add(p + "mlp.up_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[1], 0, tp_group, tp))
-            add(p + "mlp.down_proj.weight", gathered(m + "mlp.linear_fc2.weight", 1))
+                for name, fn, owner in _expert_parts(sd, m, experts or ExpertLayout(), arch):
+                    add(p + name, fn, owner)
+            else:
+                fc1 = sd[m + "mlp.linear_fc1.weight"]  # this rank's [gate_shard; up_shard]
+                add(p + "mlp.gate_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[0], 0, tp_group, tp))
+                add(p + "mlp.up_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[1], 0, tp_group, tp))
+                add(p + "mlp.down_proj.weight", gathered(m + "mlp.linear_fc2.weight", 1))
             add(p + "input_layernorm.weight", copied(m + in_norm))
             add(p + "post_attention_layernorm.weight", copied(m + mlp_norm))
         if model.post_process:
@@ -228,43 +299,20 @@ def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
     return out
 
 
-def _expert_parts(sd: Mapping[str, Any], m: str, x: ExpertLayout,
-                  arch: HFArch) -> list[tuple[str, Callable[[], Any]]]:
-    """Per-expert HF tensors (``experts.{e}.{gate,up,down}_proj.weight``, the checkpoint format) of one layer.
-    The first thunk gathers the layer's experts (over etp, then ep); the last one frees them."""
-    box: dict[str, Any] = {}
-    names = [(e, k) for e in range(arch.num_experts) for k in ("gate_proj", "up_proj", "down_proj")]
-
-    def part(i: int) -> Callable[[], Any]:
-        def fn() -> Any:
-            if not box:
-                box["fc1"] = _experts_from_mcore(sd, m, x, arch, "fc1")
-                box["fc2"] = _experts_from_mcore(sd, m, x, arch, "fc2")
-            e, k = names[i]
-            t = box["fc2"][e] if k == "down_proj" else box["fc1"][e].chunk(2, 0)[k == "up_proj"]
-            t = t.clone()
-            if i == len(names) - 1:
-                box.clear()
-            return t
-        return fn
-
-    return [(f"mlp.experts.{e}.{k}.weight", part(i)) for i, (e, k) in enumerate(names)]
-
-
-def _experts_from_mcore(sd: Mapping[str, Any], m: str, x: ExpertLayout, arch: HFArch, which: str) -> Any:
-    """All experts of one layer in HF's fused layout: each local expert gathered over etp, then the local
-    experts gathered over ep (a collective over both groups)."""
-    import torch
-
-    local = []
-    for j in range(arch.num_experts // x.ep):
-        w = sd[f"{m}mlp.experts.local_experts.{j}.linear_{which}.weight"]
-        if which == "fc1":  # this rank's [gate_shard; up_shard]
-            gate, up = w.chunk(2, 0)
-            local.append(torch.cat([_gather(gate, 0, x.etp_group, x.etp), _gather(up, 0, x.etp_group, x.etp)], 0))
-        else:
-            local.append(_gather(w, 1, x.etp_group, x.etp))
-    return _gather(torch.stack(local), 0, x.ep_group, x.ep)
+def _expert_parts(sd: Mapping[str, Any], m: str, x: ExpertLayout, arch: HFArch) -> list[HFPart]:
+    """Per-expert HF tensors (``experts.{e}.{gate,up,down}_proj.weight``, the checkpoint format) of one layer,
+    one expert at a time: expert e lives on ep rank ``e // (E/ep)`` as local expert ``e % (E/ep)``; its
+    thunks gather it over etp only, so no rank ever holds another rank's experts."""
+    n = arch.num_experts // x.ep
+    out = []
+    for e in range(arch.num_experts):
+        q = f"{m}mlp.experts.local_experts.{e % n}."
+        fc1, fc2 = q + "linear_fc1.weight", q + "linear_fc2.weight"  # fc1: this rank's [gate_shard; up_shard]
+        for k, fn in (("gate_proj", lambda k=fc1: _gather(sd[k].chunk(2, 0)[0], 0, x.etp_group, x.etp)),
+                      ("up_proj", lambda k=fc1: _gather(sd[k].chunk(2, 0)[1], 0, x.etp_group, x.etp)),
+                      ("down_proj", lambda k=fc2: _gather(sd[k], 1, x.etp_group, x.etp))):
+            out.append(HFPart(f"mlp.experts.{e}.{k}.weight", fn, e // n))
+    return out
 
 
 def _qkv_parts(arch: HFArch, fused: Callable[[], Any]) -> list[Callable[[], Any]]:
@@ -287,5 +335,7 @@ def _qkv_parts(arch: HFArch, fused: Callable[[], Any]) -> list[Callable[[], Any]
 def mcore_to_hf(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
                 experts: ExpertLayout | None = None) -> dict[str, Any]:
     """The HF tensors this rank's chunks own, TP-gathered (a collective over ``tp_group``: every TP rank
-    calls it), as one dict; see :func:`hf_tensors`."""
-    return {name: fn() for name, fn in hf_tensors(models, arch, tp_group, tp, experts)}
+    calls it), as one dict: the dense ones and this ep rank's experts; see :func:`hf_tensors`."""
+    ep_rank = (experts or ExpertLayout()).ep_rank
+    return {p.name: p.fn() for p in hf_tensors(models, arch, tp_group, tp, experts)
+            if p.expert_owner is None or p.expert_owner == ep_rank}

@@ -19,15 +19,18 @@ global loss normalisation (``weight / global weight``), stats reduction, HF expo
 - Learning-rate schedules are the engine's own (set on the optimizer's param groups before each step);
   clipping is mcore's (its norm counts TP-sharded parameters once, over TP, PP and, with the distributed
   optimizer, DP).
-- Checkpoints are per rank (model chunks, the inner optimizers' state and their master weights): they resume
-  bit-exact at the same layout. An HF export loads into any layout.
+- Weights are read from the safetensors slice by slice (:class:`~.convert.TensorSource`): a rank reads only what
+  its chunks hold and never builds the HF model. Export gathers on data-parallel replica 0 only.
+- Checkpoints: model chunks once per model-parallel position (data-parallel replica 0 writes them), the inner
+  optimizers' state and master weights per rank under the distributed optimizer (each holds a shard), else
+  with the chunks (replicated): they resume bit-exact at the same layout. An HF export loads into any layout.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,13 +38,29 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import packing, sampling_mask
+from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
-from areal_cli.engines.fsdp import FSDPEngine
+from areal_cli.engines.fsdp import VALUE_HEAD_FILE, FSDPEngine
 from areal_cli.errors import ConfigError
 from areal_cli.utils.dist import send_to_rank0
 
+# a checkpoint dir: per rank, its step, version, extra state and (distributed optimizer) optimizer shard; per
+# model-parallel position, the model chunks (and the replicated optimizer state without the distributed one),
+# written once by the position's first rank, not once per data-parallel replica
 CKPT_FILE = "megatron_rank{rank}.pt"
+MODEL_FILE = "megatron_model_pp{pp}_tp{tp}_ep{ep}_etp{etp}.pt"
 _LIVE: list["MegatronEngine"] = []  # engines sharing mcore's process-global parallel state
+
+
+class _Coord(NamedTuple):
+    """A rank's pipeline, tensor, data-parallel, expert-parallel, expert-TP and expert-data-parallel ranks."""
+
+    pp: int
+    tp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
 
 
 class ValueHead(torch.nn.Module):
@@ -97,9 +116,9 @@ class MegatronEngine(FSDPEngine):
         if vpp > 1 and pp == 1:
             raise ConfigError("engine.megatron.virtual_stages", f"{vpp} virtual stages need pipeline parallelism",
                               "set p > 1 in allocation_mode, or engine.megatron.virtual_stages=1")
-        hf_model, dtype = self._load_hf_model(model_path)  # value head attached for a critic
-        self.hf_config = hf_model.config
-        self.mc_arch = arch = mm.hf_arch(hf_model.config)
+        dtype = par.torch_dtype(self.cfg.dtype)
+        hf_config = self._read_hf_config(model_path)
+        self.mc_arch = arch = mm.hf_arch(hf_config)
         mm.check_layout(arch, tp, pp, vpp, ep, etp)
         self._init_parallel_state(tp, pp, vpp, ep, etp)
         self.sequence_parallel = bool(mc.sequence_parallel) and tp > 1
@@ -110,7 +129,7 @@ class MegatronEngine(FSDPEngine):
                                        aux_loss_coeff=float(mc.moe_aux_loss_coeff))
         self._recompute(config)
         self.tconfig = config
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.seed)  # mcore's own init (overwritten by the load) draws the same as before
         if self.device.type == "cuda":
             # mcore initialises weights on the GPU inside its CUDA RNG tracker's model-parallel state
             # (tensor_parallel/layers.py _initialize_affine_weight_gpu); without it "cuda rng state
@@ -124,11 +143,10 @@ class MegatronEngine(FSDPEngine):
             for c in chunks:
                 if c.post_process:
                     c.output_layer = ValueHead(arch.hidden_size, self.sequence_parallel, config.params_dtype)
-        hf_sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
-        del hf_model
         self.experts = self._expert_layout(ep, etp)
-        convert.load_hf(chunks, hf_sd, arch, self.tp_rank, tp, self.experts)
-        del hf_sd
+        # this rank's slices only, read from the safetensors (never the whole model on a rank)
+        convert.load_hf(chunks, self._hf_source(model_path, dtype, init_head=True), arch, self.tp_rank, tp,
+                        self.experts)
         for c in chunks:
             c.to(self.device)
         self.chunks = chunks
@@ -141,6 +159,55 @@ class MegatronEngine(FSDPEngine):
             self.model = torch.nn.ModuleList(chunks)
             self.model.eval()
         self._coords = self._gather_coords()
+
+    def _read_hf_config(self, model_path: str) -> Any:
+        """The HF config and what the export writes beside the weights (architectures, generation config) and
+        the pad token, as FSDPEngine's HF model load sets them, without building the HF model: that would
+        read and hold the whole model on every rank."""
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(model_path)
+        if self.critic:  # the value head replaces the vocab projection: the tie is broken, as fsdp's critic
+            cfg.tie_word_embeddings = False
+        self.hf_config = cfg
+        self.pad_token_id = cfg.pad_token_id or 0
+        self.arch = list(cfg.architectures or [transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)].__name__])
+        gen = Path(model_path) / "generation_config.json"
+        self.generation_config = (transformers.GenerationConfig.from_pretrained(model_path) if gen.is_file()
+                                  else transformers.GenerationConfig.from_model_config(cfg))
+        return cfg
+
+    def _hf_source(self, path: str, dtype: Any, init_head: bool = False) -> Any:
+        """A :class:`~.convert.TensorSource` over the safetensors of ``path`` (read lazily, slice by slice), cast
+        to ``dtype`` (None: as stored), with a critic's value head from ``value_head.safetensors``; without
+        that file, ``init_head`` initialises the head as fsdp's critic does (same seed, same draws)."""
+        from areal_cli.engines.megatron.convert import TensorSource
+        from areal_cli.weight_sync.hf_io import HFCheckpoint
+
+        ckpt = HFCheckpoint(path)
+        if not ckpt.names():
+            raise ConfigError("model.path", f"{path} has no model*.safetensors weights",
+                              "point at an HF model dir with safetensors weights (or an export of this tool)")
+        head: dict[str, torch.Tensor] = {}
+        if self.critic:
+            src = Path(path) / VALUE_HEAD_FILE
+            if src.is_file():
+                from safetensors.torch import load_file
+
+                head = {f"lm_head.{k}": v for k, v in load_file(str(src)).items()}
+            elif init_head:
+                hidden = int(self.hf_config.hidden_size)
+                # forked: the global RNG continues as when the head was drawn before mcore's init
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.seed)
+                    lin = torch.nn.Linear(hidden, 1, bias=True, dtype=dtype or par.torch_dtype(self.cfg.dtype))
+                    torch.nn.init.normal_(lin.weight, std=1.0 / (hidden + 1) ** 0.5)
+                    torch.nn.init.zeros_(lin.bias)
+                head = {"lm_head.weight": lin.weight.detach(), "lm_head.bias": lin.bias.detach()}
+            else:
+                raise ConfigError("model.path", f"{path} has no {VALUE_HEAD_FILE} for this critic's value head",
+                                  "load an HF export of a critic (it writes the head beside the backbone)")
+        return TensorSource(ckpt, extra=head, dtype=dtype)
 
     @staticmethod
     def _expert_layout(ep: int, etp: int) -> Any:
@@ -229,15 +296,16 @@ class MegatronEngine(FSDPEngine):
         self.scheduler = None
         self._base_lrs = [g.get("lr", o.lr) for g in self.optimizer.param_groups]
 
-    def _gather_coords(self) -> list[tuple[int, int, int]]:
-        """(pp, tp, dp) rank of every global rank: who owns which stage's tensors for export."""
+    def _gather_coords(self) -> list[_Coord]:
+        """Every global rank's place: who holds which tensors, for export and checkpoints."""
         from megatron.core import parallel_state as mpu
 
-        me = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
-              mpu.get_data_parallel_rank())
+        me = _Coord(mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
+                    mpu.get_data_parallel_rank(), mpu.get_expert_model_parallel_rank(),
+                    mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_data_parallel_rank())
         table: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(table, me)
-        return [tuple(t) for t in table]
+        dist.all_gather_object(table, tuple(me))
+        return [_Coord(*t) for t in table]
 
     # ------------------------------------------------------------------ layout
     @property
@@ -262,8 +330,8 @@ class MegatronEngine(FSDPEngine):
 
     @property
     def is_dp_head(self) -> bool:
-        pp_rank, tp_rank, _ = self._coords[dist.get_rank()]
-        return pp_rank == 0 and tp_rank == 0
+        c = self._coords[dist.get_rank()]
+        return c.pp == 0 and c.tp == 0
 
     @property
     def _tp_group(self):
@@ -560,34 +628,44 @@ class MegatronEngine(FSDPEngine):
 
     # ------------------------------------------------------------------ full weights
     def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True):
-        """``(HF name, full tensor)`` on global rank 0, ``(name, None)`` elsewhere, one tensor at a time: TP-
-        gathered inside each stage, then sent from the stage's (tp 0, dp 0) rank to rank 0."""
+        """``(HF name, full tensor)`` on global rank 0, ``(name, None)`` elsewhere, one tensor at a time, in the
+        same order on every rank. Only data-parallel replica 0 of a tensor's holders gathers it (a dense tensor
+        over TP inside its stage; an expert's over expert TP, one expert at a time, on its ep rank) and copies it
+        to the host, and its first rank sends it to rank 0; the other replicas take no part in that tensor."""
         from areal_cli.engines.megatron import convert
 
-        pp_rank, tp_rank, dp_rank = self._coords[dist.get_rank()]
-        mine = convert.hf_tensors(self.chunks, self.mc_arch, self._tp_group, self.parallel.tp, self.experts)
+        me = self._coords[dist.get_rank()]
+        parts = convert.hf_tensors(self.chunks, self.mc_arch, self._tp_group, self.parallel.tp, self.experts)
+        mine = [(p.name, p.expert_owner) for p in parts]
         table: list[Any] = [None] * self.parallel.pp
         if self.parallel.pp > 1:
-            dist.all_gather_object(table, [n for n, _ in mine], group=self._pp_group)
+            dist.all_gather_object(table, mine, group=self._pp_group)
         else:
-            table = [[n for n, _ in mine]]
-        owner = {c[0]: r for r, c in enumerate(self._coords) if c[1] == 0 and c[2] == 0}
-        rank0 = dist.get_rank() == 0
+            table = [mine]
+        dense = {c.pp: r for r, c in reversed(list(enumerate(self._coords))) if c.tp == 0 and c.dp == 0}
+        expert = {(c.pp, c.ep): r for r, c in reversed(list(enumerate(self._coords))) if c.etp == 0 and c.edp == 0}
+        rank, rank0 = dist.get_rank(), dist.get_rank() == 0
         for stage, names in enumerate(table):
-            for j, name in enumerate(names):
+            for j, (name, ep_owner) in enumerate(names):
                 if self.critic and name.startswith("lm_head.") and not include_value_head:
                     continue
-                full = mine[j][1]().detach().cpu() if pp_rank == stage else None  # a collective over tp
-                if (pp_rank == stage and tp_rank == 0 and dp_rank == 0) or rank0:
-                    full = send_to_rank0(full, owner[stage])
+                if ep_owner is None:
+                    gathers, owner = me.pp == stage and me.dp == 0, dense[stage]
+                else:
+                    gathers = me.pp == stage and me.ep == ep_owner and me.edp == 0
+                    owner = expert[(stage, ep_owner)]
+                full = parts[j].fn().detach().cpu() if gathers else None  # a collective over (expert) tp
+                if rank == owner or rank0:
+                    full = send_to_rank0(full, owner)
                 yield name, (full if rank0 else None)
 
     def _load_hf(self, path: str) -> None:
+        """An HF dir into the running engine, each rank reading only its slices (as ``initialize``)."""
         from areal_cli.engines.megatron import convert
 
-        full = self._read_hf(path, untie=False)
+        src = self._hf_source(path, dtype=None)  # as stored: load_state_dict casts to the parameters' dtype
         with torch.no_grad():
-            convert.load_hf(self.chunks, full, self.mc_arch, self.tp_rank, self.parallel.tp, self.experts)
+            convert.load_hf(self.chunks, src, self.mc_arch, self.tp_rank, self.parallel.tp, self.experts)
         if self.optimizer is not None:
             self.optimizer.reload_model_params()  # fp32 master copies follow the new weights
 
@@ -602,21 +680,45 @@ class MegatronEngine(FSDPEngine):
                 "vpp": int(self.cfg.megatron.virtual_stages),
                 "distributed_optimizer": int(bool(self.cfg.megatron.use_distributed_optimizer))}
 
+    def _position(self) -> tuple[_Coord, dict[str, int], bool]:
+        """This rank's model-parallel position (every rank there holds the same chunks and, without the
+        distributed optimizer, the same optimizer state), its model file's name fields, and whether this rank
+        writes that file (the position's first rank: data-parallel replica 0)."""
+        me = self._coords[dist.get_rank()]
+        key = {"pp": me.pp, "tp": me.tp, "ep": me.ep, "etp": me.etp}
+        same = [r for r, c in enumerate(self._coords) if (c.pp, c.tp, c.ep, c.etp) == (me.pp, me.tp, me.ep, me.etp)]
+        return me, key, dist.get_rank() == min(same)
+
+    def _optim_state(self) -> dict[str, Any]:
+        inner = self._inner_optimizers()
+        # master weights (fp32 copies under bf16, shards under the distributed optimizer)
+        return {"optim": [o.state_dict() for o in inner],
+                "main_params": [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in inner]}
+
     def save(self, meta: SaveLoadMeta) -> None:
         if meta.weight_format != "dcp":
             return super().save(meta)
-        Path(meta.path).mkdir(parents=True, exist_ok=True)
+        root = Path(meta.path)
+        root.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        state: dict[str, Any] = {
-            "layout": self._layout(), "step": self.step, "version": self._version,
-            "extra_state": meta.extra_state,
-            "chunks": [{k: v for k, v in c.state_dict().items() if isinstance(v, torch.Tensor)} for c in self.chunks]}
+        _, key, writes_model = self._position()
+        sharded_optim = bool(self.cfg.megatron.use_distributed_optimizer)
+        own: dict[str, Any] = {"layout": self._layout(), "step": self.step, "version": self._version,
+                               "extra_state": meta.extra_state}
+        model: dict[str, Any] | None = None
+        if writes_model:
+            model = {"layout": self._layout(), "chunks": [{k: v for k, v in c.state_dict().items()
+                                                           if isinstance(v, torch.Tensor)} for c in self.chunks]}
         if self.optimizer is not None:
-            inner = self._inner_optimizers()
-            state["optim"] = [o.state_dict() for o in inner]
-            # master weights (fp32 copies under bf16, shards under the distributed optimizer)
-            state["main_params"] = [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in inner]
-        torch.save(state, Path(meta.path) / CKPT_FILE.format(rank=dist.get_rank()))
+            # a distributed optimizer's shard differs per data-parallel rank; otherwise the state is replicated
+            # over the replicas and goes once, with the model chunks
+            if sharded_optim:
+                own.update(self._optim_state())
+            elif model is not None:
+                model.update(self._optim_state())
+        torch.save(own, root / CKPT_FILE.format(rank=dist.get_rank()))
+        if model is not None:
+            torch.save(model, root / MODEL_FILE.format(**key))
         dist.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
@@ -631,13 +733,21 @@ class MegatronEngine(FSDPEngine):
             raise ConfigError("allocation_mode.spec", f"the checkpoint was written at {state['layout']}, this run is "
                               f"{self._layout()}", "resume with the same layout, or start a new run from an HF "
                               "export (weight_format=hf), which loads into any layout")
+        model = state  # a checkpoint written one whole file per rank (before model files) holds its chunks
+        if "chunks" not in state:
+            mf = Path(meta.path) / MODEL_FILE.format(**self._position()[1])
+            if not mf.is_file():
+                raise ConfigError("recover.path", f"{meta.path} has no {mf.name} (written by this position's first "
+                                  "data-parallel rank)", "point at a complete megatron checkpoint dir")
+            model = torch.load(mf, weights_only=False)
         with torch.no_grad():
-            for c, sd in zip(self.chunks, state["chunks"], strict=True):
+            for c, sd in zip(self.chunks, model["chunks"], strict=True):
                 missing, unexpected = c.load_state_dict(sd, strict=False)
                 if [k for k in missing if not k.endswith("_extra_state")] or unexpected:
                     raise RuntimeError(f"megatron checkpoint mismatch: missing {missing}, unexpected {unexpected}")
             if self.optimizer is not None:
-                for o, osd, mains in zip(self._inner_optimizers(), state["optim"], state["main_params"], strict=True):
+                opt = state if "optim" in state else model
+                for o, osd, mains in zip(self._inner_optimizers(), opt["optim"], opt["main_params"], strict=True):
                     o.load_state_dict(osd)
                     params = [p for g in o.param_groups for p in g["params"]]
                     for p, saved in zip(params, mains, strict=True):
