@@ -33,7 +33,7 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch, TrainEngine
 from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
 from areal_cli.engines import lora as lora_mod
-from areal_cli.engines import packing
+from areal_cli.engines import packing, sampling_mask
 from areal_cli.errors import ConfigError, WeightSyncError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -77,7 +77,7 @@ class EngineBase(TrainEngine):
         self._check_model_dir(model_path)
         cfg = AutoConfig.from_pretrained(model_path)
         self.pad_token_id = getattr(cfg, "pad_token_id", None) or 0
-        self.arch = list(getattr(cfg, "architectures", None) or [])
+        self.arch = list(getattr(cfg, "architectures", None) or [_causal_lm_class(cfg)])
         # as from_pretrained: the dir's generation config, else one derived from the model config
         if (Path(model_path) / "generation_config.json").is_file():
             self.generation_config = GenerationConfig.from_pretrained(model_path)
@@ -145,6 +145,13 @@ class EngineBase(TrainEngine):
 
     def _shares_prefix(self, output: str) -> bool:
         return False
+
+    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          cutoffs: torch.Tensor | None = None):
+        """``cutoffs``: Keep-Sampling-Mask thresholds aligned with ``targets`` (see engines/sampling_mask.py)."""
+        if cutoffs is not None:
+            return sampling_mask.masked_logprobs_entropy(logits, targets, temperature, cutoffs.to(logits.device))
+        return _logprobs_entropy(logits, targets, temperature)
 
     def _split(self, batch: Batch, output: str) -> tuple[list[list[int]], int]:
         lens = packing.seq_lens(batch)
@@ -389,6 +396,12 @@ class EngineBase(TrainEngine):
             self._runner = None
 
 
+def _causal_lm_class(cfg) -> str:
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)].__name__
+
+
 def _orig_tie(model_path: str) -> bool:
     import json
 
@@ -396,3 +409,11 @@ def _orig_tie(model_path: str) -> bool:
         return bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings", False))
     except (OSError, ValueError):
         return False
+
+
+def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """Per-position log p(target) and entropy of ``softmax(logits / temperature)`` in fp32."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent

@@ -52,8 +52,6 @@ class HFModelEngine(EngineBase):
         dtype = par.torch_dtype(self.cfg.dtype)
         torch.manual_seed(self.seed)
         model = materialize.meta_model(cfg, dtype, attn)
-        if not self.arch:
-            self.arch = [type(model).__name__]
         if self.critic:
             self._attach_value_head(model, model_path, dtype)
         elif lora_mod.enabled(self.lora_cfg):
@@ -92,13 +90,6 @@ class HFModelEngine(EngineBase):
         # The tie is broken on purpose: the embedding stays, the vocab projection goes.
         model.config.tie_word_embeddings = False
         model.lm_head = head
-
-    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                          cutoffs: torch.Tensor | None = None):
-        """``cutoffs``: Keep-Sampling-Mask thresholds aligned with ``targets`` (see engines/sampling_mask.py)."""
-        if cutoffs is not None:
-            return sampling_mask.masked_logprobs_entropy(logits, targets, temperature, cutoffs.to(logits.device))
-        return _logprobs_entropy(logits, targets, temperature)
 
     def _shares_prefix(self, output: str) -> bool:
         return (self.cfg.shared_prefix and self.cfg.padding_free and self.parallel.cp == 1
@@ -413,12 +404,3 @@ def _full(p: torch.Tensor) -> torch.Tensor:
         if local.shape == p.shape:
             return local
     return p.full_tensor()
-
-
-def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """Per-position log p(target) and entropy of ``softmax(logits / temperature)`` in fp32."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return lp, ent
-

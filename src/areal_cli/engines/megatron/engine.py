@@ -4,8 +4,8 @@ TP, PP (with interleaved virtual stages) and DP come from ``megatron.core.parall
 parallelism rides on TP. The same code runs on CUDA/NCCL (TransformerEngine layer spec when installed) and on
 CPU/gloo (the local spec plus :mod:`.compat`'s patches, applied only when CUDA is absent).
 
-What it shares with :class:`~areal_cli.engines.fsdp.FSDPEngine` it inherits: micro-batch splitting and the
-global loss normalisation (``weight / global weight``), stats reduction, HF export and the weight-sync senders
+What it shares with every backend it inherits from :class:`~areal_cli.engines.base.EngineBase`: micro-batch
+splitting and the global loss normalisation (``weight / global weight``), stats reduction, HF export and the weight-sync senders
 (fed by :meth:`_named_full_tensors`). What is mcore's own is here:
 
 - Micro-batches are right-padded rows with an explicit ``[b, 1, s, s]`` mask (True = hidden): without
@@ -40,7 +40,7 @@ from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import packing, sampling_mask
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
-from areal_cli.engines.fsdp import VALUE_HEAD_FILE, FSDPEngine
+from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
 from areal_cli.errors import ConfigError
 from areal_cli.utils.dist import send_to_rank0
 
@@ -85,7 +85,7 @@ class ValueHead(torch.nn.Module):
         return self.head(hidden), None
 
 
-class MegatronEngine(FSDPEngine):
+class MegatronEngine(EngineBase):
     """megatron-core TP × PP (× virtual stages) × DP (× EP for Qwen3-MoE) training of Qwen2/2.5, Qwen3, Llama and
     Qwen3-MoE models."""
 
@@ -161,20 +161,12 @@ class MegatronEngine(FSDPEngine):
         self._coords = self._gather_coords()
 
     def _read_hf_config(self, model_path: str) -> Any:
-        """The HF config and what the export writes beside the weights (architectures, generation config) and
-        the pad token, as FSDPEngine's HF model load sets them, without building the HF model: that would
-        read and hold the whole model on every rank."""
-        import transformers
-
-        cfg = transformers.AutoConfig.from_pretrained(model_path)
+        """The HF config and what the export writes beside the weights (the base's model-dir reading), without
+        building the HF model: that would read and hold the whole model on every rank."""
+        cfg = self._read_model_meta(model_path)
         if self.critic:  # the value head replaces the vocab projection: the tie is broken, as fsdp's critic
             cfg.tie_word_embeddings = False
         self.hf_config = cfg
-        self.pad_token_id = cfg.pad_token_id or 0
-        self.arch = list(cfg.architectures or [transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)].__name__])
-        gen = Path(model_path) / "generation_config.json"
-        self.generation_config = (transformers.GenerationConfig.from_pretrained(model_path) if gen.is_file()
-                                  else transformers.GenerationConfig.from_model_config(cfg))
         return cfg
 
     def _hf_source(self, path: str, dtype: Any, init_head: bool = False) -> Any:
