@@ -1,10 +1,14 @@
 """The DeepSpeed engine: ZeRO stages 0-3 over the d × c ranks (Ulysses for c, as fsdp), on CPU (gloo)
 and CUDA (nccl).
 
-The HF model is loaded whole on every rank and handed to ``deepspeed.initialize`` with the project's
-own torch AdamW and LR schedule (DeepSpeed's fused/CPU Adam kernels are C++ built at run time, which a
-CPU host without a toolchain cannot do, and the torch optimizer keeps the schedules and numerics of the
-other engines). Micro-batching, the loss normalisation, logprobs, weight-sync senders and HF export are
+Under ZeRO-3 the HF model is built from its config inside ``deepspeed.zero.Init``, so a rank holds only
+its partition of each parameter from construction on; the weights are then loaded bucket by bucket,
+each bucket gathered while global rank 0 alone reads its tensors from the checkpoint. ZeRO-0/1/2 keep
+the weights whole on every rank by design: the model is allocated uninitialised and read into tensor by
+tensor. The model goes to ``deepspeed.initialize`` with the project's own torch AdamW and LR schedule
+(DeepSpeed's fused/CPU Adam kernels are C++ built at run time, which a CPU host without a toolchain
+cannot do, and the torch optimizer keeps the schedules and numerics of the other engines).
+Micro-batching, the loss normalisation, logprobs and weight-sync senders are
 :class:`~areal_cli.engines.fsdp.FSDPEngine`'s; what differs is how a step runs and how full weights
 are reached:
 
@@ -17,8 +21,10 @@ are reached:
 - Gradient clipping is DeepSpeed's (``gradient_clipping``), over the partitioned gradients; its norm
   is the reported ``grad_norm``.
 - Full weights (HF export, weight sync) are gathered bucket by bucket with
-  ``deepspeed.zero.GatheredParameters`` (a collective on every rank); with bf16 compute over fp32
-  weights the fp32 master copies are gathered instead.
+  ``deepspeed.zero.GatheredParameters`` (a collective on every rank) and only rank 0 copies them; the
+  HF export streams them into safetensors shards. With bf16 compute over fp32 weights the fp32 master
+  copies are gathered instead; after ``deepspeed.initialize`` (which builds them from the bf16 module)
+  each rank puts its masters back from the checkpoint, reading under ZeRO-3 only its partitions' rows.
 - ``weight_format="dcp"`` checkpoints are DeepSpeed's own ``save_checkpoint``/``load_checkpoint``
   (module, ZeRO partitions of the optimizer) plus a per-rank file with the step, version and LR schedule;
   they resume bit-exact on the same number of ranks.
@@ -26,8 +32,10 @@ are reached:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+from contextlib import ExitStack, contextmanager
 from math import inf
 from pathlib import Path
 from typing import Any
@@ -38,8 +46,9 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import check_deepspeed_knobs, ulysses
+from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import parallelize as par
-from areal_cli.engines.fsdp import FSDPEngine
+from areal_cli.engines.fsdp import VALUE_HEAD_FILE, FSDPEngine
 from areal_cli.errors import ConfigError
 
 CHECKPOINT_TAG = "state"
@@ -65,6 +74,264 @@ def import_deepspeed():
     return deepspeed
 
 
+class _HFSource:
+    """The tensors a DeepSpeed model loads from an HF dir, read one at a time: the safetensors through
+    :class:`~areal_cli.weight_sync.hf_io.HFCheckpoint` (a tied head reads as the embedding) and, for a
+    critic, the value head file (two small tensors) as ``lm_head.*``."""
+
+    def __init__(self, path: str, critic: bool):
+        from areal_cli.weight_sync.hf_io import HFCheckpoint
+
+        self.ckpt = HFCheckpoint(path, tied_head=not critic)
+        self.head: dict[str, torch.Tensor] = {}
+        self.critic = critic
+        if critic and (Path(path) / VALUE_HEAD_FILE).is_file():
+            from safetensors.torch import load_file
+
+            self.head = {f"lm_head.{k}": v for k, v in load_file(str(Path(path) / VALUE_HEAD_FILE)).items()}
+
+    def __contains__(self, name: str) -> bool:
+        if self.critic and name.startswith("lm_head."):
+            return name in self.head
+        return name in self.ckpt
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.head[name].shape) if name in self.head else tuple(self.ckpt.shape(name))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.head[name] if name in self.head else self.ckpt.get(name)
+
+    def get_flat(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor, reading only the dim-0 rows that hold them."""
+        if name in self.head:
+            return self.head[name].reshape(-1)[lo:hi]
+        shape = self.ckpt.shape(name)
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        if not shape:
+            return self.ckpt.get(name).reshape(-1)[lo:hi]
+        r0, r1 = lo // row, -(-hi // row)
+        return self.ckpt.get_rows(name, r0, r1).reshape(-1)[lo - r0 * row:hi - r0 * row]
+
+
+def _buckets(named, limit: int):
+    """``(name, parameter)`` pairs in lists of about ``limit`` elements (a ZeRO-3 parameter counts its
+    full size, ``ds_numel``)."""
+    bucket: list = []
+    size = 0
+    for name, p in named:
+        n = int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel()
+        if bucket and size + n > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def _mismatch(named, src: _HFSource, path: str) -> ConfigError | None:
+    """Why the dir cannot fill ``named`` (a missing tensor or another shape), or None."""
+    missing = [n for n, _ in named if n not in src]
+    if missing:
+        return ConfigError("model.path", f"{path} lacks {len(missing)} parameters of the model "
+                           f"(e.g. {missing[0]})", "load an HF dir of this architecture (an export of it)")
+    for name, p in named:
+        want = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+        if src.shape(name) != want:
+            return ConfigError("model.path", f"{path}: {name} has shape {src.shape(name)}, the model's is "
+                               f"{want}", "load an HF dir of this architecture (an export of it)")
+    return None
+
+
+def _copy_from_rank0(named, reader: _HFSource | None, path: str, zero3: bool, limit: int) -> set[str]:
+    """Checkpoint tensors into ``named`` parameters, bucket by bucket, read by global rank 0 alone (its
+    ``reader``; None elsewhere). Under ZeRO-3 each bucket is gathered (``modifier_rank=0``) and its exit
+    re-partitions rank 0's values to every rank; replicated (ZeRO-0/1/2) parameters are broadcast from
+    rank 0. Collective. Returns the names loaded."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    # Rank 0 alone sees the dir: every rank raises its verdict together rather than hang in a gather.
+    e = _mismatch(named, reader, path) if reader is not None else None
+    err = [(e.path, e.reason, e.hint) if e is not None else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        raise ConfigError(*err[0])
+    for bucket in _buckets(named, limit):
+        with GatheredParameters([p for _, p in bucket], modifier_rank=0, enabled=zero3), torch.no_grad():
+            for name, p in bucket:
+                if reader is not None:
+                    p.copy_(reader.get(name).to(p.dtype))
+                if not zero3 and dist.get_world_size() > 1:
+                    dist.broadcast(p.data, src=0)
+    return {n for n, _ in named}
+
+
+def _model_meta(engine, model, model_path: str) -> None:
+    """What :meth:`FSDPEngine._load_hf_model` records from ``from_pretrained``'s model."""
+    from transformers import GenerationConfig
+
+    engine.pad_token_id = model.config.pad_token_id or 0
+    engine.arch = list(model.config.architectures or [type(model).__name__])
+    engine.generation_config = getattr(model, "generation_config", None)
+    if (Path(model_path) / "generation_config.json").is_file():  # as from_pretrained reads it
+        engine.generation_config = GenerationConfig.from_pretrained(model_path)
+        model.generation_config = engine.generation_config
+
+
+@contextmanager
+def _params_on_meta():
+    """Module construction with every parameter moved to the meta device as it is registered (nothing
+    stays allocated) while buffers are computed for real, as ``accelerate.init_empty_weights(
+    include_buffers=False)`` does."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _construct(model_path: str, dtype, attn: str, contexts: list):
+    """The HF causal LM of ``model_path``'s config with allocated but uninitialised weights (they are all
+    loaded next), built inside ``contexts``; buffers (rotary ``inv_freq``) are computed from the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    with ExitStack() as stack:
+        stack.enter_context(no_init_weights())
+        for c in contexts:
+            stack.enter_context(c)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+    model.tie_weights()  # init_weights (which ties) was skipped with the initialisation
+    return model
+
+
+def _fix_buffers(model, model_path: str, dtype, attn: str, src: _HFSource | None, device) -> None:
+    """Put back the buffers zero.Init built wrong: it casts every floating tensor made during construction
+    to the model dtype, so under bf16 the rotary ``inv_freq`` (fp32 in ``from_pretrained``'s model, and
+    what the positions are computed from) lost its precision. The buffers of a construction with the
+    parameters on the meta device replace them; persistent ones the checkpoint holds are read from it
+    (``src``: rank 0's reader, broadcast to the others). Collective."""
+    ref = _construct(model_path, dtype, attn, [_params_on_meta()])
+    want = dict(ref.named_buffers())
+    for mod_name, mod in model.named_modules():
+        for name, b in list(mod._buffers.items()):
+            full = f"{mod_name}.{name}" if mod_name else name
+            if b is None or full not in want:
+                continue
+            new = want[full].to(device)
+            if name not in mod._non_persistent_buffers_set and src is not None and full in src:
+                new = src.get(full).to(device, new.dtype)
+            if name not in mod._non_persistent_buffers_set and dist.get_world_size() > 1:
+                dist.broadcast(new, src=0)
+            mod._buffers[name] = new
+
+
+def _finish_model(engine, model, model_path: str, dtype, rng: torch.Tensor):
+    """The value head or LoRA adapter, drawn from the RNG state right after the engine's seed (what
+    ``from_pretrained``, which draws nothing, leaves it at), so they match fsdp's."""
+    torch.set_rng_state(rng)
+    if engine.critic:
+        engine._attach_value_head(model, model_path, dtype)
+    elif lora_mod.enabled(engine.lora_cfg):
+        engine.peft_config = lora_mod.inject(model, engine.lora_cfg)
+
+
+def build_zero3_model(engine, model_path: str, dtype, ds_config: dict):
+    """The model built inside ``deepspeed.zero.Init``: each rank holds only its partition of every
+    parameter from construction on (a module's parameters are whole only until its ``__init__`` ends).
+    The weights are then loaded bucket by bucket, gathered, with rank 0 alone reading the checkpoint."""
+    deepspeed = import_deepspeed()
+    attn = ulysses.register()
+    # bf16 compute: DeepSpeed takes a zero.Init model's parameters as already in bf16.
+    mdtype = torch.bfloat16 if engine._bf16 else dtype
+    torch.manual_seed(engine.seed)
+    rng = torch.get_rng_state()
+    # dtype=None: zero.Init takes it from the config's bf16 switch (bf16 or fp32), i.e. mdtype. An explicit
+    # dtype is overridden by bf16 on an accelerator without fp16 (the CPU one; `dtype or fp16 if ... else`).
+    model = _construct(model_path, mdtype, attn,
+                       [deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None, enabled=True)])
+    # The head's own weight, replaced by the tie, is left in a reference cycle: free its partition now.
+    gc.collect()
+    _model_meta(engine, model, model_path)
+    reader = _HFSource(model_path, engine.critic) if dist.get_rank() == 0 else None
+    _fix_buffers(model, model_path, mdtype, attn, reader, engine.device)
+    named = [(n, p) for n, p in model.named_parameters() if not (engine.critic and n.startswith("lm_head."))]
+    limit = int(engine.cfg.deepspeed.bucket_mel * 1e6)
+    engine._loaded = _copy_from_rank0(named, reader, model_path, True, limit)
+    _finish_model(engine, model, model_path, dtype, rng)
+    if engine.critic and (Path(model_path) / VALUE_HEAD_FILE).is_file():
+        engine._loaded |= {n for n, _ in model.named_parameters() if n.startswith("lm_head.")}
+    # Parameters added after zero.Init (head, adapter) are whole; DeepSpeed partitions them at initialize.
+    for p in model.parameters():
+        if not hasattr(p, "ds_id"):
+            p.data = p.data.to(engine.device)
+    return model
+
+
+def build_replicated_model(engine, model_path: str, dtype):
+    """ZeRO-0/1/2 keep the weights whole on every rank by design: the model is allocated uninitialised
+    and each tensor read into it from the checkpoint one at a time (no second full copy)."""
+    attn = ulysses.register()
+    torch.manual_seed(engine.seed)
+    rng = torch.get_rng_state()
+    model = _construct(model_path, dtype, attn, [])
+    _model_meta(engine, model, model_path)
+    src = _HFSource(model_path, engine.critic)
+    named = [(n, p) for n, p in model.named_parameters() if not (engine.critic and n.startswith("lm_head."))]
+    err = _mismatch(named, src, model_path)
+    if err is not None:
+        raise err
+    with torch.no_grad():
+        for name, p in named:
+            p.copy_(src.get(name).to(p.dtype))
+        for name, b in model.named_buffers():  # persistent buffers the checkpoint holds, as from_pretrained
+            if name in src:
+                b.copy_(src.get(name).to(b.dtype))
+    engine._loaded = {n for n, _ in named}
+    _finish_model(engine, model, model_path, dtype, rng)
+    if engine.critic and src.head:
+        engine._loaded |= set(src.head)
+    return model.to(engine.device)
+
+
+def restore_fp32_masters(engine, path: str, fresh: dict[str, torch.Tensor]) -> None:
+    """Put the fp32 master weights back after ``deepspeed.initialize`` built them from the bf16 module:
+    from the checkpoint, one tensor at a time (under ZeRO-3 each rank reads only its own partition's
+    rows), and ``fresh`` (the fp32 values of parameters the checkpoint lacks). Not collective."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_set_full_fp32_param, safe_set_local_fp32_param
+
+    src = _HFSource(path, engine.critic)
+    for name, p in engine.ds.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if engine.zero_stage == 3:
+            # This rank's partition: elements [rank * n, (rank + 1) * n) of the flattened tensor; the last
+            # one's padding keeps its value.
+            n = p.ds_tensor.ds_numel
+            lo = n * dist.get_rank(group=p.ds_process_group)
+            hi = min(lo + n, p.ds_numel)
+            local = safe_get_local_fp32_param(p).clone()
+            if hi > lo:
+                part = fresh[name].reshape(-1)[lo:hi] if name in fresh else src.get_flat(name, lo, hi)
+                local.view(-1)[:hi - lo].copy_(part)
+            safe_set_local_fp32_param(p, local)
+        else:
+            full = fresh[name] if name in fresh else src.get(name)
+            safe_set_full_fp32_param(p, full.to(engine.device, torch.float32))
+
+
 class DeepSpeedEngine(FSDPEngine):
     """DeepSpeed ZeRO-1/2/3 data parallelism of HF causal LMs (optimizer/parameter offload on GPU nodes)."""
 
@@ -78,29 +345,37 @@ class DeepSpeedEngine(FSDPEngine):
         self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
         self.parallel, self.model_path = parallel, model_path
         self._check(parallel)
-        model, dtype = self._load_hf_model(model_path)
-        model.to(self.device)
-        if self.cfg.gradient_checkpointing:
-            par.enable_gradient_checkpointing(model)
-        self.hf_config = model.config
         # fsdp's (dp, cp) mesh gives the dp and Ulysses groups; ZeRO partitions over all dp × cp ranks.
         self._meshes = par.build_meshes(parallel, self.device.type)
         ulysses.set_ulysses_group(self._meshes.cp_group if parallel.cp > 1 else None)
+        dtype = par.torch_dtype(self.cfg.dtype)
         self._bf16 = dtype == torch.bfloat16 or (self.cfg.mixed_precision and dtype == torch.float32)
         self._fp32_master = self._bf16 and dtype == torch.float32
+        config = self._ds_config()
+        if self.zero_stage == 3:
+            model = build_zero3_model(self, model_path, dtype, config)
+        else:
+            model = build_replicated_model(self, model_path, dtype)
+        if self.cfg.gradient_checkpointing:
+            par.enable_gradient_checkpointing(model)
+        self.hf_config = model.config
         self._build_optimizer(model.parameters())
-        # bf16 mode casts the module to bf16 before it builds the fp32 master partitions from it: keep the
-        # fp32 weights (on the host) to put them back, as fsdp's mixed precision keeps them.
-        fp32 = ({n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-                if self._fp32_master and self.optimizer is not None else None)
-        self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer,
-                                                config=self._ds_config(), dist_init_required=False)
-        if fp32 is not None:
-            from deepspeed.utils import safe_set_full_fp32_param
-
-            for name, p in self.ds.module.named_parameters():
-                safe_set_full_fp32_param(p, fp32[name].to(self.device))
-            del fp32
+        restore = self._fp32_master and self.optimizer is not None
+        # bf16 mode builds the fp32 master partitions from the bf16 module: they are put back from the
+        # checkpoint afterwards, as fsdp's mixed precision keeps fp32 weights. Only the parameters the
+        # checkpoint lacks (a fresh value head, the LoRA adapter: small) are kept here until then.
+        fresh = ({n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()
+                  if p.requires_grad and n not in self._loaded} if restore else {})
+        if self.zero_stage == 3 and self._bf16:
+            # DeepSpeed takes a zero.Init model's parameters as already in bf16: the ones added after
+            # construction (value head, adapter) are cast here, their fp32 values kept above.
+            for p in model.parameters():
+                if not hasattr(p, "ds_id") and p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+        self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config,
+                                                dist_init_required=False)
+        if restore:
+            restore_fp32_masters(self, model_path, fresh)
         self.model = self.ds
         if self.optimizer is None:
             self.model.eval()
@@ -194,22 +469,10 @@ class DeepSpeedEngine(FSDPEngine):
     def _param_buckets(self, include_value_head: bool = True, keep=None):
         """Named parameters (tied ones once) in buckets of about ``bucket_mel`` elements; ``keep(name)``:
         only those (the LoRA adapter)."""
-        limit = int(self.cfg.deepspeed.bucket_mel * 1e6)
-        bucket: list = []
-        size = 0
-        for name, p in self.ds.module.named_parameters():
-            if self.critic and name.startswith("lm_head.") and not include_value_head:
-                continue
-            if keep is not None and not keep(name):
-                continue
-            n = int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel()
-            if bucket and size + n > limit:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, p))
-            size += n
-        if bucket:
-            yield bucket
+        named = ((n, p) for n, p in self.ds.module.named_parameters()
+                 if not (self.critic and n.startswith("lm_head.") and not include_value_head)
+                 and (keep is None or keep(n)))
+        yield from _buckets(named, int(self.cfg.deepspeed.bucket_mel * 1e6))
 
     def _named_full_tensors(self, include_value_head: bool = True, to_cpu: bool = True, keep=None):
         """``(name, full tensor)`` on global rank 0 and ``(name, None)`` elsewhere, in the same order on
@@ -240,21 +503,61 @@ class DeepSpeedEngine(FSDPEngine):
                 yield name, out(b)
 
     def _load_hf(self, path: str) -> None:
-        """Full HF weights into every rank's partition (and the optimizer's fp32 master copy)."""
-        from deepspeed.runtime.zero import GatheredParameters
-
-        full = self._read_hf(path)
-        missing = [n for n, _ in self.ds.module.named_parameters() if n not in full]
-        if missing:
-            raise ConfigError("model.path", f"{path} lacks {len(missing)} parameters of the model "
-                              f"(e.g. {missing[0]})", "load an HF export of the same architecture")
-        for bucket in self._param_buckets():
-            with GatheredParameters([p for _, p in bucket], modifier_rank=0, enabled=self.zero_stage == 3):
-                with torch.no_grad():
-                    for name, p in bucket:
-                        p.copy_(full[name].to(p.dtype))
+        """HF weights into the running engine: bucket by bucket, rank 0 alone reading the dir (under ZeRO-3
+        each gathered bucket is re-partitioned from rank 0's values; otherwise broadcast), then the
+        optimizer's fp32 master copies from them (with fp32 masters under bf16: from the checkpoint)."""
+        named = [(n, p) for n, p in self.ds.module.named_parameters()]
+        limit = int(self.cfg.deepspeed.bucket_mel * 1e6)
+        reader = _HFSource(path, self.critic) if dist.get_rank() == 0 else None
+        _copy_from_rank0(named, reader, path, self.zero_stage == 3, limit)
         if self.optimizer is not None and hasattr(self.ds.optimizer, "refresh_fp32_params"):
             self.ds.optimizer.refresh_fp32_params()
+        if self._fp32_master and self.optimizer is not None:
+            restore_fp32_masters(self, path, {})
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """``hf``: streamed to disk as each bucket is gathered (rank 0 holds at most one shard, never the
+        whole model); ``dcp``: DeepSpeed's checkpoint. Collective."""
+        if meta.weight_format != "hf":
+            super().save(meta)
+            return
+        from areal_cli.engines.fsdp import _orig_tie
+        from areal_cli.weight_sync.hf_io import copy_tokenizer, stream_hf_dir
+
+        head: dict[str, torch.Tensor] = {}
+
+        def backbone():  # a critic's value head goes to its own file
+            for name, t in self._export_tensors():
+                if self.critic and name.startswith("lm_head."):
+                    if t is not None:
+                        head[name.split(".", 1)[1]] = t
+                    continue
+                yield name, t
+
+        src = dist.get_rank() == 0
+        cfg = self.hf_config
+        if self.critic:
+            cfg = cfg.__class__.from_dict(cfg.to_dict())
+            cfg.tie_word_embeddings = _orig_tie(self.model_path)
+        if src:
+            stream_hf_dir(meta.path, backbone(), cfg, architectures=self.arch, tokenizer_src=self.model_path,
+                          generation_config=self.generation_config, dtype=par.torch_dtype(self.cfg.dtype))
+        else:
+            for _ in backbone():  # the gathers are collectives: take part, keep nothing
+                pass
+        adapter = self.adapter_tensors() if self.peft_config is not None else {}
+        if src:
+            if head:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in head.items()},
+                          str(Path(meta.path) / VALUE_HEAD_FILE))
+            if meta.tokenizer_path:
+                copy_tokenizer(meta.tokenizer_path, meta.path)
+            if adapter:  # beside the merged model: the adapter alone, in peft's layout
+                lora_mod.write_adapter_dir(Path(meta.path) / lora_mod.ADAPTER_SUBDIR, adapter,
+                                           self.peft_config)
+        dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
     def _save_dcp(self, meta: SaveLoadMeta) -> None:
