@@ -67,8 +67,21 @@ def _archon_layers(engine_cfg: Any, dims: Any, n_layers: int) -> None:
                           f"{n_layers} layers", "use fewer stages: p × pp_virtual_stages ≤ num_hidden_layers")
 
 
+def _fsdp2_grad_reduce_only(engine_cfg: Any, name: str, why: str) -> None:
+    """``engine.grad_reduce`` picks FSDP2's reduce-scatter schedule: another backend refuses a non-default value."""
+    mode = getattr(engine_cfg, "grad_reduce", "per_micro_batch")
+    if mode != "per_micro_batch":
+        raise ConfigError("engine.grad_reduce", f"{mode!r} is an FSDP2 setting (engine=fsdp or archon); {why}",
+                          f"leave engine.grad_reduce=per_micro_batch with engine={name}")
+
+
+def check_megatron_knobs(engine_cfg: Any) -> None:
+    _fsdp2_grad_reduce_only(engine_cfg, "megatron", "mcore's DDP reduces its gradient buffers once per step")
+
+
 def check_deepspeed_knobs(engine_cfg: Any) -> None:
     """The ``engine.deepspeed`` knobs that depend on each other."""
+    _fsdp2_grad_reduce_only(engine_cfg, "deepspeed", "DeepSpeed reduces at its own accumulation boundary")
     z = engine_cfg.deepspeed
     if z.offload_param and z.zero_stage != 3:
         raise ConfigError("engine.deepspeed.offload_param", f"parameter offload needs ZeRO-3, got zero_stage="
@@ -132,7 +145,8 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
                                       optimizer=bool(getattr(getattr(e, "megatron", None), "use_distributed_optimizer",
                                                              True)), gathers_layers=False),
                    "megatron", "megatron-core TP/PP (+ virtual stages)/DP with a distributed optimizer",
-                   constraint=_megatron_constraint, check_layers=_megatron_layers),
+                   constraint=_megatron_constraint, check_layers=_megatron_layers,
+                   check_config=check_megatron_knobs),
         EngineSpec("archon", "areal_cli.engines.archon.engine:ArchonEngine", "dtpce", lambda _: ARCHON_SHARD,
                    "archon", "PyTorch-native FSDP2 + DTensor TP + pipelining + Ulysses CP + expert parallel",
                    check_layers=_archon_layers, uneven_layers=True),

@@ -8,9 +8,9 @@ the weights whole on every rank by design: the model is allocated uninitialised 
 tensor. The model goes to ``deepspeed.initialize`` with the project's own torch AdamW and LR schedule
 (DeepSpeed's fused/CPU Adam kernels are C++ built at run time, which a CPU host without a toolchain
 cannot do, and the torch optimizer keeps the schedules and numerics of the other engines).
-Micro-batching, the loss normalisation, logprobs and weight-sync senders are
-:class:`~areal_cli.engines.fsdp.FSDPEngine`'s; what differs is how a step runs and how full weights
-are reached:
+Micro-batching, the loss normalisation, the HF forward, logprobs, the streamed HF export and the weight-sync
+senders come from the shared bases (:class:`~areal_cli.engines.hf_model.HFModelEngine`); what differs is how a
+step runs and how full weights are reached:
 
 - DeepSpeed averages gradients over the data-parallel ranks and divides each backward by its
   accumulation steps. The engine's losses are already normalised by the global loss weight, so every
@@ -35,7 +35,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from math import inf
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,10 @@ from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import check_deepspeed_knobs, ulysses
 from areal_cli.engines import lora as lora_mod
+from areal_cli.engines import materialize
 from areal_cli.engines import parallelize as par
-from areal_cli.engines.fsdp import VALUE_HEAD_FILE, FSDPEngine
+from areal_cli.engines.base import VALUE_HEAD_FILE
+from areal_cli.engines.hf_model import HFModelEngine
 from areal_cli.errors import ConfigError
 
 CHECKPOINT_TAG = "state"
@@ -170,35 +172,9 @@ def _copy_from_rank0(named, reader: _HFSource | None, path: str, zero3: bool, li
 
 
 def _model_meta(engine, model, model_path: str) -> None:
-    """What :meth:`FSDPEngine._load_hf_model` records from ``from_pretrained``'s model."""
-    from transformers import GenerationConfig
-
-    engine.pad_token_id = model.config.pad_token_id or 0
-    engine.arch = list(model.config.architectures or [type(model).__name__])
-    engine.generation_config = getattr(model, "generation_config", None)
-    if (Path(model_path) / "generation_config.json").is_file():  # as from_pretrained reads it
-        engine.generation_config = GenerationConfig.from_pretrained(model_path)
-        model.generation_config = engine.generation_config
-
-
-@contextmanager
-def _params_on_meta():
-    """Module construction with every parameter moved to the meta device as it is registered (nothing
-    stays allocated) while buffers are computed for real, as ``accelerate.init_empty_weights(
-    include_buffers=False)`` does."""
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None:
-            p = module._parameters[name]
-            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
+    """The model dir's facts export needs (the base's reading), onto the engine and the built model."""
+    engine._read_model_meta(model_path)
+    model.generation_config = engine.generation_config
 
 
 def _construct(model_path: str, dtype, attn: str, contexts: list):
@@ -223,7 +199,7 @@ def _fix_buffers(model, model_path: str, dtype, attn: str, src: _HFSource | None
     what the positions are computed from) lost its precision. The buffers of a construction with the
     parameters on the meta device replace them; persistent ones the checkpoint holds are read from it
     (``src``: rank 0's reader, broadcast to the others). Collective."""
-    ref = _construct(model_path, dtype, attn, [_params_on_meta()])
+    ref = _construct(model_path, dtype, attn, [materialize._meta_parameters()])
     want = dict(ref.named_buffers())
     for mod_name, mod in model.named_modules():
         for name, b in list(mod._buffers.items()):
@@ -332,7 +308,7 @@ def restore_fp32_masters(engine, path: str, fresh: dict[str, torch.Tensor]) -> N
             safe_set_full_fp32_param(p, full.to(engine.device, torch.float32))
 
 
-class DeepSpeedEngine(FSDPEngine):
+class DeepSpeedEngine(HFModelEngine):
     """DeepSpeed ZeRO-1/2/3 data parallelism of HF causal LMs (optimizer/parameter offload on GPU nodes)."""
 
     dims = "dc"
@@ -515,50 +491,6 @@ class DeepSpeedEngine(FSDPEngine):
         if self._fp32_master and self.optimizer is not None:
             restore_fp32_masters(self, path, {})
 
-    def save(self, meta: SaveLoadMeta) -> None:
-        """``hf``: streamed to disk as each bucket is gathered (rank 0 holds at most one shard, never the
-        whole model); ``dcp``: DeepSpeed's checkpoint. Collective."""
-        if meta.weight_format != "hf":
-            super().save(meta)
-            return
-        from areal_cli.engines.fsdp import _orig_tie
-        from areal_cli.weight_sync.hf_io import copy_tokenizer, stream_hf_dir
-
-        head: dict[str, torch.Tensor] = {}
-
-        def backbone():  # a critic's value head goes to its own file
-            for name, t in self._export_tensors():
-                if self.critic and name.startswith("lm_head."):
-                    if t is not None:
-                        head[name.split(".", 1)[1]] = t
-                    continue
-                yield name, t
-
-        src = dist.get_rank() == 0
-        cfg = self.hf_config
-        if self.critic:
-            cfg = cfg.__class__.from_dict(cfg.to_dict())
-            cfg.tie_word_embeddings = _orig_tie(self.model_path)
-        if src:
-            stream_hf_dir(meta.path, backbone(), cfg, architectures=self.arch, tokenizer_src=self.model_path,
-                          generation_config=self.generation_config, dtype=par.torch_dtype(self.cfg.dtype))
-        else:
-            for _ in backbone():  # the gathers are collectives: take part, keep nothing
-                pass
-        adapter = self.adapter_tensors() if self.peft_config is not None else {}
-        if src:
-            if head:
-                from safetensors.torch import save_file
-
-                save_file({k: v.contiguous() for k, v in head.items()},
-                          str(Path(meta.path) / VALUE_HEAD_FILE))
-            if meta.tokenizer_path:
-                copy_tokenizer(meta.tokenizer_path, meta.path)
-            if adapter:  # beside the merged model: the adapter alone, in peft's layout
-                lora_mod.write_adapter_dir(Path(meta.path) / lora_mod.ADAPTER_SUBDIR, adapter,
-                                           self.peft_config)
-        dist.barrier()
-
     # ------------------------------------------------------------------ checkpoints
     def _save_dcp(self, meta: SaveLoadMeta) -> None:
         Path(meta.path).mkdir(parents=True, exist_ok=True)
@@ -573,12 +505,9 @@ class DeepSpeedEngine(FSDPEngine):
         torch.save(extra, Path(meta.path) / f"extra_rank{dist.get_rank()}.pt")
         dist.barrier()
 
-    def load(self, meta: SaveLoadMeta) -> None:
-        """``dcp``: DeepSpeed's checkpoint (module and ZeRO optimizer partitions) plus step, version and LR
-        schedule; the saved ``extra_state`` is merged into ``meta.extra_state``. ``hf``: weights."""
-        if meta.weight_format == "hf":
-            self._load_hf(meta.path)
-            return
+    def _load_dcp(self, meta: SaveLoadMeta) -> None:
+        """DeepSpeed's checkpoint (module and ZeRO optimizer partitions) plus step, version and LR schedule;
+        the saved ``extra_state`` is merged into ``meta.extra_state``."""
         extra_file = Path(meta.path) / f"extra_rank{dist.get_rank()}.pt"
         if not extra_file.is_file() or not (Path(meta.path) / CHECKPOINT_TAG).is_dir():
             raise ConfigError("recover.path", f"{meta.path} is not a deepspeed checkpoint of this rank "
