@@ -32,7 +32,12 @@ CASES = [
     pytest.param({"engine": "archon", "dp": 2, "held": 1}, id="archon-d2"),
     pytest.param({"engine": "archon", "tp": 2, "held": 1}, id="archon-t2"),
     pytest.param({"engine": "archon", "pp": 2, "held": 1}, id="archon-p2"),
-    pytest.param({"engine": "deepspeed", "dp": 2, "zero": 3, "held": 3}, id="deepspeed-z3-d2"),
+    # ZeRO-3: rank 0 reads each tensor once and the gathered bucket spreads it (the others read nothing).
+    # DeepSpeed allocates its fp32 partitions, Adam's state and gradient buckets inside initialize (3.8 x the
+    # model's bytes per rank measured at d2 on this model), so resident memory cannot tell a full copy apart
+    # here: test_deepspeed_zero3_init.py counts the parameter elements each rank ever holds instead.
+    pytest.param({"engine": "deepspeed", "dp": 2, "zero": 3, "held": None, "reads": "rank0"},
+                 id="deepspeed-z3-d2"),
     pytest.param({"engine": "megatron", "tp": 2, "held": 4}, id="megatron-t2", marks=pytest.mark.megatron),
     pytest.param({"engine": "megatron", "pp": 2, "held": 4}, id="megatron-p2", marks=pytest.mark.megatron),
 ]
@@ -63,6 +68,9 @@ def test_no_rank_materialises_the_full_model(case, model_dir, tmp_path):
     res = json.loads(out.read_text())
     for rank, r in res.items():
         full, largest = r["ckpt_bytes"], r["largest"]
+        if case.get("reads") == "rank0":
+            assert r["read"] == (full if rank == "0" else 0), (rank, r)
+            continue
         assert r["read"] <= full / 2 + largest, (rank, r)
         # the shards (0.5 x full per copy held) plus one tensor in flight and module-level noise
         bound = case["held"] * 0.5 * full + largest + 48 * 2**20
