@@ -176,7 +176,9 @@ def _to_empty(mod: torch.nn.Module, device) -> None:
         m, name = holders[id(old)][0]
         p = getattr(m, name)
         for k, v in attrs.items():
-            if k not in p.__dict__:
+            # accelerate's meta construction leaves a stale "requires_grad" entry in the dict (the flag
+            # itself lives on the tensor, and LoRA freezing changed it since): never write it back
+            if k not in p.__dict__ and k != "requires_grad":
                 setattr(p, k, v)
         if hooks:
             p._post_accumulate_grad_hooks = None
