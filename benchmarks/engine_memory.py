@@ -380,6 +380,8 @@ def peak_worker(spec: dict) -> None:
     dump()
     meter.start()
     ecfg = EngineConfig(name=spec["engine"], max_tokens_per_mb=spec["mb_tokens"])
+    if spec.get("grad_reduce"):  # --grad-reduce (FSDP2 engines only: the others refuse a non-default value)
+        ecfg.grad_reduce = spec["grad_reduce"]
     if spec["engine"] == "deepspeed":
         ecfg.deepspeed = DeepSpeedConfig(zero_stage=3)
     engine = cls(ecfg, OptimConfig(lr=1e-4), total_steps=spec["steps"], seed=0)
@@ -469,7 +471,8 @@ def run_peak_layout(engine: str, dims: str, model: str, info: dict, args, tmp: s
     world = world_of(parallel)
     run_dir = tempfile.mkdtemp(dir=tmp, prefix=f"{engine}_{dims}_")
     spec = {"engine": engine, "parallel": parallel, "model": model, "vocab": info["vocab"], "steps": args.steps,
-            "rows": args.rows, "seq": args.seq, "mb_tokens": args.mb_tokens, "out": run_dir,
+            "rows": args.rows, "seq": args.seq, "mb_tokens": args.mb_tokens, "grad_reduce": args.grad_reduce,
+            "out": run_dir,
             "export": os.path.join(run_dir, "export")}
     port = find_free_port()
     procs, errs = [], []
@@ -543,7 +546,8 @@ def report_peak(runs: list[dict], summ: dict, info: dict, args) -> None:
     console = Console(width=200)
     table = Table(title=f"Peak RSS per rank, random Qwen2.5-0.5B shape ({info['params'] / 1e6:.0f}M params, vocab "
                         f"{info['vocab']}), fp32 + AdamW, {args.rows}x{args.seq} tokens, {args.steps} step(s), "
-                        f"{args.repeat} repeat(s)")
+                        f"{args.repeat} repeat(s), max_tokens_per_mb {args.mb_tokens}"
+                        + (f", grad_reduce {args.grad_reduce}" if args.grad_reduce else ""))
     for col in ("engine", "dims", "phase", "rank-max peak GiB", "per-rank peaks GiB", "model GiB", "d1 peak GiB",
                 "vs d1", "bound GiB", "met?", "anon GiB"):
         table.add_column(col, justify="right" if "GiB" in col or col == "vs d1" else "left")
@@ -650,6 +654,9 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None, help="--peak: keep the built model here and reuse it")
     ap.add_argument("--mb-tokens", type=int, default=256, help="--peak: max_tokens_per_mb")
     ap.add_argument("--repeat", type=int, default=1, help="--peak: runs of each layout, interleaved")
+    ap.add_argument("--grad-reduce", default=None, choices=("per_micro_batch", "last_micro_batch"),
+                    help="--peak: engine.grad_reduce for the ranks (fsdp/archon; default: the engine's, "
+                         "per_micro_batch)")
     ap.add_argument("--json", default=None, help="--peak: write every raw figure here")
     ap.add_argument("--no-d1", action="store_true", help="--peak: skip the d1 runs")
     ap.add_argument("--mem-cap-gib", type=float, default=19.0,
