@@ -33,7 +33,9 @@ d2t2 and t2p2, megatron t2p2 and deepspeed (ZeRO-3) d4, each beside its engine's
 
 It prints one ``peak_rss engine=… dims=… phase=… rank_max_gib=… model_gib=… bound_gib=…`` line per layout
 and phase (``nan`` where the phase failed); bounds: init/step model / ranks + 1.5 GiB, export the layout's
-step peak + 1.0 GiB. A layout that fails, or whose ranks go over ``--mem-cap-gib`` together, is reported
+step peak + 1.0 GiB. The table adds a state bound for the step: (weights + gradients + two AdamW moments) /
+ranks + 1.5 GiB, the least an fp32 AdamW step holds. ``--malloc both`` runs every layout also with glibc's
+own mmap threshold (labelled ``+glibc``), interleaved, to show what ``utils/host_memory.py`` saves. A layout that fails, or whose ranks go over ``--mem-cap-gib`` together, is reported
 as a FAILED row with its reason and the run goes on.
 """
 
@@ -461,15 +463,17 @@ def _tail(path: str, n: int = 3000) -> str:
         return ""
 
 
-def run_peak_layout(engine: str, dims: str, model: str, info: dict, args, tmp: str) -> dict:
-    """One layout's ranks, start to end; never raises for the ranks' failures (the row says FAILED)."""
+def run_peak_layout(engine: str, label: str, model: str, info: dict, args, tmp: str) -> dict:
+    """One layout's ranks, start to end; never raises for the ranks' failures (the row says FAILED).
+    ``label``: the dims, ``+glibc`` for a run with glibc's own mmap threshold (``--malloc``)."""
     import shutil
 
     from areal_cli.utils.network import find_free_port
 
+    dims, _, variant = label.partition("+")
     parallel = parse_dims(dims)
     world = world_of(parallel)
-    run_dir = tempfile.mkdtemp(dir=tmp, prefix=f"{engine}_{dims}_")
+    run_dir = tempfile.mkdtemp(dir=tmp, prefix=f"{engine}_{dims}{variant}_")
     spec = {"engine": engine, "parallel": parallel, "model": model, "vocab": info["vocab"], "steps": args.steps,
             "rows": args.rows, "seq": args.seq, "mb_tokens": args.mb_tokens, "grad_reduce": args.grad_reduce,
             "out": run_dir,
@@ -480,6 +484,8 @@ def run_peak_layout(engine: str, dims: str, model: str, info: dict, args, tmp: s
     for r in range(world):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        # glibc: the engines' fixed mmap threshold off (utils/host_memory.py), the baseline it is measured against
+        env["AREAL_MMAP_THRESHOLD"] = "0" if variant == "glibc" else ""
         errs.append(os.path.join(run_dir, f"stderr{r}.txt"))
         with open(errs[-1], "w") as err:  # a file, not a pipe: nothing blocks on a full pipe while we poll
             procs.append(subprocess.Popen([sys.executable, __file__, "--peak-worker", json.dumps(spec)], env=env,
@@ -500,7 +506,7 @@ def run_peak_layout(engine: str, dims: str, model: str, info: dict, args, tmp: s
                   if code < 0 else f"rank {r} exited with {code}")
     tails = {r: _tail(errs[r]) for r, _ in (bad or ([(0, 0)] if reason else []))}
     shutil.rmtree(run_dir, ignore_errors=True)  # the export is a full model copy
-    return {"engine": engine, "dims": dims, "world": world, "ok": reason is None, "reason": reason,
+    return {"engine": engine, "dims": label, "world": world, "ok": reason is None, "reason": reason,
             "wall_s": wall, "tree_private_peak_gib": tree_peak, "ranks": ranks, "stderr_tail": tails}
 
 
@@ -535,6 +541,9 @@ def summarize_peak(runs: list[dict], model_gib: float) -> dict:
             s["bound"] = (summ[key]["step"]["rank_max"] + 1.0 if phase == "export"
                           else model_gib / world + 1.5)  # world = the ranks sharding the weights here
             s["met"] = s["rank_max"] <= s["bound"]  # False for nan
+            # what an fp32 AdamW step holds at least: weights, gradients and two moments, sharded the same way
+            s["state_bound"] = 4 * model_gib / world + 1.5 if phase == "step" else s["bound"]
+            s["state_met"] = s["rank_max"] <= s["state_bound"]
     return summ
 
 
@@ -549,12 +558,13 @@ def report_peak(runs: list[dict], summ: dict, info: dict, args) -> None:
                         f"{args.repeat} repeat(s), max_tokens_per_mb {args.mb_tokens}"
                         + (f", grad_reduce {args.grad_reduce}" if args.grad_reduce else ""))
     for col in ("engine", "dims", "phase", "rank-max peak GiB", "per-rank peaks GiB", "model GiB", "d1 peak GiB",
-                "vs d1", "bound GiB", "met?", "anon GiB"):
+                "vs d1", "bound GiB", "met?", "state bound GiB", "met?", "anon GiB"):
         table.add_column(col, justify="right" if "GiB" in col or col == "vs d1" else "left")
     for (e, dims), phases in summ.items():
         for phase in PHASES:
             s = phases[phase]
-            base = summ.get((e, "d1"), {}).get(phase, {}).get("rank_max", float("nan"))
+            variant = dims.partition("+")[1:]
+            base = summ.get((e, "d1" + "".join(variant)), {}).get(phase, {}).get("rank_max", float("nan"))
             if s["values"]:
                 peak = f"{s['rank_max']:.2f}" + (f" ({', '.join(f'{v:.2f}' for v in s['values'])})"
                                                  if args.repeat > 1 else "")
@@ -564,8 +574,17 @@ def report_peak(runs: list[dict], summ: dict, info: dict, args) -> None:
                 peak = f"FAILED: {s['fails'][0][:70]}"
             table.add_row(e, dims, phase, peak, " ".join(f"{v:.2f}" for v in s["per_rank"]), f"{model_gib:.2f}",
                           f"{base:.2f}", f"{s['rank_max'] / base:.2f}x", f"{s['bound']:.2f}",
-                          "met" if s["met"] else ("FAILED" if not s["values"] else "NOT met"), f"{s['anon_max']:.2f}")
+                          "met" if s["met"] else ("FAILED" if not s["values"] else "NOT met"),
+                          f"{s['state_bound']:.2f}", "met" if s["state_met"] else "NOT met", f"{s['anon_max']:.2f}")
     console.print(table)
+    print("state bound: step at most (weights + gradients + two AdamW moments) / ranks + 1.5 GiB, what an fp32 "
+          "AdamW step holds before any activation (4 x model / ranks); init and export as the bound")
+    glibc = [(k, v) for k, v in summ.items() if k[1].endswith("+glibc") and (k[0], k[1][:-6]) in summ]
+    for (e, label), ph in glibc:
+        mine = summ[(e, label[:-6])]
+        print(f"host_memory vs glibc's default threshold, {e} {label[:-6]}: " + ", ".join(
+            f"{p} {mine[p]['rank_max']:.2f} vs {ph[p]['rank_max']:.2f} GiB ({mine[p]['rank_max'] / ph[p]['rank_max']:.2f}x)"
+            for p in PHASES))
     print("anon GiB: rank-max of the sampled peak of anonymous memory alone (weights still mapped from the "
           "safetensors file count in RSS only once touched, and are reclaimable)")
     times = Table(title="Wall time per layout run (s) and rank 0's phase times (median over repeats)")
@@ -620,8 +639,9 @@ def main_peak(args) -> None:
     runs = []
     with tempfile.TemporaryDirectory(prefix="peak_rss_") as tmp:
         model, info = peak_model(args, tmp)
+        suffixes = {"areal": [""], "glibc": ["+glibc"], "both": ["", "+glibc"]}[args.malloc]
         for rnd in range(args.repeat):  # interleaved: slow drift of the machine spreads over every layout
-            for e, dims in order:
+            for e, dims in [(e, d + x) for e, d in order for x in suffixes]:
                 r = run_peak_layout(e, dims, model, info, args, tmp)
                 r["round"] = rnd
                 runs.append(r)
@@ -657,6 +677,10 @@ def main() -> None:
     ap.add_argument("--grad-reduce", default=None, choices=("per_micro_batch", "last_micro_batch"),
                     help="--peak: engine.grad_reduce for the ranks (fsdp/archon; default: the engine's, "
                          "per_micro_batch)")
+    ap.add_argument("--malloc", default="areal", choices=("areal", "glibc", "both"),
+                    help="--peak: the ranks' host allocator threshold: the engines' fixed one "
+                         "(utils/host_memory.py), glibc's dynamic default (layouts labelled +glibc), or both, "
+                         "interleaved")
     ap.add_argument("--json", default=None, help="--peak: write every raw figure here")
     ap.add_argument("--no-d1", action="store_true", help="--peak: skip the d1 runs")
     ap.add_argument("--mem-cap-gib", type=float, default=19.0,

@@ -35,6 +35,7 @@ from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
 from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import packing, sampling_mask
 from areal_cli.errors import ConfigError, WeightSyncError
+from areal_cli.utils import host_memory
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -92,6 +93,7 @@ class EngineBase(TrainEngine):
 
         ck = HFCheckpoint(path, tied_head=untie and not self.critic)
         if self.critic:
+            ck.drop("lm_head.")  # an untied LM's vocab projection is not the critic's head
             ck.add_file(Path(path) / VALUE_HEAD_FILE, prefix="lm_head.")
         return ck
 
@@ -301,6 +303,7 @@ class EngineBase(TrainEngine):
                 copy_tokenizer(meta.tokenizer_path, meta.path)
             if adapter:  # beside the merged model: the adapter alone, in peft's layout
                 lora_mod.write_adapter_dir(Path(meta.path) / lora_mod.ADAPTER_SUBDIR, adapter, self.peft_config)
+        host_memory.release()  # the gathered tensors' heap pages
         dist.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
@@ -372,6 +375,7 @@ class EngineBase(TrainEngine):
         else:
             raise ConfigError("weight_sync.type", f"unknown type {meta.type!r}", "use disk or distributed")
         self._last_sender = sender
+        host_memory.release()
         msg = [str(err) if err is not None else None]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(msg, src=0)

@@ -52,6 +52,7 @@ from areal_cli.engines import parallelize as par
 from areal_cli.engines.base import VALUE_HEAD_FILE
 from areal_cli.engines.hf_model import HFModelEngine
 from areal_cli.errors import ConfigError
+from areal_cli.utils import host_memory
 
 CHECKPOINT_TAG = "state"
 
@@ -76,47 +77,6 @@ def import_deepspeed():
     return deepspeed
 
 
-class _HFSource:
-    """The tensors a DeepSpeed model loads from an HF dir, read one at a time: the safetensors through
-    :class:`~areal_cli.weight_sync.hf_io.HFCheckpoint` (a tied head reads as the embedding) and, for a
-    critic, the value head file (two small tensors) as ``lm_head.*``."""
-
-    def __init__(self, path: str, critic: bool):
-        from areal_cli.weight_sync.hf_io import HFCheckpoint
-
-        self.ckpt = HFCheckpoint(path, tied_head=not critic)
-        self.head: dict[str, torch.Tensor] = {}
-        self.critic = critic
-        if critic and (Path(path) / VALUE_HEAD_FILE).is_file():
-            from safetensors.torch import load_file
-
-            self.head = {f"lm_head.{k}": v for k, v in load_file(str(Path(path) / VALUE_HEAD_FILE)).items()}
-
-    def __contains__(self, name: str) -> bool:
-        if self.critic and name.startswith("lm_head."):
-            return name in self.head
-        return name in self.ckpt
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.head[name].shape) if name in self.head else tuple(self.ckpt.shape(name))
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.head[name] if name in self.head else self.ckpt.get(name)
-
-    def get_flat(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor, reading only the dim-0 rows that hold them."""
-        if name in self.head:
-            return self.head[name].reshape(-1)[lo:hi]
-        shape = self.ckpt.shape(name)
-        row = 1
-        for d in shape[1:]:
-            row *= d
-        if not shape:
-            return self.ckpt.get(name).reshape(-1)[lo:hi]
-        r0, r1 = lo // row, -(-hi // row)
-        return self.ckpt.get_rows(name, r0, r1).reshape(-1)[lo - r0 * row:hi - r0 * row]
-
-
 def _buckets(named, limit: int):
     """``(name, parameter)`` pairs in lists of about ``limit`` elements (a ZeRO-3 parameter counts its
     full size, ``ds_numel``)."""
@@ -133,7 +93,7 @@ def _buckets(named, limit: int):
         yield bucket
 
 
-def _mismatch(named, src: _HFSource, path: str) -> ConfigError | None:
+def _mismatch(named, src, path: str) -> ConfigError | None:
     """Why the dir cannot fill ``named`` (a missing tensor or another shape), or None."""
     missing = [n for n, _ in named if n not in src]
     if missing:
@@ -141,13 +101,13 @@ def _mismatch(named, src: _HFSource, path: str) -> ConfigError | None:
                            f"(e.g. {missing[0]})", "load an HF dir of this architecture (an export of it)")
     for name, p in named:
         want = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
-        if src.shape(name) != want:
+        if tuple(src.shape(name)) != want:
             return ConfigError("model.path", f"{path}: {name} has shape {src.shape(name)}, the model's is "
                                f"{want}", "load an HF dir of this architecture (an export of it)")
     return None
 
 
-def _copy_from_rank0(named, reader: _HFSource | None, path: str, zero3: bool, limit: int) -> set[str]:
+def _copy_from_rank0(named, reader, path: str, zero3: bool, limit: int) -> set[str]:
     """Checkpoint tensors into ``named`` parameters, bucket by bucket, read by global rank 0 alone (its
     ``reader``; None elsewhere). Under ZeRO-3 each bucket is gathered (``modifier_rank=0``) and its exit
     re-partitions rank 0's values to every rank; replicated (ZeRO-0/1/2) parameters are broadcast from
@@ -193,7 +153,7 @@ def _construct(model_path: str, dtype, attn: str, contexts: list):
     return model
 
 
-def _fix_buffers(model, model_path: str, dtype, attn: str, src: _HFSource | None, device) -> None:
+def _fix_buffers(model, model_path: str, dtype, attn: str, src, device) -> None:
     """Put back the buffers zero.Init built wrong: it casts every floating tensor made during construction
     to the model dtype, so under bf16 the rotary ``inv_freq`` (fp32 in ``from_pretrained``'s model, and
     what the positions are computed from) lost its precision. The buffers of a construction with the
@@ -241,7 +201,7 @@ def build_zero3_model(engine, model_path: str, dtype, ds_config: dict):
     # The head's own weight, replaced by the tie, is left in a reference cycle: free its partition now.
     gc.collect()
     _model_meta(engine, model, model_path)
-    reader = _HFSource(model_path, engine.critic) if dist.get_rank() == 0 else None
+    reader = engine._checkpoint(model_path) if dist.get_rank() == 0 else None
     _fix_buffers(model, model_path, mdtype, attn, reader, engine.device)
     named = [(n, p) for n, p in model.named_parameters() if not (engine.critic and n.startswith("lm_head."))]
     limit = int(engine.cfg.deepspeed.bucket_mel * 1e6)
@@ -264,7 +224,7 @@ def build_replicated_model(engine, model_path: str, dtype):
     rng = torch.get_rng_state()
     model = _construct(model_path, dtype, attn, [])
     _model_meta(engine, model, model_path)
-    src = _HFSource(model_path, engine.critic)
+    src = engine._checkpoint(model_path)
     named = [(n, p) for n, p in model.named_parameters() if not (engine.critic and n.startswith("lm_head."))]
     err = _mismatch(named, src, model_path)
     if err is not None:
@@ -277,8 +237,8 @@ def build_replicated_model(engine, model_path: str, dtype):
                 b.copy_(src.get(name).to(b.dtype))
     engine._loaded = {n for n, _ in named}
     _finish_model(engine, model, model_path, dtype, rng)
-    if engine.critic and src.head:
-        engine._loaded |= set(src.head)
+    if engine.critic:
+        engine._loaded |= {n for n in src.names() if n.startswith("lm_head.")}
     return model.to(engine.device)
 
 
@@ -288,7 +248,7 @@ def restore_fp32_masters(engine, path: str, fresh: dict[str, torch.Tensor]) -> N
     rows), and ``fresh`` (the fp32 values of parameters the checkpoint lacks). Not collective."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_set_full_fp32_param, safe_set_local_fp32_param
 
-    src = _HFSource(path, engine.critic)
+    src = engine._checkpoint(path)
     for name, p in engine.ds.module.named_parameters():
         if not p.requires_grad:
             continue
@@ -355,6 +315,7 @@ class DeepSpeedEngine(HFModelEngine):
         self.model = self.ds
         if self.optimizer is None:
             self.model.eval()
+        host_memory.release()  # the full tensors of construction and of the gathered load buckets
 
     def _check(self, parallel: ParallelStrategy) -> None:
         from transformers import AutoConfig
@@ -484,7 +445,7 @@ class DeepSpeedEngine(HFModelEngine):
         optimizer's fp32 master copies from them (with fp32 masters under bf16: from the checkpoint)."""
         named = [(n, p) for n, p in self.ds.module.named_parameters()]
         limit = int(self.cfg.deepspeed.bucket_mel * 1e6)
-        reader = _HFSource(path, self.critic) if dist.get_rank() == 0 else None
+        reader = self._checkpoint(path) if dist.get_rank() == 0 else None
         _copy_from_rank0(named, reader, path, self.zero_stage == 3, limit)
         if self.optimizer is not None and hasattr(self.ds.optimizer, "refresh_fp32_params"):
             self.ds.optimizer.refresh_fp32_params()

@@ -32,6 +32,7 @@ from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
 from areal_cli.errors import ConfigError
+from areal_cli.utils import host_memory
 
 GRAD_REDUCE = ("per_micro_batch", "last_micro_batch")
 
@@ -65,6 +66,7 @@ class HFModelEngine(EngineBase):
         fresh, buffers = self._host_state
         materialize.load_sharded(modules, self._checkpoint(self.model_path), fresh, buffers, device=self.device)
         self._host_state = None
+        host_memory.release()  # the full tensors read for row-wise TP shards, freed under the kept ones
 
     def _build_optimizer(self, params) -> None:
         if self.optim_cfg is not None:

@@ -51,6 +51,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         _EXIT_HOOK = True
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    from areal_cli.utils import host_memory
+
+    host_memory.configure()  # before the engine allocates the model's host tensors
     backend = backend or default_backend()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         from areal_cli.utils.network import find_free_port

@@ -74,6 +74,11 @@ class HFCheckpoint:
         if Path(f).is_file():
             self._scan(Path(f), prefix)
 
+    def drop(self, prefix: str) -> None:
+        """Forget the tensors named ``prefix…`` (a causal LM's own head, which a critic's value head replaces)."""
+        for name in [n for n in self._entries if n.startswith(prefix)]:
+            del self._entries[name]
+
     def _scan(self, f: Path, prefix: str = "") -> None:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
@@ -128,6 +133,18 @@ class HFCheckpoint:
         row = self.nbytes(name) // max(1, shape[0]) if shape else 0
         return self._read(f, self.dtype(name), [stop_row - start_row, *shape[1:]], start + start_row * row,
                           (stop_row - start_row) * row)
+
+    def get_flat(self, name: str, lo: int, hi: int):
+        """Elements ``[lo, hi)`` of the flattened tensor, reading only the dim-0 rows that hold them (a
+        ZeRO-3 partition)."""
+        shape = self.shape(name)
+        if len(shape) < 2:
+            return self.get(name).reshape(-1)[lo:hi]
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        r0, r1 = lo // row, -(-hi // row)
+        return self.get_rows(name, r0, r1).reshape(-1)[lo - r0 * row:hi - r0 * row]
 
     def get_chunk(self, name: str, dim: int, index: int, parts: int):
         """``torch.chunk(t, parts, dim)[index]`` of the stored tensor ``t``: a dim-0 chunk reads only its

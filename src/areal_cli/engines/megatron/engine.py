@@ -42,6 +42,7 @@ from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
 from areal_cli.errors import ConfigError
+from areal_cli.utils import host_memory
 from areal_cli.utils.dist import send_to_rank0
 
 # a checkpoint dir: per rank, its step, version, extra state and (distributed optimizer) optimizer shard; per
@@ -159,6 +160,7 @@ class MegatronEngine(EngineBase):
             self.model = torch.nn.ModuleList(chunks)
             self.model.eval()
         self._coords = self._gather_coords()
+        host_memory.release()  # the slices' source tensors, freed under the kept chunks
 
     def _read_hf_config(self, model_path: str) -> Any:
         """The HF config and what the export writes beside the weights (the base's model-dir reading), without
