@@ -138,11 +138,13 @@ class HFCheckpoint:
         """Elements ``[lo, hi)`` of the flattened tensor, reading only the dim-0 rows that hold them (a
         ZeRO-3 partition)."""
         shape = self.shape(name)
-        if len(shape) < 2:
+        if not shape:
             return self.get(name).reshape(-1)[lo:hi]
         row = 1
         for d in shape[1:]:
             row *= d
+        hi = min(hi, row * shape[0])
+        lo = min(lo, hi)
         r0, r1 = lo // row, -(-hi // row)
         return self.get_rows(name, r0, r1).reshape(-1)[lo - r0 * row:hi - r0 * row]
 

@@ -17,6 +17,9 @@ import torch
 from engine_reference import assert_matches_reference, close, max_diff  # noqa: E402
 from fsdp_worker import launch  # noqa: E402
 
+# multi-process engine layouts against their references: CI's `engines` phase (pytest -m engines tests/integration)
+pytestmark = pytest.mark.engines
+
 BIG, SMALL, TOL = 10_000, 1, 1e-5
 # Adam with eps=1e-8 turns a 1e-9 difference in a near-zero gradient into a visible weight difference
 # (its update is ~lr·g/|g|); eps=1e-2 keeps the update linear in the gradient, so comparing updated

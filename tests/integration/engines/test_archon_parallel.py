@@ -16,6 +16,9 @@ import torch
 from fsdp_worker import launch  # noqa: E402
 from support_paths import SUPPORT
 
+# multi-process engine layouts against their references: CI's `engines` phase (pytest -m engines tests/integration)
+pytestmark = pytest.mark.engines
+
 TOL = 1e-5
 WORKER = str(SUPPORT / "archon_worker.py")
 

@@ -3,8 +3,13 @@ export of a tensor- or pipeline-parallel run is the trained model, loadable into
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 from fsdp_worker import launch  # noqa: E402
+
+# multi-process engine layouts against their references: CI's `engines` phase (pytest -m engines tests/integration)
+pytestmark = pytest.mark.engines
 
 OPTIM = {"lr": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "weight_decay": 0.01, "grad_clip": 0.5}
 

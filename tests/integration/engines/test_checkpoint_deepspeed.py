@@ -10,6 +10,9 @@ pytest.importorskip("deepspeed", reason="deepspeed is installed by scripts/insta
 
 from fsdp_worker import launch  # noqa: E402
 
+# multi-process engine layouts against their references: CI's `engines` phase (pytest -m engines tests/integration)
+pytestmark = pytest.mark.engines
+
 OPTIM = {"lr": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "weight_decay": 0.01, "grad_clip": 0.5}
 
 

@@ -24,6 +24,9 @@ from fsdp_worker import launch  # noqa: E402
 from support_paths import SUPPORT
 from test_archon_engine import STEPS  # noqa: E402
 
+# multi-process engine layouts against their references: CI's `engines` phase (pytest -m engines tests/integration)
+pytestmark = pytest.mark.engines
+
 BIG, SMALL = 10_000, 1
 
 

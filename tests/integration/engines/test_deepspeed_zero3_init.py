@@ -20,6 +20,9 @@ from engine_reference import untie
 from fsdp_worker import launch
 from support_paths import SUPPORT
 
+# multi-process engine layouts against their references: CI's `engines` phase (pytest -m engines tests/integration)
+pytestmark = pytest.mark.engines
+
 # 0.02M-element buckets: the 0.27M-parameter model loads in many gathers, each at most the embedding
 ENGINE = {"deepspeed": {"zero_stage": 3, "param_persistence_threshold": 0, "bucket_mel": 0.02}}
 

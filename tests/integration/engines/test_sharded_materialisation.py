@@ -19,6 +19,9 @@ import pytest
 from fsdp_worker import launch  # noqa: E402
 from support_paths import SUPPORT
 
+# multi-process engine layouts against their references: CI's `engines` phase (pytest -m engines tests/integration)
+pytestmark = pytest.mark.engines
+
 WORKER = str(SUPPORT / "materialise_worker.py")
 
 # "held": how many model-sized copies of its shard an engine holds after initialize by design. FSDP and Archon
