@@ -49,7 +49,8 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, 
         n = _local_norm(grads, norm_type)
         acc = torch.maximum(acc, n) if inf else acc + n ** norm_type
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        collectives.all_reduce(acc, op=collectives.ReduceOp.MAX if inf else collectives.ReduceOp.SUM, group=pp_group)
+        op = collectives.ReduceOp.MAX if inf else collectives.ReduceOp.SUM
+        collectives.all_reduce(acc, op=op, group=pp_group)
     return acc if inf else acc ** (1.0 / norm_type)
 
 

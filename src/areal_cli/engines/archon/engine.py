@@ -258,8 +258,8 @@ class ArchonEngine(HFModelEngine):
     def _from_last_stage(self, obj: Any) -> Any:
         """``obj`` as computed on this replica's last pipeline stage, on every rank of the stage group."""
         box = [obj]
-        collectives.broadcast_object_list(box, src=dist.get_global_rank(self.mesh.pp_group, self.parallel.pp - 1),
-                                          group=self.mesh.pp_group)
+        last = dist.get_global_rank(self.mesh.pp_group, self.parallel.pp - 1)
+        collectives.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
         return box[0]
 
     @torch.no_grad()

@@ -167,7 +167,8 @@ class MoEBlock(nn.Module):
         ep, n_local = self.ep_size, self.local_experts
         send = counts.view(ep, n_local)  # [dest rank, its local expert]
         recv = torch.empty_like(send)
-        collectives.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # [src rank, my local expert]
+        # recv: [src rank, my local expert]
+        collectives.all_to_all_single(recv, send.contiguous(), group=self.ep_group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         got = all_to_all(rows, out_splits, in_splits, self.ep_group)  # ordered by (src rank, local expert)
         expert_of = torch.repeat_interleave(torch.arange(n_local, device=rows.device).repeat(ep),

@@ -500,8 +500,8 @@ class MegatronEngine(EngineBase):
         if self.parallel.pp == 1:
             return obj
         box = [obj]
-        collectives.broadcast_object_list(box, src=dist.get_global_rank(self._pp_group, self.parallel.pp - 1),
-                                          group=self._pp_group)
+        last = dist.get_global_rank(self._pp_group, self.parallel.pp - 1)
+        collectives.broadcast_object_list(box, src=last, group=self._pp_group)
         return box[0]
 
     # ------------------------------------------------------------------ train / forward
