@@ -114,9 +114,9 @@ class TrainEngine(abc.ABC):
         """
         out = t.detach().clone()
         if self.dp_world_size > 1:
-            import torch.distributed as dist
+            from areal_cli.utils import collectives
 
-            dist.all_reduce(out, group=self.dp_group)
+            collectives.all_reduce(out, group=self.dp_group)
         return out
 
     def warm_up(self) -> None:

@@ -35,7 +35,7 @@ from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
 from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import packing, sampling_mask
 from areal_cli.errors import ConfigError, WeightSyncError
-from areal_cli.utils import host_memory
+from areal_cli.utils import collectives, host_memory
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -130,8 +130,7 @@ class EngineBase(TrainEngine):
         """Every rank of ``group`` gets ``src``'s batch (the replica's head holds it)."""
         obj = [None if batch is None else {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                                            for k, v in batch.items()}]
-        dist.broadcast_object_list(obj, src=src, group=group)
-        return obj[0]
+        return collectives.broadcast_object_list(obj, src=src, group=group)[0]
 
     def _share_batch(self, batch: Batch | None) -> Batch:
         """Give every rank of a Ulysses group the head's batch."""
@@ -163,7 +162,7 @@ class EngineBase(TrainEngine):
             bins = packing.ffd_bins(lens, self.cfg.max_tokens_per_mb)
         n = torch.tensor([len(bins)], dtype=torch.long)
         if self.dp_world_size > 1:
-            n = self._all_reduce(n, dist.ReduceOp.MAX)
+            n = self._all_reduce(n, collectives.ReduceOp.MAX)
         n_mb = int(n.item())
         return packing.equalize_bins(bins, lens, n_mb), n_mb
 
@@ -172,15 +171,12 @@ class EngineBase(TrainEngine):
         the reducer ``PPOActor`` needs for batch-level statistics over sharded batches."""
         return self._all_reduce(t.detach().clone()).to(t.device)
 
-    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op=collectives.ReduceOp.SUM) -> torch.Tensor:
+        """``t`` reduced in place over the data-parallel ranks (host statistics: the helper takes them
+        through the group's CPU backend, or stages them on the GPU for an NCCL-only group)."""
         if self.dp_world_size == 1:
             return t
-        t = t.to(self._comm_device())
-        dist.all_reduce(t, op=op, group=self.dp_group)
-        return t.cpu()
-
-    def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return collectives.all_reduce(t, op=op, group=self.dp_group)
 
     def _dummy_mb(self) -> Batch:
         # Two tokens: position 1 has an output, so the zero loss is still connected to every parameter
@@ -207,7 +203,7 @@ class EngineBase(TrainEngine):
         keys = sorted(stat_sums)
         if self.dp_world_size > 1:
             all_keys: list = [None] * self.dp_world_size
-            dist.all_gather_object(all_keys, keys, group=self.dp_group)
+            collectives.all_gather_object(all_keys, keys, group=self.dp_group)
             keys = sorted(set().union(*all_keys))
         vec = torch.tensor([loss_sum] + [stat_sums.get(k, 0.0) for k in keys], dtype=torch.float64)
         vec = self._all_reduce(vec)
@@ -304,7 +300,7 @@ class EngineBase(TrainEngine):
             if adapter:  # beside the merged model: the adapter alone, in peft's layout
                 lora_mod.write_adapter_dir(Path(meta.path) / lora_mod.ADAPTER_SUBDIR, adapter, self.peft_config)
         host_memory.release()  # the gathered tensors' heap pages
-        dist.barrier()
+        collectives.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
         """``dcp``: restore model, optimizer, scheduler, step and version; the saved ``extra_state`` is merged
@@ -378,7 +374,7 @@ class EngineBase(TrainEngine):
         host_memory.release()
         msg = [str(err) if err is not None else None]
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list(msg, src=0)
+            collectives.broadcast_object_list(msg, src=0)
         if msg[0] is not None:
             raise err if err is not None else WeightSyncError(msg[0])
         self._version = version

@@ -52,7 +52,7 @@ from areal_cli.engines import parallelize as par
 from areal_cli.engines.base import VALUE_HEAD_FILE
 from areal_cli.engines.hf_model import HFModelEngine
 from areal_cli.errors import ConfigError
-from areal_cli.utils import host_memory
+from areal_cli.utils import collectives, host_memory
 
 CHECKPOINT_TAG = "state"
 
@@ -118,7 +118,7 @@ def _copy_from_rank0(named, reader, path: str, zero3: bool, limit: int) -> set[s
     e = _mismatch(named, reader, path) if reader is not None else None
     err = [(e.path, e.reason, e.hint) if e is not None else None]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(err, src=0)
+        collectives.broadcast_object_list(err, src=0)
     if err[0] is not None:
         raise ConfigError(*err[0])
     for bucket in _buckets(named, limit):
@@ -127,7 +127,7 @@ def _copy_from_rank0(named, reader, path: str, zero3: bool, limit: int) -> set[s
                 if reader is not None:
                     p.copy_(reader.get(name).to(p.dtype))
                 if not zero3 and dist.get_world_size() > 1:
-                    dist.broadcast(p.data, src=0)
+                    collectives.broadcast(p.data, src=0)
     return {n for n, _ in named}
 
 
@@ -170,7 +170,7 @@ def _fix_buffers(model, model_path: str, dtype, attn: str, src, device) -> None:
             if name not in mod._non_persistent_buffers_set and src is not None and full in src:
                 new = src.get(full).to(device, new.dtype)
             if name not in mod._non_persistent_buffers_set and dist.get_world_size() > 1:
-                dist.broadcast(new, src=0)
+                collectives.broadcast(new, src=0)
             mod._buffers[name] = new
 
 
@@ -455,7 +455,7 @@ class DeepSpeedEngine(HFModelEngine):
     # ------------------------------------------------------------------ checkpoints
     def _save_dcp(self, meta: SaveLoadMeta) -> None:
         Path(meta.path).mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+        collectives.barrier()
         # Under LoRA the frozen base is the model dir's: the checkpoint holds the adapter and optimizer.
         self.ds.save_checkpoint(meta.path, tag=CHECKPOINT_TAG, save_latest=False,
                                 exclude_frozen_parameters=self.peft_config is not None)
@@ -464,7 +464,7 @@ class DeepSpeedEngine(HFModelEngine):
                  "zero_stage": self.zero_stage, "world_size": dist.get_world_size(),
                  "extra_state": meta.extra_state}
         torch.save(extra, Path(meta.path) / f"extra_rank{dist.get_rank()}.pt")
-        dist.barrier()
+        collectives.barrier()
 
     def _load_dcp(self, meta: SaveLoadMeta) -> None:
         """DeepSpeed's checkpoint (module and ZeRO optimizer partitions) plus step, version and LR schedule;

@@ -32,7 +32,7 @@ from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
 from areal_cli.errors import ConfigError
-from areal_cli.utils import host_memory
+from areal_cli.utils import collectives, host_memory
 
 GRAD_REDUCE = ("per_micro_batch", "last_micro_batch")
 
@@ -330,7 +330,7 @@ class HFModelEngine(EngineBase):
         import torch.distributed.checkpoint as dcp
 
         Path(meta.path).mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+        collectives.barrier()
         state = self._dcp_state()
         dcp.save(state, checkpoint_id=meta.path)
         extra = {"step": self.step, "version": self._version,
@@ -341,7 +341,7 @@ class HFModelEngine(EngineBase):
                                   for g in self.optimizer.param_groups] if self.optimizer else None,
                  "extra_state": meta.extra_state}
         torch.save(extra, Path(meta.path) / f"extra_rank{dist.get_rank()}.pt")
-        dist.barrier()
+        collectives.barrier()
 
     def _load_dcp(self, meta: SaveLoadMeta) -> None:
         import torch.distributed.checkpoint as dcp

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areal_cli.utils import collectives
+
 ATTN_NAME = "areal_ulysses_sdpa"
 
 _STATE: dict[str, Any] = {"group": None, "mask": None, "varlen": None}
@@ -102,7 +104,7 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> to
     world = dist.get_world_size(group)
     inp = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
     out = torch.empty_like(inp)
-    dist.all_to_all_single(out, inp, group=group)
+    collectives.all_to_all_single(out, inp, group=group)
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 
@@ -134,7 +136,7 @@ class _GatherSeq(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        collectives.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=0)
 
     @staticmethod

@@ -47,8 +47,10 @@ def dp_rank_table(engine: Any) -> list[int]:
     dist = _dist()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [engine.dp_rank]
+    from areal_cli.utils import collectives
+
     table: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(table, int(engine.dp_rank))
+    collectives.all_gather_object(table, int(engine.dp_rank))
     return [int(r) for r in table]
 
 
@@ -77,9 +79,9 @@ def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, dp_of_rank: lis
         runs = [{k: v[spans[r * eps_per_dp][0]:spans[(r + 1) * eps_per_dp - 1][1]] for k, v in batch.items()}
                 for r in range(dp)]
         parts = [runs[d] for d in dp_of_rank]
-    out: list[Any] = [None]
-    dist.scatter_object_list(out, parts, src=0)
-    return out[0]
+    from areal_cli.utils import collectives
+
+    return collectives.scatter_object_list([None], parts, src=0)[0]
 
 
 class RLTrainer:

@@ -11,15 +11,32 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 _EXIT_HOOK = False
+
+
+def process_group_backend(requested: str | None, cuda: bool) -> str:
+    """The backend string of the default process group. NCCL becomes ``cpu:gloo,cuda:nccl``: a plain
+    ``nccl`` group registers the cuda device alone, and statistics, batches and pipeline handoffs are
+    host tensors, so CPU tensors go through gloo and device tensors through NCCL in the same group.
+    ``requested`` (None: NCCL with CUDA, else gloo) may be any other backend string, kept as given."""
+    name = (requested or ("nccl" if cuda else "gloo")).strip().lower()
+    if "nccl" in name and not cuda:
+        raise ConfigError("trainer backend", f"{name!r} needs CUDA but this process has no GPU",
+                          "use gloo on CPU hosts")
+    return "cpu:gloo,cuda:nccl" if name == "nccl" else name
 
 
 def default_backend() -> str:
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return process_group_backend(None, torch.cuda.is_available())
 
 
 def default_device() -> "str":
@@ -54,7 +71,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     from areal_cli.utils import host_memory
 
     host_memory.configure()  # before the engine allocates the model's host tensors
-    backend = backend or default_backend()
+    backend = process_group_backend(backend, torch.cuda.is_available())
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         from areal_cli.utils.network import find_free_port
 
@@ -63,7 +80,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         os.environ["RANK"] = "0"
         os.environ["WORLD_SIZE"] = "1"
         os.environ.setdefault("LOCAL_RANK", "0")
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
@@ -78,40 +95,51 @@ def destroy_distributed() -> None:
 
 def send_to_rank0(t: "torch.Tensor | None", owner: int) -> "torch.Tensor | None":
     """Move ``t`` from global rank ``owner`` to global rank 0, point to point (only those two call it;
-    the shape and dtype travel first). Returns the tensor on rank 0, None on ``owner`` (unless it is 0)."""
+    the shape and dtype travel first). Returns the tensor on rank 0 (on ``t``'s device type: the host
+    for a host tensor), None on ``owner`` (unless it is 0)."""
     import torch
     import torch.distributed as dist
+
+    from areal_cli.utils import collectives
 
     me = dist.get_rank()
     if owner == 0:
         return t
     if me == owner:
-        dist.send_object_list([tuple(t.shape), t.dtype], dst=0)
-        dist.send(t.contiguous(), dst=0)
+        collectives.send_object_list([tuple(t.shape), t.dtype, t.device.type], dst=0)
+        collectives.send(t.contiguous(), dst=0)
         return None
     if me == 0:
-        meta: list = [None, None]
-        dist.recv_object_list(meta, src=owner)
-        out = torch.empty(meta[0], dtype=meta[1])
-        dist.recv(out, src=owner)
-        return out
+        meta: list = [None, None, None]
+        collectives.recv_object_list(meta, src=owner)
+        device = "cpu" if meta[2] == "cpu" else _local_device()
+        out = torch.empty(meta[0], dtype=meta[1], device=device)
+        return collectives.recv(out, src=owner)
     return None
+
+
+def _local_device() -> "torch.device":
+    import torch
+
+    return torch.device(default_device())
 
 
 def barrier() -> None:
     """All ranks meet here; nothing to wait for without a process group."""
     import torch.distributed as dist
 
+    from areal_cli.utils import collectives
+
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        collectives.barrier()
 
 
 def broadcast_obj(obj: Any, src: int = 0) -> Any:
     """``src``'s ``obj`` on every rank (pickled through ``broadcast_object_list``)."""
     import torch.distributed as dist
 
+    from areal_cli.utils import collectives
+
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return collectives.broadcast_object_list([obj], src=src)[0]

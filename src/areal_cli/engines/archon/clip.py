@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areal_cli.utils import collectives
+
 
 def _mesh_key(g: torch.Tensor) -> Any:
     mesh = getattr(g, "device_mesh", None)
@@ -47,10 +49,8 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, 
         n = _local_norm(grads, norm_type)
         acc = torch.maximum(acc, n) if inf else acc + n ** norm_type
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dev = _comm_device(pp_group)
-        t = acc.to(dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pp_group)
-        acc = t.cpu()
+        op = collectives.ReduceOp.MAX if inf else collectives.ReduceOp.SUM
+        collectives.all_reduce(acc, op=op, group=pp_group)
     return acc if inf else acc ** (1.0 / norm_type)
 
 
@@ -75,9 +75,3 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
                 p.grad.mul_(coef)
     return total
 
-
-def _comm_device(group: Any) -> torch.device:
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -33,6 +33,7 @@ from areal_cli.engines.archon.mesh import ArchonMesh, ArchonDims
 from areal_cli.engines.archon.parallelize import parallelize
 from areal_cli.engines.hf_model import HFModelEngine, _full
 from areal_cli.errors import ConfigError
+from areal_cli.utils import collectives
 from areal_cli.utils.dist import send_to_rank0
 
 
@@ -128,9 +129,8 @@ class ArchonEngine(HFModelEngine):
             # before its coefficient, averaged over layers, micro-batches and dp ranks (as megatron)
             total = torch.tensor([sum(float(v) for v in self._aux_values)], dtype=torch.float64)
             if self.parallel.cp > 1:
-                total = total.to(self._comm_device())
-                dist.all_reduce(total, group=self.cp_group)
-            total = self._all_reduce(total.cpu())
+                collectives.all_reduce(total, group=self.cp_group)
+            total = self._all_reduce(total)
             stats["moe_aux_loss"] = float(total.item()) / (len(self.moe) * self._aux_total)
             for b in self.moe:
                 b.aux_scale, b.aux_record = 0.0, None
@@ -146,7 +146,7 @@ class ArchonEngine(HFModelEngine):
         if self.mesh.replica_mesh.size() > 1:
             obj = [None if batch is None else {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                                                for k, v in batch.items()}]
-            dist.broadcast_object_list(obj, src=self.mesh.dp_head_rank, group=self.mesh.replica_group)
+            collectives.broadcast_object_list(obj, src=self.mesh.dp_head_rank, group=self.mesh.replica_group)
             batch = obj[0]
         if batch is None:
             raise ValueError("train_batch/forward: the data-parallel head must pass a batch")
@@ -258,8 +258,8 @@ class ArchonEngine(HFModelEngine):
     def _from_last_stage(self, obj: Any) -> Any:
         """``obj`` as computed on this replica's last pipeline stage, on every rank of the stage group."""
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.mesh.pp_group, self.parallel.pp - 1),
-                                   group=self.mesh.pp_group)
+        last = dist.get_global_rank(self.mesh.pp_group, self.parallel.pp - 1)
+        collectives.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
         return box[0]
 
     @torch.no_grad()
@@ -300,7 +300,7 @@ class ArchonEngine(HFModelEngine):
         mine = [(n, p) for s in self.model.values() for n, p in s.named_parameters()
                 if not (s.tied_copy and n == "lm_head.weight") and (keep is None or keep(n))]
         table: list[Any] = [None] * self.parallel.pp
-        dist.all_gather_object(table, [n for n, _ in mine], group=self.mesh.pp_group)
+        collectives.all_gather_object(table, [n for n, _ in mine], group=self.mesh.pp_group)
         src_rank0 = dist.get_rank() == 0
         head_of = [dist.get_global_rank(self.mesh.pp_group, r) for r in range(self.parallel.pp)]
         for stage_rank, stage_names in enumerate(table):

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from areal_cli.utils import collectives
+
 MOE_BLOCK_CLASSES = ("Qwen3MoeSparseMoeBlock",)
 SUPPORTED = "Qwen3-MoE (qwen3_moe)"
 
@@ -45,13 +47,13 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        collectives.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         back = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        collectives.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         return back, None, None, None
 
 
@@ -165,7 +167,8 @@ class MoEBlock(nn.Module):
         ep, n_local = self.ep_size, self.local_experts
         send = counts.view(ep, n_local)  # [dest rank, its local expert]
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # [src rank, my local expert]
+        # recv: [src rank, my local expert]
+        collectives.all_to_all_single(recv, send.contiguous(), group=self.ep_group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         got = all_to_all(rows, out_splits, in_splits, self.ep_group)  # ordered by (src rank, local expert)
         expert_of = torch.repeat_interleave(torch.arange(n_local, device=rows.device).repeat(ep),

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from areal_cli.errors import ConfigError
+from areal_cli.utils import collectives
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 
@@ -325,7 +326,7 @@ class Pipeline:
         same = torch.tensor([1 if hit else 0], device=self._flag_device)
         # Every rank decides alike: a skipped shape inference on one rank would leave its peers'
         # metadata exchange (and FSDP collectives in the inference forward) unanswered.
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        collectives.all_reduce(same, op=collectives.ReduceOp.MIN)
         if bool(same.cpu().item()):
             return self._last[1]
         cls = schedule_class(self.schedule)
@@ -396,7 +397,7 @@ class Pipeline:
                 g = g.redistribute(p.device_mesh, p.placements)
                 p.grad = g
             local = g.to_local() if hasattr(g, "to_local") else g
-            dist.all_reduce(local, group=self._embedding_group)
+            collectives.all_reduce(local, group=self._embedding_group)
 
 
 class _LossSlot:

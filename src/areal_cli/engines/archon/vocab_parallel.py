@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from areal_cli.engines import sampling_mask
+from areal_cli.utils import collectives
 
 
 def lm_head_style():
@@ -42,7 +43,7 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         out = x.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(out, op=collectives.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
@@ -101,7 +102,7 @@ def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: f
             m = (z if keep is None else z.masked_fill(~keep, -float("inf"))).max(dim=-1, keepdim=True).values
         else:  # an empty slice (more ranks than ceil-sized chunks) contributes nothing
             m = z.new_full((*z.shape[:-1], 1), -float("inf"))
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(m, op=collectives.ReduceOp.MAX, group=group)
     zc = z - m
     if keep is None:
         e = zc.exp()

@@ -309,24 +309,25 @@ def _uneven_gather_scatter_patch() -> Patch:
         if output_split_sizes is None or group.size() == 1:
             return state["gather"](input_, group, output_split_sizes, use_global_buffer)
         import torch
-        import torch.distributed as dist
+
+        from areal_cli.utils import collectives
 
         sizes = [int(n) for n in output_split_sizes]
         m = max(sizes)
         pad = input_.new_zeros((m, *input_.shape[1:]))
         pad[: input_.shape[0]] = input_
         bufs = [torch.empty_like(pad) for _ in sizes]
-        dist.all_gather(bufs, pad.contiguous(), group=group)
+        collectives.all_gather(bufs, pad.contiguous(), group=group)
         return torch.cat([b[:n] for b, n in zip(bufs, sizes)], 0)
 
     def reduce_scatter(input_: Any, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
         if input_split_sizes is None or group.size() == 1:
             return state["scatter"](input_, group, input_split_sizes, use_global_buffer)
-        import torch.distributed as dist
+        from areal_cli.utils import collectives
 
         sizes = [int(n) for n in input_split_sizes]
         total = input_.contiguous().clone()
-        dist.all_reduce(total, group=group)
+        collectives.all_reduce(total, group=group)
         start = sum(sizes[: group.rank()])
         return total[start:start + sizes[group.rank()]].contiguous()
 

@@ -225,12 +225,13 @@ def load_hf(models: Iterable[Any], hf: Mapping[str, Any] | TensorSource, arch: H
 
 def _gather(t: Any, dim: int, group: Any, tp: int) -> Any:
     import torch
-    import torch.distributed as dist
+
+    from areal_cli.utils import collectives
 
     if tp == 1:
         return t.detach().clone()
     parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    collectives.all_gather(parts, t.detach().contiguous(), group=group)
     return torch.cat(parts, dim)
 
 

@@ -42,7 +42,7 @@ from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
 from areal_cli.errors import ConfigError
-from areal_cli.utils import host_memory
+from areal_cli.utils import collectives, host_memory
 from areal_cli.utils.dist import send_to_rank0
 
 # a checkpoint dir: per rank, its step, version, extra state and (distributed optimizer) optimizer shard; per
@@ -298,7 +298,7 @@ class MegatronEngine(EngineBase):
                     mpu.get_data_parallel_rank(), mpu.get_expert_model_parallel_rank(),
                     mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_data_parallel_rank())
         table: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(table, tuple(me))
+        collectives.all_gather_object(table, tuple(me))
         return [_Coord(*t) for t in table]
 
     # ------------------------------------------------------------------ layout
@@ -347,7 +347,7 @@ class MegatronEngine(EngineBase):
             group = mpu.get_model_parallel_group()
             obj = [None if batch is None else {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                                                for k, v in batch.items()}]
-            dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
+            collectives.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
             batch = obj[0]
         if batch is None:
             raise ValueError("train_batch/forward: the data-parallel head must pass a batch")
@@ -500,8 +500,8 @@ class MegatronEngine(EngineBase):
         if self.parallel.pp == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self._pp_group, self.parallel.pp - 1),
-                                   group=self._pp_group)
+        last = dist.get_global_rank(self._pp_group, self.parallel.pp - 1)
+        collectives.broadcast_object_list(box, src=last, group=self._pp_group)
         return box[0]
 
     # ------------------------------------------------------------------ train / forward
@@ -525,7 +525,7 @@ class MegatronEngine(EngineBase):
         if self._routing is None:
             return {}
         counts = self._routing.take_stats()
-        dist.all_reduce(counts)
+        collectives.all_reduce(counts)
         return {"routing_replay/mismatch_rate": float(counts[0] / counts[1])} if counts[1] > 0 else {}
 
     def _moe_aux_loss(self, n_mb: int) -> float | None:
@@ -544,7 +544,7 @@ class MegatronEngine(EngineBase):
             per_layer += entry["values"].detach().cpu().double()
         clear_aux_losses_tracker()
         if self.parallel.pp > 1:  # each stage holds its own layers' entries
-            dist.all_reduce(per_layer, group=self._pp_group)
+            collectives.all_reduce(per_layer, group=self._pp_group)
         return float(self._all_reduce(per_layer.sum().reshape(1)).item()) / (
             self.mc_arch.num_layers * max(1, n_mb) * self.parallel.dp)
 
@@ -633,7 +633,7 @@ class MegatronEngine(EngineBase):
         mine = [(p.name, p.expert_owner) for p in parts]
         table: list[Any] = [None] * self.parallel.pp
         if self.parallel.pp > 1:
-            dist.all_gather_object(table, mine, group=self._pp_group)
+            collectives.all_gather_object(table, mine, group=self._pp_group)
         else:
             table = [mine]
         dense = {c.pp: r for r, c in reversed(list(enumerate(self._coords))) if c.tp == 0 and c.dp == 0}
@@ -694,7 +694,7 @@ class MegatronEngine(EngineBase):
             return super().save(meta)
         root = Path(meta.path)
         root.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+        collectives.barrier()
         _, key, writes_model = self._position()
         sharded_optim = bool(self.cfg.megatron.use_distributed_optimizer)
         own: dict[str, Any] = {"layout": self._layout(), "step": self.step, "version": self._version,
@@ -713,7 +713,7 @@ class MegatronEngine(EngineBase):
         torch.save(own, root / CKPT_FILE.format(rank=dist.get_rank()))
         if model is not None:
             torch.save(model, root / MODEL_FILE.format(**key))
-        dist.barrier()
+        collectives.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
         if meta.weight_format != "dcp":
