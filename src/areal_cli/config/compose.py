@@ -12,7 +12,6 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from areal_cli.config.groups import CONF_DIR, GROUPS, group_options
@@ -115,7 +114,7 @@ def prepare(overrides: list[str]) -> Prepared:
             continue
         if key in GROUPS:
             if prefix == "~" or value is None:
-                raise ConfigError(key, f"the '{key}' group cannot be removed", f"pick one of its options")
+                raise ConfigError(key, f"the '{key}' group cannot be removed", "pick one of its options")
             _check_group_value(key, value.strip(), options)
             if key == "engine":
                 prep.explicit_engine = value.strip()
