@@ -20,6 +20,7 @@ from train_runs import _areal, _descendants_alive, _env, _overrides, _records
 pytestmark = pytest.mark.timeout(400)
 
 
+@pytest.mark.e2e  # a real run interrupted and resumed: CI's e2e phase
 def test_train_interrupt_resume_and_export(tmp_path, tiny_model_dir):
     import psutil
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 from train_runs import _hold_then_kill, _overrides, _records, _start, _wait_for
 
-pytestmark = pytest.mark.timeout(400)
+# fault injection, end to end: CI's e2e phase (pytest -m e2e tests/integration)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.e2e]
 
 
 def _finish(proc) -> str:

@@ -40,6 +40,7 @@ def _manifest(sweep_dir: Path) -> dict:
     return json.loads((sweep_dir / "manifest.json").read_text())
 
 
+@pytest.mark.e2e  # kills and resumes real runs: CI's e2e phase
 def test_sweep_runs_kills_and_resumes(tmp_path, tiny_model_dir):
     sweep_dir = tmp_path / "sw"
     fixed = [f"cluster.fileroot={tmp_path}", f"model.path={tiny_model_dir}", *SHORT]

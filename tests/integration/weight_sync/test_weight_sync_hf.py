@@ -66,6 +66,7 @@ def test_archon_sync_into_hf_server(parallel, tiny_model_dir, tiny_model_dir_b, 
     _check_pushes(json.loads((tmp_path / "sync.json").read_text()), tmp_path, ps)
 
 
+@pytest.mark.megatron  # multi-process megatron layouts: CI's megatron phase
 @pytest.mark.parametrize("layout", ["t2p2", "moe_d2e2"])
 def test_megatron_sync_into_hf_server(layout, tiny_model_dir, tiny_model_dir_b, tmp_path):
     """megatron t2p2: each tensor TP-gathered inside its stage and sent from the stage that owns it reaches
