@@ -157,7 +157,7 @@ def evaluate_dirs(dirs: list[str], items: list[dict], max_new_tokens: int) -> di
 def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: argparse.Namespace,
             steps: int, ckpt_every: int, train_items: list[dict]) -> dict:
     """The three systems on one model; returns their rows."""
-    precision = ["engine.mixed_precision=true"] if args.bf16 else []
+    precision = ["engine.dtype=bfloat16"] if args.bf16 else []
     common = [*model_args, *precision, *args.areal_args, f"algo.batch_size={args.batch}",
               f"rollout.group_size={args.group}", f"rollout.gconfig.max_new_tokens={args.max_new_tokens}",
               f"algo.optim.lr={args.lr}", "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0", "algo.kl_coef=0",
@@ -208,7 +208,7 @@ def main() -> None:
                     help="a seed study: one round per seed (areal's run seed over fixed data, TRL's seed), "
                          "held-out accuracy per system and step as mean and range over the seeds")
     ap.add_argument("--bf16", action="store_true",
-                    help="train in bf16 autocast over fp32 weights on both sides (areal engine.mixed_precision=true, "
+                    help="train in bf16 autocast over fp32 weights on both sides (areal engine.dtype=bfloat16, "
                          "TRL bf16=True); generation stays fp32 in areal's server")
     ap.add_argument("--areal-args", nargs="*", default=[],
                     help="extra overrides for both areal runs, e.g. algo.loss_agg=token-mean")

@@ -57,8 +57,9 @@ class MegatronConfig:
 @dataclass
 class EngineConfig:
     name: str = "fsdp"  # a registered backend (fsdp | archon | megatron | deepspeed) or pkg.module:Class
-    dtype: str = "float32"  # parameter dtype: float32 | bfloat16
-    mixed_precision: bool = False  # compute in bfloat16 with fp32 master weights
+    # compute dtype: float32 | bfloat16. A trained model keeps fp32 master weights, gradients and optimizer
+    # state under bfloat16 on every engine; the LM head's logits stay fp32 (engines/precision.py)
+    dtype: str = "float32"
     gradient_checkpointing: bool = False
     max_tokens_per_mb: int = ranged(4096, ge=1)  # token budget per micro-batch (FFD packing)
     pad_to_multiple_of: int = ranged(1, ge=1)

@@ -16,6 +16,13 @@ from typing import Any
 from areal_cli.errors import ConfigError
 
 
+# Keys that existed once: (reason, fix) instead of a did-you-mean.
+RETIRED = {
+    "engine.mixed_precision": ("was folded into engine.dtype (bf16 compute with fp32 master weights on every "
+                               "engine)", "use engine.dtype=bfloat16"),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -75,6 +82,8 @@ def resolve_path(root: type, path: str) -> Any:
             raise ConfigError(here, f"'{parent}' is a value ({describe_type(cls)}), not a section",
                               f"set {parent}=<value>")
         names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names and here in RETIRED:
+            raise ConfigError(here, *RETIRED[here])
         if part not in names:
             raise ConfigError(here, f"unknown config key '{part}'" +
                               (f" in '{'.'.join(parts[:i])}'" if i else ""),

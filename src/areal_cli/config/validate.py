@@ -35,7 +35,7 @@ from areal_cli.rollout.workflows import check_workflow_config
 EXTRA_RULES: list[Callable[[ExperimentConfig, Plan], None]] = []
 CHOICES = {
     "cluster.device": ("cpu", "cuda"),
-    "engine.dtype": ("float32", "bfloat16", "float16"),
+    "engine.dtype": ("float32", "bfloat16"),
     "launcher.name": ("local", "slurm", "skypilot", "ray"),
     "rollout.weight_update": ("auto", "distributed", "disk"),
     "rollout.routing": ("least_loaded", "round_robin"),
@@ -56,6 +56,10 @@ def _get(cfg: ExperimentConfig, path: str):
 
 
 def _check_scalars(cfg: ExperimentConfig) -> None:
+    if str(cfg.engine.dtype).lower() in ("float16", "fp16", "half"):
+        from areal_cli.engines.precision import FP16_FIX, FP16_REASON
+
+        raise ConfigError("engine.dtype", FP16_REASON, FP16_FIX)
     for path, choices in CHOICES.items():
         v = _get(cfg, path)
         if v not in choices:

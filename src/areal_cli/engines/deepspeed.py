@@ -47,7 +47,7 @@ from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import check_deepspeed_knobs, ulysses
 from areal_cli.engines import lora as lora_mod
-from areal_cli.engines import materialize
+from areal_cli.engines import materialize, precision
 from areal_cli.engines import parallelize as par
 from areal_cli.engines.base import VALUE_HEAD_FILE
 from areal_cli.engines.hf_model import HFModelEngine
@@ -182,6 +182,7 @@ def _finish_model(engine, model, model_path: str, dtype, rng: torch.Tensor):
         engine._attach_value_head(model, model_path, dtype)
     elif lora_mod.enabled(engine.lora_cfg):
         engine.peft_config = lora_mod.inject(model, engine.lora_cfg)
+    precision.fp32_head(model.lm_head)
 
 
 def build_zero3_model(engine, model_path: str, dtype, ds_config: dict):
@@ -284,8 +285,11 @@ class DeepSpeedEngine(HFModelEngine):
         # fsdp's (dp, cp) mesh gives the dp and Ulysses groups; ZeRO partitions over all dp × cp ranks.
         self._meshes = par.build_meshes(parallel, self.device.type)
         ulysses.set_ulysses_group(self._meshes.cp_group if parallel.cp > 1 else None)
-        dtype = par.torch_dtype(self.cfg.dtype)
-        self._bf16 = dtype == torch.bfloat16 or (self.cfg.mixed_precision and dtype == torch.float32)
+        # engines/precision.py: a trained model's weights are fp32 (DeepSpeed's bf16 mode keeps the fp32
+        # masters; the module holds bf16 copies), a forward-only one's are bf16 under bf16 compute.
+        self.precision = precision.resolve(self.cfg.dtype, trainable=self.optim_cfg is not None)
+        dtype = self.precision.params
+        self._bf16 = self.precision.compute == torch.bfloat16
         self._fp32_master = self._bf16 and dtype == torch.float32
         config = self._ds_config()
         if self.zero_stage == 3:

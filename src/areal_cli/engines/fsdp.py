@@ -54,24 +54,24 @@ class FSDPEngine(HFModelEngine):
         self.model_path = model_path
         self._meshes = par.build_meshes(parallel, self.device.type)
         ulysses.set_ulysses_group(self._meshes.cp_group if parallel.cp > 1 else None)
-        model, dtype = self._build_meta_model(model_path)
+        model, _ = self._build_meta_model(model_path)
         if parallel.cp > 1 and model.config.num_attention_heads % parallel.cp:
             raise ConfigError("allocation_mode", f"c{parallel.cp} does not divide num_attention_heads="
                               f"{model.config.num_attention_heads}", "pick c that divides the head count")
         if self.cfg.gradient_checkpointing:
             par.enable_gradient_checkpointing(model)
-        mp = self.cfg.mixed_precision and dtype == torch.float32
+        mp = self.precision.mixed  # bf16 compute over fp32 masters (engines/precision.py)
         # One rank (dp x cp == 1) has nothing to shard: as torchtitan, leave the module plain. FSDP's
         # hooks and DTensor dispatch cost ~15% of a step of the embedded default for no effect.
         # Mixed precision on one rank is autocast around the forward: the fp32 weights stay the module's
         # and its matmuls run in bf16 (AMX on CPU: 1.06 TFLOP/s against fp32's 0.16 for a [1000, 256] x
         # [256, 1024] matmul on one core here), while FSDP's policy would cast every parameter every step.
         if self._meshes.fsdp_mesh.size() > 1:
-            par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=torch.bfloat16 if mp else None,
+            par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=self.precision.compute if mp else None,
                            reduce_dtype=torch.float32 if mp else None)
         self._materialise([model])
         if self._meshes.fsdp_mesh.size() == 1 and mp:
-            model.forward = torch.autocast(self.device.type, dtype=torch.bfloat16)(model.forward)
+            model.forward = torch.autocast(self.device.type, dtype=self.precision.compute)(model.forward)
         self.model = model
         self._build_optimizer(model.parameters())
         self.hf_config = model.config

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import SaveLoadMeta
 from areal_cli.engines import lora as lora_mod
-from areal_cli.engines import materialize, packing, sampling_mask, ulysses
+from areal_cli.engines import materialize, packing, precision, sampling_mask, ulysses
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
@@ -43,14 +43,16 @@ class HFModelEngine(EngineBase):
     # ------------------------------------------------------------------ materialisation
     def _build_meta_model(self, model_path: str):
         """The HF model with meta parameters (value head attached for a critic, LoRA injected), the
-        Ulysses-aware attention registered. Returns ``(model, dtype)``; nothing of the checkpoint is read
+        Ulysses-aware attention registered, the head in fp32 (:mod:`.precision`; ``self.precision`` is set).
+        Returns ``(model, parameter dtype)``; nothing of the checkpoint is read
         yet. Parameters that are not in the checkpoint get their initial values here, on the host."""
         if self.cfg.grad_reduce not in GRAD_REDUCE:
             raise ConfigError("engine.grad_reduce", f"unknown mode {self.cfg.grad_reduce!r}",
                               f"use one of: {', '.join(GRAD_REDUCE)}")
         cfg = self._read_model_meta(model_path)
         attn = ulysses.register()
-        dtype = par.torch_dtype(self.cfg.dtype)
+        self.precision = precision.resolve(self.cfg.dtype, trainable=self.optim_cfg is not None)
+        dtype = self.precision.params  # fp32 masters when trained: the backend casts for compute
         torch.manual_seed(self.seed)
         model = materialize.meta_model(cfg, dtype, attn)
         if self.critic:
@@ -58,6 +60,7 @@ class HFModelEngine(EngineBase):
         elif lora_mod.enabled(self.lora_cfg):
             self.peft_config = lora_mod.inject(model, self.lora_cfg)
             materialize.materialise_lora(model, lora_mod.ADAPTER_NAME, self.peft_config.init_lora_weights)
+        precision.fp32_head(model.lm_head)
         self._host_state = materialize.host_state(model)
         return model, dtype
 

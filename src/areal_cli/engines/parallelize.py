@@ -15,17 +15,13 @@ from typing import Any
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.errors import ConfigError
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
-
 def torch_dtype(name: str, path: str = "engine.dtype"):
+    """The torch dtype of a compute-dtype name (:mod:`areal_cli.engines.precision`: float16 is refused)."""
     import torch
 
-    key = _DTYPES.get(str(name).lower())
-    if key is None:
-        raise ConfigError(path, f"unknown dtype {name!r}", "use float32 or bfloat16")
-    return getattr(torch, key)
+    from areal_cli.engines.precision import dtype_name
+
+    return getattr(torch, dtype_name(name, path))
 
 
 @dataclass

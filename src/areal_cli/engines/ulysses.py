@@ -189,7 +189,7 @@ def ulysses_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     if mask is not None and mask.dtype != torch.bool:
         mask = mask >= 0  # additive float mask: 0 keeps, -inf hides
     dtype = query.dtype
-    # Under CPU autocast (engine.mixed_precision on one rank) the projections run in bf16, but the CPU
+    # Under CPU autocast (engine.dtype=bfloat16 on one rank) the projections run in bf16, but the CPU
     # flash-attention backward is 2.5x slower in bf16 than in fp32 at these shapes: attend in fp32.
     fp32_attn = query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
     with torch.autocast("cpu", enabled=False) if fp32_attn else contextlib.nullcontext():

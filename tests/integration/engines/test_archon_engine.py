@@ -45,8 +45,8 @@ def runs(model4, tmp_path_factory):
           _archon("p2_interleaved", {"pp": 2}, mb=SMALL,
                   engine={"archon": {"pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}}),
           _archon("c2", {"cp": 2}),
-          _archon("d2_mp", {"dp": 2}, engine={"mixed_precision": True}),
-          {"name": "fsdp_d2_mp", "parallel": {"dp": 2}, "engine": {"max_tokens_per_mb": BIG, "mixed_precision": True},
+          _archon("d2_mp", {"dp": 2}, engine={"dtype": "bfloat16"}),
+          {"name": "fsdp_d2_mp", "parallel": {"dp": 2}, "engine": {"max_tokens_per_mb": BIG, "dtype": "bfloat16"},
            **STEPS},
           {"name": "critic_t2", "cls": "archon", "parallel": {"tp": 2}, **critic},
           {"name": "critic_p2", "cls": "archon", "parallel": {"pp": 2}, **critic}]

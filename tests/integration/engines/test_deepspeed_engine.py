@@ -33,7 +33,7 @@ BIG, SMALL = 10_000, 1
 def _ds(name, stage, parallel=None, mb=BIG, **ds):
     # persistence threshold 0: even norms and biases are partitioned, so every tensor goes through the gather
     return {"name": name, "cls": "deepspeed", "parallel": parallel or {"dp": 2}, "fwd": True, **STEPS,
-            "engine": {"max_tokens_per_mb": mb, "mixed_precision": name.endswith("_mp"),
+            "engine": {"max_tokens_per_mb": mb, "dtype": "bfloat16" if name.endswith("_mp") else "float32",
                        "deepspeed": {"zero_stage": stage, "param_persistence_threshold": 0, **ds}}}
 
 
@@ -52,7 +52,7 @@ def runs(model4, tmp_path_factory):
           _ds("z2_offload", 2, offload_optimizer=True),
           # bf16 compute over fp32 weights, against fsdp's mixed precision at d2
           {"name": "fsdp_d2_mp", "parallel": {"dp": 2},
-           "engine": {"max_tokens_per_mb": BIG, "mixed_precision": True}, **STEPS},
+           "engine": {"max_tokens_per_mb": BIG, "dtype": "bfloat16"}, **STEPS},
           _ds("z1_mp", 1), _ds("z3_mp", 3),
           {"name": "critic_z3", "cls": "deepspeed", "parallel": {"dp": 2}, **critic}]
     for world, variants in ((1, w1), (2, w2)):

@@ -31,7 +31,7 @@ ENGINE = {"deepspeed": {"zero_stage": 3, "param_persistence_threshold": 0, "buck
 def runs(model4, tmp_path_factory):
     out = tmp_path_factory.mktemp("ds_zero3_init")
     variants = [{"name": "fp32", "parallel": {"dp": 2}, "engine": ENGINE},
-                {"name": "mp", "parallel": {"dp": 2}, "engine": {**ENGINE, "mixed_precision": True}}]
+                {"name": "mp", "parallel": {"dp": 2}, "engine": {**ENGINE, "dtype": "bfloat16"}}]
     launch({"model_dir": model4, "out": str(out), "variants": variants}, 2, timeout=600,
            script=str(SUPPORT / "deepspeed_init_worker.py"))
     return {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}

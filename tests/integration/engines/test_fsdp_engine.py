@@ -27,7 +27,7 @@ def runs(tiny_model_dir, tmp_path_factory):
         {"name": "dp1_warm_mid", "engine": {"max_tokens_per_mb": BIG}, "probe": True, "warm_up_before_step": 1},
         {"name": "dp1_padded", "engine": {"max_tokens_per_mb": BIG, "padding_free": False}, "probe": True},
         {"name": "dp1_ckpt", "engine": {"max_tokens_per_mb": SMALL, "gradient_checkpointing": True}, "probe": True},
-        {"name": "dp1_bf16_mp", "engine": {"max_tokens_per_mb": BIG, "mixed_precision": True}, "probe": True},
+        {"name": "dp1_bf16_mp", "engine": {"max_tokens_per_mb": BIG, "dtype": "bfloat16"}, "probe": True},
         {"name": "critic", "critic": True},
         {"name": "grp_plain", "batch": "groups", "engine": {"max_tokens_per_mb": BIG, "shared_prefix": False},
          "probe": True},

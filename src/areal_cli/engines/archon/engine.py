@@ -63,11 +63,11 @@ class ArchonEngine(HFModelEngine):
         self._meshes = fsdp_par.Meshes(mesh=m.world, fsdp_mesh=m.fsdp_mesh, dp_group=m.dp_group,
                                        cp_group=m.cp_group, dp_rank=m.dp_rank, cp_rank=m.cp_rank)
         ulysses.set_ulysses_group(m.cp_group if dims.cp > 1 else None)
-        model, dtype = self._build_meta_model(model_path)  # meta parameters: nothing read yet
+        model, _ = self._build_meta_model(model_path)  # meta parameters: nothing read yet
         self.hf_config = model.config
-        mp = self.cfg.mixed_precision and dtype == torch.float32
+        mp = self.precision.mixed  # bf16 compute over fp32 masters (engines/precision.py)
         opts = dict(activation_checkpointing=self.cfg.gradient_checkpointing, vocab_parallel=not self.critic,
-                    param_dtype=torch.bfloat16 if mp else None, reduce_dtype=torch.float32 if mp else None)
+                    param_dtype=self.precision.compute if mp else None, reduce_dtype=torch.float32 if mp else None)
         self.pipe: pipeline.Pipeline | None = None
         if dims.pp > 1:
             a = self.cfg.archon

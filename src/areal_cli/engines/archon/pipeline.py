@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from areal_cli.engines import precision
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives
 
@@ -250,6 +251,7 @@ def build_stage_modules(model: nn.Module, *, pp_rank: int, pp_size: int, schedul
                                  dtype=lm_head.weight.dtype, device=lm_head.weight.device)
                 emb = parts["embed_tokens"].weight  # frozen under LoRA: so is the copy
                 head.weight = nn.Parameter(emb.detach().clone(), requires_grad=emb.requires_grad)
+                precision.fp32_head(head)  # as the model's own head (engines/precision.py)
                 tied_copy = True
         mods.append(StageModule(b, head, model.config, stage_index=sid, num_stages=n_stages, layers=(lo, hi),
                                 tied_copy=tied_copy))

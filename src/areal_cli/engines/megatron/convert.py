@@ -147,6 +147,12 @@ def _mcore_groups(src: TensorSource, arch: HFArch, model: Any, tp_rank: int, tp:
         yield out
 
 
+def mcore_groups(hf: TensorSource, arch: HFArch, model: Any, tp_rank: int, tp: int,
+                 experts: ExpertLayout | None = None) -> Iterator[dict[str, Any]]:
+    """One GPTModel chunk's state dict on TP rank ``tp_rank``, a layer's group at a time."""
+    yield from _mcore_groups(hf, arch, model, tp_rank, tp, experts)
+
+
 def hf_to_mcore(hf: Mapping[str, Any] | TensorSource, arch: HFArch, model: Any, tp_rank: int, tp: int,
                 experts: ExpertLayout | None = None) -> dict[str, Any]:
     """The state dict of one GPTModel chunk on TP rank ``tp_rank`` from a full HF state dict or a

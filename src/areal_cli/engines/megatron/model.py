@@ -272,4 +272,30 @@ def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None) -> li
             rope_scaling=arch.rope_scaling_factor is not None,
             rope_scaling_factor=arch.rope_scaling_factor or 8.0,
             vp_stage=c if vpp > 1 else None))
+        if chunks[-1].post_process:
+            fp32_output(chunks[-1].output_layer)
     return chunks
+
+
+_FP32_OUTPUT: dict[type, type] = {}
+
+
+def fp32_output(layer: Any) -> Any:
+    """The vocab-parallel output layer computing its logits in fp32 (engines/precision.py: bf16 logits move a
+    logprob by up to ~0.06 nats near |logit| 20). The hidden states and the weight (the layer's own, or the
+    tied embedding mcore passes in) are upcast exactly; the class is swapped as :func:`.precision.fp32_head`."""
+    import torch
+
+    cls = type(layer)
+    if cls in _FP32_OUTPUT.values():
+        return layer
+
+    def forward(self: Any, input_: Any, weight: Any = None, runtime_gather_output: Any = None) -> Any:
+        w = self.weight if weight is None else weight
+        with torch.autocast(input_.device.type, enabled=False):
+            return cls.forward(self, input_.float(), weight=w.float(), runtime_gather_output=runtime_gather_output)
+
+    if cls not in _FP32_OUTPUT:
+        _FP32_OUTPUT[cls] = type(f"FP32{cls.__name__}", (cls,), {"forward": forward})
+    layer.__class__ = _FP32_OUTPUT[cls]
+    return layer
