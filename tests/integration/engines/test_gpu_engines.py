@@ -40,19 +40,23 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> str:
     return varied_model(tiny_model_dir, tmp_path_factory.mktemp("varied"))
 
 
-@pytest.fixture(scope="module")
-def hf_logprobs(model_dir) -> torch.Tensor:
+def _hf_logprobs(model_dir: str, **load_kw) -> torch.Tensor:
     """log p(token t | tokens < t) of the workers' batch (0 at position 0 and on padding), as the engines'
     ``forward`` returns it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kw).to(DEVICE).eval()
     b = make_batch(0)
     ids, am = b["input_ids"].to(DEVICE), b["attention_mask"].to(DEVICE)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=am.long()).logits.float()
     lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     return (torch.cat([torch.zeros_like(lp[:, :1]), lp], 1) * am).cpu()
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(model_dir) -> torch.Tensor:
+    return _hf_logprobs(model_dir)
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "archon", "megatron", "deepspeed"])
@@ -72,3 +76,57 @@ def test_one_rank_forward_matches_hf(engine, model_dir, hf_logprobs, tmp_path):
     record(f"engine_forward_{engine}", {"max_abs_diff": diff, "engine_device": res["device"]}, tmp_path)
     assert hf_logprobs.abs().sum() > 0
     assert diff <= TOL, f"{engine}: max |engine - HF| logprob {diff:.3g} > {TOL}"
+
+
+def _varied_moe(src_dir: str, out_dir) -> str:
+    """:func:`varied_model` for the MoE model: its fused experts ([E, ., .] in memory) redrawn too, and its norms
+    moved off 1, so that a norm loaded into the wrong sublayer changes the logprobs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif "norm" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    AutoTokenizer.from_pretrained(src_dir).save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+def test_megatron_te_spec_moe_load_forward_export(moe_model, tmp_path):
+    """Qwen3-MoE under TransformerEngine's layer spec, whose MoE layers keep a separate ``pre_mlp_layernorm``
+    (a dense layer's is fused into linear_fc1) and whose q/k norms are TENorm: one megatron rank on CUDA loads the
+    HF checkpoint, its forward logprobs match HF's (fp32, eager experts), and its HF export is the checkpoint
+    bit for bit. The CPU suite checks the names against mcore's spec with TE's classes stood in
+    (tests/unit/engines/test_megatron_te_spec.py); this builds TE's real modules."""
+    from areal_cli.engines.megatron.model import te_available
+    from areal_cli.weight_sync.hf_io import HFCheckpoint
+
+    why = _missing("megatron") or (None if te_available() else
+                                   "transformer_engine is not importable: engine=megatron builds the local layer "
+                                   "spec, not TE's (pip install transformer-engine[pytorch])")
+    if why:
+        pytest.skip(why)
+    model_dir = _varied_moe(moe_model, tmp_path / "moe")
+    ref = _hf_logprobs(model_dir, experts_implementation="eager")
+    export = tmp_path / "export"
+    variant = {"name": "megatron_te_moe", "cls": "megatron", "fwd": True, "steps": 0, "export": str(export)}
+    backend = "gloo" if REHEARSING else "nccl"
+    launch({"model_dir": model_dir, "out": str(tmp_path), "variants": [variant], "backend": backend}, 1,
+           timeout=500)
+    res = torch.load(tmp_path / "megatron_te_moe.pt", weights_only=False)
+    assert res["device"].startswith(DEVICE), f"megatron ran on {res['device']}, not {DEVICE}"
+    am = make_batch(0)["attention_mask"]
+    diff = ((res["logprobs"]["logprobs"].float() - ref) * am).abs().max().item()
+    init, back = HFCheckpoint(model_dir), HFCheckpoint(export)
+    changed = sorted(n for n in set(init.names()) & set(back.names()) if not torch.equal(init.get(n), back.get(n)))
+    record("engine_megatron_te_moe", {"max_abs_diff": diff, "engine_device": res["device"],
+                                      "export_not_equal": changed}, tmp_path)
+    assert set(back.names()) == set(init.names()), set(back.names()) ^ set(init.names())
+    assert not changed, f"HF -> mcore (TE spec) -> HF changed {changed}"
+    assert set(res["weights"]) == set(init.names())
+    assert ref.abs().sum() > 0
+    assert diff <= TOL, f"megatron (TE spec, MoE): max |engine - HF| logprob {diff:.3g} > {TOL}"

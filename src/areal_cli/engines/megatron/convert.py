@@ -12,6 +12,9 @@ and would be one more private API pinned with ``--no-deps``. The mapping is smal
   copy in ``output_layer`` (loaded with the same weight, never exported).
 - Layer offsets per PP/VPP rank are read from each layer's ``layer_number`` (1-based, global), so any
   layout mcore builds is converted without recomputing its split.
+- Per layer, from the parameters the built layer has: where its two norms live (the local spec's own norm
+  modules, or TE's spec's fused ``layer_norm_weight`` of ``linear_qkv`` and of a dense ``linear_fc1``, with a
+  separate ``pre_mlp_layernorm`` in front of an MoE block) and whether its MLP is MoE (a router).
 - Loading reads through a :class:`TensorSource`: a rank reads only the tensors its chunks own (its stage's
   layers, its ep rank's experts), column-parallel ones as their dim-0 slices, and converts a layer at a time.
   Export (:func:`hf_tensors`) gathers one tensor, or one expert's tensor, at a time over TP (expert TP) only.
@@ -32,18 +35,47 @@ _NORM = "decoder.final_layernorm.weight"
 _VALUE = ("output_layer.head.weight", "output_layer.head.bias")
 
 
-def _norm_names(model: Any) -> tuple[str, str]:
-    """(input norm, pre-MLP norm) parameter suffixes: the local spec keeps separate norms, TE fuses them
-    into the following linear layer."""
-    keys = model.state_dict().keys()
-    if any(k.endswith("linear_qkv.layer_norm_weight") for k in keys):
-        return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
-    return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+# Where a layer's two norms live. The local spec keeps them as modules of their own; TE's spec fuses each into
+# the linear that follows it (TELayerNormColumnParallelLinear's ``layer_norm_weight``) where that linear is one
+# TE module: always the qkv projection, but only a dense MLP's fc1. An MoE block has no such linear in front, so
+# TE's spec gives MoE layers a separate ``pre_mlp_layernorm`` (gpt_layer_specs.py: ``pre_mlp_layernorm=
+# backend.layer_norm() if num_experts else IdentityOp``), and a model with dense and MoE layers (first-k-dense)
+# holds both forms: the names are read per layer, from the parameters the built layer actually has.
+_IN_NORMS = ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+_MLP_NORMS = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+_ROUTER = "mlp.router.weight"
 
 
-def _layer_map(model: Any) -> list[tuple[int, int]]:
-    """(local index j, global HF layer index) for every layer of this chunk."""
-    return [(j, int(layer.layer_number) - 1) for j, layer in enumerate(model.decoder.layers)]
+class _LayerNames(NamedTuple):
+    """One decoder layer's parameter names (relative to the layer) that differ between specs and layers."""
+
+    in_norm: str
+    mlp_norm: str
+    moe: bool
+
+
+def _layer_names(layer: Any, arch: HFArch) -> _LayerNames:
+    names = {n for n, _ in layer.named_parameters()}
+
+    def one(options: tuple[str, ...], what: str) -> str:
+        found = [o for o in options if o in names]
+        if len(found) != 1:  # none: a spec this converter does not know; two: a norm HF has no place for
+            raise RuntimeError(f"HF <-> mcore conversion: layer {layer.layer_number} has {found or 'none'} of "
+                               f"the {what} names {list(options)}, expected exactly one")
+        return found[0]
+
+    has_qk = [n in names for n in _QK_NORMS]
+    if has_qk != [arch.qk_norm] * 2:
+        raise RuntimeError(f"HF <-> mcore conversion: layer {layer.layer_number} q/k norms {has_qk}, but the HF "
+                           f"model {'has' if arch.qk_norm else 'has no'} q_norm/k_norm")
+    return _LayerNames(one(_IN_NORMS, "input norm"), one(_MLP_NORMS, "pre-MLP norm"), _ROUTER in names)
+
+
+def _layer_map(model: Any, arch: HFArch) -> list[tuple[int, int, _LayerNames]]:
+    """(local index j, global HF layer index, the layer's names) for every layer of this chunk."""
+    return [(j, int(layer.layer_number) - 1, _layer_names(layer, arch))
+            for j, layer in enumerate(model.decoder.layers)]
 
 
 def _qkv(groups: int, q: Any, k: Any, v: Any) -> Any:
@@ -123,9 +155,8 @@ def _mcore_groups(src: TensorSource, arch: HFArch, model: Any, tp_rank: int, tp:
         elif not (arch.tied and model.pre_process):
             ends[_OUT] = col("model.embed_tokens.weight" if arch.tied else "lm_head.weight")
     yield ends
-    in_norm, mlp_norm = _norm_names(model)
     groups = arch.num_kv_heads // tp
-    for j, i in _layer_map(model):
+    for j, i, names in _layer_map(model, arch):
         p, m = f"model.layers.{i}.", f"decoder.layers.{j}."
         a = p + "self_attn."
         out: dict[str, Any] = {}
@@ -136,14 +167,14 @@ def _mcore_groups(src: TensorSource, arch: HFArch, model: Any, tp_rank: int, tp:
             out[m + "self_attention.q_layernorm.weight"] = src.get(a + "q_norm.weight")
             out[m + "self_attention.k_layernorm.weight"] = src.get(a + "k_norm.weight")
         out[m + "self_attention.linear_proj.weight"] = row(a + "o_proj.weight")
-        if arch.num_experts:
+        if names.moe:
             out.update(_experts_to_mcore(src, arch, p, m, experts or ExpertLayout()))
         else:
             out[m + "mlp.linear_fc1.weight"] = torch.cat([col(p + "mlp.gate_proj.weight"),
                                                           col(p + "mlp.up_proj.weight")], 0)
             out[m + "mlp.linear_fc2.weight"] = row(p + "mlp.down_proj.weight")
-        out[m + in_norm] = src.get(p + "input_layernorm.weight")
-        out[m + mlp_norm] = src.get(p + "post_attention_layernorm.weight")
+        out[m + names.in_norm] = src.get(p + "input_layernorm.weight")
+        out[m + names.mlp_norm] = src.get(p + "post_attention_layernorm.weight")
         yield out
 
 
@@ -264,7 +295,6 @@ def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
 
     for model in models:
         sd = model.state_dict()
-        in_norm, mlp_norm = _norm_names(model)
 
         def gathered(key: str, dim: int, sd=sd) -> Callable[[], Any]:
             return lambda: _gather(sd[key], dim, tp_group, tp)
@@ -274,7 +304,7 @@ def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
 
         if model.pre_process:
             add("model.embed_tokens.weight", gathered(_EMB, 0))
-        for j, i in _layer_map(model):
+        for j, i, names in _layer_map(model, arch):
             p, m = f"model.layers.{i}.", f"decoder.layers.{j}."
             a = p + "self_attn."
             for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
@@ -285,7 +315,7 @@ def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
                 add(a + "q_norm.weight", copied(m + "self_attention.q_layernorm.weight"))
                 add(a + "k_norm.weight", copied(m + "self_attention.k_layernorm.weight"))
             add(a + "o_proj.weight", gathered(m + "self_attention.linear_proj.weight", 1))
-            if arch.num_experts:
+            if names.moe:
                 add(p + "mlp.gate.weight", copied(m + "mlp.router.weight"))
                 for name, fn, owner in _expert_parts(sd, m, experts or ExpertLayout(), arch):
                     add(p + name, fn, owner)
@@ -294,8 +324,8 @@ def hf_tensors(models: Iterable[Any], arch: HFArch, tp_group: Any, tp: int,
                 add(p + "mlp.gate_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[0], 0, tp_group, tp))
                 add(p + "mlp.up_proj.weight", lambda t=fc1: _gather(t.chunk(2, 0)[1], 0, tp_group, tp))
                 add(p + "mlp.down_proj.weight", gathered(m + "mlp.linear_fc2.weight", 1))
-            add(p + "input_layernorm.weight", copied(m + in_norm))
-            add(p + "post_attention_layernorm.weight", copied(m + mlp_norm))
+            add(p + "input_layernorm.weight", copied(m + names.in_norm))
+            add(p + "post_attention_layernorm.weight", copied(m + names.mlp_norm))
         if model.post_process:
             add("model.norm.weight", copied(_NORM))
             if _VALUE[0] in sd:
