@@ -41,6 +41,8 @@ def _masters(engine, name: str):
             want = convert.hf_to_mcore(src, engine.mc_arch, chunk, engine.tp_rank, engine.parallel.tp,
                                        engine.experts)
             for n, p in params.items():
+                if id(p) not in ids:  # the distributed optimizer: no shard of this one on this rank
+                    continue
                 m, rng = ids[id(p)]
                 ref = want[n].reshape(-1) if rng is None else want[n].reshape(-1)[rng[0]:rng[1]]
                 yield n, m.detach().reshape(-1), ref, m.dtype
