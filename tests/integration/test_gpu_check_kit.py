@@ -75,7 +75,8 @@ def test_gpu_tests_collect():
         assert any(i.startswith(module) for i in ids), f"no gpu test collected from {module}:\n{r.stdout}"
     for name in ("test_greedy_equals_hf_generate_bf16", "test_one_rank_forward_matches_hf[fsdp]",
                  "test_one_rank_forward_matches_hf[archon]", "test_one_rank_forward_matches_hf[megatron]",
-                 "test_one_rank_forward_matches_hf[deepspeed]", "test_colocated_one_gpu_run[auto]",
+                 "test_one_rank_forward_matches_hf[deepspeed]", "test_flash_attention_2_matches_sdpa[fsdp]",
+                 "test_colocated_one_gpu_run[auto]",
                  "test_colocated_one_gpu_run[disk]", "test_inference_throughput_runs_and_is_recorded",
                  "test_megatron_te_spec_moe_load_forward_export"):
         assert any(i.endswith(name) for i in ids), f"{name} not collected:\n{r.stdout}"

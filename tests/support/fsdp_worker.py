@@ -172,6 +172,36 @@ def full_weights(engine):
     return {n: t.clone() for n, t in engine._named_full_tensors() if t is not None}
 
 
+def attn_record(engine) -> list[str]:
+    """Which attention the built model runs: the HF engines' registered attention function, or the class of
+    megatron's core-attention modules."""
+    if hasattr(engine, "chunks"):
+        return sorted({type(m).__name__ for c in engine.chunks for n, m in c.named_modules()
+                       if n.endswith("core_attention")})
+    return [str(getattr(getattr(engine, "hf_config", None), "_attn_implementation", None))]
+
+
+def spy_masks(engine, batch) -> list:
+    """For each attention kernel call of one ``forward(batch)``: the mask it received (id, storage,
+    device), or None. The kernels are wrapped, not replaced: each call goes through to the real one."""
+    from areal_cli.engines import attn_kernels
+
+    calls, real = [], dict(attn_kernels.KERNELS)
+
+    def wrap(fn):
+        def spy(q, k, v, mask, *a, **kw):
+            calls.append(None if mask is None else (id(mask), mask.data_ptr(), str(mask.device)))
+            return fn(q, k, v, mask, *a, **kw)
+        return spy
+
+    attn_kernels.KERNELS.update({k: wrap(f) for k, f in real.items()})
+    try:
+        engine.forward(batch if engine.is_dp_head else None)
+    finally:
+        attn_kernels.KERNELS.update(real)
+    return calls
+
+
 def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
     from areal_cli.config.algo import OptimConfig
@@ -189,7 +219,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     finally:
         if "batch_p2p_comm" in v:
             mcore_model.BATCH_P2P_COMM = False
-    res: dict = {"device": str(getattr(engine, "device", ""))}  # where it ran (the gpu check asserts it)
+    res: dict = {"device": str(getattr(engine, "device", "")),  # where it ran (the gpu check asserts it)
+                 "attn": attn_record(engine)}
 
     batch_fn = make_group_batch if v.get("batch") == "groups" else make_batch
 
@@ -202,6 +233,9 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         engine.load(SaveLoadMeta(path=v["load"], weight_format="dcp"))
     if v.get("load_hf"):
         engine.load(SaveLoadMeta(path=v["load_hf"], weight_format="hf"))
+    if v.get("spy_masks"):
+        res["mask_calls"] = spy_masks(engine, batch_fn(0))
+        res["n_layers"] = int(engine.hf_config.num_hidden_layers)
     if v.get("fwd", False):
         res["logprobs"] = engine.forward(batch_fn(0) if engine.is_dp_head else None)
     if v.get("fwd_t"):  # logprobs and entropy at a sampling temperature other than 1

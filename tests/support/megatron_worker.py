@@ -173,7 +173,8 @@ def compat_probes() -> dict:
     rank = mpu.get_pipeline_model_parallel_rank()
     hf = hf_model("qwen2")  # tied: the embedding copy on the last stage goes through the .cuda() call
     arch = mm.hf_arch(hf.config)
-    cfg = mm.transformer_config(arch, pp=2)
+    # eager: mcore's own DotProductAttention, whose score buffer and default causal mask two patches cover
+    cfg = mm.transformer_config(arch, pp=2, attn_impl="eager")
     out: dict = {}
 
     def probe(name, unpatched, patched):
@@ -184,8 +185,8 @@ def compat_probes() -> dict:
         dist.barrier()
 
     holder: list = []
-    probe("tied_embeddings_cuda", lambda: mm.build_chunks(arch, cfg),
-          lambda: holder.extend(mm.build_chunks(arch, cfg)))
+    probe("tied_embeddings_cuda", lambda: mm.build_chunks(arch, cfg, attn_impl="eager"),
+          lambda: holder.extend(mm.build_chunks(arch, cfg, attn_impl="eager")))
     m = holder[0]
     convert.load_hf([m], {k: v.detach() for k, v in hf.state_dict().items()}, arch, 0, 1)
     ids, pos = batch()

@@ -69,7 +69,7 @@ class EngineConfig:
     # FSDP2 (fsdp, archon): reduce-scatter gradients after every micro-batch (each rank keeps only its shard
     # of the accumulated gradient) or only after the last (unsharded gradients held until then)
     grad_reduce: str = "per_micro_batch"  # per_micro_batch | last_micro_batch
-    attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2
+    attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2 (CUDA with flash_attn; docs/training.md)
     archon: ArchonConfig = field(default_factory=ArchonConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

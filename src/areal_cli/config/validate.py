@@ -25,7 +25,7 @@ from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.rollout import DISK_ONLY_BACKENDS
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.engines import ENGINE_SPECS, engine_dims, get_engine_spec
+from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, get_engine_spec
 from areal_cli.errors import ConfigError
 from areal_cli.registry import load_plugins
 from areal_cli.rewards.registry import check_reward_name
@@ -36,6 +36,7 @@ EXTRA_RULES: list[Callable[[ExperimentConfig, Plan], None]] = []
 CHOICES = {
     "cluster.device": ("cpu", "cuda"),
     "engine.dtype": ("float32", "bfloat16"),
+    "engine.attn_impl": attn_impl.ATTN_IMPLS,
     "launcher.name": ("local", "slurm", "skypilot", "ray"),
     "rollout.weight_update": ("auto", "distributed", "disk"),
     "rollout.routing": ("least_loaded", "round_robin"),
@@ -290,6 +291,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     _check_keep_sampling_mask(cfg, plan)
     _check_routing_replay(cfg, plan)
     _check_weight_update(cfg, plan)
+    _check_attn_impl(cfg, plan)
     check_lora(cfg, plan)
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
@@ -388,6 +390,17 @@ def _check_routing_replay(cfg: ExperimentConfig, plan: Plan) -> None:
                           "only the built-in hf server is (SGLang's --enable-return-routed-experts speaks "
                           "the same format but is untested here)",
                           "use the hf inference backend or set rollout.routing_replay=false")
+
+
+def _check_attn_impl(cfg: ExperimentConfig, plan: Plan) -> None:
+    """The kernel can run where the trainers run (the engines refuse the same at initialisation)."""
+    impl = cfg.engine.attn_impl
+    bf16 = cfg.engine.dtype == "bfloat16"
+    for t in plan.trains:
+        attn_impl.check(impl, t.backend, cfg.cluster.device, bf16_compute=bf16)
+    if impl == attn_impl.FLASH and cfg.engine.shared_prefix and any(t.backend != "megatron" for t in plan.trains):
+        plan.warnings.append(f"engine.shared_prefix is off under engine.attn_impl={impl}: flash-attn takes no "
+                             "attention mask, and the shared prefix needs one (micro-batches are packed plainly)")
 
 
 def _check_weight_update(cfg: ExperimentConfig, plan: Plan) -> None:

@@ -190,7 +190,7 @@ def build_zero3_model(engine, model_path: str, dtype, ds_config: dict):
     parameter from construction on (a module's parameters are whole only until its ``__init__`` ends).
     The weights are then loaded bucket by bucket, gathered, with rank 0 alone reading the checkpoint."""
     deepspeed = import_deepspeed()
-    attn = ulysses.register()
+    attn = ulysses.register(engine.cfg.attn_impl, engine.device)
     # bf16 compute: DeepSpeed takes a zero.Init model's parameters as already in bf16.
     mdtype = torch.bfloat16 if engine._bf16 else dtype
     torch.manual_seed(engine.seed)
@@ -220,7 +220,7 @@ def build_zero3_model(engine, model_path: str, dtype, ds_config: dict):
 def build_replicated_model(engine, model_path: str, dtype):
     """ZeRO-0/1/2 keep the weights whole on every rank by design: the model is allocated uninitialised
     and each tensor read into it from the checkpoint one at a time (no second full copy)."""
-    attn = ulysses.register()
+    attn = ulysses.register(engine.cfg.attn_impl, engine.device)
     torch.manual_seed(engine.seed)
     rng = torch.get_rng_state()
     model = _construct(model_path, dtype, attn, [])

@@ -30,6 +30,7 @@ from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import materialize, packing, precision, sampling_mask, ulysses
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
+from areal_cli.engines.attn_impl import FLASH
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives, host_memory
@@ -50,7 +51,7 @@ class HFModelEngine(EngineBase):
             raise ConfigError("engine.grad_reduce", f"unknown mode {self.cfg.grad_reduce!r}",
                               f"use one of: {', '.join(GRAD_REDUCE)}")
         cfg = self._read_model_meta(model_path)
-        attn = ulysses.register()
+        attn = ulysses.register(self.cfg.attn_impl, self.device)
         self.precision = precision.resolve(self.cfg.dtype, trainable=self.optim_cfg is not None)
         dtype = self.precision.params  # fp32 masters when trained: the backend casts for compute
         torch.manual_seed(self.seed)
@@ -97,8 +98,9 @@ class HFModelEngine(EngineBase):
         model.lm_head = head
 
     def _shares_prefix(self, output: str) -> bool:
+        # flash-attn takes no mask, and the shared prefix needs one: plain packing then (validate-config says so)
         return (self.cfg.shared_prefix and self.cfg.padding_free and self.parallel.cp == 1
-                and self.cfg.pad_to_multiple_of <= 1 and output == "logprobs")
+                and self.cfg.pad_to_multiple_of <= 1 and output == "logprobs" and self.cfg.attn_impl != FLASH)
 
     # ------------------------------------------------------------------ model forward
     def _forward_mb(self, mb: Batch, output: str, temperature: float,
@@ -122,12 +124,12 @@ class HFModelEngine(EngineBase):
         if self.cfg.padding_free or self._seq_multiple() > 1:
             mult = max(1, self.cfg.pad_to_multiple_of) * self._seq_multiple()
             pk = packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id)
-            if ulysses.varlen_is_cheaper(pk.lengths, pk.input_ids.shape[1]):
-                ulysses.set_varlen(pk.lengths)
+            if self.cfg.attn_impl == FLASH or ulysses.varlen_is_cheaper(pk.lengths, pk.input_ids.shape[1]):
+                ulysses.set_varlen(pk.lengths, device=self.device)
                 mask = None
             else:
                 ulysses.set_varlen(None)
-                mask = packing.packed_causal_mask(pk.seq_ids).to(self.device)
+                mask = packing.packed_causal_mask(pk.seq_ids.to(self.device))
             group = self.cp_group if cp > 1 else None
             ids = ulysses.slice_for_rank(pk.input_ids, group, dim=1).to(self.device)
             pos = ulysses.slice_for_rank(pk.position_ids, group, dim=1).to(self.device)
@@ -174,8 +176,8 @@ class HFModelEngine(EngineBase):
 
     def _forward_shared(self, sp: packing.SharedPack, mb: Batch, temperature: float) -> dict[str, torch.Tensor]:
         """Logprobs/entropy of a shared-prefix packed micro-batch (see :func:`packing.pack_shared`)."""
-        ulysses.set_varlen(sp.seg_lens, sp.seg_ids)
         dev = self.device
+        ulysses.set_varlen(sp.seg_lens, sp.seg_ids, device=dev)
         r3.set_replay(self.model, r3.shared(mb, sp.input_ids))
         logits = self.model(input_ids=sp.input_ids.to(dev), position_ids=sp.position_ids.to(dev), use_cache=False,
                             logits_to_keep=sp.keep.to(dev),

@@ -6,9 +6,10 @@ embeddings use the slice's own ``position_ids``). Around attention, an all-to-al
 "all heads, my tokens" into "my heads, all tokens", attention runs over the full sequence with the
 full block-diagonal mask, and a second all-to-all turns it back.
 
-The attention function is registered in transformers' ``AttentionInterface`` under
-:data:`ATTN_NAME`, so no model code is patched; with a group of size 1 it is plain SDPA with an
-explicit mask, which makes sp=1 and sp>1 runs numerically comparable.
+The attention function is registered in transformers' ``AttentionInterface``, one name per
+``engine.attn_impl`` (:data:`ATTN_NAMES`), so no model code is patched. It wraps the chosen kernel
+(:mod:`areal_cli.engines.attn_kernels`: sdpa, eager or flash-attn) between the two all-to-alls; with a group
+of size 1 it is that kernel alone, which makes sp=1 and sp>1 runs numerically comparable.
 """
 
 from __future__ import annotations
@@ -20,76 +21,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areal_cli.engines import attn_impl, attn_kernels
 from areal_cli.utils import collectives
 
-ATTN_NAME = "areal_ulysses_sdpa"
+# The name each ``engine.attn_impl`` is registered under in transformers' AttentionInterface. None holds
+# "flash": transformers switches its own flash-attn handling (masks, kwargs) on names that do.
+ATTN_NAMES = {attn_impl.SDPA: "areal_ulysses_sdpa", attn_impl.EAGER: "areal_ulysses_eager",
+              attn_impl.FLASH: "areal_ulysses_fa2"}
+ATTN_NAME = ATTN_NAMES[attn_impl.SDPA]
 
-_STATE: dict[str, Any] = {"group": None, "mask": None, "varlen": None}
+_STATE: dict[str, Any] = {"group": None, "varlen": None, "flash_mask": None}
 
 
 def set_ulysses_group(group: "dist.ProcessGroup | None") -> None:
     _STATE["group"] = group
 
 
-def set_varlen(lens: "list[int] | None", seg_ids: "torch.Tensor | None" = None) -> None:
+def set_varlen(lens: "list[int] | None", seg_ids: "torch.Tensor | None" = None,
+               device: "torch.device | str | None" = None) -> None:
     """Lengths of the sequences packed (in order, from position 0) into the next forward's single row.
 
-    With lengths set and no explicit mask, attention runs per sequence (:func:`varlen_sdpa`)
+    With lengths set and no explicit mask, attention runs per sequence (:func:`attn_kernels.varlen_attention`)
     instead of over the full ``T x T`` block-diagonal mask. ``seg_ids`` ``[T]`` (shared-prefix
     packing): within a sequence, a token sees the causal past of segment 0 and of its own segment.
+    The layout (and the shared-prefix mask) is built here, once per forward, on ``device``: the one the
+    model runs on, so that no layer copies it there.
     """
+    _STATE["flash_mask"] = None
     if lens is None:
         _STATE["varlen"] = None
         return
-    idx = _varlen_index(tuple(int(n) for n in lens))
-    if seg_ids is not None:
-        seg = seg_ids[idx["gather"]]  # [n, Lmax]; padding columns repeat the last token's segment
-        lmax = seg.shape[1]
-        causal = torch.ones(lmax, lmax, dtype=torch.bool).tril()
-        same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])
-        idx["mask"] = (causal[None] & same)[:, None]
-    _STATE["varlen"] = idx
+    _STATE["varlen"] = attn_kernels.varlen_index(tuple(int(n) for n in lens), device, seg_ids)
 
 
 def varlen_is_cheaper(lens: "list[int]", total: int) -> bool:
     """Per-sequence attention on the padded ``[n, Lmax]`` layout costs ``n*Lmax^2`` score entries, the
     block-diagonal mask ``T^2``; one very long sequence among many short ones favours the mask."""
     return bool(lens) and len(lens) * max(lens) ** 2 < total * total
-
-
-def _varlen_index(lens: tuple[int, ...]) -> dict[str, Any]:
-    n, lmax = len(lens), max(lens)
-    starts = torch.tensor([0, *lens[:-1]], dtype=torch.long).cumsum(0)
-    j = torch.arange(lmax)
-    length = torch.tensor(lens, dtype=torch.long)
-    # Row r, column j reads packed token starts[r] + min(j, len_r - 1): padding columns repeat the
-    # row's last token; under the causal mask only later padding queries ever see them.
-    gather = starts[:, None] + torch.minimum(j[None, :], length[:, None] - 1)
-    valid = (j[None, :] < length[:, None]).reshape(-1).nonzero().squeeze(1)
-    return {"gather": gather, "valid": valid, "n_real": sum(lens), "shape": (n, lmax)}
-
-
-def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, idx: dict[str, Any],
-                scaling: float | None) -> torch.Tensor:
-    """Causal attention of each packed sequence on its own. ``[1, H, T, D]`` in, ``[1, H, T, D]`` out
-    (positions past the packed sequences get zeros)."""
-    n, lmax = idx["shape"]
-    g = idx["gather"].to(query.device)
-
-    def pad(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [n, H, Lmax, D]
-        return x[0][:, g].transpose(0, 1)
-
-    mask = idx.get("mask")
-    if mask is not None:
-        mask = mask.to(query.device)
-    out = torch.nn.functional.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=mask,
-                                                           is_causal=mask is None, scale=scaling)
-    h, d = out.shape[1], out.shape[3]
-    flat = out.transpose(0, 1).reshape(h, n * lmax, d).index_select(1, idx["valid"].to(query.device))
-    t = query.shape[2]
-    if t > idx["n_real"]:
-        flat = torch.cat([flat, flat.new_zeros(h, t - idx["n_real"], d)], dim=1)
-    return flat[None]
 
 
 def get_ulysses_group() -> "dist.ProcessGroup | None":
@@ -161,12 +129,41 @@ def slice_for_rank(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return x.chunk(world, dim=dim)[dist.get_rank(group)]
 
 
-def ulysses_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
-                 scaling: float | None = None, **kwargs):
-    """HF attention function: ``query`` ``[B, H, L_local, D]`` → output ``[B, L_local, H, D]``.
+def _kernel_out(impl: str, query, key, value, mask, dropout: float, scaling):
+    """``[B, H, L, D]`` attention output of the full sequence by ``impl``'s kernel, from the engine's mask
+    or, without one, the per-forward layout of :func:`set_varlen`."""
+    idx = _STATE["varlen"]
+    if impl == attn_impl.FLASH:
+        if mask is None and idx is not None:
+            if "mask" in idx:
+                raise ValueError(f"{attn_impl.FLASH} cannot take the shared-prefix mask (the engine turns "
+                                 "shared-prefix packing off under it)")
+            return attn_kernels.flash_varlen(query, key, value, idx["cu"], idx["lmax"], idx["n_real"], scaling,
+                                             dropout)
+        if mask is None:
+            b, length = query.shape[0], query.shape[2]
+            cu = torch.arange(0, (b + 1) * length, length, dtype=torch.int32, device=query.device)
+            return attn_kernels.flash_varlen(query, key, value, cu, length, b * length, scaling, dropout)
+        cached = _STATE["flash_mask"]
+        if cached is None or cached[0] is not mask:  # the same mask reaches every layer: read it once
+            cached = _STATE["flash_mask"] = (mask, *attn_kernels.mask_segments(mask))
+        return attn_kernels.flash_varlen(query, key, value, cached[1], cached[2], mask.shape[0] * mask.shape[-1],
+                                         scaling, dropout)
+    kernel = attn_kernels.KERNELS[impl]
+    if mask is None and idx is not None and dropout == 0.0:
+        return attn_kernels.varlen_attention(query, key, value, idx, scaling, kernel,
+                                             causal_mask=impl == attn_impl.EAGER)
+    return kernel(query, key, value, mask, mask is None, scaling, dropout)
+
+
+def ulysses_attention(impl: str, module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling: float | None = None, **kwargs):
+    """HF attention function running ``impl``'s kernel: ``query`` ``[B, H, L_local, D]`` → output
+    ``[B, L_local, H, D]``.
 
     ``attention_mask`` is the boolean mask of the *full* sequence (True = attend), as built by the
-    engine; GQA is handled by repeating kv heads when they do not split evenly over the group.
+    engine; GQA is handled by repeating kv heads when they do not split evenly over the group (flash-attn
+    takes the grouped heads as they are otherwise).
     """
     group = _STATE["group"]
     world = _group_size(group)
@@ -181,7 +178,7 @@ def ulysses_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
         query = all_to_all(query, 1, 2, group)
         key = all_to_all(key, 1, 2, group)
         value = all_to_all(value, 1, 2, group)
-    if key.shape[1] != query.shape[1]:
+    if key.shape[1] != query.shape[1] and impl != attn_impl.FLASH:
         rep = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(rep, dim=1)
         value = value.repeat_interleave(rep, dim=1)
@@ -195,20 +192,40 @@ def ulysses_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     with torch.autocast("cpu", enabled=False) if fp32_attn else contextlib.nullcontext():
         if fp32_attn:
             query, key, value = query.float(), key.float(), value.float()
-        if mask is None and _STATE["varlen"] is not None and dropout == 0.0:
-            out = varlen_sdpa(query, key, value, _STATE["varlen"], scaling)
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None)
+        out = _kernel_out(impl, query, key, value, mask, dropout, scaling)
     out = out.to(dtype)
     if world > 1:
         out = all_to_all(out, 2, 1, group)
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
-    """Register :func:`ulysses_sdpa` with transformers (idempotent); returns its name."""
+def _named(impl: str):
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs):
+        return ulysses_attention(impl, module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    attention.__name__ = attention.__qualname__ = f"ulysses_{impl}"
+    return attention
+
+
+ATTN_FUNCTIONS = {impl: _named(impl) for impl in ATTN_NAMES}
+ulysses_sdpa = ATTN_FUNCTIONS[attn_impl.SDPA]
+
+
+def register(impl: str, device: "torch.device | str") -> str:
+    """Register the Ulysses-aware attention function running ``impl``'s kernel with transformers
+    (idempotent) and return its name; a typed refusal when ``impl`` cannot run on ``device``."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_NAME, ulysses_sdpa)
-    return ATTN_NAME
+    attn_impl.check(impl, "hf", torch.device(device).type)
+    if impl == attn_impl.FLASH:
+        try:
+            attn_kernels._flash_fn()
+        except ImportError as e:  # installed, but built for another torch or CUDA
+            from areal_cli.errors import ConfigError
+
+            raise ConfigError(attn_impl.PATH, f"flash_attn is installed but does not import ({e})",
+                              f"reinstall flash-attn for this torch and CUDA, or set {attn_impl.PATH}="
+                              f"{attn_impl.SDPA}") from None
+    AttentionInterface.register(ATTN_NAMES[impl], ATTN_FUNCTIONS[impl])
+    return ATTN_NAMES[impl]

@@ -3,8 +3,9 @@
 this checks that each one's CUDA path (NCCL group, device placement, packing on the GPU) computes the same.
 
 An engine whose package is missing is skipped with the reason: megatron-core runs on CUDA with its own code
-paths (engines/megatron/compat.py patches only without CUDA) and uses TransformerEngine's layer spec when
-TE is importable, the local spec otherwise.
+paths (engines/megatron/compat.py patches only without CUDA) and its local layer spec (sdpa core attention,
+the default engine.attn_impl); TransformerEngine's spec serves engine.attn_impl=flash_attention_2 only.
+``test_flash_attention_2_matches_sdpa`` runs flash-attn where it is installed, against sdpa.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib.util
 
 import pytest
 import torch
-from fsdp_worker import launch, make_batch
+from fsdp_worker import launch, make_batch, make_group_batch
 from gpu_check import DEVICE, REHEARSING, needs_cuda, record, varied_model
 
 pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.timeout(600)]
@@ -130,3 +131,55 @@ def test_megatron_te_spec_moe_load_forward_export(moe_model, tmp_path):
     assert set(res["weights"]) == set(init.names())
     assert ref.abs().sum() > 0
     assert diff <= TOL, f"megatron (TE spec, MoE): max |engine - HF| logprob {diff:.3g} > {TOL}"
+
+
+FLASH_FLOOR = 0.05  # flash-attn computes in bf16: logprob differences below this are its rounding, never a bug
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "archon", "deepspeed", "megatron"])
+def test_flash_attention_2_matches_sdpa(engine, model_dir, tmp_path):
+    """``engine.attn_impl=flash_attention_2`` against sdpa on packed, padded and shared-prefix (flash packs those
+    plainly) micro-batches, forward logprobs and one train step. flash-attn has no fp32 kernel, so the bound is
+    how far the whole model in bf16 (sdpa, engine.dtype=bfloat16) is from fp32 sdpa, at least FLASH_FLOOR: an
+    attention crossing sequences or misplacing tokens moves logprobs by whole units."""
+    from areal_cli.engines import attn_impl
+
+    if REHEARSING:
+        pytest.skip("flash-attn runs on CUDA only: nothing to rehearse on the CPU")
+    if not attn_impl.flash_attn_installed():
+        pytest.skip("flash_attn is not installed (pip install flash-attn); engine.attn_impl=flash_attention_2 needs it")
+    if engine == "megatron" and not attn_impl.transformer_engine_installed():
+        pytest.skip("engine=megatron runs flash_attention_2 only through TransformerEngine, which is not installed")
+    why = _missing(engine)
+    if why:
+        pytest.skip(why)
+    # megatron hands TransformerEngine its activations as they are: flash there needs bf16 compute
+    flash_dtype = "bfloat16" if engine == "megatron" else "float32"
+    layouts = {"packed": ("plain", {}), "padded": ("plain", {"padding_free": False}), "shared": ("groups", {})}
+    if engine == "megatron":  # right-padded rows only: no packing, no shared prefix
+        layouts = {"padded": ("plain", {})}
+    variants = []
+    for lay, (batch, knobs) in layouts.items():
+        for tag, impl, dtype in (("sdpa", "sdpa", "float32"), ("bf16", "sdpa", "bfloat16"),
+                                 ("flash", "flash_attention_2", flash_dtype)):
+            variants.append({"name": f"{engine}_{lay}_{tag}", "cls": engine, "batch": batch, "fwd": True, "steps": 1,
+                             "engine": {**knobs, "attn_impl": impl, "dtype": dtype}})
+    launch({"model_dir": model_dir, "out": str(tmp_path), "variants": variants, "backend": "nccl"}, 1, timeout=500)
+    out: dict = {}
+    for lay, (batch, _) in layouts.items():
+        r = {tag: torch.load(tmp_path / f"{engine}_{lay}_{tag}.pt", weights_only=False) for tag in ("sdpa", "bf16", "flash")}
+        b = (make_group_batch if batch == "groups" else make_batch)(0)
+        am = b["attention_mask"]
+        lp = {tag: r[tag]["logprobs"]["logprobs"].float() * am for tag in r}
+        noise = (lp["bf16"] - lp["sdpa"]).abs().max().item()
+        diff = (lp["flash"] - lp["sdpa"]).abs().max().item()
+        tol = max(FLASH_FLOOR, 2 * noise)
+        loss = {tag: r[tag]["stats"][0]["loss"] for tag in r}
+        out[lay] = {"max_abs_diff": diff, "bf16_model_diff": noise, "tol": tol, "loss": loss,
+                    "grad_norm_flash": r["flash"]["stats"][0]["grad_norm"], "attn": r["flash"]["attn"]}
+        assert r["flash"]["device"].startswith("cuda"), r["flash"]["device"]
+        assert lp["sdpa"].abs().sum() > 0
+        assert diff <= tol, f"{engine} {lay}: max |flash - sdpa| logprob {diff:.3g} > {tol:.3g}"
+        assert abs(loss["flash"] - loss["sdpa"]) <= tol, (lay, loss)
+        assert torch.isfinite(torch.tensor(r["flash"]["stats"][0]["grad_norm"]))
+    record(f"attn_flash_{engine}", out, tmp_path)

@@ -102,13 +102,14 @@ def test_unknown_schedule_is_config_error():
         lr_factor(0, kind="step", warmup_steps=0, total_steps=1)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 @pytest.mark.parametrize("lens,pad", [([5, 1, 9, 3], 0), ([7], 3), ([2, 2, 2, 11, 1], 5)])
-def test_varlen_attention_equals_block_diagonal_mask(lens, pad):
+def test_varlen_attention_equals_block_diagonal_mask(lens, pad, kernel):
     """Per-sequence attention (the padding-free path) gives the same outputs and gradients as SDPA
-    over the full packed block-diagonal mask."""
+    over the full packed block-diagonal mask, with either kernel."""
     import torch
 
-    from areal_cli.engines import packing, ulysses
+    from areal_cli.engines import attn_kernels, packing, ulysses
 
     torch.manual_seed(0)
     t = sum(lens) + pad
@@ -118,7 +119,7 @@ def test_varlen_attention_equals_block_diagonal_mask(lens, pad):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
     ulysses.set_varlen(lens)
     try:
-        out = ulysses.varlen_sdpa(q, k, v, ulysses._STATE["varlen"], 0.3)
+        out = attn_kernels.varlen_attention(q, k, v, ulysses._STATE["varlen"], 0.3, attn_kernels.KERNELS[kernel])
     finally:
         ulysses.set_varlen(None)
     real = sum(lens)

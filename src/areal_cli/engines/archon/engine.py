@@ -230,8 +230,9 @@ class ArchonEngine(HFModelEngine):
             "packs": packs, "mbs": mbs, "length": length, "cp_group": cp_group,
             "input_ids": ulysses.slice_for_rank(ids, cp_group, dim=1).to(dev),
             "position_ids": ulysses.slice_for_rank(pos, cp_group, dim=1).to(dev),
-            "mask": pipeline.pad_stack_masks([packing.packed_causal_mask(p.seq_ids) for p in packs],
-                                             length=length).to(dev),
+            # built on the device, once per step: every stage's layers read it from there
+            "mask": pipeline.pad_stack_masks([packing.packed_causal_mask(p.seq_ids.to(dev)) for p in packs],
+                                             length=length),
         }
 
     def _unpack_outputs(self, logits: torch.Tensor, inputs: dict, i: int, output: str,

@@ -1,8 +1,9 @@
 """The Megatron engine: megatron-core ``GPTModel`` chunks under mcore's DDP, optimizer and pipeline schedules.
 
 TP, PP (with interleaved virtual stages) and DP come from ``megatron.core.parallel_state``; sequence
-parallelism rides on TP. The same code runs on CUDA/NCCL (TransformerEngine layer spec when installed) and on
-CPU/gloo (the local spec plus :mod:`.compat`'s patches, applied only when CUDA is absent).
+parallelism rides on TP. The same code runs on CUDA/NCCL and on CPU/gloo (:mod:`.compat`'s patches, applied only
+when CUDA is absent); ``engine.attn_impl`` picks the layer spec (:mod:`.model`: the local one with sdpa or eager
+core attention, TransformerEngine's with its flash backend for flash_attention_2).
 
 What it shares with every backend it inherits from :class:`~areal_cli.engines.base.EngineBase`: micro-batch
 splitting and the global loss normalisation (``weight / global weight``), stats reduction, HF export and the weight-sync senders
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
-from areal_cli.engines import packing, precision, sampling_mask
+from areal_cli.engines import attn_impl, packing, precision, sampling_mask
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
@@ -109,6 +110,8 @@ class MegatronEngine(EngineBase):
             raise ConfigError("model.path", f"{model_path} is not an HF model dir (no config.json)",
                               "point model.path at a local dir with config.json and safetensors")
         compat.check_version()
+        attn_impl.check(self.cfg.attn_impl, "megatron", self.device.type,
+                        bf16_compute=self.cfg.dtype == "bfloat16")
         if self.device.type == "cpu":
             compat.apply_cpu_compat()
         mc = self.cfg.megatron
@@ -128,7 +131,7 @@ class MegatronEngine(EngineBase):
         config = mm.transformer_config(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
                                        sequence_parallel=self.sequence_parallel,
                                        dtype=torch.bfloat16 if mixed else torch.float32,
-                                       aux_loss_coeff=float(mc.moe_aux_loss_coeff))
+                                       aux_loss_coeff=float(mc.moe_aux_loss_coeff), attn_impl=self.cfg.attn_impl)
         self._recompute(config)
         self.tconfig = config
         torch.manual_seed(self.seed)  # mcore's own init (overwritten by the load) draws the same as before
@@ -140,7 +143,7 @@ class MegatronEngine(EngineBase):
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(self.seed)
-        chunks = mm.build_chunks(arch, config)
+        chunks = mm.build_chunks(arch, config, attn_impl=self.cfg.attn_impl)
         if self.critic:
             for c in chunks:
                 if c.post_process:

@@ -4,8 +4,9 @@ the Qwen3-MoE family with mcore's MoE layers).
 :func:`hf_arch` reads the HF config into an :class:`HFArch` and refuses what the mcore model cannot
 reproduce exactly (a typed error naming the supported families). :func:`transformer_config` maps it to a
 ``TransformerConfig``; :func:`build_chunks` builds this rank's pipeline chunks (one per virtual stage).
-The local layer spec is used on CPU; TransformerEngine's spec only when TE is importable (its fused
-layer-norm parameter names are handled by :mod:`.convert`).
+``engine.attn_impl`` picks the spec and its core attention: sdpa and eager run the local layer spec (with
+:func:`sdpa_core_attention`, or mcore's own eager ``DotProductAttention``), flash_attention_2 TransformerEngine's
+spec with its flash backend (TE's fused layer-norm parameter names are handled by :mod:`.convert`).
 """
 
 from __future__ import annotations
@@ -138,14 +139,6 @@ def check_layout(arch: HFArch, tp: int, pp: int, vpp: int = 1, ep: int = 1, etp:
                           "use p × virtual stages dividing the layers")
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _moe_config(arch: HFArch, ep: int, etp: int | None, aux_loss_coeff: float) -> dict[str, Any]:
     if not arch.num_experts:
         return {}
@@ -169,7 +162,7 @@ BATCH_P2P_COMM = False
 
 def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                        etp: int | None = None, sequence_parallel: bool = False, dtype: Any = None,
-                       aux_loss_coeff: float = 0.0) -> Any:
+                       aux_loss_coeff: float = 0.0, attn_impl: str = "sdpa") -> Any:
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -199,6 +192,7 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, 
         # for dense models
         moe_token_dispatcher_type="alltoall",
         batch_p2p_comm=BATCH_P2P_COMM,
+        attention_backend=attention_backend(attn_impl),
         **_moe_config(arch, ep, etp, aux_loss_coeff),
     )
 
@@ -217,15 +211,70 @@ def _local_norm_cls() -> Any:
     return SequenceParallelRMSNorm
 
 
-def layer_spec(arch: HFArch, use_te: bool | None = None) -> Any:
+def attention_backend(attn_impl: str) -> Any:
+    """mcore's ``TransformerConfig.attention_backend`` for ``engine.attn_impl``: flash_attention_2 is
+    TransformerEngine's flash backend (TE's layer spec); sdpa and eager are core-attention modules of the
+    local spec (``local``: mcore sets TE's NVTE_*_ATTN switches off and uses the spec's module)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from areal_cli.engines import attn_impl as ai
+
+    return AttnBackend.flash if attn_impl == ai.FLASH else AttnBackend.local
+
+
+def uses_te(attn_impl: str) -> bool:
+    """TransformerEngine's layer spec runs flash_attention_2 only (the engine refuses that without TE); sdpa
+    and eager are the local spec's, which has the kernels they name."""
+    from areal_cli.engines import attn_impl as ai
+
+    return attn_impl == ai.FLASH
+
+
+_SDPA_CLS: list[Any] = []
+
+
+def sdpa_core_attention() -> Any:
+    """mcore's local ``DotProductAttention`` (the eager kernel: baddbmm, masked softmax, bmm) with its
+    forward replaced by ``torch.nn.functional.scaled_dot_product_attention``: the same inputs (``[s, b, n, h]``
+    query/key/value, a boolean mask with True = hidden, or causal without one), the same output ``[s, b, n·h]``."""
+    if _SDPA_CLS:
+        return _SDPA_CLS[0]
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None or self.softmax_offset is not None:
+                raise NotImplementedError("the sdpa core attention takes no packed sequences, attention bias "
+                                          "or softmax offset (engine=megatron sets none of them)")
+            rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            if rep > 1:  # grouped kv heads, repeated as the eager module does
+                key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, h]
+            # the eager module divides the scale by layer_number and its softmax multiplies it back
+            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+                dropout_p=self.attention_dropout.p if self.training else 0.0,
+                is_causal=attention_mask is None, scale=scale)
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], self.hidden_size_per_partition)
+
+    _SDPA_CLS.append(SDPAttention)
+    return SDPAttention
+
+
+def layer_spec(arch: HFArch, use_te: bool | None = None, attn_impl: str = "sdpa") -> Any:
     if use_te is None:
-        use_te = te_available()
+        use_te = uses_te(attn_impl)
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts or None,
                                                           moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from areal_cli.engines import attn_impl as ai
 
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
                                     normalization="RMSNorm", qk_layernorm=arch.qk_norm)
@@ -234,6 +283,8 @@ def layer_spec(arch: HFArch, use_te: bool | None = None) -> Any:
     attn = spec.submodules.self_attention.submodules
     if arch.qk_norm:  # per-head norms see whole sequences; mcore sums their grads over t by name
         attn.q_layernorm = attn.k_layernorm = norm
+    if attn_impl == ai.SDPA:  # eager is the local spec's own DotProductAttention
+        attn.core_attention = sdpa_core_attention()
     return spec
 
 
@@ -247,7 +298,7 @@ def _block_spec(layer: Any, config: Any, vp_stage: int | None, use_te: bool) -> 
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=_local_norm_cls())
 
 
-def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None) -> list[Any]:
+def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None, attn_impl: str = "sdpa") -> list[Any]:
     """This rank's GPTModel chunks (one per virtual stage), after ``initialize_model_parallel``.
 
     Chunk c of PP rank r holds global layers ``[(c·pp + r)·n, (c·pp + r + 1)·n)``, n = layers/(pp·vpp);
@@ -259,8 +310,8 @@ def build_chunks(arch: HFArch, config: Any, *, use_te: bool | None = None) -> li
     pp = mpu.get_pipeline_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    use_te = te_available() if use_te is None else use_te
-    spec = layer_spec(arch, use_te)
+    use_te = uses_te(attn_impl) if use_te is None else use_te
+    spec = layer_spec(arch, use_te, attn_impl)
     chunks = []
     for c in range(vpp):
         chunks.append(GPTModel(

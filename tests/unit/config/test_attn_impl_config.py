@@ -1,0 +1,74 @@
+"""validate-config on engine.attn_impl: unknown values, and flash_attention_2 where it cannot run, are refused in
+one line naming the knob, the reason and the fix; what can run passes (a warning where shared_prefix goes off)."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_cli.config.compose import load_config
+from areal_cli.config.validate import validate
+from areal_cli.engines import attn_impl
+from areal_cli.errors import ConfigError
+
+GPU = ["cluster=gpu_2x8", "allocation_mode=sglang:d4+fsdp:d4"]
+MEGATRON_GPU = ["engine=megatron", "allocation_mode=sglang.d4+d2t2p2", "cluster=gpu_2x8"]
+
+
+def err(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(list(overrides)))
+    return info.value
+
+
+@pytest.mark.parametrize("value", ["flash", "flash_attention_3", "SDPA", ""])
+def test_unknown_value_is_refused(value):
+    e = err(f"engine.attn_impl={value}")
+    assert e.path == "engine.attn_impl" and f"unknown value '{value}'" in e.reason
+    assert "sdpa, eager, flash_attention_2" in e.hint
+    assert "\n" not in str(e)
+
+
+@pytest.mark.parametrize("engine", [[], MEGATRON_GPU[:2]])
+@pytest.mark.parametrize("value", ["sdpa", "eager"])
+def test_sdpa_and_eager_pass_on_every_engine(value, engine):
+    cfg = load_config([*engine, f"engine.attn_impl={value}"] + (["cluster=gpu_2x8"] if engine else []))
+    validate(cfg)
+
+
+def test_flash_without_flash_attn_is_refused(monkeypatch):
+    monkeypatch.setattr(attn_impl, "flash_attn_installed", lambda: False)
+    e = err(*GPU, "engine.attn_impl=flash_attention_2")
+    assert e.path == "engine.attn_impl" and "flash_attn package" in e.reason and "engine.attn_impl=sdpa" in e.hint
+    # the same config passes once the package is there: the refusal is about the package
+    monkeypatch.setattr(attn_impl, "flash_attn_installed", lambda: True)
+    plan = validate(load_config([*GPU, "engine.attn_impl=flash_attention_2"]))
+    assert any("engine.shared_prefix is off" in w for w in plan.warnings)
+    plan = validate(load_config([*GPU, "engine.attn_impl=flash_attention_2", "engine.shared_prefix=false"]))
+    assert not any("shared_prefix" in w for w in plan.warnings)
+
+
+def test_flash_attn_really_is_missing_here():
+    """This environment has no flash_attn (CPU torch): the real package check refuses it."""
+    if attn_impl.flash_attn_installed():
+        pytest.skip("flash_attn is installed here")
+    assert "flash_attn package" in err(*GPU, "engine.attn_impl=flash_attention_2").reason
+
+
+def test_flash_on_cpu_is_refused(monkeypatch):
+    monkeypatch.setattr(attn_impl, "flash_attn_installed", lambda: True)
+    e = err("engine.attn_impl=flash_attention_2")  # the embedded CPU default
+    assert e.path == "engine.attn_impl" and "CUDA" in e.reason and "cluster.device=cuda" in e.hint
+
+
+def test_megatron_flash_needs_transformer_engine(monkeypatch):
+    monkeypatch.setattr(attn_impl, "flash_attn_installed", lambda: True)
+    monkeypatch.setattr(attn_impl, "transformer_engine_installed", lambda: False)
+    e = err(*MEGATRON_GPU, "engine.attn_impl=flash_attention_2")
+    assert e.path == "engine.attn_impl" and "TransformerEngine" in e.reason and "eager" in e.hint
+    monkeypatch.setattr(attn_impl, "transformer_engine_installed", lambda: True)
+    # TE's flash kernel takes no fp32: the run has to compute in bf16
+    e = err(*MEGATRON_GPU, "engine.attn_impl=flash_attention_2")
+    assert "fp32" in e.reason and "engine.dtype=bfloat16" in e.hint
+    for bf16 in ("engine.mixed_precision=true", "engine.dtype=bfloat16"):
+        plan = validate(load_config([*MEGATRON_GPU, "engine.attn_impl=flash_attention_2", bf16]))
+        assert not any("shared_prefix" in w for w in plan.warnings)  # megatron has no shared-prefix packing
