@@ -53,7 +53,8 @@ def _engine(cfg, variant: str, model: str, steps: int):
     return eng
 
 
-def run(steps: int, lr: float, batch: int, size: str = "11.9M", seed: int = 0) -> dict:
+def run(steps: int, lr: float, batch: int, size: str = "11.9M", model_dir: str | None = None,
+        seed: int = 0, progress: int = 0) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -72,7 +73,7 @@ def run(steps: int, lr: float, batch: int, size: str = "11.9M", seed: int = 0) -
     root = tempfile.mkdtemp(prefix="areal_bench_bf16_")
     cfg = load_config([f"cluster.fileroot={root}", *MODELS[size], f"algo.optim.lr={lr}",
                        "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0"])
-    model = resolve_model_path(cfg)
+    model = model_dir or resolve_model_path(cfg)
     tok = AutoTokenizer.from_pretrained(model)
     items, _ = load_split(cfg.dataset, tok, "train", seed=cfg.seed)
     engines = {v: _engine(cfg, v, model, steps) for v in VARIANTS}
@@ -87,9 +88,12 @@ def run(steps: int, lr: float, batch: int, size: str = "11.9M", seed: int = 0) -
             t0 = time.perf_counter()
             losses[v].append(float(sft_step(eng, b)["loss"]))
             times[v].append(time.perf_counter() - t0)
+        if progress and (len(losses["fp32"]) % progress == 0):
+            print(f"step {len(losses['fp32'])}: " + "  ".join(f"{v} {losses[v][-1]:.4f}" for v in VARIANTS),
+                  flush=True)
     for eng in engines.values():
         eng.destroy()
-    return {"model": size, "steps": steps, "lr": lr, "batch": batch, "params": nparams, "losses": losses,
+    return {"model": model_dir or size, "steps": steps, "lr": lr, "batch": batch, "params": nparams, "losses": losses,
             "step_time_median": {v: statistics.median(t) for v, t in times.items()}}
 
 
@@ -104,11 +108,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--model", choices=list(MODELS), default="11.9M")
+    ap.add_argument("--model-dir", default=None, help="an HF dir instead (its tokenizer must cover the task)")
     ap.add_argument("--window", type=int, default=20, help="final loss: mean of the last N steps")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     args = ap.parse_args()
-    res = run(args.steps, args.lr, args.batch, args.model)
+    res = run(args.steps, args.lr, args.batch, args.model, args.model_dir, progress=10)
     res.update(summarise(res, min(args.window, args.steps)))
     print(f"SFT of a {res['params'] / 1e6:.1f}M model, {args.steps} steps, lr {args.lr}, {args.batch} rows/step")
     for v in VARIANTS:
