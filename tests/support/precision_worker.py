@@ -63,7 +63,7 @@ def run(spec: dict) -> dict:
     engine = get_engine_cls(name)(engine_config(ekw), OptimConfig(lr=1e-3), total_steps=2, seed=0)
     engine.initialize(ParallelStrategy(**spec.get("parallel", {})), spec["model_dir"])
     ckpt = HFCheckpoint(spec["model_dir"])
-    out: dict = {"masters": {}}
+    out: dict = {"masters": {}, "device": str(engine.device)}
     for n, master, ref, dtype in _masters(engine, name):
         if ref is None:
             if n not in ckpt.names():
@@ -87,7 +87,7 @@ def run(spec: dict) -> dict:
     for n, m in engine.model.named_modules():
         if n.endswith("lm_head") or n.endswith("output_layer"):
             m.register_forward_hook(on_head)
-        elif n.endswith("mlp.down_proj") or n.endswith("mlp.linear_fc2"):
+        elif n.endswith(("mlp.down_proj", "linear_fc2")):
             m.register_forward_hook(on_linear)
     stats = sft_step(engine, local_batch(engine, make_batch(0)))
     out["loss"] = float(stats["loss"])
@@ -111,7 +111,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     from areal_cli.utils.dist import init_distributed
 
-    init_distributed("gloo")
+    init_distributed(spec.get("backend", "gloo"))
     res = run(spec)
     if dist.get_rank() == 0:
         Path(spec["out"]).write_text(json.dumps(res))

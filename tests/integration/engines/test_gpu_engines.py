@@ -183,3 +183,30 @@ def test_flash_attention_2_matches_sdpa(engine, model_dir, tmp_path):
         assert abs(loss["flash"] - loss["sdpa"]) <= tol, (lay, loss)
         assert torch.isfinite(torch.tensor(r["flash"]["stats"][0]["grad_norm"]))
     record(f"attn_flash_{engine}", out, tmp_path)
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "archon", "megatron", "megatron_moe", "deepspeed"])
+def test_bf16_masters_on_cuda(engine, tiny_model_dir, moe_model, tmp_path):
+    """``engine.dtype=bfloat16`` on one CUDA rank (NCCL): the masters are fp32 and equal to the checkpoint, the
+    optimizer state fp32 after a step, the LM head's output fp32 and the MLP's matmuls bf16, as the CPU suite
+    checks under gloo (tests/integration/engines/test_precision.py). ``megatron_moe`` is one train step of a
+    Qwen3-MoE, whose router statistics are all-reduced after every step (a host tensor on NCCL would fail)."""
+    import json
+    from pathlib import Path
+
+    cls = engine.replace("_moe", "")
+    why = _missing(cls)
+    if why:
+        pytest.skip(why)
+    out = tmp_path / f"{engine}.json"
+    worker = str(Path(__file__).resolve().parents[2] / "support" / "precision_worker.py")
+    launch({"engine": cls, "model_dir": moe_model if engine.endswith("_moe") else tiny_model_dir,
+            "out": str(out), "backend": "gloo" if REHEARSING else "nccl"}, 1, timeout=500, script=worker)
+    res = json.loads(out.read_text())
+    record(f"bf16_masters_{engine}", res, tmp_path)
+    assert res["device"].startswith(DEVICE), f"{engine} ran on {res['device']}, not {DEVICE}"
+    assert {m["dtype"] for m in res["masters"].values()} == {"torch.float32"}
+    assert max(m["max_diff"] for m in res["masters"].values()) == 0.0
+    assert res["optim_state_dtypes"] == ["torch.float32"]
+    assert res["head_dtypes"] == ["torch.float32"] and res["linear_dtypes"] == ["torch.bfloat16"]
+    assert torch.isfinite(torch.tensor(res["loss"]))
