@@ -32,13 +32,14 @@ def estimate_checkpoint_bytes(model_cfg: Any, keep: int, *, dtype: str = "float3
     """Bytes that ``keep`` retained checkpoints occupy.
 
     Each retained checkpoint is an HF export (params × dtype) plus, when resumable state is
-    written, a recover state: weights again plus Adam's two fp32 moments (8 bytes/param). With
+    written, a recover state: the fp32 master weights (fp32 under every ``engine.dtype``:
+    engines/precision.py) plus Adam's two fp32 moments (12 bytes/param in all). With
     ``keep`` of each on disk, and one more being written before the oldest is pruned, the peak
     is ``keep + 1`` checkpoints.
     """
     n = param_count(model_cfg)
     b = DTYPE_BYTES.get(str(dtype).lower(), 4)
-    per_ckpt = n * b + ((n * b + 8 * n) if with_optimizer else 0)
+    per_ckpt = n * b + (12 * n if with_optimizer else 0)
     return per_ckpt * (max(1, int(keep)) + 1)
 
 

@@ -166,6 +166,8 @@ def test_checkpoint_estimate_scales_with_keep_and_dtype():
     n = param_count(m)
     assert estimate_checkpoint_bytes(m, 1, dtype="bfloat16", with_optimizer=False) == 2 * n * 2
     assert estimate_checkpoint_bytes(m, 3, dtype="float32") == (4 * n + 4 * n + 8 * n) * 4
+    # bf16: a bf16 export, but the recover state holds the fp32 masters (engines/precision.py)
+    assert estimate_checkpoint_bytes(m, 1, dtype="bfloat16") == (2 * n + 4 * n + 8 * n) * 2
     # A 7B-class config lands in the right order of magnitude (tens of GB per checkpoint).
     big = ModelConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
