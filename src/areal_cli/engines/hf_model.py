@@ -27,13 +27,14 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import SaveLoadMeta
 from areal_cli.engines import lora as lora_mod
-from areal_cli.engines import materialize, packing, precision, sampling_mask, ulysses
+from areal_cli.engines import materialize, packing, precision, sampling_mask, step_stats, ulysses
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.attn_impl import FLASH
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives, host_memory
+from areal_cli.utils.optim import foreach_ok
 
 GRAD_REDUCE = ("per_micro_batch", "last_micro_batch")
 
@@ -217,24 +218,29 @@ class HFModelEngine(EngineBase):
         self.model.train()
         batch = self._share_batch(batch)
         output = "values" if self.critic else "logprobs"
-        mbs, weights, denom, n_mb = self._weighted_micro_batches(batch, loss_weight_fn, output, to_device=True)
-        stat_sums: dict[str, float] = {}
-        loss_sum = 0.0
+        # The forward packs from the host micro-batch (lengths, packing indices: no device reads); the
+        # loss reads the device copy. Losses and stats stay tensors until the step ends (StepStats).
+        mbs, weights, denom, n_mb = self._weighted_micro_batches(batch, loss_weight_fn, output)
+        acc = step_stats.StepStats()
         for i in range(n_mb):
             self._begin_micro_batch(last=i == n_mb - 1)
             if i < len(mbs):
                 out = self._forward_mb(mbs[i], output, temperature, loss_only=True)
-                loss, stats = loss_fn(out, mbs[i])
-                stats = {**stats, **r3.replay_stats(self.model)}  # routing replay's mismatch, when replayed
+                loss, stats = loss_fn(out, self._on_device(mbs[i]))
                 scaled = loss * (weights[i] / denom)
-                loss_sum += float(scaled.detach())
-                for k, v in stats.items():
-                    stat_sums[k] = stat_sums.get(k, 0.0) + float(v) * weights[i]
+                acc.add_loss(scaled)
+                acc.add(stats, weights[i])
+                # routing replay's mismatch, when replayed
+                acc.add_ratio(r3.MISMATCH, r3.replay_counts(self.model), weights[i])
             else:  # this rank ran out of sequences: a zero-weight forward keeps the collectives aligned
                 out = self._forward_mb(self._dummy_mb(), output, temperature)
                 scaled = sum(v.sum() for v in out.values()) * 0.0
             self._backward(scaled)
+        loss_sum, stat_sums = acc.totals()
         return loss_sum, stat_sums, denom, n_mb
+
+    def _on_device(self, mb: Batch) -> Batch:
+        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
 
     def _begin_micro_batch(self, last: bool) -> None:
         """Before each micro-batch's forward: FSDP2 reduce-scatters after every micro-batch, or skips it on
@@ -283,7 +289,8 @@ class HFModelEngine(EngineBase):
     def _clip_grads(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=False)
+        # one multi-tensor kernel per dtype/device group where the gradients allow it (see foreach_ok)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=foreach_ok(params))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)

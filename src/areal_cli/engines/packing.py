@@ -140,8 +140,9 @@ def pack(mb: dict, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> Packed
     import torch
 
     lens = seq_lens(mb)
-    ids = [mb["input_ids"][r, :n].cpu() for r, n in enumerate(lens)]
-    flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+    src = mb["input_ids"]
+    # one gather and (for a device micro-batch) one host copy, not a copy per row
+    flat = src.reshape(-1).index_select(0, row_prefix_index(lens, src.shape[1], src.device)).cpu()
     pos = torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.long)
     sid = torch.cat([torch.full((n,), r, dtype=torch.long) for r, n in enumerate(lens)]) if lens else pos
     n_real = flat.numel()
@@ -153,6 +154,20 @@ def pack(mb: dict, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> Packed
         pos = torch.cat([pos, torch.zeros(n_pad, dtype=torch.long)])
         sid = torch.cat([sid, len(lens) + torch.arange(n_pad)])
     return Packed(flat[None], pos[None], sid[None], lens, n_real)
+
+
+def row_prefix_index(lengths: list[int], width: int, device: "torch.device | None" = None) -> "torch.Tensor":
+    """Flat indices of each row's first ``lengths[r]`` entries in a row-major ``[len(lengths), width]``
+    tensor (built on the host, where the lengths are, then moved to ``device``)."""
+    import torch
+
+    if not lengths:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    n = torch.tensor(lengths, dtype=torch.long)
+    starts = torch.arange(len(lengths), dtype=torch.long) * width
+    offsets = torch.cumsum(n, 0) - n
+    idx = torch.arange(int(n.sum()), dtype=torch.long) - torch.repeat_interleave(offsets - starts, n)
+    return idx.to(device) if device is not None else idx
 
 
 def packed_causal_mask(seq_ids: "torch.Tensor") -> "torch.Tensor":
@@ -197,13 +212,17 @@ def loss_positions(mb: dict, packed: Packed) -> "torch.Tensor":
     import torch
 
     mask = mb["loss_mask"]
-    out, start = [], 0
-    for r, n in enumerate(packed.lengths):
-        if n > 1:
-            idx = (mask[r, 1:n] > 0).nonzero().squeeze(1)
-            out.append(idx + start)
-        start += n
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+    lens = packed.lengths
+    if not lens:
+        return torch.zeros(0, dtype=torch.long, device=mask.device)
+    # Packed position p = start_r + i - 1 predicts row r's token i (1 <= i < n_r): one nonzero over the
+    # gathered flags instead of one per row (each is a host sync for a device mask).
+    flags = torch.zeros(len(lens), mask.shape[1], dtype=torch.bool, device=mask.device)
+    flags[:, :-1] = mask[:, 1:] > 0
+    flags &= torch.arange(mask.shape[1], device=mask.device)[None] < torch.tensor(
+        [max(0, n - 1) for n in lens], device=mask.device)[:, None]
+    pos = row_prefix_index(lens, mask.shape[1], mask.device)
+    return flags.reshape(-1).index_select(0, pos).nonzero().squeeze(1)
 
 
 def unpack_shifted(values: "torch.Tensor", packed: Packed, max_len: int) -> "torch.Tensor":

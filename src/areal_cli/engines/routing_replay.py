@@ -151,7 +151,10 @@ def set_replay(model: torch.nn.Module, routing: torch.Tensor | None) -> None:
             r._areal_r3_checked = False
             r.register_forward_hook(_replay_hook)
         model._areal_r3_routers = rs
-        model._areal_r3_stats = torch.zeros(2, dtype=torch.long)  # [differing tokens, replayed tokens]
+        # [differing tokens, replayed tokens], on the routers' device: counted there by every MoE layer's
+        # forward and read once per step (a host copy per layer would stall the stream each time)
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        model._areal_r3_stats = torch.zeros(2, dtype=torch.long, device=dev)
     n_layers, top_k = len(rs), int(rs[0].top_k)
     if routing.dim() == 2 and routing.shape[1] == n_layers * top_k:
         routing = routing.view(routing.shape[0], n_layers, top_k)
@@ -163,17 +166,32 @@ def set_replay(model: torch.nn.Module, routing: torch.Tensor | None) -> None:
         r._areal_r3_stats = model._areal_r3_stats
 
 
+MISMATCH = "routing_replay/mismatch_rate"
+
+
+def replay_counts(model: torch.nn.Module) -> torch.Tensor | None:
+    """``[differing, replayed]`` (token, MoE layer) pairs of training forwards since the last call, on
+    the model's device (no host read), then reset; None when routing was never replayed."""
+    st = getattr(model, "_areal_r3_stats", None)
+    if st is None:
+        return None
+    out = st.clone()
+    st.zero_()
+    return out
+
+
 def replay_stats(model: torch.nn.Module, reset: bool = True) -> dict[str, float]:
     """``routing_replay/mismatch_rate``: of the (token, MoE layer) pairs replayed by training forwards
     since the last reset, the fraction the trainer's own router would have sent to other experts (the
-    train/inference routing mismatch that replay removes). Empty when nothing was replayed."""
+    train/inference routing mismatch that replay removes). Empty when nothing was replayed. Reads the
+    counts on the host: the training loop takes :func:`replay_counts` instead and reads them per step."""
     st = getattr(model, "_areal_r3_stats", None)
     if st is None or int(st[1]) == 0:
         return {}
     diff, n = int(st[0]), int(st[1])
     if reset:
         st.zero_()
-    return {"routing_replay/mismatch_rate": diff / n}
+    return {MISMATCH: diff / n}
 
 
 def _replay_hook(mod: torch.nn.Module, _args: Any, out: Any) -> Any:
@@ -197,7 +215,8 @@ def _replay_hook(mod: torch.nn.Module, _args: Any, out: Any) -> Any:
     if mod.training:  # counted for training forwards (the step's stats), not for forward()
         with torch.no_grad():
             same = (natural.sort(dim=-1).values == idx.sort(dim=-1).values).all(dim=-1)
-            mod._areal_r3_stats += torch.stack([(have & ~same).sum(), have.sum()]).cpu()
+            st = mod._areal_r3_stats
+            st += torch.stack([(have & ~same).sum(), have.sum()]).to(st.device)
     weights = probs.gather(1, chosen)
     if _renormalises(mod):
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -218,10 +237,12 @@ def packed(mb: dict, lengths: list[int], total: int, group: Any = None) -> torch
     if r is None:
         return None
     out = torch.full((total, *r.shape[2:]), NO_ROUTE, dtype=r.dtype)
-    start = 0
-    for row, n in enumerate(lengths):
-        out[start:start + n] = r[row, :n].cpu()
-        start += n
+    n_real = sum(lengths)
+    if n_real:  # one gather and one host copy for the micro-batch, not one per row
+        from areal_cli.engines.packing import row_prefix_index
+
+        idx = row_prefix_index(lengths, r.shape[1], r.device)
+        out[:n_real] = r.reshape(-1, *r.shape[2:]).index_select(0, idx).cpu()
     from areal_cli.engines import ulysses
 
     return ulysses.slice_for_rank(out, group, dim=0)

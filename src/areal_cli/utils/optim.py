@@ -24,9 +24,29 @@ def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int, min_
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def foreach_ok(tensors) -> bool:
+    """Whether torch's foreach (multi-tensor) path can take ``tensors`` as one list: plain tensors only,
+    or DTensors of one mesh only (any placements; tests/integration/engines/test_host_syncs.py).
+
+    Foreach runs one kernel per dtype/device group instead of one per parameter and op, but a list mixing
+    plain tensors and DTensors, or DTensors of several meshes (archon: TP-planned and FSDP-only modules,
+    expert meshes), fails in DTensor's dispatch ("got mixed torch.Tensor and DTensor"); those keep the
+    per-parameter loop (archon's clip groups by mesh itself: engines/archon/clip.py)."""
+    kinds = set()
+    for t in tensors:
+        mesh = getattr(t, "device_mesh", None)
+        kinds.add(None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape),
+                                             mesh.mesh_dim_names))
+        if len(kinds) > 1:
+            return False
+    return True
+
+
 def build_optimizer(params, optim_cfg, total_steps: int):
     """AdamW + LambdaLR from an :class:`~areal_cli.config.algo.OptimConfig`."""
     import torch
+
+    params = list(params)
 
     if optim_cfg.lr <= 0:
         raise ConfigError("algo.optim.lr", f"must be positive, got {optim_cfg.lr}", "set e.g. algo.optim.lr=1e-5")
@@ -34,7 +54,7 @@ def build_optimizer(params, optim_cfg, total_steps: int):
         raise ConfigError("algo.optim.warmup_steps", "must be >= 0", "set algo.optim.warmup_steps=0")
     lr_factor(0, kind=optim_cfg.lr_scheduler, warmup_steps=0, total_steps=1)  # validates the name
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
-                            weight_decay=optim_cfg.weight_decay, foreach=False)
+                            weight_decay=optim_cfg.weight_decay, foreach=foreach_ok(params))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
         s, kind=optim_cfg.lr_scheduler, warmup_steps=optim_cfg.warmup_steps, total_steps=max(1, total_steps),
         min_lr_ratio=optim_cfg.min_lr_ratio))

@@ -185,6 +185,20 @@ def test_layer_split_and_microbatch_counts():
     assert pipeline.valid_microbatch_count("Interleaved1F1B", 2, 5) == 6
 
 
+def test_bucket_length():
+    """The engine pads a step's micro-batches to a bucket, so that steps of similar lengths reuse the
+    schedule: eight buckets per power of two (at least 64 tokens wide), a multiple of cp·tp, capped."""
+    from areal_cli.engines.archon.pipeline import bucket_length
+
+    assert [bucket_length(n) for n in (1, 64, 65, 128, 129, 500, 513, 1000, 1025)] == \
+        [64, 64, 128, 128, 192, 512, 576, 1024, 1152]
+    assert all(bucket_length(n) - n < max(64, n / 8) for n in range(1, 5000))  # padding stays small
+    assert len({bucket_length(n) for n in range(900, 1025)}) == 2  # a hundred lengths, two schedules
+    assert bucket_length(100, 3) == 129 and bucket_length(100, 3) % 3 == 0
+    assert bucket_length(930, 2, cap=950) == 950  # never past the micro-batch token budget…
+    assert bucket_length(1000, 1, cap=900) == 1000  # …unless the row itself is longer
+
+
 def test_pad_stack_masks():
     from areal_cli.engines.archon.pipeline import pad_stack, pad_stack_masks
 

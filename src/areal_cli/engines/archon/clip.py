@@ -28,7 +28,8 @@ def _mesh_key(g: torch.Tensor) -> Any:
 
 
 def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    n = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
+    # one mesh's gradients (foreach needs them on one mesh, which is what the grouping is for)
+    n = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
     if hasattr(n, "full_tensor"):
         n = n.full_tensor()
     return n.detach().to(torch.float64).cpu()
@@ -71,7 +72,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         with torch.no_grad():
-            for p in params:
-                p.grad.mul_(coef)
+            grads: dict[Any, list[torch.Tensor]] = {}
+            for p in params:  # _foreach_mul_ takes one mesh's DTensors (or plain tensors) at a time
+                grads.setdefault((_mesh_key(p.grad), p.grad.device, p.grad.dtype), []).append(p.grad)
+            for gs in grads.values():
+                torch._foreach_mul_(gs, coef)
     return total
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.engines import packing, sampling_mask, ulysses
+from areal_cli.engines import packing, sampling_mask, step_stats, ulysses
 from areal_cli.engines import parallelize as fsdp_par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.archon import clip, expert_parallel, pipeline, vocab_parallel
@@ -127,7 +127,8 @@ class ArchonEngine(HFModelEngine):
         stats = super().train_batch(batch, loss_fn, loss_weight_fn, temperature)
         if self.moe and float(self.cfg.archon.moe_aux_loss_coeff) > 0:
             # before its coefficient, averaged over layers, micro-batches and dp ranks (as megatron)
-            total = torch.tensor([sum(float(v) for v in self._aux_values)], dtype=torch.float64)
+            host = step_stats.read_floats(self._aux_values)  # one host read for every layer and micro-batch
+            total = torch.tensor([sum(host[id(v)] for v in self._aux_values)], dtype=torch.float64)
             if self.parallel.cp > 1:
                 collectives.all_reduce(total, group=self.cp_group)
             total = self._all_reduce(total)
@@ -197,12 +198,9 @@ class ArchonEngine(HFModelEngine):
         loss = pipeline.MicroBatchLoss(mb_loss, weights, denom)
         self.pipe.train_step(inputs["input_ids"], n_microbatches=n_sched, loss=loss,
                              position_ids=inputs["position_ids"], attention_mask=inputs["mask"])
-        loss_sum = sum(loss.scaled_losses.values())
-        stat_sums: dict[str, float] = {}
-        for i, st in loss.stats.items():
-            for k, v in st.items():
-                stat_sums[k] = stat_sums.get(k, 0.0) + float(v) * weights[i]
-        loss_sum, stat_sums = self._from_last_stage((loss_sum, stat_sums))
+        # one host read for the step's losses and stats, in schedule order
+        acc = step_stats.StepStats.of(loss.scaled_loss_tensors.values(), loss.stats, weights)
+        loss_sum, stat_sums = self._from_last_stage(acc.totals())
         return loss_sum, stat_sums, denom, n_mb
 
     def _pipeline_inputs(self, mbs: list[Batch]) -> dict[str, Any]:
@@ -218,8 +216,9 @@ class ArchonEngine(HFModelEngine):
                                         "train without the batch's routed_experts")
         mult = max(1, self.cfg.pad_to_multiple_of) * self._seq_multiple()
         packs = [packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id) for mb in mbs]
-        length = max(p.input_ids.shape[1] for p in packs)
-        length = -(-length // mult) * mult
+        # bucketed, not the step's own longest: a new length would rebuild the schedule (see bucket_length)
+        length = pipeline.bucket_length(max(p.input_ids.shape[1] for p in packs), mult,
+                                        cap=self.cfg.max_tokens_per_mb)
         cp_group = self.cp_group if self.parallel.cp > 1 else None
         ulysses.set_ulysses_group(cp_group)
         ulysses.set_varlen(None)

@@ -6,8 +6,8 @@ the last stage, ``.lm_head``. Parameter names therefore stay HF names (``model.l
 with the original layer indices, on every stage.
 
 Each step may have its own sequence length: a step whose shapes differ from the last one gets a
-fresh schedule (:meth:`Pipeline.train_step`), which re-infers the stages' activation shapes (pad
-lengths to a few buckets to reuse schedules). Within a step all micro-batches share one shape (pad
+fresh schedule (:meth:`Pipeline.train_step`), which re-infers the stages' activation shapes: the
+engine pads lengths to buckets (:func:`bucket_length`) so that steps reuse schedules. Within a step all micro-batches share one shape (pad
 them with :func:`pad_stack`). Losses go through the schedule with ``scale_grads=False``: the loss of
 micro-batch ``i`` is scaled by ``weight_i / global_weight`` (:class:`MicroBatchLoss`), the engine's
 global normalisation, so gradients add up exactly as without pipelining.
@@ -108,6 +108,23 @@ def valid_microbatch_count(schedule: str, pp_size: int, n: int) -> int:
         while n % max(1, n // pp_size):  # Interleaved1F1B runs n in rounds of n // pp
             n += 1
     return n
+
+
+def bucket_length(length: int, multiple: int = 1, cap: int | None = None) -> int:
+    """The padded length a step's micro-batches share: ``length`` rounded up to a multiple of
+    ``max(64, 2**floor(log2(length)) / 8)`` (eight buckets per power of two: less than 1/8 of ``length``
+    or 64 tokens of padding), then to a multiple of ``multiple``; never above ``cap`` rounded up to ``multiple`` (the
+    token budget of a micro-batch) unless ``length`` itself is. A step whose length differs from the last
+    one's pays a fresh schedule (an extra forward and backward of one micro-batch for torch's shape
+    inference); with one bucket per eighth of an octave, steps of similar lengths reuse it."""
+    if length <= 0:
+        return max(1, multiple)
+    grain = max(64, (1 << (length.bit_length() - 1)) // 8)
+    out = -(-length // grain) * grain
+    out = -(-out // multiple) * multiple
+    if cap is not None and cap > 0:
+        out = min(out, max(-(-cap // multiple) * multiple, -(-length // multiple) * multiple))
+    return out
 
 
 def pad_stack(tensors: Sequence[torch.Tensor], *, length: int | None = None, dims: Sequence[int] = (1,),
@@ -269,16 +286,25 @@ class MicroBatchLoss:
         self.fn = fn
         self.weights = [float(w) for w in weights]
         self.global_weight = float(global_weight) if global_weight > 0 else 1.0
-        self.scaled_losses: dict[int, float] = {}
-        self.stats: dict[int, dict[str, float]] = {}
+        # Tensors until the step ends: a host read per micro-batch would stall the stream between them.
+        self.scaled_loss_tensors: dict[int, torch.Tensor] = {}
+        self.stats: dict[int, dict[str, Any]] = {}
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        i = int(target.reshape(-1)[0])
+        i = int(target.reshape(-1)[0])  # the schedule's target: a host tensor, no device read
         loss, stats = self.fn(output, i)
         scaled = loss * (self.weights[i] / self.global_weight)
-        self.scaled_losses[i] = float(scaled.detach())
+        self.scaled_loss_tensors[i] = scaled.detach()
         self.stats[i] = dict(stats)
         return scaled
+
+    @property
+    def scaled_losses(self) -> dict[int, float]:
+        """The recorded scaled losses as numbers (one host read for all of them)."""
+        from areal_cli.engines.step_stats import read_floats
+
+        host = read_floats(list(self.scaled_loss_tensors.values()))
+        return {i: host[id(t)] for i, t in self.scaled_loss_tensors.items()}
 
 
 class Pipeline:

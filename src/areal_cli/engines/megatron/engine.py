@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
-from areal_cli.engines import attn_impl, packing, precision, sampling_mask
+from areal_cli.engines import attn_impl, packing, precision, sampling_mask, step_stats
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
@@ -155,8 +155,8 @@ class MegatronEngine(EngineBase):
         for c in chunks:
             c.to(self.device)
         self.chunks = chunks
-        self._routing = (routing.ChunkRouting(chunks, arch.num_layers, arch.moe_top_k) if arch.num_experts
-                         else None)
+        self._routing = (routing.ChunkRouting(chunks, arch.num_layers, arch.moe_top_k, device=self.device)
+                         if arch.num_experts else None)
         if self.optim_cfg is not None:
             self.model = torch.nn.ModuleList(self._wrap_ddp(chunks, config))
             self._build_mcore_optimizer(mixed)
@@ -476,8 +476,9 @@ class MegatronEngine(EngineBase):
         weights += [0.0] * (n_mb - len(weights))
         # mcore divides each loss by the micro-batch count, and DDP scales grads by 1/dp: undo both
         undo = float(n_mb * self.parallel.dp)
-        scaled_losses: dict[int, float] = {}
-        stats: dict[int, dict[str, float]] = {}
+        # Tensors until the step ends (one host read then): a read per micro-batch stalls the stream.
+        scaled_losses: dict[int, torch.Tensor] = {}
+        stats: dict[int, dict[str, Any]] = {}
 
         def on_output(i: int, out: torch.Tensor, x: dict) -> torch.Tensor:
             o = self._outputs(out, {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
@@ -487,18 +488,15 @@ class MegatronEngine(EngineBase):
             loss, st = loss_fn(o, mbs[i] | {k: v.to(self.device) for k, v in mbs[i].items()
                                            if isinstance(v, torch.Tensor)})
             scaled = loss * (weights[i] / denom)
-            scaled_losses[i], stats[i] = float(scaled.detach()), st
+            scaled_losses[i], stats[i] = scaled.detach(), st
             return scaled * undo
 
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run_schedule(mbs, on_output, forward_only=False)
-        stat_sums: dict[str, float] = {}
-        for i, st in stats.items():
-            for k, v in st.items():
-                stat_sums[k] = stat_sums.get(k, 0.0) + float(v) * weights[i]
-        loss_sum, stat_sums = self._from_last_stage((sum(scaled_losses.values()), stat_sums))
+        acc = step_stats.StepStats.of(scaled_losses.values(), stats, weights)
+        loss_sum, stat_sums = self._from_last_stage(acc.totals())
         return loss_sum, stat_sums, denom, n_mb
 
     def _from_last_stage(self, obj: Any) -> Any:

@@ -53,15 +53,16 @@ class ReplayTopK:
         if torch.is_grad_enabled():  # a training forward (forward() runs without grad)
             with torch.no_grad():
                 same = (natural.sort(dim=-1).values == idx.sort(dim=-1).values).all(dim=-1)
-                self.stats += torch.stack([(have & ~same).sum(), have.sum()]).cpu()
+                self.stats += torch.stack([(have & ~same).sum(), have.sum()]).to(self.stats.device)
         return scores.gather(1, chosen), chosen
 
 
 class ChunkRouting:
     """The routers of one rank's model chunks, each with a :class:`ReplayTopK`, in global layer order."""
 
-    def __init__(self, chunks: list, n_layers: int, top_k: int):
-        self.stats = torch.zeros(2, dtype=torch.long)
+    def __init__(self, chunks: list, n_layers: int, top_k: int, device: Any = None):
+        # counted on the routers' device by every MoE layer's forward, read once per step (take_stats)
+        self.stats = torch.zeros(2, dtype=torch.long, device=device)
         self.layers: list[tuple[int, ReplayTopK]] = []
         for c in chunks:
             for m in c.modules():
@@ -96,6 +97,6 @@ class ChunkRouting:
 
     def take_stats(self) -> torch.Tensor:
         """``[differing, replayed]`` (token, layer) pairs since the last call, as float64, then reset."""
-        out = self.stats.double().clone()
+        out = self.stats.to("cpu", torch.float64)  # the step's one host read of the counts
         self.stats.zero_()
         return out
