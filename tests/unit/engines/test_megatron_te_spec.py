@@ -191,7 +191,7 @@ def _build(case: str, cfg, spec: str, swap, monkeypatch) -> tuple[object, object
             gls.get_gpt_decoder_block_spec(c, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp)))
     elif use_te:
         real = mm.layer_spec
-        monkeypatch.setattr(mm, "layer_spec", lambda a, te: swap(real(a, te)))
+        monkeypatch.setattr(mm, "layer_spec", lambda a, te, *rest: swap(real(a, te, *rest)))
     torch.manual_seed(1)
     (chunk,) = mm.build_chunks(arch, config, use_te=use_te)
     return arch, chunk
