@@ -189,7 +189,7 @@ def test_flash_attention_2_matches_sdpa(engine, model_dir, tmp_path):
 def test_bf16_masters_on_cuda(engine, tiny_model_dir, moe_model, tmp_path):
     """``engine.dtype=bfloat16`` on one CUDA rank (NCCL): the masters are fp32 and equal to the checkpoint, the
     optimizer state fp32 after a step, the LM head's output fp32 and the MLP's matmuls bf16, as the CPU suite
-    checks under gloo (tests/integration/engines/test_precision.py). ``megatron_moe`` is one train step of a
+    checks under gloo (tests/integration/engines/test_bf16_engines.py). ``megatron_moe`` is one train step of a
     Qwen3-MoE, whose router statistics are all-reduced after every step (a host tensor on NCCL would fail)."""
     import json
     from pathlib import Path
