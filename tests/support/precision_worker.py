@@ -32,10 +32,10 @@ def _masters(engine, name: str):
         for n, p in engine.ds.module.named_parameters():
             yield n, safe_get_full_fp32_param(p), None, safe_get_full_fp32_param(p).dtype
     else:  # megatron: compare mcore names against the checkpoint converted to mcore layout
-        from areal_cli.engines.megatron import convert
+        from areal_cli.engines.megatron import convert, masters
 
         src = engine._hf_source(engine.model_path, torch.float32, init_head=True)
-        ids = {id(p): (m, rng) for p, m, rng in engine._master_slots()}
+        ids = {id(p): (m, rng) for p, m, rng in masters.slots(engine.optimizer)}
         for chunk in engine.chunks:
             params = dict(chunk.named_parameters())
             want = convert.hf_to_mcore(src, engine.mc_arch, chunk, engine.tp_rank, engine.parallel.tp,

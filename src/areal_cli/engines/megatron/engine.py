@@ -40,6 +40,7 @@ from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import attn_impl, packing, precision, sampling_mask, step_stats
 from areal_cli.engines import parallelize as par
+from areal_cli.engines.megatron import masters
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
 from areal_cli.errors import ConfigError
@@ -161,7 +162,7 @@ class MegatronEngine(EngineBase):
             self.model = torch.nn.ModuleList(self._wrap_ddp(chunks, config))
             self._build_mcore_optimizer(mixed)
             if mixed:
-                self._restore_masters(model_path)
+                masters.restore(self, model_path)
         else:
             self.model = torch.nn.ModuleList(chunks)
             self.model.eval()
@@ -667,43 +668,7 @@ class MegatronEngine(EngineBase):
         if self.optimizer is not None:
             self.optimizer.reload_model_params()  # fp32 master copies follow the new weights
             if self.tconfig.bf16:
-                self._restore_masters(path)  # ... at the checkpoint's precision, not the bf16 copies'
-
-    def _master_slots(self):
-        """``(model parameter, its fp32 master, flat range of the parameter it holds or None)`` for every bf16
-        parameter: mcore's Float16 optimizer keeps whole masters, the distributed optimizer this rank's shard."""
-        for opt in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
-            if hasattr(opt, "shard_fp32_from_float16_groups"):
-                for models, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
-                    for p, m in zip(models, mains):
-                        r = opt._get_model_param_range_map(p)["param"]
-                        yield p, m, (r.start, r.end)
-            else:
-                for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-                    for p, m in zip(models, mains):
-                        yield p, m, None
-
-    @torch.no_grad()
-    def _restore_masters(self, path: str) -> None:
-        """Put the fp32 masters back from the checkpoint at full precision. mcore builds them from the bf16
-        module, which rounded every weight once: an fp32 checkpoint would start training from its bf16 copy.
-        Layer by layer, this rank's slices only (as the load); a freshly drawn value head keeps its master."""
-        from areal_cli.engines.megatron import convert
-
-        slots = {id(p): (m, rng) for p, m, rng in self._master_slots()}
-        src = self._hf_source(path, torch.float32, init_head=True)
-        fresh_head = self.critic and not (Path(path) / VALUE_HEAD_FILE).is_file()
-        for chunk in self.chunks:
-            params = dict(chunk.named_parameters())
-            for group in convert.mcore_groups(src, self.mc_arch, chunk, self.tp_rank, self.parallel.tp,
-                                              self.experts):
-                for name, t in group.items():
-                    slot = slots.get(id(params[name])) if name in params else None
-                    if slot is None or (fresh_head and name.startswith("output_layer.head.")):
-                        continue
-                    m, rng = slot
-                    flat = t.reshape(-1) if rng is None else t.reshape(-1)[rng[0]:rng[1]]
-                    m.data.view(-1).copy_(flat)
+                masters.restore(self, path)  # ... at the checkpoint's precision, not the bf16 copies'
 
     # ------------------------------------------------------------------ checkpoints
     def _inner_optimizers(self) -> list:
