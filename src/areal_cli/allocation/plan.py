@@ -79,6 +79,7 @@ class Plan:
     n_devices_per_node: int
     device: str
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was decided for the user, e.g. the chosen recipe
 
     @property
     def inference(self) -> InferencePart | None:
@@ -115,4 +116,5 @@ class Plan:
             "inference": [p.to_dict() for p in self.inferences],
             "train": [p.to_dict() for p in self.trains],
             "warnings": list(self.warnings),
+            "notes": list(self.notes),
         }

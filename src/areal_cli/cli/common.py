@@ -23,13 +23,19 @@ def error_json(exc: BaseException) -> dict:
 def compose_and_validate(overrides: list[str], as_json: bool = False):
     """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake (after printing it as the JSON
     error object when ``as_json``, for tools that parse ``--json``)."""
-    from areal_cli.config.compose import load_config
+    from areal_cli.config.compose import load_config, prepare
+    from areal_cli.config.recipe import toy_value_warnings
     from areal_cli.config.validate import validate
     from areal_cli.errors import ArealError
 
     try:
-        cfg = load_config(overrides)
-        return cfg, validate(cfg)
+        prep = prepare(list(overrides))
+        cfg = load_config(prepared=prep)
+        plan = validate(cfg)
+        if prep.recipe_note:
+            plan.notes.append(prep.recipe_note)
+        plan.warnings.extend(toy_value_warnings(cfg, prep.explicit_keys))
+        return cfg, plan
     except ArealError as exc:
         if as_json:
             print_json(error_json(exc))

@@ -34,6 +34,8 @@ def groups_epilog() -> str:
     lines.append("")
     lines.append("\b")
     lines.append("allocation_mode also takes a raw spec, e.g. allocation_mode=sglang:d4+megatron:d2t2p2")
+    lines.append("\b")
+    lines.append("--config-dir DIR (any command) adds DIR's own groups and experiments, laid out like conf/")
     return "\n".join(lines)
 
 
@@ -110,12 +112,37 @@ def _click_exceptions():
                            Abort=getattr(tx, "Abort", getattr(cx, "Abort", KeyboardInterrupt)))
 
 
+def take_config_dirs(args: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``--config-dir DIR`` / ``--config-dir=DIR`` / ``-cd DIR`` (Hydra's spellings, any command,
+    any position) from the rest of ``args``."""
+    from areal_cli.errors import UsageError
+
+    rest, dirs = [], []
+    it = iter(args)
+    for a in it:
+        if a in ("--config-dir", "-cd"):
+            d = next(it, None)
+            if d is None or d.startswith("-"):
+                raise UsageError(f"{a} needs a directory: {a} DIR")
+            dirs.append(d)
+        elif a.startswith("--config-dir="):
+            dirs.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+    return rest, dirs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and, as a console script, exits with) the exit code."""
     from areal_cli.errors import ArealError
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
+        args, config_dirs = take_config_dirs(args)
+        if config_dirs:
+            from areal_cli.config.groups import add_config_dirs
+
+            add_config_dirs(config_dirs)
         import typer.main
 
         cx = _click_exceptions()

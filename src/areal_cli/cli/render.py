@@ -79,5 +79,7 @@ def render_plan(plan: Plan, title: str = "plan", console=None) -> None:
                         _gb(m.kv_budget_gb), f"{m.kv_tokens:,}", f"{m.kv_tokens_needed:,}",
                         _gb(m.device_gb))
         con.print(inf)
+    for n in plan.notes:
+        con.print(f"[cyan]note:[/] {escape(n)}", highlight=False)
     for w in plan.warnings:
         con.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)

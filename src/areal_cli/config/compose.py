@@ -14,7 +14,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_cli.config.groups import CONF_DIR, GROUPS, group_options
+from areal_cli.config.groups import (
+    CONF_DIR,
+    GROUPS,
+    find_option,
+    group_options,
+    primary_default,
+    search_path,
+    user_config_dirs,
+)
 from areal_cli.config.paths import describe_type, resolve_path
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.errors import ConfigError
@@ -46,6 +54,8 @@ class Prepared:
     spec_text: str | None = None  # the raw allocation spec the user gave (preset resolved)
     spec_from: str = ""  # the override that set it, for messages
     explicit_keys: set[str] = field(default_factory=set)
+    choices: dict[str, str] = field(default_factory=dict)  # group -> option the user named
+    recipe_note: str | None = None  # which experiment was chosen for the user, when they named none
 
 
 def split_override(text: str) -> tuple[str, str, str | None]:
@@ -67,7 +77,7 @@ def split_override(text: str) -> tuple[str, str, str | None]:
 def _load_preset_spec(name: str) -> str:
     import yaml
 
-    with open(CONF_DIR / "allocation_mode" / f"{name}.yaml") as f:
+    with open(find_option("allocation_mode", name) or CONF_DIR / "allocation_mode" / f"{name}.yaml") as f:
         data = yaml.safe_load(f) or {}
     return str(data.get("spec", ""))
 
@@ -118,6 +128,7 @@ def prepare(overrides: list[str]) -> Prepared:
             _check_group_value(key, value.strip(), options)
             if key == "engine":
                 prep.explicit_engine = value.strip()
+            prep.choices[key] = value.strip()
             out.append(f"{key}={value.strip()}")
             continue
         declared = resolve_path(ExperimentConfig, key)
@@ -131,7 +142,22 @@ def prepare(overrides: list[str]) -> Prepared:
             continue
         out.append(raw.strip())
     _resolve_engine(prep)
+    _choose_recipe(prep)
     return prep
+
+
+def _choose_recipe(prep: Prepared) -> None:
+    """No experiment named: the toy keeps the primary config's cpu_default, a real model gets real_model."""
+    from areal_cli.config.recipe import choose_experiment, recipe_note
+
+    values = {}
+    for ov in prep.hydra_overrides:
+        _, key, value = split_override(ov)
+        if value is not None and key not in GROUPS:
+            values[key] = value
+    added = choose_experiment(prep.choices, values, default_model=primary_default("model") or "tiny")
+    prep.hydra_overrides.extend(added)
+    prep.recipe_note = recipe_note(added, explicit=not added)
 
 
 def _resolve_engine(prep: Prepared) -> None:
@@ -189,9 +215,11 @@ def compose_dictconfig(overrides: list[str] | None = None, prepared: Prepared | 
 
     register_schemas()
     GlobalHydra.instance().clear()
+    extra = user_config_dirs()
+    searchpath = [f"hydra.searchpath=[{','.join('file://' + str(d) for d in extra)}]"] if extra else []
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name="areal"):
-            cfg = compose(config_name="config", overrides=prep.hydra_overrides)
+            cfg = compose(config_name="config", overrides=searchpath + prep.hydra_overrides)
     except (HydraException, OmegaConfBaseException, ValueError, KeyError, TypeError) as exc:
         raise _map_hydra_error(exc) from None
     _check_engine_after_compose(cfg, prep)
@@ -228,19 +256,19 @@ def register_schemas() -> None:
     _REGISTERED = True
 
 
-def load_config(overrides: list[str] | None = None) -> ExperimentConfig:
+def load_config(overrides: list[str] | None = None, prepared: Prepared | None = None) -> ExperimentConfig:
     """Compose, type-check and return the typed config. Raises ConfigError on any user mistake.
 
     The common case goes through :mod:`areal_cli.config.fastcompose` (same result as Hydra,
     without importing it); everything else through Hydra's compose API. ``AREAL_COMPOSE=hydra``
     forces Hydra.
     """
-    prep = prepare(list(overrides or []))
+    prep = prepared or prepare(list(overrides or []))
     cfg = None
     if os.environ.get("AREAL_COMPOSE", "fast") != "hydra":
         from areal_cli.config.fastcompose import fast_compose
 
-        cfg = fast_compose(prep.hydra_overrides, CONF_DIR)
+        cfg = fast_compose(prep.hydra_overrides, search_path())
         if cfg is not None:
             _check_engine_after_compose(cfg, prep)
     if cfg is None:

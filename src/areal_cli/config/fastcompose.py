@@ -198,6 +198,16 @@ def _build(cls: type, tree: dict) -> Any:
     return cls(**kwargs)
 
 
+def _option_file(dirs: list[Path], group: str, option: str) -> Path:
+    """The first ``group/option.yaml`` on the search path (a missing one: the first dir's, which
+    :func:`_load_yaml` reports as Unsupported, so Hydra words the error)."""
+    for d in dirs:
+        f = d / group / f"{option}.yaml"
+        if f.is_file():
+            return f
+    return dirs[0] / group / f"{option}.yaml"
+
+
 def _defaults(conf_dir: Path) -> list[tuple[str, str]]:
     header, data = _load_yaml(conf_dir / "config.yaml")
     if header is not None or not isinstance(data, dict) or set(data) != {"defaults"}:
@@ -216,8 +226,9 @@ def _defaults(conf_dir: Path) -> list[tuple[str, str]]:
     return out
 
 
-def fast_compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig | None:
-    """The composed typed config, or None when Hydra must decide.
+def fast_compose(hydra_overrides: list[str], conf_dir: Path | list[Path]) -> ExperimentConfig | None:
+    """The composed typed config, or None when Hydra must decide. ``conf_dir``: the packaged conf dir,
+    or the whole search path (user dirs first, the packaged dir, which holds ``config.yaml``, last).
 
     Only :class:`Unsupported` falls back (every case is raised on purpose, where the input is
     outside what this module reproduces); any other exception is a bug here and propagates rather
@@ -228,8 +239,9 @@ def fast_compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig
         return None
 
 
-def _compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig:
-    defaults = _defaults(conf_dir)
+def _compose(hydra_overrides: list[str], conf_dir: Path | list[Path]) -> ExperimentConfig:
+    dirs = list(conf_dir) if isinstance(conf_dir, (list, tuple)) else [conf_dir]
+    defaults = _defaults(dirs[-1])
     groups = [g for g, _ in defaults]
     choices = dict(defaults)
     cli_choices: dict[str, str] = {}
@@ -248,7 +260,7 @@ def _compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig:
     # The experiment's `override /group: option` entries, unless the command line chose the group.
     exp_file = None
     if "experiment" in choices:
-        exp_file = conf_dir / "experiment" / f"{choices['experiment']}.yaml"
+        exp_file = _option_file(dirs, "experiment", choices["experiment"])
         header, exp_data = _load_yaml(exp_file)
         if header != "_global_" or not isinstance(exp_data, dict):
             raise Unsupported("experiment header")
@@ -273,7 +285,7 @@ def _compose(hydra_overrides: list[str], conf_dir: Path) -> ExperimentConfig:
             data = {k: v for k, v in (data or {}).items() if k != "defaults"}
             _merge(tree, ExperimentConfig, data, "")
             continue
-        f = conf_dir / g / f"{choices[g]}.yaml"
+        f = _option_file(dirs, g, choices[g])
         header, data = _load_yaml(f)
         if header not in (None, g) or g not in hints:
             raise Unsupported(str(f))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from areal_cli.errors import ConfigError, UsageError
 
@@ -23,16 +22,11 @@ class SweepSpec:
     is_search: bool = False  # True when an interval sweep asks for optuna
 
 
-def conf_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "conf"
-
-
 def group_options(group: str) -> list[str]:
-    """Options of a config group, from the packaged conf dir (no Hydra init needed)."""
-    d = conf_dir() / group
-    if not d.is_dir():
-        return []
-    return sorted(p.stem for p in d.glob("*.yaml"))
+    """Options of a config group over the config search path (no Hydra init needed)."""
+    from areal_cli.config.groups import group_options as all_options
+
+    return all_options().get(group, [])
 
 
 def _parse(overrides: list[str]):

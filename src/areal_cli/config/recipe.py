@@ -1,0 +1,113 @@
+"""Which recipe a run gets when the user names no experiment, and the warning for a toy recipe on a real model.
+
+The CPU toy's recipe (tiny model, SFT warm start at lr 2e-3, 16 new tokens, float32) lives in
+``experiment=cpu_default`` only, and a run gets it only when its model is a built-in toy. A real model
+named without an experiment (``model=qwen2_5_7b``, or ``model.path=`` a local dir or a hub id) gets
+``experiment=real_model`` instead: bf16, 1024 new tokens, no SFT warm start, lr 1e-6. Either way the
+choice is printed as a plan note, and naming ``experiment=...`` turns the choice off.
+
+:func:`toy_value_warnings` is the safety net for what the choice cannot see: a real model (over
+``REAL_MODEL_PARAMS`` parameters) meeting the toy's values through an experiment made for the toy
+(``experiment=cpu_default model=qwen2_5_7b``). Values the user set on the command line are theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from areal_cli.config.schema import ExperimentConfig
+
+TOY_EXPERIMENT = "cpu_default"
+REAL_EXPERIMENT = "real_model"
+REAL_MODEL_PARAMS = 100_000_000
+
+
+def _model_path_of_option(option: str) -> str:
+    import yaml
+
+    from areal_cli.config.groups import find_option
+
+    f = find_option("model", option)
+    if f is None:  # an unknown option is refused by the group check with its did-you-mean
+        return ""
+    with open(f) as fh:
+        data = yaml.safe_load(fh) or {}
+    return str(data.get("path", "")) if isinstance(data, dict) else ""
+
+
+def _run_name(text: str) -> str:
+    """A run-dir-safe experiment name from a model option or path (``/m/Qwen2.5-7B`` → ``Qwen2.5-7B``)."""
+    base = os.path.basename(os.path.normpath(text)) if "/" in text and not text.startswith(".") else text
+    base = base.split("/")[-1]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", base).strip("._-") or REAL_EXPERIMENT
+    return name if re.match(r"[A-Za-z_]", name) else f"m_{name}"
+
+
+def choose_experiment(choices: dict[str, str], values: dict[str, str], default_model: str) -> list[str]:
+    """Overrides that pick the recipe for a run whose command line named no experiment.
+
+    ``choices``: the groups the user chose (``{"model": "qwen2_5_7b"}``); ``values``: the plain key
+    overrides (``{"model.path": "/models/x"}``). Returns ``[]`` for a toy model (the primary config's
+    ``cpu_default`` stands), else ``experiment=real_model`` plus an ``experiment_name`` from the model.
+    """
+    if "experiment" in choices:
+        return []
+    option = choices.get("model", default_model)
+    path = values.get("model.path")
+    if path is not None:
+        path = path.strip().strip("'\"")
+        toy = path.startswith("builtin:")
+    else:
+        toy = _model_path_of_option(option).startswith("builtin:")
+    if toy:
+        return []
+    out = [f"experiment={REAL_EXPERIMENT}"]
+    if "experiment_name" not in values:
+        out.append(f"experiment_name={_run_name(path if path is not None else option)}")
+    return out
+
+
+def recipe_note(hydra_overrides: list[str], explicit: bool) -> str | None:
+    """The plan note saying which recipe was chosen for the user (None when they named one)."""
+    if explicit:
+        return None
+    if f"experiment={REAL_EXPERIMENT}" in hydra_overrides:
+        return (f"experiment={REAL_EXPERIMENT}: a real model with no experiment named gets bf16, 1024 new "
+                "tokens, no SFT warm start and lr 1e-6 (conf/experiment/real_model.yaml); name an "
+                "experiment to choose another recipe")
+    return None
+
+
+def toy_value_warnings(cfg: ExperimentConfig, explicit_keys: set[str]) -> list[str]:
+    """One warning when a model of over 100M parameters runs with the CPU toy's values it was not given."""
+    from areal_cli.allocation.estimate import ModelFacts
+
+    n = ModelFacts.from_config(cfg.model).total_params()
+    if n <= REAL_MODEL_PARAMS:
+        return []
+    lr_cap = 1e-3 if cfg.model.lora.rank > 0 else 1e-4  # adapters train at higher rates than full weights
+    toy = {
+        "experiment_name": cfg.experiment_name == TOY_EXPERIMENT,
+        "engine.dtype": cfg.cluster.device == "cuda" and cfg.engine.dtype == "float32",
+        "rollout.gconfig.max_new_tokens": cfg.algo.name != "sft" and cfg.rollout.gconfig.max_new_tokens <= 64,
+        "trainer.sft_warmup_steps": cfg.trainer.sft_warmup_steps > 0 and cfg.trainer.sft_lr > 1e-4,
+        "algo.optim.lr": cfg.algo.optim.lr > lr_cap,
+    }
+    values = {
+        "experiment_name": cfg.experiment_name,
+        "engine.dtype": cfg.engine.dtype,
+        "rollout.gconfig.max_new_tokens": cfg.rollout.gconfig.max_new_tokens,
+        "trainer.sft_warmup_steps": f"{cfg.trainer.sft_warmup_steps} (trainer.sft_lr={cfg.trainer.sft_lr:g})",
+        "algo.optim.lr": f"{cfg.algo.optim.lr:g}",
+    }
+    hits = [k for k, bad in toy.items() if bad and k not in explicit_keys]
+    if not hits:
+        return []
+    listed = ", ".join(f"{k}={values[k]}" for k in hits)
+    return [(f"model {cfg.model.name} ({n / 1e9:.2f}B parameters) runs with toy-sized values it was not "
+             f"given on the command line: {listed} — these suit the tiny CPU model, not this one; drop the "
+             f"toy experiment (a real model with none named gets experiment={REAL_EXPERIMENT}) or set them "
+             "explicitly")]
