@@ -68,11 +68,10 @@ def search_path() -> list[Path]:
 
 def primary_default(group: str) -> str | None:
     """The option the packaged ``config.yaml`` picks for ``group``."""
-    import yaml
+    from areal_cli.config.fastcompose import _load_yaml
 
-    with open(CONF_DIR / "config.yaml") as f:
-        data = yaml.safe_load(f) or {}
-    for entry in data.get("defaults", []):
+    _, data = _load_yaml(CONF_DIR / "config.yaml")  # memoised per file
+    for entry in (data or {}).get("defaults", []):
         if isinstance(entry, dict) and group in entry:
             return str(entry[group])
     return None

@@ -26,15 +26,16 @@ REAL_MODEL_PARAMS = 100_000_000
 
 
 def _model_path_of_option(option: str) -> str:
-    import yaml
-
+    from areal_cli.config.fastcompose import Unsupported, _load_yaml
     from areal_cli.config.groups import find_option
 
     f = find_option("model", option)
     if f is None:  # an unknown option is refused by the group check with its did-you-mean
         return ""
-    with open(f) as fh:
-        data = yaml.safe_load(fh) or {}
+    try:
+        _, data = _load_yaml(f)  # memoised per file: prepare() runs once per trial of a sweep
+    except Unsupported:
+        return ""  # malformed YAML: Hydra reports it when it composes
     return str(data.get("path", "")) if isinstance(data, dict) else ""
 
 

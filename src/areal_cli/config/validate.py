@@ -6,6 +6,7 @@ the fix; rules about the allocation spec point a caret at the offending dimensio
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -438,6 +439,7 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
                                  "one node")
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_lacks_bf16() -> bool:
     """True when /proc/cpuinfo (Linux) lists neither AMX nor AVX512-BF16; False where it cannot be read."""
     try:

@@ -39,9 +39,10 @@ def test_validation_errors(overrides, path, words):
 
 
 def test_memory_estimate_counts_optimizer_for_adapter_only():
-    full = validate(load_config(["model=qwen2_5_7b"])).trains[0].memory
-    lora = validate(load_config(["model=qwen2_5_7b", "model.lora.rank=16"])).trains[0].memory
-    attn = validate(load_config(["model=qwen2_5_7b", "model.lora.rank=16",
+    fp32 = ["model=qwen2_5_7b", "engine.dtype=float32"]  # bf16 (a real model's default) adds fp32 masters
+    full = validate(load_config(fp32)).trains[0].memory
+    lora = validate(load_config([*fp32, "model.lora.rank=16"])).trains[0].memory
+    attn = validate(load_config([*fp32, "model.lora.rank=16",
                                  "model.lora.target_modules=attention"])).trains[0].memory
     # Qwen2.5-7B, r=16 on all 7 projections: 28 layers × 16 × Σ(in+out) ≈ 40.4M adapter parameters.
     h, q, kv, i, layers, r = 3584, 3584, 512, 18944, 28, 16
