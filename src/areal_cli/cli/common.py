@@ -20,15 +20,21 @@ def error_json(exc: BaseException) -> dict:
             "message": str(exc)}
 
 
-def compose_and_validate(overrides: list[str], as_json: bool = False):
+def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_model: bool = False):
     """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake (after printing it as the JSON
-    error object when ``as_json``, for tools that parse ``--json``)."""
+    error object when ``as_json``, for tools that parse ``--json``). ``fetch_model`` (``areal train``): a hub
+    model the CLI fetches itself is downloaded first, so validation checks its real config.json."""
     from areal_cli.config.compose import load_config
     from areal_cli.config.validate import validate
     from areal_cli.errors import ArealError
 
     try:
         cfg = load_config(overrides)
+        if fetch_model:
+            from areal_cli.cli.launch import fetch_hub_model
+
+            if fetch_hub_model(cfg):
+                cfg = load_config(overrides)  # the snapshot's config.json now supplies the facts
         return cfg, validate(cfg)
     except ArealError as exc:
         if as_json:
