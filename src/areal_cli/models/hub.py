@@ -120,17 +120,20 @@ def cached_snapshot(
     return str(snap) if snapshot_complete(snap) else None
 
 
-def download_command(repo_id: str, revision: str | None = None) -> str:
-    """The command that fills the cache by hand, with the CLI the installed huggingface_hub ships
-    (``hf`` since 0.34; ``huggingface-cli`` before)."""
+def hub_cli() -> str:
+    """The CLI the installed huggingface_hub ships: ``hf`` since 0.34, ``huggingface-cli`` before."""
     from importlib import metadata
 
     try:
         names = {ep.name for ep in metadata.distribution("huggingface_hub").entry_points}
     except metadata.PackageNotFoundError:
         names = set()
-    exe = "hf" if "hf" in names or "huggingface-cli" not in names else "huggingface-cli"
-    return f"{exe} download {repo_id}" + (f" --revision {revision}" if revision else "")
+    return "hf" if "hf" in names or "huggingface-cli" not in names else "huggingface-cli"
+
+
+def download_command(repo_id: str, revision: str | None = None) -> str:
+    """The command that fills the cache by hand."""
+    return f"{hub_cli()} download {repo_id}" + (f" --revision {revision}" if revision else "")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -189,9 +192,8 @@ def hub_error(
     """The one-line error for what ``snapshot_download``/``model_info`` raised (huggingface_hub 0.x-2.x)."""
     kind, e = _kind(exc)
     ep = _endpoint(endpoint)
-    token_fix = (
-        "set HF_TOKEN to a token with access to it (or run `hf auth login`) in the environment areal runs in"
-    )
+    login = "hf auth login" if hub_cli() == "hf" else "huggingface-cli login"
+    token_fix = f"set HF_TOKEN to a token with access to it (or run `{login}`) where areal runs"
     if kind == "gated":
         return ConfigError(
             "model.path",
