@@ -53,9 +53,11 @@ class LocalRayCluster:
         prefix: list[str] | None = None,
         head: bool | None = None,
         wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         """Start one node; ``wait``: until it has registered (one raylet starting at a time keeps Ray's
-        30 s registration limit on a loaded 2-core machine)."""
+        30 s registration limit on a loaded 2-core machine). ``env``: this node's own variables (its
+        workers inherit them), e.g. a per-node HF_HOME."""
         head = not self.procs if head is None else head
         ray = str(Path(sys.executable).with_name("ray"))
         argv = [
@@ -85,7 +87,7 @@ class LocalRayCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=ray_env(),
+                env={**ray_env(), **(env or {})},
                 start_new_session=True,
             )
         )

@@ -20,9 +20,10 @@ def error_json(exc: BaseException) -> dict:
             "message": str(exc)}
 
 
-def compose_and_validate(overrides: list[str], as_json: bool = False):
+def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_model: bool = False):
     """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake (after printing it as the JSON
-    error object when ``as_json``, for tools that parse ``--json``)."""
+    error object when ``as_json``, for tools that parse ``--json``). ``fetch_model`` (``areal train``): a hub
+    model the CLI fetches itself is downloaded first, so validation checks its real config.json."""
     from areal_cli.config.compose import load_config, prepare
     from areal_cli.config.recipe import toy_value_warnings
     from areal_cli.config.validate import validate
@@ -31,6 +32,11 @@ def compose_and_validate(overrides: list[str], as_json: bool = False):
     try:
         prep = prepare(list(overrides))
         cfg = load_config(prepared=prep)
+        if fetch_model:
+            from areal_cli.cli.launch import fetch_hub_model
+
+            if fetch_hub_model(cfg):
+                cfg = load_config(prepared=prep)  # the snapshot's config.json now supplies the facts
         plan = validate(cfg)
         if prep.recipe_note:
             plan.notes.append(prep.recipe_note)

@@ -1,6 +1,8 @@
 """``areal train`` after validation, in the CLI process: prepare, launch, watch, summarise.
 
-1. prepare the built-in model / check the dataset files (before anything starts);
+1. prepare the built-in model, or fetch a hub model into the HF cache (launcher=local: here, before
+   validation reads its config.json; cluster launchers: each node fetches it, this process pins the
+   revision to a commit), check the dataset files (before anything starts);
 2. check the run dir's storage (full probe from areal_cli.storage when available, else writable);
 3. write ``config.yaml`` and ``launch.json`` (layout + model path) into the run dir;
 4. hand the layout to the launcher named by ``launcher.name`` and show the live view while it runs;
@@ -22,7 +24,8 @@ from areal_cli.errors import ConfigError, StorageError
 
 # Files a fresh (resume=none) run replaces; anything else in the run dir is left alone.
 RUN_STATE = ("metrics.jsonl", "status.json", "servers", "recover", "checkpoints", "sft_warmup",
-             "weight_sync", "tensorboard", "logs", "summary.json", "learning_curve.png", "wandb")
+             "weight_sync", "tensorboard", "logs", "summary.json", "learning_curve.png", "wandb",
+             "node_errors")
 
 
 def check_run_dir_writable(run_dir: str) -> None:
@@ -70,7 +73,7 @@ def prepare_run_dir(cfg: Any, run_dir: str) -> None:
                 q = p / name
                 shutil.rmtree(q) if q.is_dir() and not q.is_symlink() else q.unlink()
     else:
-        for name in ("status.json", "servers"):  # leftovers of the killed run are not live
+        for name in ("status.json", "servers", "node_errors"):  # leftovers of the killed run are not live
             q = p / name
             if q.is_dir():
                 shutil.rmtree(q)
@@ -87,6 +90,26 @@ def check_engine_available(cfg: Any) -> None:
         raise ConfigError("engine.name", f"the {cfg.engine.name!r} training backend is validated and planned "
                           "(validate-config, train --dry-run) but cannot train in this release",
                           f"train with engine={' or engine='.join(trainable_engines())}")
+
+
+def fetches_on_nodes(cfg: Any) -> bool:
+    """Whether ``launcher.name``'s nodes fetch a hub model themselves (slurm, ray, skypilot: one download per
+    node into its HF cache) rather than this process (local, and any launcher that does not say so)."""
+    from areal_cli.launchers.base import get_launcher
+
+    return bool(getattr(get_launcher(cfg.launcher.name), "fetches_model_on_nodes", False))
+
+
+def fetch_hub_model(cfg: Any) -> bool:
+    """Download a hub ``model.path`` now when this process is the one that fetches it and it is not cached.
+    True when it downloaded (validation then re-reads the facts from the snapshot's config.json)."""
+    from areal_cli.models.hub import cached_snapshot, ensure_hub_model, is_hub_id
+
+    path, revision = cfg.model.path, cfg.model.revision or None
+    if not is_hub_id(path) or cached_snapshot(path, revision) or fetches_on_nodes(cfg):
+        return False
+    ensure_hub_model(path, revision)
+    return True
 
 
 def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) -> int:
@@ -106,10 +129,18 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) ->
     check_dataset_files(cfg)
     check_storage(cfg, run_dir)
     prepare_run_dir(cfg, run_dir)
-    model_path = resolve_model_path(cfg)
+    on_nodes = bool(getattr(launcher, "fetches_model_on_nodes", False))
+    model_path = resolve_model_path(cfg, fetch=not on_nodes)
+    revision = cfg.model.revision
+    if on_nodes and model_path == cfg.model.path:
+        from areal_cli.models.hub import is_hub_id, pin_revision
+
+        if is_hub_id(model_path):  # every node fetches this one commit, however late it starts
+            revision = pin_revision(model_path, revision)
     config_path = save_config(cfg, os.path.join(run_dir, "config.yaml"))
     (Path(run_dir) / LAUNCH_FILE).write_text(json.dumps({"layout": layout.to_dict(), "model_path": model_path,
-                                                         "config": config_path}, indent=1))
+                                                         "model_revision": revision, "config": config_path},
+                                                        indent=1))
     print(f"[areal] run dir {run_dir}; logs in {run_dir}/logs", file=sys.stderr, flush=True)
     show = cfg.stats.live if live is None else live
     show = show and sys.stderr.isatty()
@@ -120,6 +151,8 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) ->
         params = inspect.signature(launcher.launch).parameters
         if "model_path" in params:
             kwargs["model_path"] = model_path
+        if "model_revision" in params:
+            kwargs["model_revision"] = revision
         if "on_tick" in params:
             kwargs["on_tick"] = view.update if show else _progress_printer(run_dir, total)
         rc = launcher.launch(cfg, layout, run_dir, **kwargs)

@@ -69,7 +69,7 @@ def run(overrides: list[str], dry_run: bool, cfg_mode: str | None, as_json: bool
             raise UsageError(f"--cfg takes 'job' (print the composed config), got '{cfg_mode}'")
         print_job_config(overrides)
         return 0
-    cfg, plan = compose_and_validate(overrides, as_json)
+    cfg, plan = compose_and_validate(overrides, as_json, fetch_model=not dry_run)
     if dry_run:
         show_dry_run(cfg, plan, as_json)
         return 0

@@ -286,11 +286,13 @@ def load_config(overrides: list[str] | None = None, prepared: Prepared | None = 
 
 
 def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None) -> None:
-    """If ``model.path`` is a local HF dir, take the architecture facts from its config.json.
+    """If ``model.path`` is a local HF dir, or a hub id whose snapshot is already in the HF cache, take the
+    architecture facts from its config.json. The cache is read by hand: no network, no download here.
 
     Facts the user overrode explicitly (``model.num_hidden_layers=...``) are kept.
     """
     path = cfg.model.path
+    revision = cfg.model.revision
     if path.startswith("builtin:"):
         from areal_cli.data.builtin_model import BUILTIN_SPECS
 
@@ -298,13 +300,26 @@ def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None
             raise ConfigError("model.path", f"unknown built-in model '{path}'",
                               f"use one of: {', '.join('builtin:' + s for s in BUILTIN_SPECS)}, "
                               "or a local HF model directory")
+        _no_revision(path, revision)
         return
     local = os.path.expanduser(path)
+    name = os.path.basename(os.path.normpath(local))
     if not os.path.isdir(local):
         if path.startswith(("/", "./", "../", "~")) or os.path.exists(local):
             raise ConfigError("model.path", f"'{path}' is not a model directory",
                               "point model.path at a local HF dir with config.json, or use a model preset")
-        return  # a hub id: the preset's facts stand (no downloads, ever)
+        from areal_cli.models.hub import cached_snapshot, is_hub_id
+
+        if not is_hub_id(path):
+            raise ConfigError("model.path", f"'{path}' is neither a local directory nor a hub id (org/name)",
+                              "point model.path at a local HF dir with config.json, or at a hub id such as "
+                              "Qwen/Qwen2.5-0.5B-Instruct")
+        local = cached_snapshot(path, revision or None) or ""
+        if not local:
+            return  # not fetched yet: the preset's facts stand until `areal train` downloads it
+        name = path.rsplit("/", 1)[-1]
+    else:
+        _no_revision(path, revision)
     cfg_file = os.path.join(local, "config.json")
     try:
         with open(cfg_file) as f:
@@ -331,4 +346,12 @@ def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None
                 setattr(cfg.model, fld, int(v))
             break
     if "model.name" not in explicit:
-        cfg.model.name = os.path.basename(os.path.normpath(local))
+        cfg.model.name = name
+
+
+def _no_revision(path: str, revision: str) -> None:
+    """``model.revision`` picks a commit of a hub repo; with anything else it would be silently ignored."""
+    if revision:
+        raise ConfigError("model.revision", f"model.revision={revision} only applies to a hub id, but "
+                          f"model.path is {path!r}",
+                          "drop model.revision, or set model.path to a hub id (org/name)")

@@ -2,7 +2,9 @@
 
 Presets carry the facts for common models so ``validate-config`` needs no weights. With
 ``model.path=<local HF dir>`` the facts are read from that dir's ``config.json`` instead (plain
-JSON, no torch). ``path=builtin:tiny`` means the tiny CPU model that areal builds on first use.
+JSON, no torch). ``path=builtin:tiny`` means the tiny CPU model that areal builds on first use. A hub
+id (``Qwen/Qwen2.5-0.5B-Instruct``) is fetched into the HF cache by ``areal train`` (models/hub.py); once
+cached, its ``config.json`` supplies the facts like a local dir's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class LoRAConfig:
 class ModelConfig:
     name: str = "tiny"
     path: str = "builtin:tiny"
+    # hub ids only: the branch, tag or commit to fetch ("" = the repo's default branch)
+    revision: str = ""
     num_attention_heads: int = ranged(4, ge=1)
     num_key_value_heads: int = ranged(2, ge=1)
     num_hidden_layers: int = ranged(2, ge=1)

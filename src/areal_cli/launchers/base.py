@@ -115,6 +115,9 @@ class Launcher(Protocol):
 # The inference servers' api key, when a launcher binds them to a non-loopback address (launcher=ray): the
 # hf server reads it from this variable, the trainer's inference client sends it.
 SERVER_KEY_ENV = "AREAL_SERVER_API_KEY"
+# The model dir a trainer rank loads, set by whoever fetched a hub model on the rank's node (the run dir's
+# launch.json then names the hub id, which each node resolves into its own HF cache).
+MODEL_PATH_ENV = "AREAL_MODEL_PATH"
 
 # launcher.name → ("module:Class", what to do when its module cannot be imported)
 LAUNCHERS: dict[str, tuple[str, str]] = {
@@ -140,6 +143,48 @@ def get_launcher(name: str) -> Launcher:
         return getattr(import_module(module), cls)()
     except ImportError as e:
         raise ConfigError("launcher.name", f"the {name} launcher cannot be imported ({e})", fix) from e
+
+
+# ---------------------------------------------------------------- a node's user error, for the submitting CLI
+
+NODE_ERRORS = "node_errors"
+
+
+def error_record(exc: BaseException) -> dict[str, Any]:
+    """A user error as plain JSON: its type and fields (exceptions with their own constructor arguments, like
+    ConfigError, do not survive pickling into another process)."""
+    to_dict = getattr(exc, "to_dict", None)
+    return {"type": type(exc).__name__, "message": str(exc), **(to_dict() if callable(to_dict) else {})}
+
+
+def error_from_record(rec: dict[str, Any], where: str = "") -> Exception:
+    """:func:`error_record` back into its :class:`~areal_cli.errors.ArealError` type (same one line)."""
+    from areal_cli import errors
+
+    cls = getattr(errors, str(rec.get("type")), None)
+    if cls is errors.ConfigError:
+        return errors.ConfigError(rec.get("path", ""), rec.get("reason", ""), rec.get("hint", ""))
+    if isinstance(cls, type) and issubclass(cls, errors.ArealError):
+        return cls(rec.get("message", ""))
+    return errors.LaunchError(f"{where}{rec.get('message', '')}")
+
+
+def record_node_error(run_dir: str | os.PathLike, node_rank: int, exc: BaseException) -> None:
+    """Keep a node's :class:`~areal_cli.errors.ArealError` in the run dir, so the CLI that submitted the job
+    (``launcher=slurm``) shows it as the same one typed line instead of the job's traceback."""
+    write_json_atomic(Path(run_dir) / NODE_ERRORS / f"{node_rank}.json",
+                      {"node": node_rank, **error_record(exc)})
+
+
+def read_node_error(run_dir: str | os.PathLike) -> Exception | None:
+    """The lowest node's recorded error, rebuilt as its type; None when no node recorded one."""
+    for p in sorted((Path(run_dir) / NODE_ERRORS).glob("*.json"), key=lambda q: (len(q.stem), q.stem)):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        return error_from_record(rec, where=f"node {rec.get('node')}: ")
+    return None
 
 
 # ---------------------------------------------------------------- the server address book

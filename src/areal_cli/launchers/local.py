@@ -24,12 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from areal_cli.errors import LaunchError
+from areal_cli.errors import ArealError, LaunchError
 from areal_cli.launchers.base import (
+    MODEL_PATH_ENV,
     JobLayout,
     ServerSpec,
     publish_server,
     read_servers,
+    record_node_error,
     retract_server,
     write_json_atomic,
 )
@@ -113,10 +115,11 @@ class NodeRunner:
                  model_path: str | None = None, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, server_host: str = "127.0.0.1",
                  config_path: str | None = None, on_tick: Callable[[], None] | None = None,
-                 poll_s: float = 0.5):
+                 poll_s: float = 0.5, model_revision: str | None = None):
         self.cfg, self.layout, self.run_dir = cfg, layout, str(run_dir)
         self.node_rank = node_rank
         self.model_path = model_path or cfg.model.path
+        self.model_revision = model_revision if model_revision is not None else cfg.model.revision
         self.master_addr, self.master_port = master_addr, master_port
         self.server_host = server_host
         self.config_path = config_path or os.path.join(self.run_dir, "config.yaml")
@@ -219,7 +222,8 @@ class NodeRunner:
         if self.master_port is None:
             self.master_port = find_free_port()
         env = base_env(self.layout.device)
-        env.update({"AREAL_RUN_DIR": self.run_dir, "AREAL_NODE_RANK": str(self.node_rank)})
+        env.update({"AREAL_RUN_DIR": self.run_dir, "AREAL_NODE_RANK": str(self.node_rank),
+                    MODEL_PATH_ENV: self.model_path})
         env.update(train_thread_env(self.layout.device, t.nproc_per_node,
                                     int(self.cfg.trainer.sft_warmup_steps) > 0,
                                     servers_here=bool(self.layout.servers_on(self.node_rank))))
@@ -259,8 +263,21 @@ class NodeRunner:
     def _handle(self, signum: int, _frame: Any) -> None:
         self._signal = signum
 
+    def fetch_model(self) -> None:
+        """A hub id (launchers whose nodes fetch it) → this node's snapshot, downloaded once per node: other
+        processes of the node sharing its HF cache (a second job's runner) wait on the cache's lock. Before
+        the stop handlers are installed, so Ctrl-C or SIGTERM abort a long download at once."""
+        from areal_cli.models.hub import ensure_local_model
+
+        try:
+            self.model_path = ensure_local_model(self.model_path, self.model_revision or None)
+        except ArealError as e:
+            record_node_error(self.run_dir, self.node_rank, e)
+            raise
+
     def run(self) -> int:
         """Start, supervise, stop. Returns 0 on success, 128+signal after Ctrl-C/SIGTERM."""
+        self.fetch_model()
         with handling_stop_signals(self._handle):
             try:
                 return self._run()
@@ -396,10 +413,13 @@ class LocalLauncher:
 
 
 def run_node(cfg: Any, layout: JobLayout, run_dir: str, node_rank: int, *, master_addr: str,
-             master_port: int, model_path: str | None = None, server_host: str = "127.0.0.1") -> int:
+             master_port: int, model_path: str | None = None, server_host: str = "127.0.0.1",
+             model_revision: str | None = None) -> int:
     """Run node ``node_rank``'s share of ``layout`` and supervise it (for SLURM/SkyPilot launchers).
 
-    Multi-node jobs must pass ``server_host`` = this node's reachable address.
+    Multi-node jobs must pass ``server_host`` = this node's reachable address. A hub ``model_path`` is fetched
+    into this node's HF cache first (at ``model_revision``, the commit ``areal train`` pinned).
     """
     return NodeRunner(cfg, layout, run_dir, node_rank=node_rank, model_path=model_path,
-                      master_addr=master_addr, master_port=master_port, server_host=server_host).run()
+                      master_addr=master_addr, master_port=master_port, server_host=server_host,
+                      model_revision=model_revision).run()

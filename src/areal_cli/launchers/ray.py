@@ -18,6 +18,9 @@
   Ray node it ran on and its log tail; Ctrl-C/SIGTERM stop every actor and remove the placement
   groups. If the driver itself dies, Ray ends the job's actors and placement groups (none is detached).
 - ``<run_dir>/ray_placement.json`` records which Ray node runs each process.
+- A hub ``model.path`` is fetched before anything is reserved: one Ray task per node of the plan, pinned to
+  it, downloads into that node's HF cache (its raylet's ``HF_HOME``; ``HF_TOKEN``/``HF_ENDPOINT`` are
+  passed from the driver); each process gets its node's snapshot dir.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ from typing import Any
 
 from areal_cli.errors import LaunchError, StorageError
 from areal_cli.launchers.base import (
+    MODEL_PATH_ENV,
     SERVER_KEY_ENV,
     JobLayout,
     ServerSpec,
+    error_from_record,
+    error_record,
     publish_server,
     retract_server,
     write_json_atomic,
@@ -239,6 +245,19 @@ def _probe_on_node(
     return r.returncode, r.stdout, r.stderr
 
 
+def _fetch_on_node(model_path: str, revision: str, hub_env: dict[str, str]) -> dict[str, Any]:
+    """A Ray task: the hub model in this node's HF cache (the node's ``HF_HOME``), downloaded once per node.
+    A user error comes back as a record: ConfigError does not survive Ray's pickling."""
+    from areal_cli.errors import ArealError
+    from areal_cli.models.hub import ensure_hub_model
+
+    try:
+        return {"path": ensure_hub_model(model_path, revision or None, token=hub_env.get("HF_TOKEN"),
+                                         endpoint=hub_env.get("HF_ENDPOINT"))}
+    except ArealError as e:
+        return {"error": error_record(e)}
+
+
 def ray_storage_check(
     cfg: Any, nodes: list[RayNode], *, timeout_s: float = 20.0, throughput_bytes: int = 8 * 1024 * 1024
 ) -> Any:
@@ -310,11 +329,14 @@ class RayJob:
         model_path: str | None = None,
         on_tick: Callable[[], None] | None = None,
         poll_s: float = 0.5,
+        model_revision: str | None = None,
     ):
         self.ray = _import_ray()
         self.cfg, self.layout, self.run_dir = cfg, layout, str(run_dir)
         self.assignment = assignment
         self.model_path = model_path or cfg.model.path
+        self.model_revision = model_revision if model_revision is not None else cfg.model.revision
+        self.node_models: dict[str, str] = {}  # Ray node id → the model dir there (a hub id's snapshot)
         self.config_path = os.path.join(self.run_dir, "config.yaml")
         self.on_tick, self.poll_s = on_tick, poll_s
         self.rc = cfg.launcher.ray
@@ -397,6 +419,37 @@ class RayJob:
             },
         )
 
+    # ------------------------------------------------------------------ the model
+    def _fetch_model(self) -> None:
+        """A hub id: one download per Ray node of the plan, each a task pinned to its node, before any
+        resources are reserved; ``HF_TOKEN``/``HF_ENDPOINT`` go from this process to the tasks (a Ray worker
+        has its raylet's environment, not the driver's)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from areal_cli.models.hub import is_hub_id
+
+        if not is_hub_id(self.model_path):
+            return
+        hub_env = {k: os.environ[k] for k in ("HF_TOKEN", "HF_ENDPOINT") if os.environ.get(k)}
+        task = self.ray.remote(num_cpus=0, max_retries=0)(_fetch_on_node)
+        nodes = {n.node_id: n for n in self.assignment.values()}
+        refs = {nid: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(
+            self.model_path, self.model_revision or "", hub_env) for nid in nodes}
+        for nid, ref in refs.items():
+            try:
+                out = self.ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the node died or its worker could not start
+                first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+                raise LaunchError(
+                    f"fetching {self.model_path} on {nodes[nid].label} failed: {first}"
+                ) from None
+            if "error" in out:
+                raise error_from_record(out["error"], where=f"{nodes[nid].label}: ")
+            self.node_models[nid] = out["path"]
+
+    def _model_on(self, where: dict[str, Any]) -> str:
+        return self.node_models.get(str(where.get("node_id")), self.model_path)
+
     # ------------------------------------------------------------------ servers
     def _spawn_server(self, spec: ServerSpec, epoch: int) -> _Proc:
         actor = self._actor(f"{spec.name}#{epoch}", "inference", spec.index, spec.name)
@@ -406,7 +459,7 @@ class RayJob:
             actor.start_server.remote(
                 self.config_path,
                 asdict(spec),
-                self.model_path,
+                self._model_on(p.where),
                 self.run_dir,
                 self.layout.device,
                 self.api_key,
@@ -521,6 +574,7 @@ class RayJob:
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
                     SERVER_KEY_ENV: self.api_key,
+                    MODEL_PATH_ENV: self._model_on(p.where),
                 }
             )
             if self.layout.device == "cuda":
@@ -600,6 +654,7 @@ class RayJob:
                 self.teardown()
 
     def _run(self) -> int:
+        self._fetch_model()
         self._create_groups()
         where = describe_assignment(self.layout, self.assignment, self.rc.cpus_per_gpu)
         print(f"[areal] ray placement: {where}", file=sys.stderr, flush=True)
@@ -647,6 +702,7 @@ class RayLauncher:
     """Run the plan on a Ray cluster. See the module docstring."""
 
     name = "ray"
+    fetches_model_on_nodes = True  # RayJob._fetch_model: one download per Ray node, into its HF cache
 
     def __init__(self) -> None:
         self.assignment: dict[int, RayNode] | None = None
@@ -690,6 +746,7 @@ class RayLauncher:
         *,
         model_path: str | None = None,
         on_tick: Callable[[], None] | None = None,
+        model_revision: str | None = None,
     ) -> int:
         if self.assignment is None:
             self.preflight(cfg, layout)
@@ -704,6 +761,7 @@ class RayLauncher:
                         + rep.summary()
                         + "\n(set skip_storage_check=true to launch anyway)"
                     )
-            return RayJob(cfg, layout, run_dir, self.assignment, model_path=model_path, on_tick=on_tick).run()
+            return RayJob(cfg, layout, run_dir, self.assignment, model_path=model_path, on_tick=on_tick,
+                          model_revision=model_revision).run()
         finally:
             ray.shutdown()

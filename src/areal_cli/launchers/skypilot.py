@@ -3,7 +3,10 @@
 - resources: accelerators from ``launcher.skypilot.accelerators`` or derived from the plan
   (``cluster.n_gpus_per_node`` GPUs of a type that fits ``cluster.gpu_memory_gb``), cloud, region, spot;
 - ``num_nodes`` = the plan's node count; ``setup`` installs areal-cli; ``envs`` carry the
-  launcher env and the run's identity;
+  launcher env and the run's identity (and ``HF_ENDPOINT`` when set here; ``HF_TOKEN`` goes to
+  ``sky launch --env HF_TOKEN`` by name, so no file holds it);
+- each node's runner fetches a hub ``model.path`` into the node's HF cache first (``HF_HOME`` from
+  ``launcher.trainer_env`` puts that cache on shared storage);
 - ``run`` derives the rendezvous from SkyPilot's ``SKYPILOT_NODE_IPS`` (first line = master) and
   ``SKYPILOT_NODE_RANK`` and starts :func:`areal_cli.launchers.local.run_node` through
   ``python -m areal_cli.launchers.skypilot node``;
@@ -102,6 +105,8 @@ def build_task_config(cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, An
         resources["use_spot"] = True
     envs = {"HF_HUB_OFFLINE": "0", "TOKENIZERS_PARALLELISM": "false", "AREAL_RUN_NAME":
             f"{cfg.experiment_name}/{cfg.trial_name}", "AREAL_MASTER_PORT": str(DEFAULT_MASTER_PORT)}
+    if os.environ.get("HF_ENDPOINT"):  # a hub mirror the nodes fetch the model from, as this machine does
+        envs["HF_ENDPOINT"] = os.environ["HF_ENDPOINT"]
     envs.update({str(k): str(v) for k, v in dict(cfg.launcher.trainer_env).items()})
     mounts: dict[str, Any] = {f"{LAUNCH_DIR}/config.yaml": os.path.join(run_dir, "config.yaml"),
                               f"{LAUNCH_DIR}/launch.json": os.path.join(run_dir, "launch.json")}
@@ -230,6 +235,7 @@ def dry_run(cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
 
 class SkyPilotLauncher:
     name = "skypilot"
+    fetches_model_on_nodes = True  # node_main → run_node fetches a hub model into each node's HF cache
 
     def preflight(self, cfg: Any, layout: JobLayout) -> None:
         if sky_python() is None:
@@ -254,6 +260,8 @@ class SkyPilotLauncher:
             raise LaunchError("the `sky` CLI was not found next to the SkyPilot interpreter; install skypilot")
         cluster = cfg.launcher.skypilot.cluster_name or f"areal-{cfg.experiment_name}".lower().replace("_", "-")
         argv = [sky_bin, "launch", "-y", "-c", cluster, path]
+        if os.environ.get("HF_TOKEN"):  # the nodes' hub access; by name, so the value stays out of the YAML
+            argv += ["--env", "HF_TOKEN"]
         print(f"[areal] {' '.join(argv)}", file=sys.stderr, flush=True)
         return subprocess.call(argv)
 
@@ -291,7 +299,8 @@ def node_main(argv: list[str] | None = None) -> int:
     info = json.loads((run_dir / "launch.json").read_text())
     layout = JobLayout.from_dict(info["layout"])
     return run_node(cfg, layout, str(run_dir), a.node_rank, master_addr=a.master_addr, master_port=a.master_port,
-                    model_path=info.get("model_path"), server_host=a.node_ip or "127.0.0.1")
+                    model_path=info.get("model_path"), server_host=a.node_ip or "127.0.0.1",
+                    model_revision=info.get("model_revision"))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@
   ``<run_dir>/slurm/rendezvous/<job>.<restart>.json``; other nodes wait for that file. It is the
   mechanism the server addresses use (the run dir's address book, :mod:`areal_cli.launchers.base`):
   the run dir is on the shared fileroot, which the storage check verifies every node sees.
-- The submission environment propagates (sbatch exports it); ``launcher.trainer_env`` /
-  ``server_env`` are applied by the node runner. submitit's logs go to ``<run_dir>/slurm/``.
+- The submission environment propagates (sbatch exports it: ``HF_TOKEN``, ``HF_HOME``, ``HF_ENDPOINT``);
+  ``launcher.trainer_env`` / ``server_env`` are applied by the node runner. submitit's logs go to
+  ``<run_dir>/slurm/``.
+- A hub ``model.path`` is fetched by each node into its HF cache before its processes start, at the commit
+  ``areal train`` pinned (:mod:`areal_cli.models.hub`); a node that cannot fetch it records its one-line
+  error in the run dir and the CLI shows that line.
 - On preemption or timeout submitit signals the job (USR2), calls :meth:`SlurmNodeJob.checkpoint`
   and requeues it; a requeued job (``SLURM_RESTART_COUNT`` > 0, also after ``scontrol requeue``)
   runs with ``resume=auto`` and continues from the last recover checkpoint.
@@ -28,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import LaunchError, StorageError
-from areal_cli.launchers.base import JobLayout, write_json_atomic
+from areal_cli.launchers.base import NODE_ERRORS, JobLayout, read_node_error, write_json_atomic
 
 SUBMITIT_DIR = "slurm"
 JOB_FILE = "slurm_job.json"
@@ -138,9 +142,9 @@ class SlurmNodeJob(_load_submitit_checkpointable()):
     """The callable submitit pickles; runs once per node (one task per node)."""
 
     def __init__(self, run_dir: str, config_path: str, model_path: str, layout: dict[str, Any],
-                 resume: str = "none"):
+                 resume: str = "none", model_revision: str = ""):
         self.run_dir, self.config_path, self.model_path = run_dir, config_path, model_path
-        self.layout, self.resume = layout, resume
+        self.layout, self.resume, self.model_revision = layout, resume, model_revision
 
     def __call__(self) -> int:
         import submitit
@@ -172,7 +176,8 @@ class SlurmNodeJob(_load_submitit_checkpointable()):
         print(f"[areal] slurm job {job_id} node {node_rank}/{n_nodes} on {env.hostname}: master "
               f"{master_addr}:{port}, resume={cfg.resume}", flush=True)
         code = run_node(cfg, layout, self.run_dir, node_rank, master_addr=master_addr, master_port=port,
-                        model_path=self.model_path, server_host=server_host)
+                        model_path=self.model_path, server_host=server_host,
+                        model_revision=getattr(self, "model_revision", ""))
         if code != 0:
             raise LaunchError(f"node {node_rank} of slurm job {job_id} ended with code {code}; "
                               f"logs in {self.run_dir}/logs")
@@ -183,7 +188,8 @@ class SlurmNodeJob(_load_submitit_checkpointable()):
         import submitit
 
         return submitit.helpers.DelayedSubmission(
-            SlurmNodeJob(self.run_dir, self.config_path, self.model_path, self.layout, resume="auto"))
+            SlurmNodeJob(self.run_dir, self.config_path, self.model_path, self.layout, resume="auto",
+                         model_revision=getattr(self, "model_revision", "")))
 
 
 def rendezvous_path(run_dir: str, job_id: str, restart: str) -> Path:
@@ -229,7 +235,7 @@ def _switch_to_resume(cfg: Any, config_path: str, run_dir: str) -> None:
     if cfg.resume != "auto":
         cfg.resume = "auto"
         save_config(cfg, config_path)
-    for name in ("status.json", "servers"):
+    for name in ("status.json", "servers", NODE_ERRORS):
         q = Path(run_dir) / name
         if q.is_dir():
             shutil.rmtree(q, ignore_errors=True)
@@ -254,6 +260,7 @@ class SlurmLauncher:
     """Submit the plan as one SLURM job through submitit and wait for it."""
 
     name = "slurm"
+    fetches_model_on_nodes = True  # each node fetches a hub model into its HF cache (NodeRunner.fetch_model)
 
     def preflight(self, cfg: Any, layout: JobLayout) -> None:
         _require_slurm()
@@ -262,13 +269,14 @@ class SlurmLauncher:
         return dry_run(cfg, layout, run_dir)
 
     def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
-               on_tick: Callable[[], None] | None = None, poll_s: float = 2.0) -> int:
+               on_tick: Callable[[], None] | None = None, poll_s: float = 2.0,
+               model_revision: str = "") -> int:
         _require_slurm()
         if layout.n_nodes > 1 and not cfg.skip_storage_check:
             self._cross_node_storage_check(cfg)
         config_path = os.path.join(run_dir, "config.yaml")
         job_fn = SlurmNodeJob(run_dir, config_path, model_path or cfg.model.path, layout.to_dict(),
-                              resume=str(cfg.resume))
+                              resume=str(cfg.resume), model_revision=model_revision)
         ex = make_executor(cfg, layout, run_dir)
         try:
             job = ex.submit(job_fn)
@@ -303,6 +311,10 @@ class SlurmLauncher:
             job.result()
         except Exception as e:  # noqa: BLE001 - submitit re-raises the node's failure or the cancellation
             from areal_cli.launchers.local import _find_failed_rank
+
+            user_error = read_node_error(run_dir)
+            if user_error is not None:  # a node's own typed line (a hub model it could not fetch)
+                raise user_error from None
 
             culprit, tail = _find_failed_rank(run_dir)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]

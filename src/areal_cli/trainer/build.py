@@ -16,8 +16,10 @@ from areal_cli.launchers.base import SERVER_KEY_ENV, JobLayout, ServerSpec, Trai
 
 # ---------------------------------------------------------------- CLI-process side (no torch)
 
-def resolve_model_path(cfg: Any) -> str:
-    """``builtin:<spec>`` → the cached built-in model dir (built on first use); else a local HF dir.
+def resolve_model_path(cfg: Any, *, fetch: bool = True) -> str:
+    """``builtin:<spec>`` → the cached built-in model dir (built on first use); a hub id → its snapshot in the
+    HF cache (downloaded first; ``fetch=False``: the id itself, for launchers whose nodes fetch it); else a
+    local HF dir.
 
     The ``model`` group's architecture facts are what validation checked, so they decide the
     built model (``model.hidden_size=256`` builds and caches a 256-wide one).
@@ -32,6 +34,10 @@ def resolve_model_path(cfg: Any) -> str:
                               f"use one of: {', '.join('builtin:' + s for s in BUILTIN_SPECS)}")
         return str(ensure_builtin_model(os.path.expanduser(cfg.cluster.fileroot), spec,
                                         overrides=overrides_from_model_config(cfg.model)))
+    from areal_cli.models.hub import ensure_hub_model, is_hub_id
+
+    if is_hub_id(path):
+        return ensure_hub_model(path, cfg.model.revision) if fetch else path
     p = Path(os.path.expanduser(path))
     if not (p / "config.json").is_file():
         raise ConfigError("model.path", f"{path} is not a local HF model dir (no config.json)",

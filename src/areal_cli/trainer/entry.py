@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(config_path: str, run_dir: str) -> int:
     import torch
 
-    from areal_cli.launchers.base import JobLayout
+    from areal_cli.launchers.base import MODEL_PATH_ENV, JobLayout
+    from areal_cli.models.hub import ensure_local_model
     from areal_cli.trainer.config_io import load_config_file
     from areal_cli.utils.dist import destroy_distributed, init_distributed
 
@@ -66,9 +67,13 @@ def _run(config_path: str, run_dir: str) -> int:
     cfg = load_config_file(config_path)
     info = json.loads((Path(run_dir) / LAUNCH_FILE).read_text())
     layout = JobLayout.from_dict(info["layout"])
-    model_path = info["model_path"]
+    # The node's runner sets MODEL_PATH_ENV to the snapshot it fetched; a hub id left here (a rank started by
+    # other means) resolves through the same per-node cache and lock.
+    model_path = ensure_local_model(os.environ.get(MODEL_PATH_ENV) or info["model_path"],
+                                    info.get("model_revision") or cfg.model.revision or None)
     rank, world = init_distributed()
-    print(f"[areal] trainer rank {rank}/{world} pid {os.getpid()} run_dir {run_dir}", flush=True)
+    print(f"[areal] trainer rank {rank}/{world} pid {os.getpid()} run_dir {run_dir} model {model_path}",
+          flush=True)
     try:
         if cfg.algo.name == "sft":
             from areal_cli.trainer.sft import run_sft

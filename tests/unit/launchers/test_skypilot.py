@@ -159,3 +159,14 @@ def test_missing_credentials_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(LaunchError, match="no cloud credentials .*gcp: none of"):
         SkyPilotLauncher().launch(cfg, layout, str(run_dir))
     assert (run_dir / "skypilot_task.yaml").is_file()
+
+
+def test_hub_access_reaches_the_nodes_but_the_token_stays_out_of_the_yaml(tmp_path, monkeypatch):
+    """The nodes fetch a hub model.path themselves: the hub mirror goes into the task's envs; HF_TOKEN is passed to
+    `sky launch --env HF_TOKEN` by name, so neither the dict nor the YAML written to the run dir holds it."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
+    monkeypatch.setenv("HF_TOKEN", "hf_do_not_write_me")
+    _, _, t = _task(GPU + ["+launcher.trainer_env.HF_HOME=/shared/hf"], tmp_path)
+    assert t["envs"]["HF_ENDPOINT"] == "http://mirror.example:8080" and t["envs"]["HF_HOME"] == "/shared/hf"
+    assert "HF_TOKEN" not in t["envs"] and "hf_do_not_write_me" not in task_yaml(t)
+    assert SkyPilotLauncher.fetches_model_on_nodes
