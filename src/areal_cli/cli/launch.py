@@ -54,10 +54,11 @@ def check_storage(cfg: Any, run_dir: str) -> None:
 
 
 def check_dataset_files(cfg: Any) -> None:
-    """A missing local dataset file is an error before anything launches."""
-    from areal_cli.data.datasets import check_dataset_paths
+    """A missing local dataset file is an error before anything launches; a remote launcher reads the data
+    on its nodes, so a path this machine cannot see is left to them (validate-config warned about it)."""
+    from areal_cli.data.checks import check_dataset_paths
 
-    check_dataset_paths(cfg.dataset)
+    check_dataset_paths(cfg.dataset, remote=cfg.launcher.name if cfg.launcher.name != "local" else None)
 
 
 def prepare_run_dir(cfg: Any, run_dir: str) -> None:

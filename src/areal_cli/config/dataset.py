@@ -9,12 +9,17 @@ from areal_cli.config.ranges import ranged
 
 @dataclass
 class DatasetConfig:
-    # "builtin:<task>" (generated deterministically) or a local path (jsonl / parquet / saved dir)
+    # "builtin:<task>" (generated deterministically) or a local path: jsonl / json / parquet / csv / arrow,
+    # or a saved datasets dir ("DIR:split" picks a split of a saved DatasetDict). docs/data.md.
     name: str = "arith"
     train_path: str = "builtin:arith"
-    test_path: str | None = None  # None → the builtin test split, or no eval for local data
+    # None: the built-in test split; for local data dataset.test_fraction of the train file, or no eval
+    test_path: str | None = None
+    # a text column (one user turn) or a chat column (a list of {role, content} messages ending in a user turn)
     prompt_field: str = "question"
     answer_field: str = "answer"  # GSM8K-style "... #### 42" answers are parsed
+    # local data without test_path: hold out this share of the train file's rows (a fixed, seeded draw)
+    test_fraction: float = ranged(0.0, ge=0.0, lt=1.0, why="0 holds nothing out")
     use_chat_template: bool = True
     system_prompt: str | None = None
     max_prompt_len: int = ranged(256, ge=1)
@@ -24,6 +29,6 @@ class DatasetConfig:
     test_size: int = ranged(200, ge=0)  # builtin only
     # cap on evaluated test items
     eval_size: int | None = ranged(None, ge=0, why="null evaluates every test item")
-    # The built-in task's rows (its train and test splits); null: the experiment seed. Fix it to vary the run
-    # seed (sampling, prompt order) over the same data, e.g. in a seed study.
+    # The built-in task's rows (its train and test splits) and the test_fraction draw; null: the experiment
+    # seed. Fix it to vary the run seed (sampling, prompt order) over the same data, e.g. in a seed study.
     seed: int | None = ranged(None, ge=0, le=2**32 - 1, why="null uses the experiment seed")

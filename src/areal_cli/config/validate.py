@@ -26,6 +26,7 @@ from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.rollout import DISK_ONLY_BACKENDS
 from areal_cli.config.schema import ExperimentConfig
+from areal_cli.data.checks import check_dataset
 from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, get_engine_spec
 from areal_cli.errors import ConfigError
 from areal_cli.registry import load_plugins
@@ -296,6 +297,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     check_lora(cfg, plan)
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
+    check_dataset(cfg, plan)  # files, columns and knobs of the dataset group (data/checks.py)
     validate_algo_config(cfg.algo)
     validate_group_size(cfg.algo, cfg.rollout.group_size)
     for rule in EXTRA_RULES:

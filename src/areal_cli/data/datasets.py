@@ -1,17 +1,21 @@
-"""Datasets from local files (jsonl / json / parquet / csv / saved ``datasets`` dirs) or the built-in task.
+"""Datasets from local files (jsonl / json / parquet / csv / arrow / saved ``datasets`` dirs) or the
+built-in task (docs/data.md).
 
 Rows are GSM8K-shaped by default (``question``, and ``answer`` ending in ``#### n``); other field
-names are mapped with ``dataset.prompt_field`` / ``dataset.answer_field``. Each usable row becomes a
-*data item*, the dict the rollout workflows and the SFT loop consume::
+names are mapped with ``dataset.prompt_field`` / ``dataset.answer_field``. The prompt column holds text
+(one user turn) or a chat (``[{"role", "content"}, ...]`` ending in a user turn: system and few-shot
+turns), rendered with the tokenizer's chat template. Each usable row becomes a *data item*, the dict
+the rollout workflows and the SFT loop consume::
 
-    {"id": str, "question": str, "messages": [{"role": "user", "content": ...}],
+    {"id": str, "question": str (the text, or the chat's last user turn),
+     "messages": [{"role": ..., "content": ...}, ...],
      "prompt": str (chat-templated, ends with the assistant header), "prompt_ids": list[int],
-     "answer": str (reference: the number after ####, else the whole answer),
+     "answer": str (reference: the text after the last ####, else the whole answer),
      "solution": str (the full answer text; the SFT target)}
 
 Malformed rows are skipped, counted per reason and reported (:class:`DataReport`). A missing file
-is a :class:`~areal_cli.errors.DataError` naming the config path; :func:`check_dataset_paths`
-raises it before anything launches.
+is a :class:`~areal_cli.errors.DataError` naming the config path; ``validate-config`` checks files
+and columns cheaply before anything launches (:mod:`areal_cli.data.checks`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.data import builtin
-from areal_cli.errors import DataError
+from areal_cli.data.sources import CHAT_KEYS, check_source, choose_split, parse_source
+from areal_cli.errors import ArealError, DataError, did_you_mean
 
 if TYPE_CHECKING:  # pragma: no cover
     from areal_cli.config.dataset import DatasetConfig
@@ -32,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",
                   ".arrow": "arrow"}
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -78,29 +83,23 @@ def extract_answer(text: Any) -> str | None:
 
 
 def _load_rows(path: str, config_path: str) -> list[dict]:
-    """Rows of a local file or saved dir through the ``datasets`` library."""
+    """Rows of a local file, a saved dir or one split of a saved DatasetDict (``DIR:split``), through the
+    ``datasets`` library."""
     import datasets
 
-    p = Path(os.path.expanduser(path))
-    if not p.exists():
-        raise DataError(f"{config_path}: dataset file {str(p)!r} does not exist — fix: point "
-                        f"{config_path} at a .jsonl/.parquet file or a saved datasets dir, or use "
-                        f"builtin:arith")
+    src = parse_source(path, config_path)
+    check_source(src)
+    p = src.path
     datasets.disable_progress_bars()
     try:
         if p.is_dir():
             ds = datasets.load_from_disk(str(p))
             if isinstance(ds, datasets.DatasetDict):
-                split = "train" if "train" in ds else next(iter(ds))
-                ds = ds[split]
+                ds = ds[choose_split(src, list(ds))]
         else:
-            builder = _FILE_BUILDERS.get(p.suffix.lower())
-            if builder is None:
-                raise DataError(f"{config_path}: unsupported dataset file type {p.suffix!r} — fix: "
-                                f"use .jsonl, .json, .parquet, .csv or a saved datasets dir")
-            ds = datasets.load_dataset(builder, data_files=str(p), split="train",
+            ds = datasets.load_dataset(_FILE_BUILDERS[src.suffix], data_files=str(p), split="train",
                                        cache_dir=_hf_cache_dir())
-    except DataError:
+    except ArealError:
         raise
     except Exception as e:  # malformed files surface as many different library errors
         raise DataError(f"{config_path}: cannot read {str(p)!r}: {type(e).__name__}: {e}") from e
@@ -112,6 +111,24 @@ def _hf_cache_dir() -> str | None:
     return os.environ.get("AREAL_DATASETS_CACHE") or None
 
 
+def as_chat(value: Any) -> list[dict] | str:
+    """A chat cell as ``[{role, content}, ...]`` ending in a user turn, or why it is not usable."""
+    if isinstance(value, dict) and all(isinstance(value.get(k), list) for k in CHAT_KEYS):
+        # datasets' legacy Sequence({role, content}) feature loads a list of messages as a dict of lists
+        value = [dict(zip(value, vals)) for vals in zip(*value.values())]
+    if not isinstance(value, list) or not value:
+        return "empty chat"
+    msgs = []
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            return "malformed chat message"
+        # Arrow gives every message the keys any message of the column has, as None; templates test presence.
+        msgs.append({k: v for k, v in m.items() if v is not None})
+    if msgs[-1]["role"] != "user":
+        return "chat not ending in a user turn"
+    return msgs
+
+
 def _render_prompts(tokenizer, conversations: list[list[dict]], use_chat_template: bool) -> list[str]:
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         return [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
@@ -119,92 +136,119 @@ def _render_prompts(tokenizer, conversations: list[list[dict]], use_chat_templat
     return [m[-1]["content"] for m in conversations]
 
 
+def _prompt_messages(value: Any, system_prompt: str | None) -> tuple[list[dict] | None, str]:
+    """(messages, question) for a prompt cell, or (None, why it is skipped)."""
+    if isinstance(value, (list, dict)):
+        chat = as_chat(value)
+        if isinstance(chat, str):
+            return None, chat
+        if system_prompt and chat[0]["role"] != "system":  # the chat's own system turn wins
+            chat = [{"role": "system", "content": system_prompt}, *chat]
+        return chat, chat[-1]["content"]
+    if not isinstance(value, str) or not value.strip():
+        return None, "missing/empty"
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    msgs.append({"role": "user", "content": value})
+    return msgs, value
+
+
 def build_items(rows: list[dict], tokenizer, *, prompt_field: str = "question",
                 answer_field: str = "answer", use_chat_template: bool = True,
                 system_prompt: str | None = None, max_prompt_len: int | None = None,
-                source: str = "<rows>", id_prefix: str = "") -> tuple[list[dict], DataReport]:
-    """Turn raw rows into data items, skipping (and counting) malformed ones."""
+                source: str = "<rows>", id_prefix: str = "",
+                indices: list[int] | None = None) -> tuple[list[dict], DataReport]:
+    """Turn raw rows into data items, skipping (and counting) malformed ones.
+
+    ``prompt_field`` holds text (one user turn, after ``system_prompt`` when set) or a chat; ``indices``:
+    the rows' positions in their file (default 0..n-1), for ids and the report."""
     report = DataReport(path=source, total=len(rows))
+    where = indices if indices is not None else range(len(rows))
     staged: list[tuple[int, str, str, str, list[dict]]] = []
+    n_chats = 0
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            report.skip(i, "not a mapping")
+            report.skip(where[i], "not a mapping")
             continue
-        q = row.get(prompt_field)
-        if not isinstance(q, str) or not q.strip():
-            report.skip(i, f"missing/empty {prompt_field!r}")
+        msgs, q = _prompt_messages(row.get(prompt_field), system_prompt)
+        if msgs is None:
+            report.skip(where[i], f"{q} {prompt_field!r}" if q == "missing/empty" else f"{q} in {prompt_field!r}")
             continue
+        n_chats += not isinstance(row.get(prompt_field), str)
         raw_ans = row.get(answer_field)
         ref = extract_answer(raw_ans)
         if ref is None:
-            report.skip(i, f"missing/unparseable {answer_field!r}")
+            report.skip(where[i], f"missing/unparseable {answer_field!r}")
             continue
-        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-        msgs.append({"role": "user", "content": q})
         solution = raw_ans if isinstance(raw_ans, str) else str(raw_ans)
         staged.append((i, q, ref, solution, msgs))
+    if n_chats and not (use_chat_template and getattr(tokenizer, "chat_template", None)):
+        why = "dataset.use_chat_template is false" if not use_chat_template else "the tokenizer has no chat template"
+        raise DataError(f"dataset.prompt_field: {prompt_field!r} of {source} holds chats, and {why}; a chat is "
+                        "rendered only by a chat template — fix: set dataset.use_chat_template=true with a model "
+                        "whose tokenizer has one, or point dataset.prompt_field at a text column")
     prompts = _render_prompts(tokenizer, [s[4] for s in staged], use_chat_template)
     # One batched call to the Rust tokenizer: ~50x faster than per-row calls on 20k rows.
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
     items: list[dict] = []
     for (i, q, ref, solution, msgs), prompt, pids in zip(staged, prompts, ids):
         if max_prompt_len is not None and len(pids) > max_prompt_len:
-            report.skip(i, "prompt longer than dataset.max_prompt_len")
+            report.skip(where[i], "prompt longer than dataset.max_prompt_len")
             continue
         rid = rows[i].get("id")
-        items.append({"id": str(rid) if rid is not None else f"{id_prefix}{i}", "question": q,
+        items.append({"id": str(rid) if rid is not None else f"{id_prefix}{where[i]}", "question": q,
                       "messages": msgs, "prompt": prompt, "prompt_ids": list(pids),
                       "answer": ref, "solution": solution})
     report.kept = len(items)
+    report.first_bad_rows.sort()
     return items, report
 
 
-def check_dataset_paths(cfg: "DatasetConfig") -> None:
-    """Raise :class:`DataError` (naming the config path) for a missing file or unknown built-in task.
+def check_dataset_paths(cfg: DatasetConfig) -> None:
+    """Raise a ConfigError naming the config path for a missing file or an unknown built-in task.
 
-    Cheap and torch-free, so the launcher calls it before starting any process.
-    """
-    from areal_cli.errors import ConfigError
+    Cheap and torch-free; ``data.checks`` holds the checks (and the rule for remote launchers)."""
+    from areal_cli.data.checks import check_dataset_paths as check
 
-    for key in ("train_path", "test_path"):
-        path = getattr(cfg, key)
-        if path is None:
-            continue
-        task = builtin.parse_builtin_path(path)
-        if task is not None:
-            if task not in builtin.TASKS:
-                raise ConfigError(f"dataset.{key}", f"unknown built-in task {task!r}",
-                                  f"use one of: {', '.join('builtin:' + t for t in builtin.task_names())}")
-            continue
-        p = Path(os.path.expanduser(path))
-        if not p.exists():
-            raise DataError(f"dataset.{key}: dataset file {str(p)!r} does not exist — fix: point "
-                            f"dataset.{key} at a .jsonl/.parquet file or a saved datasets dir, or "
-                            f"use builtin:arith")
-        if p.is_file() and p.suffix.lower() not in _FILE_BUILDERS:
-            raise DataError(f"dataset.{key}: unsupported dataset file type {p.suffix!r} — fix: use "
-                            f".jsonl, .json, .parquet, .csv or a saved datasets dir")
+    check(cfg)
 
 
-def load_split(cfg: "DatasetConfig", tokenizer, split: str = "train",
+def split_rows(rows: list, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, test indices) of ``rows``: a seeded draw of ``round(fraction * n)`` test rows (at
+    least one), each split in file order."""
+    import random
+
+    n = len(rows)
+    n_test = max(1, round(fraction * n))
+    if n_test >= n:
+        raise DataError(f"dataset.test_fraction: {fraction} of {n} rows leaves no train rows — fix: lower "
+                        "dataset.test_fraction or add rows")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return sorted(order[n_test:]), sorted(order[:n_test])
+
+
+def load_split(cfg: DatasetConfig, tokenizer, split: str = "train",
                seed: int = 0) -> tuple[list[dict], DataReport] | None:
     """Data items for ``split`` (``train`` | ``test``) per the ``dataset`` config.
 
-    ``None`` for ``test`` when a local train file has no ``test_path`` (no held-out eval). A column
-    that no row has means the field mapping is wrong: a :class:`DataError`, not 100% skipped rows.
+    Local data without ``test_path``: ``dataset.test_fraction`` of the train file's rows make the test
+    split (and are left out of train); with ``test_fraction=0`` there is no held-out eval: ``None``.
+    A column that no row has means the field mapping is wrong: a :class:`DataError`, not 100% skipped rows.
     """
     key = "train_path" if split == "train" else "test_path"
     path = getattr(cfg, key)
+    rows_seed = seed if cfg.seed is None else int(cfg.seed)  # dataset.seed fixes the rows alone
+    local_train = builtin.parse_builtin_path(cfg.train_path) is None
+    held_out = local_train and cfg.test_path is None and cfg.test_fraction > 0
     if split == "test" and path is None:
-        task = builtin.parse_builtin_path(cfg.train_path)
-        if task is None:
+        if local_train and not held_out:
             return None
         path = cfg.train_path
+    config_path = "dataset.train_path" if held_out else f"dataset.{key}"
     task = builtin.parse_builtin_path(path)
     if task is not None:
         if task not in builtin.TASKS:
             check_dataset_paths(cfg)  # raises the ConfigError with the fix
-        rows_seed = seed if cfg.seed is None else int(cfg.seed)  # dataset.seed fixes the rows alone
         train_rows, test_rows = builtin.generate_splits(task, cfg.train_size, cfg.test_size, seed=rows_seed)
         rows = train_rows if split == "train" else test_rows
         items, report = build_items(rows, tokenizer, prompt_field="question", answer_field="answer",
@@ -212,16 +256,18 @@ def load_split(cfg: "DatasetConfig", tokenizer, split: str = "train",
                                     system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len,
                                     source=f"builtin:{task}/{split}")
     else:
-        rows = _load_rows(path, f"dataset.{key}")
+        rows = _load_rows(path, config_path)
+        _check_fields(cfg, rows, path)
+        indices = None
+        if held_out:
+            train_idx, test_idx = split_rows(rows, cfg.test_fraction, rows_seed)
+            indices = train_idx if split == "train" else test_idx
+            rows = [rows[i] for i in indices]
+        source = f"{path} ({split} share, dataset.test_fraction)" if held_out else str(path)
         items, report = build_items(rows, tokenizer, prompt_field=cfg.prompt_field,
                                     answer_field=cfg.answer_field, use_chat_template=cfg.use_chat_template,
                                     system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len,
-                                    source=str(path), id_prefix=f"{split}-")
-        for fld, key_name in ((cfg.prompt_field, "prompt_field"), (cfg.answer_field, "answer_field")):
-            if rows and not any(isinstance(r, dict) and fld in r for r in rows):
-                cols = sorted(rows[0]) if isinstance(rows[0], dict) else []
-                raise DataError(f"dataset.{key_name}: no row of {path!r} has a {fld!r} column (columns: "
-                                f"{cols}) — fix: set dataset.{key_name} to one of the file's columns")
+                                    source=source, id_prefix="row-" if held_out else f"{split}-", indices=indices)
     if split == "test" and cfg.eval_size is not None:
         items = items[: cfg.eval_size]
     if report.n_skipped:
@@ -229,5 +275,13 @@ def load_split(cfg: "DatasetConfig", tokenizer, split: str = "train",
     else:
         logger.info("dataset %s", report.summary())
     if not items:
-        raise DataError(f"dataset.{key}: no usable rows in {path!r} ({report.summary()})")
+        raise DataError(f"{config_path}: no usable rows in {path!r} ({report.summary()})")
     return items, report
+
+
+def _check_fields(cfg: DatasetConfig, rows: list, path: str) -> None:
+    for fld, key_name in ((cfg.prompt_field, "prompt_field"), (cfg.answer_field, "answer_field")):
+        if rows and not any(isinstance(r, dict) and fld in r for r in rows):
+            cols = sorted(rows[0]) if isinstance(rows[0], dict) else []
+            raise DataError(f"dataset.{key_name}: no row of {path!r} has a {fld!r} column (columns: {cols}) — "
+                            f"fix: {did_you_mean(fld, cols)}set dataset.{key_name} to one of the file's columns")

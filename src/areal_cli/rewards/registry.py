@@ -42,9 +42,14 @@ def is_import_path(name: str) -> bool:
 
 
 def check_reward_name(name: str, config_path: str = "workflow.reward") -> None:
-    """A registered name or an import path (resolved later, in the process that runs it)."""
+    """A registered name, or an import path whose module and attribute exist (read from the source without
+    running it: the function is imported later, in the process that calls it)."""
     if not is_import_path(name):
         REWARDS.entry(name, config_path)
+        return
+    from areal_cli.utils.static_import import find_target
+
+    find_target(name, config_path)
 
 
 def reward_runs_in_process(name: str) -> bool:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -121,14 +121,14 @@ def test_wrong_field_mapping_is_an_error(tmp_path, tok):
 
 def test_missing_file_named_before_launch(tmp_path):
     cfg = DatasetConfig(train_path=str(tmp_path / "nope.jsonl"))
-    with pytest.raises(DataError) as e:
+    with pytest.raises(ConfigError) as e:
         check_dataset_paths(cfg)
     assert str(e.value).startswith("dataset.train_path:") and "nope.jsonl" in str(e.value)
     (tmp_path / "ok.jsonl").write_text("")
-    with pytest.raises(DataError, match="dataset.test_path"):
+    with pytest.raises(ConfigError, match="dataset.test_path"):
         check_dataset_paths(DatasetConfig(train_path=str(tmp_path / "ok.jsonl"),
                                           test_path=str(tmp_path / "missing")))
-    with pytest.raises(DataError, match="unsupported"):
+    with pytest.raises(ConfigError, match="unsupported"):
         (tmp_path / "x.txt").write_text("hi")
         check_dataset_paths(DatasetConfig(train_path=str(tmp_path / "x.txt")))
     with pytest.raises(ConfigError) as ce:
@@ -138,7 +138,7 @@ def test_missing_file_named_before_launch(tmp_path):
 
 
 def test_missing_file_in_load_split_too(tmp_path, tok):
-    with pytest.raises(DataError, match="^dataset.train_path"):
+    with pytest.raises(ConfigError, match="^dataset.train_path"):
         load_split(DatasetConfig(train_path=str(tmp_path / "gone.parquet")), tok)
 
 
@@ -164,3 +164,89 @@ def test_builtin_splits(tok):
         assert [i["question"] for i in rows] == [i["question"] for i in train]
         held, _ = load_split(fixed, tok, "test", seed=run_seed)
         assert [i["question"] for i in held] == [i["question"] for i in test]
+
+
+CHAT = [{"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "What is 3+5?"}]
+
+
+def test_chat_prompts_keep_system_and_few_shot_turns(tmp_path, tok, caplog):
+    rows = [{"messages": CHAT, "answer": "#### 8"},
+            {"messages": CHAT[1:2], "answer": "4"},  # no system turn: dataset.system_prompt is added
+            {"messages": CHAT[:3], "answer": "4"},  # ends with the assistant: nothing to answer
+            {"messages": [], "answer": "1"},
+            {"messages": [{"role": "narrator", "content": "x"}], "answer": "1"},
+            {"messages": "a plain text prompt in the same column", "answer": "2"}]
+    path = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    cfg = DatasetConfig(train_path=path, prompt_field="messages", system_prompt="Be brief.")
+    with caplog.at_level("WARNING"):
+        items, report = load_split(cfg, tok)
+    assert report.skipped == {"chat not ending in a user turn in 'messages'": 1, "empty chat in 'messages'": 1,
+                              "malformed chat message in 'messages'": 1}
+    first, second, text = items
+    assert first["messages"] == CHAT  # its own system turn wins over dataset.system_prompt
+    assert first["prompt"] == tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert first["prompt"].count("<|im_start|>user") == 2 and "Be brief." not in first["prompt"]
+    assert first["question"] == "What is 3+5?" and first["answer"] == "8"
+    assert tok.decode(first["prompt_ids"]) == first["prompt"]
+    assert second["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert text["messages"][-1]["content"].startswith("a plain text prompt")
+    with pytest.raises(DataError, match="^dataset.prompt_field: .*holds chats"):
+        load_split(DatasetConfig(train_path=path, prompt_field="messages", use_chat_template=False), tok)
+
+
+def test_chats_from_parquet_and_the_legacy_dict_of_lists(tmp_path, tok):
+    import datasets
+
+    from areal_cli.data.datasets import as_chat
+
+    datasets.Dataset.from_list([{"messages": CHAT, "answer": "8"}]).to_parquet(str(tmp_path / "c.parquet"))
+    items, _ = load_split(DatasetConfig(train_path=str(tmp_path / "c.parquet"), prompt_field="messages"), tok)
+    assert items[0]["messages"] == CHAT
+    legacy = {"role": [m["role"] for m in CHAT], "content": [m["content"] for m in CHAT]}
+    assert as_chat(legacy) == CHAT
+    assert as_chat([{"role": "user", "content": "x", "name": None}]) == [{"role": "user", "content": "x"}]
+
+
+def test_test_fraction_holds_out_a_fixed_seeded_share(tmp_path, tok):
+    rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(40)]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DatasetConfig(train_path=path, test_fraction=0.25, eval_size=8)
+    train, _ = load_split(cfg, tok, "train", seed=1)
+    test, report = load_split(cfg, tok, "test", seed=1)
+    assert len(train) == 30 and report.kept == 10 and len(test) == 8  # eval_size caps the test items
+    full_test, _ = load_split(dataclasses.replace(cfg, eval_size=None), tok, "test", seed=1)
+    ids = {it["id"] for it in train} | {it["id"] for it in full_test}
+    assert len(ids) == 40 and all(i.startswith("row-") for i in ids)  # disjoint, every row once
+    assert {it["question"] for it in full_test} == {rows[int(i[4:])]["question"] for i in
+                                                     {it["id"] for it in full_test}}
+    again, _ = load_split(cfg, tok, "test", seed=1)
+    assert [it["id"] for it in again] == [it["id"] for it in test]
+    other, _ = load_split(dataclasses.replace(cfg, eval_size=None), tok, "test", seed=2)
+    assert {it["id"] for it in other} != {it["id"] for it in full_test}  # the run seed draws it...
+    fixed = dataclasses.replace(cfg, eval_size=None, seed=5)  # ...unless dataset.seed fixes it
+    assert ({it["id"] for it in load_split(fixed, tok, "test", seed=1)[0]}
+            == {it["id"] for it in load_split(fixed, tok, "test", seed=2)[0]})
+    with pytest.raises(DataError, match="^dataset.test_fraction"):
+        load_split(DatasetConfig(train_path=_write_jsonl(tmp_path / "one.jsonl", rows[:1]), test_fraction=0.5),
+                   tok, "test")
+
+
+def test_a_split_of_a_saved_datasetdict(tmp_path, tok):
+    import datasets
+
+    def ds(lo, hi):
+        return datasets.Dataset.from_list([{"question": f"q{i}", "answer": str(i)} for i in range(lo, hi)])
+
+    d = tmp_path / "dd"
+    datasets.DatasetDict({"validation": ds(0, 2), "train": ds(2, 7), "test": ds(7, 9)}).save_to_disk(str(d))
+    cfg = DatasetConfig(train_path=str(d), test_path=f"{d}:test")
+    train, _ = load_split(cfg, tok, "train")
+    test, _ = load_split(cfg, tok, "test")
+    assert [it["answer"] for it in train] == ["2", "3", "4", "5", "6"]  # no split named: train
+    assert [it["answer"] for it in test] == ["7", "8"]
+    val, _ = load_split(DatasetConfig(train_path=f"{d}:validation"), tok, "train")
+    assert [it["answer"] for it in val] == ["0", "1"]
+    with pytest.raises(ConfigError, match="has no split 'tset'"):
+        load_split(DatasetConfig(train_path=str(d), test_path=f"{d}:tset"), tok, "test")

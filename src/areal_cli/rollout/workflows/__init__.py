@@ -56,15 +56,52 @@ def is_import_path(name: str) -> bool:
 
 
 def check_workflow_config(name: str, kwargs: dict[str, Any]) -> None:
-    """Torch-free checks the validator runs: a registered name (or an import path, resolved in the
-    process that runs it), and no ``workflow.kwargs`` key that has its own config key."""
-    if not is_import_path(name):
-        WORKFLOWS.entry(name, "workflow.name")
-    clash = sorted(set(OFFERED) & set(kwargs or {}))
+    """Torch-free checks the validator runs: a registered name or an import path whose module and
+    attribute exist (read statically, :mod:`areal_cli.utils.static_import`), ``workflow.kwargs`` the
+    constructor takes and none that has its own config key, and the agent workflow's
+    ``workflow.kwargs.agent``. What the source cannot tell is left to the process that builds it."""
+    from areal_cli.utils.static_import import find_target
+
+    kwargs = dict(kwargs or {})
+    clash = sorted(set(OFFERED) & set(kwargs))
     if clash:
         raise ConfigError("workflow.kwargs", f"{clash} are set by their own config keys, not workflow.kwargs",
                           "use workflow.max_turns / workflow.turn_discount / workflow.feedback / "
                           "rollout.group_size / rollout.gconfig / workflow.reward instead")
+    target = name if is_import_path(name) else WORKFLOWS.entry(name, "workflow.name").target
+    found = find_target(target, "workflow.name") if isinstance(target, str) else target
+    _check_kwargs(name, found, kwargs)
+    if name == "agent":
+        _check_agent(kwargs.get("agent"))
+
+
+def _check_kwargs(name: str, found: Any, kwargs: dict[str, Any]) -> None:
+    from areal_cli.errors import did_you_mean
+    from areal_cli.utils.static_import import parameters
+
+    params = parameters(found)
+    if params is None or params[1]:
+        return
+    unknown = sorted(set(kwargs) - set(params[0]))
+    if unknown:
+        own = [p for p in params[0] if p not in OFFERED]
+        raise ConfigError("workflow.kwargs", f"workflow {name} does not accept the argument {unknown[0]!r}",
+                          f"{did_you_mean(unknown[0], own)}its arguments: {', '.join(own) or 'none'}")
+
+
+def _check_agent(agent: Any) -> None:
+    from areal_cli.utils.static_import import find_target, is_sync_function
+
+    path = "workflow.kwargs.agent"
+    if agent is None:
+        raise ConfigError(path, "workflow.name=agent runs an agent, and none is given",
+                          "set workflow.kwargs.agent=my_pkg.mod:my_agent (an async function)")
+    if not isinstance(agent, str) and not callable(agent):  # a callable: set from Python, not a config file
+        raise ConfigError(path, f"must be an import path, got {type(agent).__name__}",
+                          "set workflow.kwargs.agent=my_pkg.mod:my_agent (an async function)")
+    if is_sync_function(find_target(agent, path) if isinstance(agent, str) else agent):
+        raise ConfigError(path, f"{agent} is not an async function",
+                          "define `async def agent(client, data) -> reward` and name it module:function")
 
 
 def import_object(path: str, config_path: str = "workflow.name") -> Any:

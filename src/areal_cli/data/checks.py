@@ -1,0 +1,124 @@
+"""The ``dataset`` group's checks before launch: files, columns and knobs, read cheaply (no ``datasets``,
+no torch; :mod:`areal_cli.data.sources` peeks at the first rows or the schema).
+
+``validate-config`` (and ``areal train``, which validates before anything starts) calls
+:func:`check_dataset`; the launcher calls :func:`check_dataset_paths` again just before it starts
+processes. Each mistake is one line: a missing path, a field that is not a column (with the columns
+that exist and a did-you-mean), knobs that contradict each other (``ConfigError``); a file whose first
+rows cannot be read (``DataError``).
+
+Paths on remote launchers: ``slurm``, ``ray`` and ``skypilot`` read the data on the cluster nodes. A path
+that this machine cannot see is then a plan warning, not an error (it may exist only there); a path it
+can see is checked in full. ``launcher=local`` refuses a missing file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from areal_cli.data import builtin
+from areal_cli.data.sources import Columns, Source, check_source, parse_source, peek_columns
+from areal_cli.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:  # pragma: no cover
+    from areal_cli.config.dataset import DatasetConfig
+
+PROMPT_KINDS = ("text", "chat", "unknown")
+ANSWER_KINDS = ("text", "number", "unknown")
+
+
+def dataset_paths(cfg: DatasetConfig) -> list[tuple[str, str]]:
+    """``[(config key, path)]`` of the configured train and test paths."""
+    return [(key, getattr(cfg, key)) for key in ("train_path", "test_path") if getattr(cfg, key) is not None]
+
+
+def check_builtin(key: str, path: str) -> bool:
+    """True when ``path`` names a built-in task (an unknown one is a ConfigError)."""
+    task = builtin.parse_builtin_path(path)
+    if task is None:
+        return False
+    if task not in builtin.TASKS:
+        raise ConfigError(f"dataset.{key}", f"unknown built-in task {task!r}",
+                          f"{did_you_mean(task, builtin.TASKS)}use one of: "
+                          f"{', '.join('builtin:' + t for t in builtin.task_names())}")
+    return True
+
+
+def check_dataset_paths(cfg: DatasetConfig, remote: str | None = None) -> list[Source]:
+    """Raise for a missing or unreadable local dataset path or an unknown built-in task.
+
+    ``remote``: the launcher's name when it reads the data on other machines; a path not visible here
+    is then skipped (returned, so the caller can warn). Returns the skipped sources."""
+    unseen: list[Source] = []
+    for key, path in dataset_paths(cfg):
+        if check_builtin(key, path):
+            continue
+        src = parse_source(path, f"dataset.{key}")
+        if remote and not src.path.exists():
+            unseen.append(src)
+            continue
+        check_source(src)
+    return unseen
+
+
+def check_dataset(cfg: Any, plan: Any) -> None:
+    """The validate rule: knobs agree, files exist (or are remote), and their columns hold the fields."""
+    d = cfg.dataset
+    remote = cfg.launcher.name if cfg.launcher.name != "local" else None
+    check_knobs(d, plan)
+    unseen = set()
+    for src in check_dataset_paths(d, remote):
+        unseen.add(src.config_path)
+        plan.warnings.append(f"{src.config_path}: {src.text} is not visible on this machine; launcher={remote} "
+                             "reads it on the cluster nodes, so it must exist there (its columns were not checked)")
+    splits: list[str] = []
+    for key, path in dataset_paths(d):
+        if builtin.parse_builtin_path(path) is not None or f"dataset.{key}" in unseen:
+            continue
+        cols = peek_columns(parse_source(path, f"dataset.{key}"))
+        check_columns(d, cols, path)
+        if key == "train_path":
+            splits = cols.splits
+    if builtin.parse_builtin_path(d.train_path) is None and d.test_path is None and not d.test_fraction:
+        hint = f" (it has a 'test' split: dataset.test_path={d.train_path}:test)" if "test" in splits else ""
+        plan.warnings.append("dataset: no held-out evaluation, since dataset.test_path is unset for local data"
+                             f"{hint} — set dataset.test_path, or dataset.test_fraction to hold out a share of "
+                             "the train file")
+
+
+def check_knobs(d: DatasetConfig, plan: Any) -> None:
+    local = builtin.parse_builtin_path(d.train_path) is None
+    if d.test_fraction and d.test_path is not None:
+        raise ConfigError("dataset.test_fraction", f"{d.test_fraction} holds out part of the train file, but "
+                          f"dataset.test_path={d.test_path} names the test data too",
+                          "keep one: unset dataset.test_path, or set dataset.test_fraction=0")
+    if d.test_fraction and not local:
+        raise ConfigError("dataset.test_fraction", "applies to local data; the built-in task generates its own "
+                          "test split", "set dataset.test_size instead, or dataset.test_fraction=0")
+    if local:
+        defaults = {f.name: f.default for f in dataclasses.fields(d)}
+        for name in ("train_size", "test_size"):
+            if getattr(d, name) != defaults[name]:
+                plan.warnings.append(f"dataset.{name}={getattr(d, name)} has no effect: only the built-in task "
+                                     "reads it (local data uses every usable row; dataset.eval_size caps the test "
+                                     "items)")
+
+
+def check_columns(d: DatasetConfig, cols: Columns, path: str) -> None:
+    """``prompt_field`` and ``answer_field`` are columns of ``cols`` holding a usable kind of value."""
+    for key, want, kinds, what in (
+            ("prompt_field", d.prompt_field, PROMPT_KINDS, "text or a chat (a list of {role, content} messages)"),
+            ("answer_field", d.answer_field, ANSWER_KINDS, "text or a number")):
+        if want not in cols.names:
+            raise ConfigError(f"dataset.{key}", f"{want!r} is not a column of {path} (columns: "
+                              f"{', '.join(cols.names) or 'none'}; read from {cols.where})",
+                              f"{did_you_mean(want, cols.names)}set dataset.{key} to one of its columns")
+        kind = cols.kind(want)
+        if kind not in kinds:
+            raise ConfigError(f"dataset.{key}", f"column {want!r} of {path} holds {kind} values, not {what}",
+                              f"set dataset.{key} to the column holding the {key.split('_')[0]}")
+    if cols.kind(d.prompt_field) == "chat" and not d.use_chat_template:
+        raise ConfigError("dataset.use_chat_template", f"is false, but dataset.prompt_field={d.prompt_field} holds "
+                          "chats, which only a chat template can render",
+                          "set dataset.use_chat_template=true, or point dataset.prompt_field at a text column")
