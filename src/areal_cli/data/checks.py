@@ -64,14 +64,16 @@ def check_dataset_paths(cfg: DatasetConfig, remote: str | None = None) -> list[S
 
 def check_dataset(cfg: Any, plan: Any) -> None:
     """The validate rule: knobs agree, files exist (or are remote), and their columns hold the fields."""
+    from areal_cli.config.where import runs_here, where_it_runs
+
     d = cfg.dataset
-    remote = cfg.launcher.name if cfg.launcher.name != "local" else None
+    remote = None if runs_here(cfg) else where_it_runs(cfg)
     check_knobs(d, plan)
     unseen = set()
     for src in check_dataset_paths(d, remote):
         unseen.add(src.config_path)
-        plan.warnings.append(f"{src.config_path}: {src.text} is not visible on this machine; launcher={remote} "
-                             "reads it on the cluster nodes, so it must exist there (its columns were not checked)")
+        plan.warnings.append(f"{src.config_path}: {src.text} is not visible on this machine; {remote}: it must "
+                             "exist there (its columns were not checked)")
     splits: list[str] = []
     for key, path in dataset_paths(d):
         if builtin.parse_builtin_path(path) is not None or f"dataset.{key}" in unseen:
