@@ -23,6 +23,7 @@ from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec,
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
 from areal_cli.config.lora_rules import check_lora
+from areal_cli.config.packages import check_packages
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.rollout import DISK_ONLY_BACKENDS
 from areal_cli.config.schema import ExperimentConfig
@@ -302,6 +303,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     validate_group_size(cfg.algo, cfg.rollout.group_size)
     for rule in EXTRA_RULES:
         rule(cfg, plan)
+    check_packages(cfg, plan)  # last: a config mistake is named before a missing package (config/packages.py)
     return plan
 
 

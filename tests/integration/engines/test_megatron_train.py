@@ -22,13 +22,14 @@ needs_mcore = pytest.mark.skipif(compat.installed_version() != compat.SUPPORTED_
 
 
 def _train(*args: str, timeout: float = 1500, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *args], capture_output=True,
-                          text=True, env=env or _env(), timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *args], check=False,
+                          capture_output=True, text=True, env=env or _env(), timeout=timeout)
 
 
 def test_users_example_with_sglang_passes_dry_run():
+    # a GPU cluster's plan (two nodes): sglang is needed on its nodes, not here, so this machine may lack it
     res = _train("algo=grpo", "engine=megatron", "allocation_mode=sglang.d4+megatron.d2t2p2",
-                 "cluster.n_gpus_per_node=12", "--dry-run", "--json", timeout=120)
+                 "cluster=gpu_2x8", "--dry-run", "--json", timeout=120)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     import json
 

