@@ -17,9 +17,9 @@ named by import path is not checked here: it is imported by name where it runs (
 imports an engine class named that way).
 
 Refuse or warn. A missing package refuses (:class:`ConfigError`: the config path, the reason with this
-Python's path, the fix) only when the plan runs *here*: ``launcher.name=local`` on one node
-(``cluster.n_nodes=1``) with a ``cluster.device`` this machine has (cpu always; cuda when an NVIDIA driver
-is loaded). Then every process of the run starts from this Python, so ``areal validate-config``,
+Python's path, the fix) only when the plan runs *here*: ``launcher.name=local`` with a ``cluster.device``
+this machine has (cpu always; cuda when an NVIDIA driver is loaded: :mod:`areal_cli.config.where`), on one
+node (``cluster.n_nodes=1``). Then every process of the run starts from this Python, so ``areal validate-config``,
 ``areal train --dry-run`` and ``areal train`` refuse alike, before any server starts. Any other plan is
 made here and run elsewhere (a SLURM/Ray/SkyPilot cluster, several nodes, a GPU plan drafted on a laptop):
 the packages are needed on the nodes, not here, so each missing one becomes a plan warning and validation
@@ -114,20 +114,12 @@ def findable_in(python: str, module: str) -> bool:
         return False
 
 
-def has_nvidia_gpu() -> bool:
-    """An NVIDIA driver is loaded on this machine (what a cuda plan needs to run here); torch-free."""
-    if os.path.exists("/proc/driver/nvidia/version"):
-        return True
-    try:
-        return any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))
-    except OSError:
-        return False
-
-
 def runs_here(cfg: Any) -> bool:
-    """Every process of the plan starts from this Python: local launcher, one node, a device this machine has."""
-    return (cfg.launcher.name == "local" and int(cfg.cluster.n_nodes) == 1
-            and (cfg.cluster.device == "cpu" or has_nvidia_gpu()))
+    """Every process of the plan starts from this Python: config/where.py's rule (local launcher, a device this
+    machine has), on one node: a multi-node plan's other hosts have environments of their own."""
+    from areal_cli.config.where import runs_here as launches_here
+
+    return launches_here(cfg) and int(cfg.cluster.n_nodes) == 1
 
 
 def _skypilot_present() -> bool:

@@ -89,7 +89,9 @@ def test_a_plan_for_a_cluster_only_warns(hide, where):
 
 
 def test_a_gpu_plan_drafted_on_a_machine_without_a_gpu_only_warns(hide):
-    if packages.has_nvidia_gpu():
+    from areal_cli.config.where import has_cuda_driver
+
+    if has_cuda_driver():
         pytest.skip("this machine has an NVIDIA GPU: a one-node cuda plan runs here")
     hide("sglang")
     plan = validate(load_config(["cluster=gpu_1x8", "allocation_mode=sglang:d4+fsdp:d4"]))
