@@ -70,10 +70,34 @@ urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=15)
 PY
 }
 
+# the wheel pip itself would take for torch==$TORCH (the machine's pip config may point at local wheel dirs or
+# indexes other than /opt/wheels), when that is a file on this disk: a machine's own provided wheel is its CPU
+# build, and taking it downloads nothing; anything remote (PyPI's CUDA build) is refused here
+pip_local_wheel() {
+  local report
+  report=$(mktemp)
+  $PIP install -q --dry-run --no-deps --ignore-installed --report "$report" "torch==$TORCH" >/dev/null 2>&1 || { rm -f "$report"; return 1; }
+  python - "$report" <<'PY'
+import json, sys, urllib.parse
+items = json.load(open(sys.argv[1])).get("install", [])
+url = items[0]["download_info"]["url"] if items else ""
+if not url.startswith("file://"):
+    sys.exit(1)
+print(urllib.parse.unquote(url[len("file://"):]))
+PY
+  local rc=$?
+  rm -f "$report"
+  return $rc
+}
+
 install_cpu_torch() {
-  local dir index
+  local dir index wheel
   if dir=$(local_cpu_wheel_dir); then
     $PIP install -q --find-links "$dir" "torch==$TORCH+cpu"
+    return
+  fi
+  if wheel=$(pip_local_wheel); then
+    $PIP install -q "$wheel"
     return
   fi
   index="${AREAL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
