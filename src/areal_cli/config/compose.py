@@ -147,14 +147,20 @@ def prepare(overrides: list[str]) -> Prepared:
 
 
 def _choose_recipe(prep: Prepared) -> None:
-    """No experiment named: the toy keeps the primary config's cpu_default, a real model gets real_model."""
-    from areal_cli.config.recipe import choose_experiment, recipe_note
+    """``model.path=<hub id>`` of a preset picks that preset (its facts, offline); then, with no experiment
+    named, the toy keeps the primary config's cpu_default and a real model gets real_model."""
+    from areal_cli.config.recipe import choose_experiment, preset_for_path, recipe_note
 
     values = {}
     for ov in prep.hydra_overrides:
         _, key, value = split_override(ov)
         if value is not None and key not in GROUPS:
             values[key] = value
+    if "model" not in prep.choices and "model.path" in values:
+        preset = preset_for_path(values["model.path"])
+        if preset is not None:
+            prep.choices["model"] = preset
+            prep.hydra_overrides.insert(0, f"model={preset}")
     added = choose_experiment(prep.choices, values, default_model=primary_default("model") or "tiny")
     prep.hydra_overrides.extend(added)
     prep.recipe_note = recipe_note(added, explicit=not added)

@@ -39,6 +39,36 @@ def _model_path_of_option(option: str) -> str:
     return str(data.get("path", "")) if isinstance(data, dict) else ""
 
 
+def preset_for_path(path: str) -> str | None:
+    """The model preset whose ``path`` is this hub id (``Qwen/Qwen2.5-7B-Instruct`` → ``qwen2_5_7b``), or None."""
+    from areal_cli.config.groups import group_options
+
+    want = path.strip().strip("'\"").lower()
+    for option in group_options()["model"]:
+        if _model_path_of_option(option).lower() == want:
+            return option
+    return None
+
+
+def check_model_facts(cfg: ExperimentConfig) -> None:
+    """Refuse a plan whose architecture facts belong to the toy while ``model.path`` is a real hub model.
+
+    That happens for ``model.path=<hub id>`` with no matching preset, before the snapshot is in the cache:
+    the tiny preset's heads, layers and positions would stand in for the real model's, and every check and
+    estimate after this one would be about the wrong model. ``areal train`` fetches first, so it never sees it.
+    """
+    from areal_cli.errors import ConfigError
+    from areal_cli.models.hub import download_command, is_hub_id
+
+    path = cfg.model.path
+    if not is_hub_id(path) or not _model_path_of_option(cfg.model.name).startswith("builtin:"):
+        return
+    raise ConfigError("model.path", f"the architecture of {path} is unknown here: it is not in the Hugging Face "
+                      "cache and no model preset names it, so validation would check the tiny model's facts",
+                      f"fetch it once ({download_command(path)}; validate then reads its config.json from the "
+                      "cache), or add model=<preset> of the same architecture")
+
+
 def _run_name(text: str) -> str:
     """A run-dir-safe experiment name from a model option or path (``/m/Qwen2.5-7B`` → ``Qwen2.5-7B``)."""
     base = os.path.basename(os.path.normpath(text)) if "/" in text and not text.startswith(".") else text

@@ -25,6 +25,7 @@ from areal_cli.config.algo import validate_algo_config, validate_group_size
 from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.packages import check_packages
 from areal_cli.config.ranges import check_ranges
+from areal_cli.config.recipe import check_model_facts
 from areal_cli.config.rollout import DISK_ONLY_BACKENDS
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.checks import check_dataset
@@ -255,6 +256,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     load_plugins(cfg.plugins)  # first: plugins add the names the rules below accept
     check_ranges(cfg)  # every numeric knob of every group, against the range declared next to it
     _check_engine_sections(cfg)
+    check_model_facts(cfg)  # before any rule reads the architecture (config/recipe.py)
     _check_scalars(cfg)
     spec = _resolved_spec(cfg)
     checker = _SpecChecker(spec, cfg)
