@@ -44,6 +44,12 @@ class ConfigError(ArealError):
             msg += f" — fix: {self.hint}"
         return msg
 
+    def __reduce__(self):
+        # Exceptions pickle as cls(*args), and args is the one line: rebuild from the fields instead, so the
+        # error crosses process boundaries (the rollout worker's pipe, Ray) as itself, not as an internal error.
+        return (_config_error, (type(self), self.path, self.reason, self.hint, self.text, self.column),
+                dict(self.__dict__))
+
     def caret_lines(self) -> list[str]:
         """Two lines showing the offending value with a caret under the bad character, or []."""
         if self.text is None or self.column is None:
@@ -53,6 +59,14 @@ class ConfigError(ArealError):
     def to_dict(self) -> dict:
         return {"path": self.path, "reason": self.reason, "hint": self.hint,
                 "text": self.text, "column": self.column}
+
+
+def _config_error(cls, path, reason, hint, text, column):
+    # ConfigError's own __init__ on an instance of the subclass: subclasses take other arguments
+    # (UnsupportedModelError(reason)), and their extra fields come back from the pickled __dict__.
+    err = Exception.__new__(cls)
+    ConfigError.__init__(err, path, reason, hint, text=text, column=column)
+    return err
 
 
 class UsageError(ArealError):

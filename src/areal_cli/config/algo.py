@@ -89,6 +89,9 @@ class AlgoConfig:
     kl_clamp: float = ranged(KL_CLAMP, ge=0.0, le=1e6, why="0 disables the clamp")
     # --- DAPO ---
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    # stop the run once this many batches' worth of groups in a row were dropped (verl's max_num_gen_batches);
+    # 0 keeps sampling for ever
+    dynamic_sampling_patience: int = ranged(10, ge=0, why="0 never stops")
     # tokens; 0 → use overlong_buffer_ratio
     overlong_buffer_len: int = ranged(0, ge=0, why="0 disables the overlong penalty (with ratio 0)")
     # fraction of max_new_tokens; 0 with len 0 disables

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
-from areal_cli.errors import ConfigError, DataError
+from areal_cli.errors import ArealError, ConfigError, DataError
 from areal_cli.rollout.staleness import StalenessManager, VersionCounter, VersionProvider
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,7 +102,7 @@ class RolloutExecutor:
     def __init__(self, engine: "InferenceEngine", workflow: RolloutWorkflow, *, batch_size: int,
                  max_concurrent: int, max_head_offpolicyness: int, queue_size: int | None = None,
                  should_accept: ShouldAccept | None = None, version_provider: VersionProvider | None = None,
-                 pad_token_id: int = 0, poll_interval_s: float = 0.05):
+                 pad_token_id: int = 0, poll_interval_s: float = 0.05, reject_patience: int = 0):
         if not hasattr(workflow, "arun_episode"):
             raise ConfigError("workflow.name", f"{type(workflow).__name__} has no arun_episode(engine, data)",
                               "subclass areal_cli.api.workflow_api.RolloutWorkflow")
@@ -115,6 +115,10 @@ class RolloutExecutor:
         self.batch_size = int(batch_size)
         self.queue_size = int(queue_size)
         self.should_accept = should_accept
+        # Episodes ``should_accept`` may turn down in a row before the run stops (0: never). Without it a
+        # filter that rejects everything (DAPO's on data the model always or never solves) waits for ever.
+        self.reject_patience = int(reject_patience)
+        self._rejects_in_row = 0
         self.pad_token_id = int(pad_token_id)
         if version_provider is None:
             version_provider = VersionCounter(_initial_version(engine))
@@ -222,6 +226,15 @@ class RolloutExecutor:
             self._running.pop(seq, None)
             if accept:
                 self._ready.append(_Done(seq, version, traj, time.monotonic()))
+                self._rejects_in_row = 0
+            elif traj is not None:
+                self._rejects_in_row += 1
+                if self.reject_patience and self._rejects_in_row >= self.reject_patience and self._error is None:
+                    self._error = ConfigError(
+                        "algo.dynamic_sampling", f"{self._rejects_in_row} groups in a row got one reward for every "
+                        "sample (all right or all wrong), so none can train and the batch never fills",
+                        "use data of a difficulty the model sometimes solves, a larger rollout.group_size, or "
+                        "algo.dynamic_sampling_patience=0 to keep sampling regardless")
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()
@@ -446,6 +459,8 @@ class RolloutExecutor:
             raise RuntimeError("rollout executor is not running (destroyed)")
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, ArealError):  # the user's to fix: their one line, not an episode crash
+            raise self._error
         if self._error is not None:
             raise RolloutError(f"a rollout episode failed: {type(self._error).__name__}: {self._error}") \
                 from self._error

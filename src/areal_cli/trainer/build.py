@@ -215,4 +215,6 @@ def build_executor(cfg: Any, client: Any, workflow: Any, batch_size: int) -> Any
                            max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                            queue_size=cfg.rollout.queue_size,
                            # DAPO dynamic sampling: all-equal-reward groups are rejected (free capacity)
-                           should_accept=has_reward_variance if cfg.algo.dynamic_sampling else None)
+                           should_accept=has_reward_variance if cfg.algo.dynamic_sampling else None,
+                           reject_patience=cfg.algo.dynamic_sampling_patience * batch_size
+                           if cfg.algo.dynamic_sampling else 0)

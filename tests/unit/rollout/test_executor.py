@@ -368,3 +368,23 @@ def test_has_reward_variance_per_group():
     assert not has_reward_variance(traj([1.0]))
     assert has_reward_variance(traj([0.0, 1.0, 1.0, 0.0], [7, 7, 8, 8]))
     assert not has_reward_variance(traj([0.0, 1.0, 1.0, 1.0], [7, 7, 8, 8]))  # group 8 is flat
+
+
+def test_dynamic_sampling_stops_in_one_line_when_every_group_is_flat(make_executor):
+    """A filter that turns down everything (data the model always or never solves) would wait for ever:
+    after ``reject_patience`` rejections in a row the trainer gets the user's one-line error."""
+    ex, _ = make_executor(batch_size=2, max_concurrent=4, max_head_offpolicyness=0,
+                          should_accept=has_reward_variance, reject_patience=6)
+    flat = [item(i, 2, rewards=[1.0, 1.0], gid=i) for i in range(40)]
+    with pytest.raises(ConfigError, match="algo.dynamic_sampling: 6 groups in a row got one reward"):
+        ex.prepare_batch(flat, timeout=30)
+    assert ex.get_stats()["rollout/rejected"] >= 6
+
+
+def test_dynamic_sampling_patience_counts_rejections_in_a_row_only(make_executor):
+    ex, _ = make_executor(batch_size=2, max_concurrent=1, max_head_offpolicyness=0,
+                          should_accept=has_reward_variance, reject_patience=3)
+    # two flat groups, then one that trains, repeated: never three flat ones in a row
+    data = [item(i, 2, rewards=[1.0, 0.0] if i % 3 == 2 else [0.0, 0.0], gid=i) for i in range(30)]
+    batch = ex.prepare_batch(data, timeout=30)
+    assert len(batch) == 4 and all(i % 3 == 2 for i in batch.meta["item"])
