@@ -15,6 +15,11 @@ def did_you_mean(word: str, options) -> str:
     return f"did you mean '{match[0]}'? " if match else ""
 
 
+# A process of the run (a trainer rank) that dies of an ArealError prints it on one line behind this prefix;
+# the launcher shows that line alone instead of the log's traceback (launchers/local.py:user_error_in).
+USER_ERROR_PREFIX = "areal user error: "
+
+
 class ArealError(Exception):
     """Base of all errors that are the user's to fix. ``str()`` is the one line the CLI prints."""
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from areal_cli.errors import ArealError, LaunchError
+from areal_cli.errors import USER_ERROR_PREFIX, ArealError, LaunchError
 from areal_cli.launchers.base import (
     MODEL_PATH_ENV,
     JobLayout,
@@ -252,6 +252,9 @@ class NodeRunner:
                 culprit, tail = killed, killed_tail
         if culprit is None:
             culprit, tail = "trainer (torchrun)", self.trainer.tail(40)
+        user = user_error_in(tail)
+        if user is not None:  # the user's own mistake, raised inside the rank: their line, not the traceback
+            return LaunchError(f"{user} (raised in {culprit}; everything was stopped)")
         return LaunchError(f"{culprit} failed ({describe_exit(code)}); everything was stopped. "
                            f"Last log lines:\n{tail}")
 
@@ -348,6 +351,15 @@ class NodeRunner:
     def _died_msg(self, proc: ManagedProcess, what: str, hint: str = "") -> str:
         msg = f"{what} {proc.name} died ({describe_exit(proc.poll())}). Log {proc.log_path}:\n{proc.tail(30)}"
         return msg + (f"\nhint: {hint}" if hint else "")
+
+
+def user_error_in(tail: str) -> str | None:
+    """The last user error (ArealError) a trainer rank printed in ``tail``, or None."""
+    found = None
+    for line in tail.splitlines():
+        if line.startswith(USER_ERROR_PREFIX):
+            found = line[len(USER_ERROR_PREFIX):].strip()
+    return found or None
 
 
 def _find_failed_rank(run_dir: str) -> tuple[str | None, str]:

@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, SystemExit) and not e.code:
             raise
         traceback.print_exc()
-        from areal_cli.errors import ArealError
+        from areal_cli.errors import USER_ERROR_PREFIX, ArealError
 
-        if isinstance(e, ArealError):
-            print(f"Error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, ArealError):  # the launcher shows this line alone (launchers/local.py)
+            print(f"{USER_ERROR_PREFIX}{str(e).replace(chr(10), ' ')}", file=sys.stderr, flush=True)
         return 1
 
 

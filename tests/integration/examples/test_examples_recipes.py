@@ -8,7 +8,7 @@ override cannot silently replace it. The launchers are checked with `--dry-run` 
     python -m pytest -q -p no:cacheprovider -m examples tests/integration/examples
 
 The random tiny model never answers the arithmetic right, so every numeric reward would be 0: nothing would
-train, and DAPO's dynamic sampling would drop every group and wait forever. The runs therefore use a reward
+train, and DAPO's dynamic sampling would drop every group (until its patience runs out: the last test). The runs therefore use a reward
 that varies with the completion (`examples_smoke_reward.varied_reward`, written next to the run); the
 recipes' own reward (`numeric`) is covered by the unit tests of the reward and the default-suite runs."""
 
@@ -123,6 +123,20 @@ def test_recipe_smoke_run(smoke, tmp_path, tiny_model_dir, moe_model):
         assert (run_dir / "sft_warmup" / "done.json").is_file()
     if smoke.experiment == "dapo":  # every accepted group had two distinct rewards
         assert all(r["train/adv_abs_mean"] > 0 for r in train)
+
+
+def test_dapo_on_data_the_model_never_solves_stops_in_one_line(tmp_path, tiny_model_dir):
+    """The recipe's own numeric reward on the random tiny model: every group is flat, so dynamic sampling
+    could never fill a batch. The run must stop with the one-line error (raised in the rollout worker,
+    crossing to the trainer and the CLI as itself), not hang and not print a traceback."""
+    over = smoke_overrides(tmp_path / "fileroot", tiny_model_dir, **{"algo.batch_size": 8,
+                                                                    "algo.dynamic_sampling_patience": 1})
+    p = _run(["experiment=dapo", *over], tmp_path, timeout=600)
+    assert p.returncode == 1, (p.stdout + p.stderr)[-3000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "algo.dynamic_sampling: " in errors[0] and "groups in a row" in errors[0], \
+        p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
 
 
 # --------------------------------------------------------------------------- launchers, dry run only
