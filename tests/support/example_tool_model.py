@@ -30,12 +30,13 @@ def calculator_shapes() -> list[tuple[str, dict]]:
     from agents.models.chatcmpl_converter import Converter
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
-    for d in ("agents_sdk_tool", "langchain_proxy"):
-        if str(EXAMPLES / d) not in sys.path:
-            sys.path.insert(0, str(EXAMPLES / d))
-    import calc_agent
-    import lc_agent
-
+    dirs = [str(EXAMPLES / "agents_sdk_tool"), str(EXAMPLES / "langchain_proxy")]
+    sys.path[:0] = dirs
+    try:
+        import calc_agent
+        import lc_agent
+    finally:
+        del sys.path[:len(dirs)]
     return [(calc_agent.INSTRUCTIONS, Converter.tool_to_openai(calc_agent.calculator)),
             (lc_agent.SYSTEM, convert_to_openai_tool(lc_agent.calculator))]
 

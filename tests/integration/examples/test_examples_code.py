@@ -16,6 +16,7 @@ because the random one never writes a tool call. The wall time of each run is pr
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -80,16 +81,21 @@ def test_multi_turn_math(tmp_path, tiny_model_dir):
     assert all(r["reward/accuracy"] == 0.0 for r in train), train
 
 
+def _constant(path, name: str):
+    """A module-level constant of an example, read without importing it (the import would register the
+    example's reward in this test process too)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} defines no {name}")
+
+
 def test_custom_reward(tmp_path, tiny_model_dir):
-    sys.path.insert(0, str(EXAMPLES / "custom_reward"))
-    try:
-        from my_reward import LENGTH_PENALTY
-    finally:
-        sys.path.remove(str(EXAMPLES / "custom_reward"))
+    length_penalty = _constant(EXAMPLES / "custom_reward" / "my_reward.py", "LENGTH_PENALTY")
     records = train_example(tmp_path, "custom_reward", tiny_model_dir)
     # never right, never formatted: the length cost alone, which the built-in rewards (>= 0) cannot give
     for r in _train(records):
-        assert -LENGTH_PENALTY - 1e-6 <= r["reward/mean"] < 0, r  # float32 rewards
+        assert -length_penalty - 1e-6 <= r["reward/mean"] < 0, r  # float32 rewards
     assert all(r["eval/reward_mean"] < 0 for r in records if r["kind"] == "eval"), records
 
 

@@ -46,18 +46,23 @@ def readme_command(name: str) -> list[str]:
     text = (EXAMPLES / name / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", text, re.DOTALL)
     assert block, f"{name}/README.md has no ```bash block"
-    lines = [ln.split("#")[0].strip() for ln in block.group(1).splitlines()]
+    lines = [re.split(r"\s#", ln)[0].strip() for ln in block.group(1).splitlines()]  # drop shell comments
     train = [ln for ln in lines if ln.startswith("areal train")]
     assert len(train) == 1, f"{name}/README.md: the first bash block needs exactly one `areal train` line"
     return shlex.split(train[0])[2:]
 
 
-def _areal(*args: str) -> subprocess.CompletedProcess:
+def _areal(*args: str) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "COLUMNS": "200"}
     for k in ("AREAL_PLUGINS", "AREAL_CONFIG_DIR"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=300, check=False)
+    return subprocess.Popen([sys.executable, "-c", PROBE, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+
+
+def _wait(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
 
 
 def _get(cfg: dict, dotted: str):
@@ -75,21 +80,22 @@ def test_every_code_example_is_covered():
 def test_readme_command_is_valid_at_its_real_shape(name):
     args = readme_command(name)
     assert ["--config-dir", f"examples/{name}"] == args[:2] and f"experiment={name}" in args, args
-    p = _areal("validate-config", "--json", *args)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    plan = json.loads(p.stdout)
+    job = _areal("train", "--cfg", "job", *args)  # the composed config, in parallel with the validation
+    rc, out, err = _wait(_areal("validate-config", "--json", *args))
+    assert rc == 0, out[-3000:] + err[-3000:]
+    plan = json.loads(out)
     assert plan["valid"] and plan["cluster"]["device"] == "cuda", plan["cluster"]
     assert plan["cluster"]["n_devices_per_node"] * plan["cluster"]["n_nodes"] == plan["n_devices_used"]
     assert not [w for w in plan["warnings"] if "toy-sized" in w], plan["warnings"]
-    imported = json.loads(p.stderr.split("PLUGINS=")[-1].splitlines()[0])
+    imported = json.loads(err.split("PLUGINS=")[-1].splitlines()[0])
     want = EXPECTED[name]
     assert sorted(imported) == sorted(want["plugins"]), imported
     for mod, path in imported.items():  # imported at validate time, from the example's folder
         assert path == str(EXAMPLES / name / f"{mod}.py"), (mod, path)
 
-    job = _areal("train", "--cfg", "job", *args)
-    assert job.returncode == 0, job.stderr[-3000:]
-    cfg = yaml.safe_load(job.stdout)
+    rc, out, err = _wait(job)
+    assert rc == 0, err[-3000:]
+    cfg = yaml.safe_load(out)
     assert cfg["experiment_name"] == name
     for key, value in want.items():
         assert _get(cfg, key) == value, (key, _get(cfg, key))
