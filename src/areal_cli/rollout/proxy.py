@@ -12,7 +12,7 @@ and uses any OpenAI client unchanged.
 | ``POST /v1/chat/completions``, ``GET /v1/models`` | session | the in-process client's (SSE: ``stream``) |
 | ``POST /rl/set_reward`` ``{interaction_id?, reward}`` | session | no id: the last call; 400 empty/unknown |
 | ``POST /rl/end_session`` | session | no more calls; 410 if already ended |
-| ``POST /rl/export`` ``{session_id, style, turn_discount?}`` | admin | 409 before end; rows once, then 404 |
+| ``POST /rl/export`` ``{session_id, style, turn_discount?}`` | admin | 409 before end; rows (+ ``tool_calls``) once, then 404 |
 
 A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
 endpoint, is 403. A key only ever reaches its own session (the key *is* the session's identity).
@@ -184,6 +184,9 @@ class AgentProxy:
             if b.get("turn_discount") is not None:
                 s.client.apply_reward_discount(float(b["turn_discount"]))
             rows = s.client.export_interactions(b.get("style", "per_call"))
+            calls = sum(len(it.output_message.get("tool_calls") or []) for it in s.client.cache)
+            for row in rows:  # the session's tool use on each of its rows, as the agent workflow does
+                row["tool_calls"] = calls
             self._drop(s)
             return {"session_id": s.id, "rows": rows}
 

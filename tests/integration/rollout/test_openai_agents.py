@@ -393,6 +393,7 @@ def test_real_openai_client_through_proxy(proxy, tool_server):
     httpx.post(f"http://{proxy.address}/rl/end_session", headers=hdr)
     rows = _admin(proxy, "/rl/export", session_id=sid, style="per_leaf").json()["rows"]
     assert len(rows) == 1 and len(rows[0]["ids"]) == 2 and rows[0]["reward"] == 1.0
+    assert rows[0]["tool_calls"] == 1
     _export_rows_match_server(tool_server, rows)
 
 
@@ -533,6 +534,7 @@ def test_proxy_workflow_runs_an_external_agent(tool_server, tok, monkeypatch):
         d = traj.data
         assert len(traj) == 2 and len(set(d["group_id"].tolist())) == 1  # one per_leaf row per episode
         assert d["rewards"].tolist()[0] in (0.5, 1.0)
+        assert d["agent_tool_calls"].tolist() == [1, 1]  # the tool model calls add once per episode
         assert (d["loss_mask"].float().diff(dim=1).abs().sum(1) >= 3).all()  # two trained turns per row
         bad = ProxyAgentWorkflow([sys.executable, "-c", "import sys; sys.exit(3)"], tok, group_size=1)
         try:
