@@ -21,7 +21,7 @@ def smoke_overrides(fileroot: Path, model_dir: str, *, model: str = "tiny", **ex
         "dataset.test_size": 4, "dataset.max_prompt_len": 256,
         "trainer.total_steps": 2, "trainer.eval_every": 0, "trainer.save_every": 0,
         "trainer.recover_every": 0, "trainer.total_epochs": "null",
-        "algo.batch_size": 2, "rollout.group_size": 2, "rollout.gconfig.max_new_tokens": 8,
+        "algo.batch_size": 2, "rollout.group_size": 2, "rollout.gconfig.max_new_tokens": 8, "rollout.eval_gconfig.max_new_tokens": 8,
         "rollout.max_concurrent_rollouts": 8, "rollout.weight_update_dtype": "float32",
         "stats.live": "false", "stats.wandb": "false",
     }

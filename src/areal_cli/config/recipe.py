@@ -124,6 +124,7 @@ def toy_value_warnings(cfg: ExperimentConfig, explicit_keys: set[str]) -> list[s
         "experiment_name": cfg.experiment_name == TOY_EXPERIMENT,
         "engine.dtype": cfg.cluster.device == "cuda" and cfg.engine.dtype == "float32",
         "rollout.gconfig.max_new_tokens": cfg.algo.name != "sft" and cfg.rollout.gconfig.max_new_tokens <= 64,
+        "rollout.eval_gconfig.max_new_tokens": cfg.rollout.eval_gconfig.max_new_tokens <= 64,
         "trainer.sft_warmup_steps": cfg.trainer.sft_warmup_steps > 0 and cfg.trainer.sft_lr > 1e-4,
         "algo.optim.lr": cfg.algo.optim.lr > lr_cap,
     }
@@ -131,6 +132,7 @@ def toy_value_warnings(cfg: ExperimentConfig, explicit_keys: set[str]) -> list[s
         "experiment_name": cfg.experiment_name,
         "engine.dtype": cfg.engine.dtype,
         "rollout.gconfig.max_new_tokens": cfg.rollout.gconfig.max_new_tokens,
+        "rollout.eval_gconfig.max_new_tokens": cfg.rollout.eval_gconfig.max_new_tokens,
         "trainer.sft_warmup_steps": f"{cfg.trainer.sft_warmup_steps} (trainer.sft_lr={cfg.trainer.sft_lr:g})",
         "algo.optim.lr": f"{cfg.algo.optim.lr:g}",
     }

@@ -74,7 +74,8 @@ def test_toy_values_on_a_real_model_warn_in_one_line():
 
 def test_values_given_explicitly_are_the_users():
     _, plan = compose_and_validate(["experiment=cpu_default", *FOOTGUN, "engine.dtype=float32",
-                                    "rollout.gconfig.max_new_tokens=16", "trainer.sft_warmup_steps=600",
+                                    "rollout.gconfig.max_new_tokens=16", "rollout.eval_gconfig.max_new_tokens=32",
+                                    "trainer.sft_warmup_steps=600",
                                     "algo.optim.lr=2e-4", "experiment_name=cpu_default"])
     assert not any("toy-sized" in w for w in plan.warnings)
     # a toy model never warns, whatever its values
@@ -126,7 +127,8 @@ def test_config_dir_refuses_a_clash_and_a_flat_layout(user_dir, tmp_path):
 
 def test_config_dir_on_the_command_line(user_dir, tmp_path):
     env = {**os.environ, "NO_COLOR": "1"}
-    env.pop(CONFIG_DIR_ENV, None)
+    for leaked in (CONFIG_DIR_ENV, "AREAL_PLUGINS"):  # what in-process tests before this one exported
+        env.pop(leaked, None)
     out = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "validate-config", "--json",
                           "--config-dir", str(user_dir), "experiment=my_run"],
                          capture_output=True, text=True, env=env, timeout=120)
