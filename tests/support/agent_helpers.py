@@ -79,10 +79,9 @@ def make_tool_model(base_dir: str, out_dir: str, steps: int = 100, seed: int = 0
     return out_dir
 
 
-def _train_tool_model(base_dir: str, out_dir: str, steps: int = 100, seed: int = 0) -> str:
-    """Fine-tune ``base_dir`` (a tiny model) on add-tool transcripts so that, greedily, it answers a
-    question with a ``<tool_call>`` and a tool result with a final answer: a real model whose real
-    outputs exercise the tool round trip (the numbers it writes need not be right)."""
+def finetune_tiny(base_dir: str, out_dir: str, steps: int, seed: int, batch) -> str:
+    """Fine-tune the tiny model at ``base_dir`` for ``steps`` Adam steps on ``batch(tok, rng)`` (sequences, and
+    per sequence how many leading tokens take no loss, or None) and save it with its tokenizer to ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,13 +92,13 @@ def _train_tool_model(base_dir: str, out_dir: str, steps: int = 100, seed: int =
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        seqs = [list(tok.apply_chat_template(transcript(rng.randint(0, 9), rng.randint(0, 9)),
-                                             tools=[rng.choice(TOOL_SHAPES)], tokenize=True)["input_ids"])
-                for _ in range(8)]
+        seqs, starts = batch(tok, rng)
         n = max(len(s) for s in seqs)
         ids = torch.tensor([s + [tok.pad_token_id] * (n - len(s)) for s in seqs])
         mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
         labels = ids.masked_fill(mask == 0, -100)
+        for i, k in enumerate(starts or []):
+            labels[i, :k] = -100
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -108,3 +107,15 @@ def _train_tool_model(base_dir: str, out_dir: str, steps: int = 100, seed: int =
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
     return out_dir
+
+
+def _train_tool_model(base_dir: str, out_dir: str, steps: int = 100, seed: int = 0) -> str:
+    """Fine-tune ``base_dir`` (a tiny model) on add-tool transcripts so that, greedily, it answers a
+    question with a ``<tool_call>`` and a tool result with a final answer: a real model whose real
+    outputs exercise the tool round trip (the numbers it writes need not be right)."""
+    def batch(tok, rng):
+        return [list(tok.apply_chat_template(transcript(rng.randint(0, 9), rng.randint(0, 9)),
+                                             tools=[rng.choice(TOOL_SHAPES)], tokenize=True)["input_ids"])
+                for _ in range(8)], None
+
+    return finetune_tiny(base_dir, out_dir, steps, seed, batch)

@@ -14,7 +14,6 @@ import hashlib
 import inspect
 import json
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
@@ -57,19 +56,13 @@ def _transcript(system: str, question: str) -> tuple[list[dict], int]:
 
 def _train(base_dir: str, out_dir: str, shapes: list[tuple[str, dict]], steps: int, seed: int) -> str:
     """Full fine-tune, loss on the assistant side of the transcript (the call, the result, the answer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from agent_helpers import finetune_tiny
 
     from areal_cli.data.builtin import generate_split
 
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
     questions = [r["question"] for r in generate_split("arith", "train", 2000, seed=seed)]
-    tok = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
+
+    def batch(tok, rng):
         seqs, starts = [], []
         for _ in range(8):
             system, tool = rng.choice(shapes)
@@ -77,20 +70,9 @@ def _train(base_dir: str, out_dir: str, shapes: list[tuple[str, dict]], steps: i
             seqs.append(list(tok.apply_chat_template(msgs, tools=[tool], tokenize=True)["input_ids"]))
             starts.append(len(tok.apply_chat_template(msgs[:n_prompt], tools=[tool], add_generation_prompt=True,
                                                       tokenize=True)["input_ids"]))
-        n = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [tok.pad_token_id] * (n - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
-        labels = ids.masked_fill(mask == 0, -100)
-        for i, k in enumerate(starts):
-            labels[i, :k] = -100
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    return out_dir
+        return seqs, starts
+
+    return finetune_tiny(base_dir, out_dir, steps, seed, batch)
 
 
 def _key(base_dir: str, shapes: list[tuple[str, dict]], steps: int, seed: int) -> str:
