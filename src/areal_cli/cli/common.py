@@ -35,8 +35,9 @@ def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_m
         if fetch_model:
             from areal_cli.cli.launch import fetch_hub_model
 
-            if fetch_hub_model(cfg):
-                cfg = load_config(prepared=prep)  # the snapshot's config.json now supplies the facts
+            if fetch_hub_model(cfg):  # the snapshot's config.json now supplies the facts, and the recipe
+                prep = prepare(list(overrides))
+                cfg = load_config(prepared=prep)
         plan = validate(cfg)
         if prep.recipe_note:
             plan.notes.append(prep.recipe_note)

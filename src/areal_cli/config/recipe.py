@@ -39,6 +39,39 @@ def _model_path_of_option(option: str) -> str:
     return str(data.get("path", "")) if isinstance(data, dict) else ""
 
 
+def _local_model_params(path: str) -> int | None:
+    """Parameters of the model in a local HF dir (or a hub id's cached snapshot), from its config.json alone
+    (None: neither is there to read).
+
+    A small model saved to disk (a test's tiny model, a distilled toy) is still the toy: it keeps cpu_default."""
+    import json
+
+    from areal_cli.allocation.estimate import ModelFacts
+    from areal_cli.config.model import ModelConfig
+
+    from areal_cli.models.hub import cached_snapshot, is_hub_id
+
+    local = cached_snapshot(path) if is_hub_id(path) else os.path.expanduser(path)  # a fetched hub model too
+    if not local:
+        return None
+    f = os.path.join(local, "config.json")
+    try:
+        with open(f) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if isinstance(data.get("text_config"), dict):
+        data = {**data, **data["text_config"]}
+    from areal_cli.config.compose import HF_FACTS
+
+    m = ModelConfig()
+    for fld, keys in HF_FACTS.items():
+        v = next((data[k] for k in keys if isinstance(data.get(k), (int, float, bool))), None)
+        if v is not None:
+            setattr(m, fld, bool(v) if fld == "tie_word_embeddings" else int(v))
+    return ModelFacts.from_config(m).total_params()
+
+
 def preset_for_path(path: str) -> str | None:
     """The model preset whose ``path`` is this hub id (``Qwen/Qwen2.5-7B-Instruct`` → ``qwen2_5_7b``), or None."""
     from areal_cli.config.groups import group_options
@@ -90,7 +123,8 @@ def choose_experiment(choices: dict[str, str], values: dict[str, str], default_m
     path = values.get("model.path")
     if path is not None:
         path = path.strip().strip("'\"")
-        toy = path.startswith("builtin:")
+        n = _local_model_params(path)
+        toy = path.startswith("builtin:") or (n is not None and n <= REAL_MODEL_PARAMS)
     else:
         toy = _model_path_of_option(option).startswith("builtin:")
     if toy:

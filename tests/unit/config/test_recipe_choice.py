@@ -137,3 +137,17 @@ def test_config_dir_on_the_command_line(user_dir, tmp_path):
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1
     assert bad.stderr.count("\n") == 1 and "unknown experiment option 'my_run'" in bad.stderr
+
+
+def test_a_small_model_on_disk_is_still_the_toy(tiny_model_dir, tmp_path):
+    """A saved tiny model keeps cpu_default; the same config.json scaled past 100M parameters is real."""
+    import json
+    import shutil
+
+    assert "experiment=real_model" not in prepare([f"model.path={tiny_model_dir}"]).hydra_overrides
+    big = tmp_path / "big"
+    shutil.copytree(tiny_model_dir, big)
+    cfg = json.loads((big / "config.json").read_text())
+    cfg.update(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, vocab_size=32000)
+    (big / "config.json").write_text(json.dumps(cfg))
+    assert "experiment=real_model" in prepare([f"model.path={big}"]).hydra_overrides
