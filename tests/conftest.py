@@ -16,6 +16,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# What composing a config exports for the run's processes (plugins, --config-dir); an in-process test
+# that composes one must not hand it to the tests after it (their subprocesses inherit os.environ).
+_RUN_ENV = ("AREAL_PLUGINS", "AREAL_CONFIG_DIR", "PYTHONPATH")
+
+
+@pytest.fixture(autouse=True)
+def _restore_run_env():
+    saved = {k: os.environ.get(k) for k in _RUN_ENV}
+    path = list(sys.path)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    sys.path[:] = path
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:

@@ -23,26 +23,12 @@ from areal_cli.config.groups import (
     search_path,
     user_config_dirs,
 )
+from areal_cli.config.model import HF_FACTS
 from areal_cli.config.paths import describe_type, resolve_path
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.errors import ConfigError
 
 ALLOC_KEYS = ("allocation_mode", "allocation_mode.spec")
-# Facts read from a local model dir's config.json: ModelConfig field -> config.json keys, first wins.
-HF_FACTS = {
-    "num_attention_heads": ("num_attention_heads", "n_head"),
-    "num_key_value_heads": ("num_key_value_heads", "num_attention_heads", "n_head"),
-    "num_hidden_layers": ("num_hidden_layers", "n_layer"),
-    "hidden_size": ("hidden_size", "n_embd"),
-    "head_dim": ("head_dim",),
-    "intermediate_size": ("intermediate_size", "ffn_hidden_size"),
-    "vocab_size": ("vocab_size",),
-    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
-    "num_experts_per_tok": ("num_experts_per_tok", "moe_topk"),
-    "moe_intermediate_size": ("moe_intermediate_size",),
-    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
-    "tie_word_embeddings": ("tie_word_embeddings",),
-}
 
 
 @dataclass

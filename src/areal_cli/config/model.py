@@ -58,6 +58,23 @@ class ModelConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
+# Facts read from a local model dir's config.json: ModelConfig field -> config.json keys, first wins.
+HF_FACTS = {
+    "num_attention_heads": ("num_attention_heads", "n_head"),
+    "num_key_value_heads": ("num_key_value_heads", "num_attention_heads", "n_head"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer"),
+    "hidden_size": ("hidden_size", "n_embd"),
+    "head_dim": ("head_dim",),
+    "intermediate_size": ("intermediate_size", "ffn_hidden_size"),
+    "vocab_size": ("vocab_size",),
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok", "moe_topk"),
+    "moe_intermediate_size": ("moe_intermediate_size",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+    "tie_word_embeddings": ("tie_word_embeddings",),
+}
+
+
 _KNOWN_MODULES = frozenset(LORA_PRESETS["all"])
 
 

@@ -47,7 +47,7 @@ def _local_model_params(path: str) -> int | None:
     import json
 
     from areal_cli.allocation.estimate import ModelFacts
-    from areal_cli.config.model import ModelConfig
+    from areal_cli.config.model import HF_FACTS, ModelConfig
 
     from areal_cli.models.hub import cached_snapshot, is_hub_id
 
@@ -62,8 +62,6 @@ def _local_model_params(path: str) -> int | None:
         return None
     if isinstance(data.get("text_config"), dict):
         data = {**data, **data["text_config"]}
-    from areal_cli.config.compose import HF_FACTS
-
     m = ModelConfig()
     for fld, keys in HF_FACTS.items():
         v = next((data[k] for k in keys if isinstance(data.get(k), (int, float, bool))), None)
