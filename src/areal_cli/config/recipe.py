@@ -48,7 +48,6 @@ def _local_model_params(path: str) -> int | None:
 
     from areal_cli.allocation.estimate import ModelFacts
     from areal_cli.config.model import HF_FACTS, ModelConfig
-
     from areal_cli.models.hub import cached_snapshot, is_hub_id
 
     local = cached_snapshot(path) if is_hub_id(path) else os.path.expanduser(path)  # a fetched hub model too
