@@ -131,6 +131,11 @@ def test_node_entry_fetches_on_the_node_then_runs_its_processes(tmp_path, hub):
     cfg = load_config(
         [
             f"model.path={REPO}",
+            # composed before any fetch, as the submitting CLI does: an uncached hub id that no preset names is
+            # refused there (its architecture is unknown), so name a preset for the plan's facts; the node's
+            # processes read the fetched snapshot's own config.json
+            "model=qwen2_5_0_5b",
+            "experiment=cpu_default",
             f"cluster.fileroot={tmp_path}",
             "experiment_name=hub",
             "trial_name=node",
