@@ -61,15 +61,23 @@ def make_tool_model(base_dir: str, out_dir: str, steps: int = 100, seed: int = 0
     ``$AREAL_TEST_CACHE`` (default ``~/.cache/areal/test-tool-models/<content hash>``): the
     fine-tune runs once per distinct base model / recipe, later sessions copy the result into
     ``out_dir``. ``AREAL_TEST_CACHE=off`` always trains."""
+    return cached_model(_tool_model_key(base_dir, steps, seed), out_dir,
+                        lambda d: _train_tool_model(base_dir, d, steps, seed))
+
+
+def cached_model(key: str, out_dir: str, train) -> str:
+    """``train(dir)``'s model in ``out_dir``, built once per ``key`` under ``$AREAL_TEST_CACHE`` (default
+    ``~/.cache/areal/test-tool-models``) and copied from there later; ``AREAL_TEST_CACHE=off`` always trains."""
     root = os.environ.get("AREAL_TEST_CACHE", "~/.cache/areal/test-tool-models")
     if root == "off":
-        return _train_tool_model(base_dir, out_dir, steps, seed)
-    cached = Path(os.path.expanduser(root)) / _tool_model_key(base_dir, steps, seed)
+        train(out_dir)
+        return out_dir
+    cached = Path(os.path.expanduser(root)) / key
     if not (cached / "READY").exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.parent / f".{cached.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        _train_tool_model(base_dir, str(tmp), steps, seed)
+        train(str(tmp))
         (tmp / "READY").write_text("1")
         try:
             os.replace(tmp, cached)  # atomic; a concurrent builder that lost the race keeps its copy

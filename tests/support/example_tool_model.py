@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -94,19 +92,7 @@ def make_calculator_model(base_dir: str, out_dir: str, steps: int = 200, seed: i
     With 200 steps the tiny model wrote a well-formed call in 20 of 24 episodes sampled at temperature 1
     (83%), against 54% after 100 steps; about 1 min of training on 2 idle cores."""
     shapes = calculator_shapes()
-    root = os.environ.get("AREAL_TEST_CACHE", "~/.cache/areal/test-tool-models")
-    if root == "off":
-        return _train(base_dir, out_dir, shapes, steps, seed)
-    cached = Path(os.path.expanduser(root)) / f"calculator-{_key(base_dir, shapes, steps, seed)}"
-    if not (cached / "READY").exists():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.parent / f".{cached.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        _train(base_dir, str(tmp), shapes, steps, seed)
-        (tmp / "READY").write_text("1")
-        try:
-            os.replace(tmp, cached)  # atomic; a concurrent builder that lost the race keeps its copy
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(cached, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("READY"))
-    return out_dir
+    from agent_helpers import cached_model
+
+    return cached_model(f"calculator-{_key(base_dir, shapes, steps, seed)}", out_dir,
+                        lambda d: _train(base_dir, d, shapes, steps, seed))
