@@ -102,12 +102,20 @@ def fetches_on_nodes(cfg: Any) -> bool:
 
 
 def fetch_hub_model(cfg: Any) -> bool:
-    """Download a hub ``model.path`` now when this process is the one that fetches it and it is not cached.
-    True when it downloaded (validation then re-reads the facts from the snapshot's config.json)."""
-    from areal_cli.models.hub import cached_snapshot, ensure_hub_model, is_hub_id
+    """Download a hub ``model.path`` now when this process is the one that fetches it and it is not cached;
+    when the launcher's nodes fetch it, download its config.json alone (kilobytes), so the plan is checked
+    against the real architecture. True when it downloaded (validation then re-reads the facts)."""
+    from areal_cli.models.hub import cached_config, cached_snapshot, ensure_hub_config, ensure_hub_model, is_hub_id
 
     path, revision = cfg.model.path, cfg.model.revision or None
-    if not is_hub_id(path) or cached_snapshot(path, revision) or fetches_on_nodes(cfg):
+    if not is_hub_id(path):
+        return False
+    if fetches_on_nodes(cfg):
+        if cached_config(path, revision):
+            return False
+        ensure_hub_config(path, revision)
+        return True
+    if cached_snapshot(path, revision):
         return False
     ensure_hub_model(path, revision)
     return True

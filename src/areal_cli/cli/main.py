@@ -19,6 +19,11 @@ COMMANDS = [
     "train",
     "check_storage",
     "sweep",
+    "runs",
+    "status",
+    "logs",
+    "eval",
+    "export",
 ]
 INTERNAL_ERROR_EXIT = 3
 

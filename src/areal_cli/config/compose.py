@@ -300,13 +300,13 @@ def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None
         if path.startswith(("/", "./", "../", "~")) or os.path.exists(local):
             raise ConfigError("model.path", f"'{path}' is not a model directory",
                               "point model.path at a local HF dir with config.json, or use a model preset")
-        from areal_cli.models.hub import cached_snapshot, is_hub_id
+        from areal_cli.models.hub import cached_config, is_hub_id
 
         if not is_hub_id(path):
             raise ConfigError("model.path", f"'{path}' is neither a local directory nor a hub id (org/name)",
                               "point model.path at a local HF dir with config.json, or at a hub id such as "
                               "Qwen/Qwen2.5-0.5B-Instruct")
-        local = cached_snapshot(path, revision or None) or ""
+        local = cached_config(path, revision or None) or ""  # weights need not be here yet
         if not local:
             return  # not fetched yet: the preset's facts stand until `areal train` downloads it
         name = path.rsplit("/", 1)[-1]

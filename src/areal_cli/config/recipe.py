@@ -48,9 +48,9 @@ def _local_model_params(path: str) -> int | None:
 
     from areal_cli.allocation.estimate import ModelFacts
     from areal_cli.config.model import HF_FACTS, ModelConfig
-    from areal_cli.models.hub import cached_snapshot, is_hub_id
+    from areal_cli.models.hub import cached_config, is_hub_id
 
-    local = cached_snapshot(path) if is_hub_id(path) else os.path.expanduser(path)  # a fetched hub model too
+    local = cached_config(path) if is_hub_id(path) else os.path.expanduser(path)  # a fetched hub model too
     if not local:
         return None
     f = os.path.join(local, "config.json")
@@ -95,8 +95,8 @@ def check_model_facts(cfg: ExperimentConfig) -> None:
         return
     raise ConfigError("model.path", f"the architecture of {path} is unknown here: it is not in the Hugging Face "
                       "cache and no model preset names it, so validation would check the tiny model's facts",
-                      f"fetch it once ({download_command(path)}; validate then reads its config.json from the "
-                      "cache), or add model=<preset> of the same architecture")
+                      f"fetch its config.json once ({download_command(path, None, 'config.json')}: kilobytes; "
+                      "validate then reads it from the cache), or add model=<preset> of the same architecture")
 
 
 def _run_name(text: str) -> str:

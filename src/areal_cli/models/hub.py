@@ -120,6 +120,20 @@ def cached_snapshot(
     return str(snap) if snapshot_complete(snap) else None
 
 
+def cached_config(
+    repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike | None = None
+) -> str | None:
+    """The directory holding ``repo_id``'s cached config.json at ``revision``, or None. Weights need not be
+    there: validation reads architecture facts only, so ``hf download org/m config.json`` (kilobytes) is
+    enough to plan a run whose nodes download the weights themselves. No network."""
+    cache = Path(cache_dir or hub_cache_dir())
+    commit = cached_commit(repo_id, revision, cache)
+    if commit is None:
+        return None
+    snap = _repo_folder(cache, repo_id) / "snapshots" / commit
+    return str(snap) if (snap / "config.json").is_file() else None
+
+
 def hub_cli() -> str:
     """The CLI the installed huggingface_hub ships: ``hf`` since 0.34, ``huggingface-cli`` before."""
     from importlib import metadata
@@ -131,9 +145,9 @@ def hub_cli() -> str:
     return "hf" if "hf" in names or "huggingface-cli" not in names else "huggingface-cli"
 
 
-def download_command(repo_id: str, revision: str | None = None) -> str:
-    """The command that fills the cache by hand."""
-    return f"{hub_cli()} download {repo_id}" + (f" --revision {revision}" if revision else "")
+def download_command(repo_id: str, revision: str | None = None, *files: str) -> str:
+    """The command that fills the cache by hand (with ``files``: only those files of the repo)."""
+    return " ".join([hub_cli(), "download", repo_id, *files]) + (f" --revision {revision}" if revision else "")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -307,6 +321,38 @@ def ensure_hub_model(
         if _offline():
             raise _not_cached(repo_id, revision, cache, "the hub is offline (HF_HUB_OFFLINE=1)")
         return _download(repo_id, revision, token=token, endpoint=endpoint, cache=cache)
+
+
+def ensure_hub_config(
+    repo_id: str,
+    revision: str | None = None,
+    *,
+    token: str | None = None,
+    endpoint: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> str:
+    """The cached directory holding ``repo_id``'s config.json, fetching that one file (not the weights) when
+    it is missing: what a submitter needs to plan a run whose nodes download the weights themselves."""
+    from huggingface_hub import hf_hub_download
+
+    cache = Path(cache_dir) if cache_dir else hub_cache_dir()
+    hit = cached_config(repo_id, revision or None, cache)
+    if hit:
+        return hit
+    if _offline():
+        raise _not_cached(repo_id, revision, cache, "the hub is offline (HF_HUB_OFFLINE=1)")
+    try:
+        path = hf_hub_download(
+            repo_id,
+            "config.json",
+            revision=revision or None,
+            cache_dir=str(cache),
+            token=token or None,
+            endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None,
+        )
+    except Exception as e:  # noqa: BLE001 - each failure of the hub client becomes one typed line
+        raise hub_error(e, repo_id, revision, cache, endpoint) from None
+    return str(Path(path).parent)
 
 
 def _download(

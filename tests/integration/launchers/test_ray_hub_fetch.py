@@ -2,7 +2,7 @@
 
 A two-node Ray cluster on this machine (tests/support/ray_cluster.py) whose raylets have different HF_HOMEs,
 and a local hub (tests/support/hub_server.py). The driver's RayJob runs its per-node fetch tasks: each node
-gets its own snapshot, the driver's HF_ENDPOINT and HF_TOKEN reach the tasks (the raylets have neither), and
+gets its own snapshot (the driver fetches config.json alone, to validate), the driver's HF_ENDPOINT and HF_TOKEN reach the tasks (the raylets have neither), and
 a node's failure comes back as the same one-line ConfigError.
 """
 
@@ -20,19 +20,27 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 DRIVER = """
 import json, sys
-from areal_cli.config.compose import load_config
+from areal_cli.cli.common import compose_and_validate
 from areal_cli.errors import ConfigError
 from areal_cli.launchers.ray import RayJob, RayLauncher
 from areal_cli.trainer.build import layout_from_plan
 
 address, fileroot = sys.argv[1], sys.argv[2]
 out = {}
-for repo in ("org/private", "org/nope"):
-    cfg = load_config(["launcher=ray", f"launcher.ray.address={address}", "cluster.n_nodes=2",
-                       "cluster.n_gpus_per_node=1", f"cluster.fileroot={fileroot}", f"model.path={repo}"])
-    layout = layout_from_plan(cfg, None)
-    launcher = RayLauncher()
-    launcher.preflight(cfg, layout)
+def overrides(repo):
+    return ["launcher=ray", f"launcher.ray.address={address}", "cluster.n_nodes=2", "cluster.n_gpus_per_node=1",
+            f"cluster.fileroot={fileroot}", f"model.path={repo}", "experiment=cpu_default"]
+try:  # a repo that does not exist is refused on the submitter, by its config.json fetch
+    compose_and_validate(overrides("org/nope"), fetch_model=True)
+except ConfigError as e:
+    out["submit org/nope"] = "ConfigError: " + str(e)
+# as `areal train` does: the submitter fetches config.json alone, to check the plan against the real model
+cfg, plan = compose_and_validate(overrides("org/private"), fetch_model=True)
+out["name"] = cfg.model.name
+layout = layout_from_plan(cfg, plan)
+launcher = RayLauncher()
+launcher.preflight(cfg, layout)
+for repo in ("org/private", "org/nope"):  # org/nope: a node's own failure comes back as the same one line
     job = RayJob(cfg, layout, fileroot + "/run", launcher.assignment, model_path=repo)
     try:
         job._fetch_model()
@@ -68,6 +76,7 @@ def test_each_ray_node_fetches_into_its_own_cache(tmp_path, tiny_model_dir):
             "HF_ENDPOINT": hub.endpoint,
             "HF_TOKEN": "hf_secret",
             "HF_HOME": str(tmp_path / "drv"),
+            "HF_HUB_OFFLINE": "0",  # the submitter is online too: it fetches config.json
         }
         p = subprocess.run(
             [sys.executable, "-c", DRIVER, c.address, str(tmp_path / "root")],
@@ -87,8 +96,10 @@ def test_each_ray_node_fetches_into_its_own_cache(tmp_path, tiny_model_dir):
     for path in paths.values():  # each node's snapshot lies in that node's HF_HOME
         assert any(path.startswith(str(tmp_path / n) + "/hub/") for n in ("node-a", "node-b")), paths
     assert len({p.split("/hub/")[0] for p in paths.values()}) == 2
-    assert set(hub.file_gets("org/private").values()) == {2}  # once per node
-    assert not (tmp_path / "drv" / "hub").exists()  # the driver downloads nothing
-    assert out["org/nope"].startswith(
-        f"ConfigError: model.path: there is no model repo org/nope on {hub.endpoint}"
-    )
+    gets = hub.file_gets("org/private")
+    assert gets.pop("config.json") == 3 and set(gets.values()) == {2}, gets  # the driver's config.json, then once per node
+    assert out["name"] == "private"  # facts from the real config.json, not the tiny preset's
+    drv = list((tmp_path / "drv" / "hub").rglob("*"))  # the driver fetched config.json, never the weights
+    assert any(p.name == "config.json" for p in drv) and not any(p.suffix == ".safetensors" for p in drv), drv
+    for key in ("org/nope", "submit org/nope"):
+        assert out[key].startswith(f"ConfigError: model.path: there is no model repo org/nope on {hub.endpoint}"), out

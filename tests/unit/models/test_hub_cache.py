@@ -17,6 +17,7 @@ from areal_cli.errors import ConfigError, LaunchError, StorageError
 from areal_cli.launchers.base import error_from_record, error_record, read_node_error, record_node_error
 from areal_cli.models.hub import (
     cached_commit,
+    cached_config,
     cached_snapshot,
     download_command,
     ensure_local_model,
@@ -102,6 +103,30 @@ def test_cached_snapshot_reads_refs_and_checks_completeness(tmp_path, tiny_model
     assert cached_snapshot("org/m", cache_dir=cache) is None and not snapshot_complete(snap)
 
 
+def test_a_config_json_alone_is_enough_for_the_facts_not_for_the_weights(tmp_path, tiny_model_dir, monkeypatch):
+    """What a submitter holds after ``hf download org/m config.json``: validation reads the real architecture,
+    while every fetcher (cached_snapshot) still sees the weights as missing."""
+    from areal_cli.models.tiny import make_tiny_model
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    three = make_tiny_model(tmp_path / "three", tokenizer_dir=tiny_model_dir, num_layers=3)
+    only = tmp_path / "only_config"
+    only.mkdir()
+    shutil.copyfile(Path(three) / "config.json", only / "config.json")
+    assert cached_config("org/m", cache_dir=cache) is None
+    snap = cache_with(cache, "org/m", only)
+    assert cached_config("org/m", cache_dir=cache) == str(snap) and cached_snapshot("org/m", cache_dir=cache) is None
+    m = load_config(["model.path=org/m", "experiment=cpu_default"]).model
+    assert (m.name, m.num_hidden_layers) == ("m", 3)
+    from areal_cli.config.validate import validate
+
+    validate(load_config(["model.path=org/m", "experiment=cpu_default"]))  # the facts are known: no refusal
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(["model.path=org/other", "experiment=cpu_default"]))
+    assert "download org/other config.json" in e.value.hint
+
+
 def test_sharded_snapshot_needs_every_shard_of_its_index(tmp_path, tiny_model_dir):
     d = tmp_path / "sharded"
     shutil.copytree(tiny_model_dir, d)
@@ -123,6 +148,7 @@ def test_download_command_names_the_installed_cli():
     exe = "hf" if "hf" in names else "huggingface-cli"
     assert download_command("org/m") == f"{exe} download org/m"
     assert download_command("org/m", "v1") == f"{exe} download org/m --revision v1"
+    assert download_command("org/m", None, "config.json") == f"{exe} download org/m config.json"
 
 
 def test_validation_reads_a_cached_snapshot_and_honours_revision(tmp_path, tiny_model_dir, monkeypatch):
