@@ -27,17 +27,16 @@ from typing import Any
 from areal_cli.errors import USER_ERROR_PREFIX, ArealError, LaunchError
 from areal_cli.launchers.base import (
     MODEL_PATH_ENV,
+    STATUS_FILE,
     JobLayout,
+    RunStatusWriter,
     ServerSpec,
     publish_server,
     read_servers,
     record_node_error,
     retract_server,
-    write_json_atomic,
 )
 from areal_cli.utils.procs import ManagedProcess, describe_exit, handling_stop_signals, tail_file
-
-STATUS_FILE = "status.json"
 
 
 def logs_dir(run_dir: str | os.PathLike) -> Path:
@@ -130,6 +129,12 @@ class NodeRunner:
         self.trainer: ManagedProcess | None = None
         self._signal: int | None = None
         self.lock = threading.Lock()
+        # status.json: the first trainer node keeps its heartbeat, every trainer node may record the end.
+        self.status = None
+        if node_rank in layout.trainer.node_ranks():
+            job = {"slurm_job": os.environ["SLURM_JOB_ID"]} if os.environ.get("SLURM_JOB_ID") else {}
+            self.status = RunStatusWriter(self.run_dir, str(cfg.launcher.name), node=node_rank, **job)
+        self._status_ended = False
 
     # ------------------------------------------------------------------ servers
     def _start_server(self, spec: ServerSpec) -> tuple[ManagedProcess, str]:
@@ -280,7 +285,13 @@ class NodeRunner:
 
     def run(self) -> int:
         """Start, supervise, stop. Returns 0 on success, 128+signal after Ctrl-C/SIGTERM."""
-        self.fetch_model()
+        if self.status is not None and self.node_rank == self.layout.trainer.first_node:
+            self.status.start()
+        try:
+            self.fetch_model()
+        except BaseException as e:
+            self._write_status("interrupted" if isinstance(e, KeyboardInterrupt) else "failed", str(e))
+            raise
         with handling_stop_signals(self._handle):
             try:
                 return self._run()
@@ -288,6 +299,9 @@ class NodeRunner:
                 print("\n[areal] interrupted: stopping trainer and servers", file=sys.stderr, flush=True)
                 self._write_status("interrupted")
                 return 128 + (self._signal or signal.SIGINT)
+            except BaseException as e:  # a server out of restarts, a node's user error: not left "running"
+                self._write_status("failed", str(e) or type(e).__name__)
+                raise
             finally:
                 self.stop_all()
 
@@ -301,8 +315,9 @@ class NodeRunner:
         if code == 0:
             self._write_status("done")
             return True
-        self._write_status("failed")
-        raise self._trainer_failure(code)
+        failure = self._trainer_failure(code)
+        self._write_status("failed", str(failure))
+        raise failure
 
     def _run(self) -> int:
         has_trainer = self.node_rank in self.layout.trainer.node_ranks()
@@ -335,9 +350,10 @@ class NodeRunner:
             self._supervise_servers()
             time.sleep(self.poll_s)
 
-    def _write_status(self, state: str) -> None:
-        if self.node_rank in self.layout.trainer.node_ranks():
-            write_json_atomic(Path(self.run_dir) / STATUS_FILE, {"state": state, "time": time.time()})
+    def _write_status(self, state: str, error: str | None = None) -> None:
+        if self.status is not None and not self._status_ended:
+            self._status_ended = True
+            self.status.end(state, error)
 
     def stop_all(self) -> None:
         """Trainer first (it may be mid-request), then servers; each as a whole process group."""

@@ -42,6 +42,7 @@ from areal_cli.launchers.base import (
     MODEL_PATH_ENV,
     SERVER_KEY_ENV,
     JobLayout,
+    RunStatusWriter,
     ServerSpec,
     error_from_record,
     error_record,
@@ -61,7 +62,6 @@ from areal_cli.launchers.ray_placement import (
 from areal_cli.utils.procs import handling_stop_signals
 
 PLACEMENT_FILE = "ray_placement.json"
-STATUS_FILE = "status.json"
 
 
 def _import_ray():
@@ -349,6 +349,8 @@ class RayJob:
         # which gets the key from the driver, may use them.
         self.api_key = secrets.token_hex(16)
         self._signal: int | None = None
+        self.status = RunStatusWriter(self.run_dir, "ray")
+        self._status_ended = False
 
     # ------------------------------------------------------------------ placement
     def _create_groups(self) -> None:
@@ -615,12 +617,13 @@ class RayJob:
                 failed.append((1 if code < 0 else 2, p, describe_exit(code)))
         if failed:
             _, p, how = min(failed, key=lambda f: (f[0], f[1].rank))
-            self._write_status("failed")
             log = Path(self.run_dir) / "logs" / f"{p.name}.log"
-            raise LaunchError(
+            failure = LaunchError(
                 f"trainer rank {p.rank} on {self._node_label(p.where)} failed ({how}); everything "
                 f"was stopped. Last lines of {log}:\n{tail_file(log, 40)}"
             )
+            self._write_status("failed", str(failure))
+            raise failure
         return done == len(self.ranks)
 
     # ------------------------------------------------------------------ run
@@ -632,24 +635,30 @@ class RayJob:
         self._signal = signum
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    def _write_status(self, state: str) -> None:
-        write_json_atomic(Path(self.run_dir) / STATUS_FILE, {"state": state, "time": time.time()})
+    def _write_status(self, state: str, error: str | None = None) -> None:
+        if not self._status_ended:
+            self._status_ended = True
+            self.status.end(state, error)
 
     def run(self) -> int:
         # SIGINT too, not Python's default handler: its KeyboardInterrupt can be raised inside Ray's own
         # calls and swallowed there (a Ctrl-C once went unseen and the run went on to its end). Ours also
         # records the signal, which the supervision loop re-checks every tick.
+        self.status.start()
         with handling_stop_signals(self._handle):
             try:
                 return self._run()
-            except LaunchError:
-                self._write_status("failed")  # a server out of restarts, a rank dead, a group not placed
+            except LaunchError as e:
+                self._write_status("failed", str(e))  # a server out of restarts, a rank dead, a group not placed
                 raise
             except KeyboardInterrupt:
                 print("\n[areal] interrupted: stopping the Ray actors (trainer ranks, then servers)",
                       file=sys.stderr, flush=True)
                 self._write_status("interrupted")
                 return 128 + (self._signal or signal.SIGINT)
+            except BaseException as e:  # a node's user error (a hub model it could not fetch): not left running
+                self._write_status("failed", str(e) or type(e).__name__)
+                raise
             finally:
                 self.teardown()
 

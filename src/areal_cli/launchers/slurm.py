@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import LaunchError, StorageError
-from areal_cli.launchers.base import NODE_ERRORS, JobLayout, read_node_error, write_json_atomic
+from areal_cli.launchers.base import (
+    NODE_ERRORS,
+    TERMINAL_STATES,
+    JobLayout,
+    RunStatusWriter,
+    read_node_error,
+    read_status_file,
+    write_json_atomic,
+)
 
 SUBMITIT_DIR = "slurm"
 JOB_FILE = "slurm_job.json"
@@ -292,6 +300,8 @@ class SlurmLauncher:
             return self._wait(job, job_id, run_dir, on_tick, poll_s)
         except KeyboardInterrupt:
             subprocess.run(["scancel", job_id], check=False)
+            if read_status_file(run_dir).get("state") not in TERMINAL_STATES:  # cancelled before it started
+                RunStatusWriter(run_dir, "slurm", slurm_job=job_id).end("interrupted")
             print(f"\n[areal] interrupted: cancelled slurm job {job_id}", file=sys.stderr, flush=True)
             return 130
 

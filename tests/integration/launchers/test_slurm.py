@@ -111,6 +111,11 @@ def test_slurm_train_completes_then_cancel_and_resubmit_resumes(slurm_cluster, t
     # The submission environment reached the job (sbatch exports it).
     sh = next(log_dir.glob("*_submission.sh")).read_text()
     assert "#SBATCH --requeue" in sh and "#SBATCH --cpus-per-task=2" in sh and "#SBATCH --mem=8GB" in sh
+    # `areal status` / `runs` / `logs` read the finished job from its run dir alone, as for a local run.
+    from run_commands import check_finished_run
+
+    check_finished_run(run_a, root_a, total_steps=6, launcher="slurm")
+    assert json.loads((run_a / "status.json").read_text())["slurm_job"] == jid
 
     # 2. scancel mid-run, then resubmit with resume=auto: it continues from the recover step.
     root_b = tmp_path / "b"
