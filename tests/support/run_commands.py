@@ -69,6 +69,10 @@ def check_finished_run(run_dir: Path, fileroot: Path, total_steps: int, launcher
     table = areal("runs", "--fileroot", str(fileroot))
     assert table.returncode == 0 and name in table.stdout and "finished" in table.stdout, table.stdout
 
+    watched = areal("status", str(run_dir), "--watch", "--interval", "0.1")  # the run is over: one frame
+    assert watched.returncode == 0 and "finished" in watched.stdout, watched.stderr
+    both = areal("status", str(run_dir), "--watch", "--json")
+    assert both.returncode == 2 and both.stderr.startswith("error: --watch and --json do not combine — fix:")
     text = areal("status", str(run_dir))
     assert text.returncode == 0 and "finished" in text.stdout
     assert f"{total_steps}/{total_steps}" in text.stdout
