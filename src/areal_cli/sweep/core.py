@@ -17,12 +17,17 @@ def check_trial(fixed: list[str], overrides: list[str], name: str, tid: str) -> 
 
     Returns ``(reason, run_dir, n_processes)``; ``reason`` is empty when the trial is valid.
     """
-    from areal_cli.config.compose import load_config
+    from areal_cli.config.compose import explain_range, load_config, prepare
     from areal_cli.config.validate import validate
+    from areal_cli.errors import ConfigError
 
+    prep = None
     try:
-        cfg = load_config([*fixed, *overrides, f"experiment_name={name}", f"trial_name={tid}"])
+        prep = prepare([*fixed, *overrides, f"experiment_name={name}", f"trial_name={tid}"])
+        cfg = load_config(prepared=prep)
         plan = validate(cfg)
+    except ConfigError as e:
+        return str(explain_range(e, prep) if prep is not None else e), "", 0
     except ArealError as e:
         return str(e), "", 0
     return "", cfg.run_dir(), plan_processes(plan)
