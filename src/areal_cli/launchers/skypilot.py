@@ -220,9 +220,9 @@ def dry_run(cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
     text = task_yaml(build_task_config(cfg, layout, run_dir))
     if sky_python() is None:
         return {"task_yaml": text, "checked_by_skypilot": False,
-                "note": "not checked by SkyPilot: skypilot is not installed here (fix: "
+                "note": "not checked by SkyPilot: skypilot is not installed here — fix: "
                         "`python -m venv ~/.cache/areal/skypilot-venv && ~/.cache/areal/skypilot-venv/bin/pip "
-                        "install skypilot`, or set AREAL_SKYPILOT_PYTHON)"}
+                        "install skypilot`, or set AREAL_SKYPILOT_PYTHON"}
     with tempfile.TemporaryDirectory() as d:
         # SkyPilot checks that local file-mount sources exist: validate a copy whose run-dir sources
         # are stand-ins; the printed YAML keeps the real run dir.
