@@ -44,7 +44,8 @@ def sweep(
         if overrides:
             from areal_cli.errors import UsageError
 
-            raise UsageError("--resume takes the sweep's own overrides from its manifest; pass no overrides")
+            raise UsageError("--resume takes the sweep's own overrides from its manifest — fix: pass no "
+                             "overrides with --resume")
         m = Manifest.load(resume)
     else:
         ovs = list(overrides or [])

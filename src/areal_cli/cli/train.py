@@ -66,7 +66,7 @@ def run(overrides: list[str], dry_run: bool, cfg_mode: str | None, as_json: bool
 
     if cfg_mode is not None:
         if cfg_mode != "job":
-            raise UsageError(f"--cfg takes 'job' (print the composed config), got '{cfg_mode}'")
+            raise UsageError(f"--cfg takes 'job' (print the composed config), got '{cfg_mode}' — fix: --cfg job")
         print_job_config(overrides)
         return 0
     if as_json and not dry_run:
