@@ -23,13 +23,14 @@ GPU_ONLY_BACKENDS = ("sglang",)
 
 def gpu_presets() -> list[tuple[str, int, int]]:
     """``(option, n_nodes, n_gpus_per_node)`` of every cluster option with ``device: cuda``, smallest first."""
-    from areal_cli.config.fastcompose import _load_yaml
+    import yaml
+
     from areal_cli.config.groups import find_option, group_options
 
     out = []
     for opt in group_options().get("cluster", []):
         path = find_option("cluster", opt)
-        _, data = _load_yaml(path) if path is not None else (None, None)
+        data = yaml.safe_load(path.read_text()) if path is not None else None
         if isinstance(data, dict) and data.get("device") == "cuda":
             out.append((opt, int(data.get("n_nodes", 1)), int(data.get("n_gpus_per_node", 1))))
     return sorted(out, key=lambda p: (p[1] * p[2], p[0]))

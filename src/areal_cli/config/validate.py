@@ -22,9 +22,9 @@ from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
 from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec, Component, Dims
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
-from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.cluster import GPU_ONLY_BACKENDS, gpu_preset_fix
 from areal_cli.config.launcher import local_multi_node
+from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.packages import check_packages
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.recipe import check_model_facts

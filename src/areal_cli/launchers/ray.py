@@ -712,8 +712,8 @@ class RayLauncher:
         if layout.colocated:
             raise LaunchError(
                 "launcher=ray places inference and training on separate devices ('+' in "
-                "allocation_mode), and this plan is colocated ('|') — fix: use launcher=local or launcher=slurm, "
-                "or separate the components with '+'"
+                "allocation_mode), and this plan is colocated ('|') — fix: use launcher=local or "
+                "launcher=slurm, or separate the components with '+'"
             )
         ray = connect(cfg)
         try:

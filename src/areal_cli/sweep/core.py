@@ -47,7 +47,8 @@ def new_manifest(overrides: list[str], *, sweep_dir: str | None, metric: str, mo
     if mode not in ("max", "min"):
         raise UsageError(f"--mode {mode!r} is neither max nor min — fix: --mode max or --mode min")
     if spec.is_search and n_trials <= 0:
-        raise UsageError("interval() sweeps run an optuna search, which needs a trial count — fix: pass --n-trials N")
+        raise UsageError("interval() sweeps run an optuna search, which needs a trial count — fix: pass "
+                         "--n-trials N")
     name = f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     if sweep_dir is None:
         from areal_cli.config.compose import load_config
