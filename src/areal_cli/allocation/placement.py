@@ -14,6 +14,7 @@ cannot share a node whatever the start, so placement reports it in ``Placement.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from areal_cli.allocation.parser import SPEC_PATH
@@ -116,10 +117,11 @@ def _fits(start: int, spans: list[tuple[int, int]], n_per_node: int) -> bool:
 
 
 def place(spec: AllocationSpec, n_nodes: int, n_per_node: int, device: str = "cuda",
-          engine: str | None = None) -> list[Placement]:
+          engine: str | None = None, gpu_fix: Callable[[int], str] | None = None) -> list[Placement]:
     """Placement per component (same order as ``spec.components``) or a ConfigError. ``engine`` is the
     train backend of components the spec leaves unnamed. On ``device="cpu"`` a device is one process
-    slot, so the fix offers more slots per node before more nodes."""
+    slot, so the fix offers more slots per node before more nodes, unless ``gpu_fix`` (devices needed ->
+    the fix) says the spec is for GPUs anyway."""
     total = n_nodes * n_per_node
     need = sum(spec.components[g[0]].world_size for g in spec.groups)
     cluster_txt = (f"the cluster has {total} (cluster.n_nodes={n_nodes} × "
@@ -129,6 +131,8 @@ def place(spec: AllocationSpec, n_nodes: int, n_per_node: int, device: str = "cu
         fix = (f"set cluster.n_gpus_per_node={need} (on CPU a device is a process slot), "
                f"cluster.n_nodes={nodes_needed}, or shrink the dims" if device == "cpu"
                else f"set cluster.n_nodes={nodes_needed} or shrink the dims")
+        if device == "cpu" and gpu_fix is not None:
+            fix = gpu_fix(need)
         raise ConfigError(SPEC_PATH, f"the spec needs {need} devices but {cluster_txt}", fix,
                           text=spec.text, column=spec.components[0].column)
     result: list[Placement | None] = [None] * len(spec.components)

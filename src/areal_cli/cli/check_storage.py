@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-HELP = """Check that PATHs (default: cluster.fileroot) can hold a run: exists/creatable, writable, free space
+HELP = """Check that PATHs (default: cluster.fileroot) can hold a run: exists, writable, free space
 against the checkpoint estimate, fsync latency, sequential write/read throughput, atomic rename, file locking,
 filesystem type; with --nodes N > 1 every node writes a token and must read every other node's (under SLURM
 through srun, or through --hosts and a command template). s3:// paths: credentials, list, put, get, multipart
-upload, delete. Exit 0 when all pass, 1 when any fails.
+upload, delete. A missing directory is reported (exit 1), not created, unless --create. Exit 0 when all
+pass, 1 when any fails.
 
 Examples:
   areal check-storage /shared/areal --nodes 2             (inside salloc/sbatch: srun on every node)
@@ -16,9 +17,29 @@ Examples:
 """
 
 
+def refuse_missing(paths: list[str], as_json: bool) -> None:
+    """A local path that does not exist: one line, exit 1, nothing created (``--create`` makes it)."""
+    import os
+
+    from areal_cli.errors import StorageError
+
+    missing = [p for p in paths if not p.startswith("s3://") and not os.path.lexists(os.path.expanduser(p))]
+    if not missing:
+        return
+    shown = " ".join(missing)
+    err = StorageError(f"{shown} does not exist (check-storage creates nothing unless asked) — fix: create it "
+                       f"(mkdir -p {shown}), point at an existing directory (cluster.fileroot=DIR), or pass "
+                       "--create")
+    if as_json:
+        from areal_cli.cli.common import error_json, print_json
+
+        print_json(error_json(err))
+    raise err
+
+
 def run(paths: list[str], nodes: int, as_json: bool, hosts: list[str], template: str,
         node_cmds: list[str], overrides: list[str], required_gb: float | None, throughput_mb: int,
-        timeout_s: float, srun_args: list[str]) -> int:
+        timeout_s: float, srun_args: list[str], create: bool = False) -> int:
     from areal_cli.storage import NodeSpec, estimate_run_bytes, run_storage_check
 
     required = int(required_gb * 1024**3) if required_gb is not None else 0
@@ -29,13 +50,16 @@ def run(paths: list[str], nodes: int, as_json: bool, hosts: list[str], template:
         paths = paths or [cfg.cluster.fileroot]
         if required_gb is None:
             required = estimate_run_bytes(cfg)
+    if not create and nodes <= 1 and not hosts and not node_cmds:
+        refuse_missing(paths, as_json)  # (other nodes may hold a path this one lacks: their probes report it)
     specs = []
     for item in node_cmds:
         name, sep, tmpl = item.partition("=")
         specs.append(NodeSpec(name=name, template=tmpl if sep else "{cmd}"))
     report = run_storage_check(paths, nodes, hosts=hosts or None, template=template, node_specs=specs or None,
                                srun_args=srun_args, required_bytes=required,
-                               throughput_bytes=throughput_mb * 1024 * 1024, timeout_s=timeout_s)
+                               throughput_bytes=throughput_mb * 1024 * 1024, timeout_s=timeout_s,
+                               create=create)
     if as_json:
         from areal_cli.cli.common import print_json
 
@@ -66,7 +90,10 @@ def register(app) -> None:
         throughput_mb: int = typer.Option(32, "--throughput-mb", help="Bytes written for the throughput probe."),
         timeout_s: float = typer.Option(30.0, "--timeout", help="Seconds to wait for other nodes' tokens."),
         srun_arg: list[str] = typer.Option([], "--srun-arg", help="Extra srun argument (repeatable)."),
+        create: bool = typer.Option(False, "--create", help="Create a missing directory (default: report it "
+                                    "missing and exit 1)."),
     ) -> None:
         code = run(list(paths or []), nodes, as_json, [h for h in hosts.split(",") if h], template,
-                   list(node_cmd), list(override), required_gb, throughput_mb, timeout_s, list(srun_arg))
+                   list(node_cmd), list(override), required_gb, throughput_mb, timeout_s, list(srun_arg),
+                   create)
         raise typer.Exit(code)

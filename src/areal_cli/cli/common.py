@@ -24,11 +24,12 @@ def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_m
     """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake (after printing it as the JSON
     error object when ``as_json``, for tools that parse ``--json``). ``fetch_model`` (``areal train``): a hub
     model the CLI fetches itself is downloaded first, so validation checks its real config.json."""
-    from areal_cli.config.compose import load_config, prepare
+    from areal_cli.config.compose import explain_range, load_config, prepare
     from areal_cli.config.recipe import toy_value_warnings
     from areal_cli.config.validate import validate
-    from areal_cli.errors import ArealError
+    from areal_cli.errors import ArealError, ConfigError
 
+    prep = None
     try:
         prep = prepare(list(overrides))
         cfg = load_config(prepared=prep)
@@ -44,6 +45,9 @@ def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_m
         plan.warnings.extend(toy_value_warnings(cfg, prep.explicit_keys))
         return cfg, plan
     except ArealError as exc:
+        err = explain_range(exc, prep) if prep is not None and isinstance(exc, ConfigError) else exc
         if as_json:
-            print_json(error_json(exc))
-        raise
+            print_json(error_json(err))
+        if err is exc:
+            raise
+        raise err from None

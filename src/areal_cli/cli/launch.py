@@ -37,8 +37,8 @@ def check_run_dir_writable(run_dir: str) -> None:
         os.replace(probe, p / ".write_probe")
         (p / ".write_probe").unlink()
     except OSError as e:
-        raise StorageError(f"run dir {run_dir} is not writable ({e.strerror or e}); "
-                           "fix: set cluster.fileroot to a writable directory") from e
+        raise StorageError(f"run dir {run_dir} is not writable ({e.strerror or e}) "
+                           "— fix: set cluster.fileroot to a writable directory") from e
 
 
 def check_storage(cfg: Any, run_dir: str) -> None:

@@ -117,6 +117,29 @@ def _click_exceptions():
                            Abort=getattr(tx, "Abort", getattr(cx, "Abort", KeyboardInterrupt)))
 
 
+def click_usage_error(exc, command: str | None = None):
+    """click's usage error (a ``Usage: ...`` block, then ``Error: No such option: --jsn (Possible options:
+    --json)``) as our one line: ``no such option: --jsn — fix: did you mean --json? see `areal
+    validate-config -h` ``. ``command``: the command argv named, for errors raised outside its context."""
+    import re
+
+    from areal_cli.errors import UsageError
+
+    msg = " ".join(exc.format_message().split())
+    fix = ""
+    m = re.search(r"\s*\(Possible options: ([^)]*)\)|\.?\s*Did you mean (.*?)\?", msg)
+    if m:
+        fix = f"did you mean {(m.group(1) or m.group(2)).replace(', ', ' or ')}? "
+        msg = msg[:m.start()] + msg[m.end():]
+    msg = msg.strip().rstrip(".")
+    msg = msg[:1].lower() + msg[1:]
+    ctx = getattr(exc, "ctx", None)
+    path = getattr(ctx, "command_path", "") if ctx is not None else ""
+    if path in ("", "areal") and command in {c.replace("_", "-") for c in COMMANDS}:
+        path = f"areal {command}"
+    return UsageError(f"{msg} — fix: {fix}see `{path or 'areal'} -h`")
+
+
 def take_config_dirs(args: list[str]) -> tuple[list[str], list[str]]:
     """Split ``--config-dir DIR`` / ``--config-dir=DIR`` / ``-cd DIR`` (Hydra's spellings, any command,
     any position) from the rest of ``args``."""
@@ -128,7 +151,7 @@ def take_config_dirs(args: list[str]) -> tuple[list[str], list[str]]:
         if a in ("--config-dir", "-cd"):
             d = next(it, None)
             if d is None or d.startswith("-"):
-                raise UsageError(f"{a} needs a directory: {a} DIR")
+                raise UsageError(f"{a} needs a directory — fix: {a} DIR")
             dirs.append(d)
         elif a.startswith("--config-dir="):
             dirs.append(a.split("=", 1)[1])
@@ -142,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_cli.errors import ArealError
 
     args = list(sys.argv[1:] if argv is None else argv)
+    first = None
     try:
         args, config_dirs = take_config_dirs(args)
         if config_dirs:
@@ -159,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     except ArealError as exc:
         print_error(exc)
         code = exc.exit_code
+    except cx.UsageError as exc:
+        print_error(click_usage_error(exc, first))
+        code = 2
     except cx.ClickException as exc:
         exc.show(file=sys.stderr)
-        code = 2 if isinstance(exc, cx.UsageError) else exc.exit_code
+        code = exc.exit_code
     except cx.Exit as exc:
         code = exc.exit_code
     except (cx.Abort, KeyboardInterrupt):

@@ -44,7 +44,8 @@ def sweep(
         if overrides:
             from areal_cli.errors import UsageError
 
-            raise UsageError("--resume takes the sweep's own overrides from its manifest; pass no overrides")
+            raise UsageError("--resume takes the sweep's own overrides from its manifest — fix: pass no "
+                             "overrides with --resume")
         m = Manifest.load(resume)
     else:
         ovs = list(overrides or [])
@@ -65,6 +66,7 @@ def sweep(
         console.print(results.render_table(m))
         bad = [t for t in m.trials if t.status == "invalid"]
         console.print(f"{len(m.trials)} trial(s), {len(bad)} invalid. Nothing was run (--dry-run).")
+        _refuse_all_invalid(m)
         return
     m.save()
     console.print(f"sweep dir: [bold]{m.sweep_dir}[/]  ({len(m.trials) or m.n_trials} trials, launcher {m.launcher})")
@@ -75,6 +77,7 @@ def sweep(
                  slurm_params=_slurm_params(m) if m.launcher == "slurm" else None, on_update=on_update)
     m.save()
     console.print(results.render_table(m))
+    _refuse_all_invalid(m)
     csv_path = results.write_csv(m)
     png = results.plot(m)
     console.print(f"results: {csv_path}" + (f", plot: {png}" if png else ""))
@@ -86,6 +89,16 @@ def sweep(
     if failed:
         console.print(f"[red]{len(failed)} trial(s) failed[/]; rerun them with: areal sweep --resume {m.sweep_dir}")
         raise typer.Exit(1)
+
+
+def _refuse_all_invalid(m) -> None:
+    """No valid trial: nothing can run, so the sweep is a failure (exit 1) naming the first reason."""
+    if m.trials and all(t.status == "invalid" for t in m.trials):
+        from areal_cli.errors import ArealError
+
+        # The first trial's own error ends the line, with its fix: one "— fix:" per line.
+        raise ArealError(f"all {len(m.trials)} trials of the sweep are invalid, so nothing would run; the "
+                         f"first one's error: {m.trials[0].reason}")
 
 
 def _slurm_params(m) -> dict:

@@ -66,9 +66,13 @@ def run(overrides: list[str], dry_run: bool, cfg_mode: str | None, as_json: bool
 
     if cfg_mode is not None:
         if cfg_mode != "job":
-            raise UsageError(f"--cfg takes 'job' (print the composed config), got '{cfg_mode}'")
+            raise UsageError(f"--cfg takes 'job' (print the composed config), got '{cfg_mode}' — fix: --cfg job")
         print_job_config(overrides)
         return 0
+    if as_json and not dry_run:
+        # --json is for tools, and a launch has no JSON answer to give: it runs for hours behind a live view.
+        raise UsageError("--json prints the plan of a dry run; a launch does not print JSON — fix: add --dry-run "
+                         "(areal train --dry-run --json ...), or ask a running run with `areal status --json`")
     cfg, plan = compose_and_validate(overrides, as_json, fetch_model=not dry_run)
     if dry_run:
         show_dry_run(cfg, plan, as_json)
@@ -88,6 +92,7 @@ def register(app) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="Compose, validate and print the plan only."),
         cfg: str = typer.Option(None, "--cfg", help="'job': print the composed config and exit.",
                                 show_default=False),
-        as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON."),
+        as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON "
+                                     "(refused without --dry-run)."),
     ) -> int:
         return run(list(overrides or []), dry_run, cfg, as_json)

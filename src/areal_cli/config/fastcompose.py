@@ -149,8 +149,9 @@ def _info(cls: type) -> dict[str, tuple[Any, Any, bool]]:
     return out
 
 
-def _merge(tree: dict, cls: type, data: Any, prefix: str) -> None:
-    """Deep-merge YAML ``data`` into the plain-dict ``tree`` of dataclass ``cls``."""
+def _merge(tree: dict, cls: type, data: Any, prefix: str, trace: dict | None = None, label: str = "") -> None:
+    """Deep-merge YAML ``data`` into the plain-dict ``tree`` of dataclass ``cls``; ``trace`` (dotted path ->
+    ``label``) records which file set each value."""
     if data is None:
         return
     if not isinstance(data, dict):
@@ -163,9 +164,11 @@ def _merge(tree: dict, cls: type, data: Any, prefix: str) -> None:
         if nested:
             if not isinstance(value, dict) or not isinstance(tree.get(key), dict):
                 raise Unsupported(f"{prefix}{key}")
-            _merge(tree[key], base, value, f"{prefix}{key}.")
+            _merge(tree[key], base, value, f"{prefix}{key}.", trace, label)
         else:
             tree[key] = _convert(value, declared, f"{prefix}{key}", from_cli=False)
+            if trace is not None:
+                trace[f"{prefix}{key}"] = label
 
 
 def _to_tree(obj: Any) -> Any:
@@ -226,20 +229,24 @@ def _defaults(conf_dir: Path) -> list[tuple[str, str]]:
     return out
 
 
-def fast_compose(hydra_overrides: list[str], conf_dir: Path | list[Path]) -> ExperimentConfig | None:
+def fast_compose(hydra_overrides: list[str], conf_dir: Path | list[Path],
+                 trace: dict | None = None) -> ExperimentConfig | None:
     """The composed typed config, or None when Hydra must decide. ``conf_dir``: the packaged conf dir,
     or the whole search path (user dirs first, the packaged dir, which holds ``config.yaml``, last).
 
     Only :class:`Unsupported` falls back (every case is raised on purpose, where the input is
     outside what this module reproduces); any other exception is a bug here and propagates rather
-    than hiding behind a silent Hydra compose (tests/unit/config/test_config_fastcompose.py pins both)."""
+    than hiding behind a silent Hydra compose (tests/unit/config/test_config_fastcompose.py pins both).
+    ``trace``, when given, is filled with where each value that is not the schema's default was set:
+    ``{"trainer.total_steps": "experiment=real_model", "algo.optim.lr": "the command line", ...}``."""
     try:
-        return _compose(hydra_overrides, conf_dir)
+        return _compose(hydra_overrides, conf_dir, trace)
     except Unsupported:
         return None
 
 
-def _compose(hydra_overrides: list[str], conf_dir: Path | list[Path]) -> ExperimentConfig:
+def _compose(hydra_overrides: list[str], conf_dir: Path | list[Path],
+             trace: dict | None = None) -> ExperimentConfig:
     dirs = list(conf_dir) if isinstance(conf_dir, (list, tuple)) else [conf_dir]
     defaults = _defaults(dirs[-1])
     groups = [g for g, _ in defaults]
@@ -283,7 +290,7 @@ def _compose(hydra_overrides: list[str], conf_dir: Path | list[Path]) -> Experim
         if g == "experiment":
             _, data = _load_yaml(exp_file)  # type: ignore[arg-type]
             data = {k: v for k, v in (data or {}).items() if k != "defaults"}
-            _merge(tree, ExperimentConfig, data, "")
+            _merge(tree, ExperimentConfig, data, "", trace, f"experiment={choices[g]}")
             continue
         f = _option_file(dirs, g, choices[g])
         header, data = _load_yaml(f)
@@ -291,7 +298,7 @@ def _compose(hydra_overrides: list[str], conf_dir: Path | list[Path]) -> Experim
             raise Unsupported(str(f))
         if isinstance(data, dict) and "defaults" in data:
             raise Unsupported(str(f))
-        _merge(tree[g], hints[g][1], data, f"{g}.")
+        _merge(tree[g], hints[g][1], data, f"{g}.", trace, f"{g}={choices[g]}")
     for key, text in values:
         parts = key.split(".")
         cls: Any = ExperimentConfig
@@ -306,4 +313,6 @@ def _compose(hydra_overrides: list[str], conf_dir: Path | list[Path]) -> Experim
         if leaf not in info or info[leaf][2]:
             raise Unsupported(key)
         node[leaf] = _convert(parse_value(text), info[leaf][0], key, from_cli=True)
+        if trace is not None:
+            trace[key] = "the command line"
     return _build(ExperimentConfig, tree)

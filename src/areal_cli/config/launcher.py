@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 from areal_cli.config.ranges import ranged
 
+MULTI_NODE_LAUNCHERS = "launcher=slurm, launcher=ray or launcher=skypilot"
+
+
+def local_multi_node(n_nodes: int) -> tuple[str, str]:
+    """(reason, fix) for a plan of several nodes under launcher=local: the plan warning and the launch refusal
+    say the same thing. The local launcher starts processes on this machine only; nothing places them on
+    other hosts (there is no host-list knob to set)."""
+    return (f"launcher=local runs on this machine alone, but the plan needs {n_nodes} nodes "
+            f"(cluster.n_nodes={n_nodes})",
+            f"use a launcher that starts every node ({MULTI_NODE_LAUNCHERS}), or set cluster.n_nodes=1")
+
 
 @dataclass
 class SlurmConfig:

@@ -20,6 +20,11 @@ from areal_cli.errors import ConfigError
 RETIRED = {
     "engine.mixed_precision": ("was folded into engine.dtype (bf16 compute with fp32 master weights on every "
                                "engine)", "use engine.dtype=bfloat16"),
+    "cluster.hosts": ("no launcher reads a host list: launcher=local runs on this machine alone, and slurm, "
+                      "ray and skypilot find their nodes themselves",
+                      "drop cluster.hosts; for several nodes use launcher=slurm, launcher=ray or "
+                      "launcher=skypilot; to check a shared path on given hosts run "
+                      "`areal check-storage PATH --hosts h1,h2`"),
 }
 
 

@@ -124,7 +124,9 @@ def check_ranges(cfg: Any, prefix: str = "") -> None:
         if isinstance(obj, bool) or not isinstance(obj, (int, float)):
             raise ConfigError(path, f"must be a number in {r}, got {obj!r}", _hint(path, f, r))
         if not r.contains(obj):
-            raise ConfigError(path, f"{obj!r} is out of range: must be in {r}", _hint(path, f, r))
+            err = ConfigError(path, f"{obj!r} is out of range: must be in {r}", _hint(path, f, r))
+            err.out_of_range = (obj, r)  # compose.explain_range adds where the value came from
+            raise err
 
 
 def _optional(f: dataclasses.Field, cfg: Any, rel: str) -> bool:
@@ -136,5 +138,11 @@ def _optional(f: dataclasses.Field, cfg: Any, rel: str) -> bool:
 
 
 def _hint(path: str, f: dataclasses.Field, r: Range) -> str:
-    default = f"the default is {f.default!r}" if f.default is not dataclasses.MISSING else ""
-    return "; ".join(x for x in (f"set {path} in {r}", r.why, default) if x)
+    # No schema default here: an experiment or group option may set another value, and naming the schema's
+    # would mislead (compose.explain_range names the value in effect and where it came from).
+    return range_hint(path, r)
+
+
+def range_hint(path: str, r: Range) -> str:
+    """The fix of an out-of-range error: the range and what it means."""
+    return "; ".join(x for x in (f"set {path} in {r}", r.why) if x)

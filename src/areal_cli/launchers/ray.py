@@ -69,7 +69,7 @@ def _import_ray():
         import ray
     except ImportError as e:
         raise LaunchError(
-            f"launcher=ray needs Ray, which is not installed ({e}); fix: "
+            f"launcher=ray needs Ray, which is not installed ({e}) — fix: "
             "pip install 'areal-cli[ray]' (the same Ray version as the cluster)"
         ) from None
     return ray
@@ -186,7 +186,7 @@ def connect(cfg: Any) -> Any:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise LaunchError(
             f"launcher=ray cannot reach a Ray cluster at launcher.ray.address={rc.address} "
-            f"({first}); fix: start one (`ray start --head`), set launcher.ray.address=HOST:PORT, "
+            f"({first}) — fix: start one (`ray start --head`), set launcher.ray.address=HOST:PORT, "
             "or launcher.ray.address=local to start one for this run"
         ) from None
     return ray
@@ -721,7 +721,8 @@ class RayLauncher:
         if layout.colocated:
             raise LaunchError(
                 "launcher=ray places inference and training on separate devices ('+' in "
-                "allocation_mode); this colocated plan ('|') needs launcher=local or launcher=slurm"
+                "allocation_mode), and this plan is colocated ('|') — fix: use launcher=local or "
+                "launcher=slurm, or separate the components with '+'"
             )
         ray = connect(cfg)
         try:

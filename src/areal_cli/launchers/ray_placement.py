@@ -126,7 +126,7 @@ def placement_groups(layout: JobLayout, cpus_per_gpu: float = 1.0) -> list[Group
     if world != t.nnodes * t.nproc_per_node:
         raise LaunchError(
             f"launcher=ray: the plan splits {world} trainer ranks unevenly over {t.nnodes} nodes "
-            f"(at most {t.nproc_per_node} per node); fix: order or size allocation_mode so the "
+            f"(at most {t.nproc_per_node} per node) — fix: order or size allocation_mode so the "
             "train component fills whole nodes or fits on one"
         )
     groups.append(
@@ -161,11 +161,11 @@ def _num(v: float) -> str:
 def _fix(device: str) -> str:
     if device == "cuda":
         return (
-            "fix: add GPU nodes to the Ray cluster, or shrink allocation_mode / cluster.n_gpus_per_node "
+            "— fix: add GPU nodes to the Ray cluster, or shrink allocation_mode / cluster.n_gpus_per_node "
             "(launcher.ray.cpus_per_gpu sets the CPUs reserved per GPU)"
         )
     return (
-        "fix: give the Ray nodes more logical CPUs (`ray start --num-cpus N`), add nodes, or shrink "
+        "— fix: give the Ray nodes more logical CPUs (`ray start --num-cpus N`), add nodes, or shrink "
         "allocation_mode / cluster.n_gpus_per_node (on CPU a device is one CPU)"
     )
 
@@ -188,12 +188,12 @@ def assign_nodes(
         if need > have:
             raise LaunchError(
                 f"{intro} has {_num(have)} {res} but the plan needs {_num(need)} {res} "
-                f"(short by {_num(need - have)} {res}); {_fix(layout.device)}"
+                f"(short by {_num(need - have)} {res}) {_fix(layout.device)}"
             )
     if len(needs) > len(nodes):
         raise LaunchError(
             f"{intro} has {len(nodes)} node(s) but the plan puts work on {len(needs)} nodes "
-            f"(cluster.n_nodes={layout.n_nodes}); fix: add Ray nodes or lower cluster.n_nodes"
+            f"(cluster.n_nodes={layout.n_nodes}) — fix: add Ray nodes or lower cluster.n_nodes"
         )
     out: dict[int, RayNode] = {}
     unit = device_resource(layout.device)
@@ -202,7 +202,7 @@ def assign_nodes(
         if not fits:
             raise LaunchError(
                 f"{intro} has no free node for plan node {node}, which needs {_fmt(need)} on one "
-                f"node; {_fix(layout.device)}"
+                f"node {_fix(layout.device)}"
             )
         out[node] = min(fits, key=lambda n: (n.has(unit), nodes.index(n)))  # best fit, then stable
     return dict(sorted(out.items()))

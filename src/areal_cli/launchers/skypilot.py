@@ -220,9 +220,9 @@ def dry_run(cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
     text = task_yaml(build_task_config(cfg, layout, run_dir))
     if sky_python() is None:
         return {"task_yaml": text, "checked_by_skypilot": False,
-                "note": "not checked by SkyPilot: skypilot is not installed here (fix: "
+                "note": "not checked by SkyPilot: skypilot is not installed here — fix: "
                         "`python -m venv ~/.cache/areal/skypilot-venv && ~/.cache/areal/skypilot-venv/bin/pip "
-                        "install skypilot`, or set AREAL_SKYPILOT_PYTHON)"}
+                        "install skypilot`, or set AREAL_SKYPILOT_PYTHON"}
     with tempfile.TemporaryDirectory() as d:
         # SkyPilot checks that local file-mount sources exist: validate a copy whose run-dir sources
         # are stand-ins; the printed YAML keeps the real run dir.
@@ -257,7 +257,8 @@ class SkyPilotLauncher:
         py = sky_python()
         sky_bin = shutil.which("sky") or (os.path.join(os.path.dirname(py), "sky") if py else None)
         if not sky_bin or not os.path.exists(sky_bin):
-            raise LaunchError("the `sky` CLI was not found next to the SkyPilot interpreter; install skypilot")
+            raise LaunchError("the `sky` CLI was not found next to the SkyPilot interpreter — fix: "
+                              "install skypilot there")
         cluster = cfg.launcher.skypilot.cluster_name or f"areal-{cfg.experiment_name}".lower().replace("_", "-")
         argv = [sky_bin, "launch", "-y", "-c", cluster, path]
         if os.environ.get("HF_TOKEN"):  # the nodes' hub access; by name, so the value stays out of the YAML
@@ -293,7 +294,8 @@ def node_main(argv: list[str] | None = None) -> int:
     deadline = time.time() + 600
     while not (run_dir / "launch.json").exists():  # node 0 copies it onto the shared fileroot
         if time.time() > deadline:
-            raise LaunchError(f"{run_dir}/launch.json never appeared: is the fileroot shared between nodes?")
+            raise LaunchError(f"{run_dir}/launch.json never appeared; the fileroot seems not shared between "
+                              "nodes — fix: mount one shared fileroot on every node (areal check-storage)")
         time.sleep(0.5)
     cfg = load_config_file(str(run_dir / "config.yaml"))
     info = json.loads((run_dir / "launch.json").read_text())

@@ -214,8 +214,9 @@ def wait_rendezvous(path: Path, timeout_s: float, poll_s: float = 0.2) -> dict[s
         except (OSError, ValueError):
             if time.monotonic() > deadline:
                 raise LaunchError(f"node 0 did not publish the torch rendezvous ({path}) within "
-                                  f"{timeout_s:.0f}s; is the run dir on a filesystem every node shares? "
-                                  "(areal check-storage)") from None
+                                  f"{timeout_s:.0f}s; the run dir seems not shared between nodes — fix: put "
+                                  "cluster.fileroot on a filesystem every node shares (areal check-storage)"
+                                  ) from None
             time.sleep(poll_s)
 
 

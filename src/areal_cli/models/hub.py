@@ -249,7 +249,7 @@ def hub_error(
     if kind == "disk":
         return StorageError(
             f"cannot write {repo_id} into the Hugging Face cache {cache} "
-            f"({getattr(e, 'strerror', None) or e}); fix: set HF_HOME to a writable directory with "
+            f"({getattr(e, 'strerror', None) or e}) — fix: set HF_HOME to a writable directory with "
             "room for the model"
         )
     why = (
@@ -279,7 +279,7 @@ def node_lock(cache: Path, repo_id: str) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise StorageError(
-            f"cannot create the Hugging Face cache {cache} ({e.strerror or e}); fix: set HF_HOME "
+            f"cannot create the Hugging Face cache {cache} ({e.strerror or e}) — fix: set HF_HOME "
             "to a writable directory with room for the model"
         ) from None
     lock = FileLock(str(path))

@@ -25,8 +25,9 @@ def run_storage_check(paths: Sequence[str], nodes: int = 1, *, hosts: Sequence[s
                       use_srun: bool | None = None, srun_args: Sequence[str] = (),
                       required_bytes: int = 0, throughput_bytes: int = DEFAULT_THROUGHPUT_BYTES,
                       timeout_s: float = 30.0, s3_options: dict[str, Any] | None = None,
-                      python: str | None = None) -> StorageReport:
-    """Check every path; returns the report (``report.ok`` False when any check failed).
+                      python: str | None = None, create: bool = True) -> StorageReport:
+    """Check every path; returns the report (``report.ok`` False when any check failed). ``create``: make a
+    missing directory (a launch makes its fileroot); ``areal check-storage`` reports it missing instead.
 
     Also accepts ``run_storage_check(cfg, run_dir)`` (an experiment config first): that is the
     launch-time form, :func:`check_before_launch`, which raises ``StorageError`` on failure.
@@ -51,7 +52,7 @@ def run_storage_check(paths: Sequence[str], nodes: int = 1, *, hosts: Sequence[s
         use_srun = not specs and n_nodes > 1 and "SLURM_JOB_ID" in os.environ
     multi = n_nodes > 1
     common = dict(timeout_s=timeout_s, required_bytes=int(required_bytes),
-                  throughput_bytes=int(throughput_bytes), python=python)
+                  throughput_bytes=int(throughput_bytes), python=python, create=create)
     if specs:
         run = run_templates(specs, local, **common)
         report.extend(evaluate(run, local, expected_nodes=[s.name for s in specs]))
@@ -62,7 +63,7 @@ def run_storage_check(paths: Sequence[str], nodes: int = 1, *, hosts: Sequence[s
         return report
     for p in local:
         report.extend(run_local_checks(p, required_bytes=int(required_bytes), multi_node=multi,
-                                       throughput_bytes=int(throughput_bytes)))
+                                       throughput_bytes=int(throughput_bytes), create=create))
         if multi:
             report.add(CheckResult(
                 "cross-node visibility", WARN, f"not verified for {n_nodes} nodes from this host",
@@ -84,7 +85,7 @@ def check_before_launch(cfg: Any, *, srun_args: Sequence[str] = (), use_srun: bo
     from areal_cli.storage.estimate import estimate_run_bytes
 
     report = run_storage_check(storage_paths_for(cfg), int(cfg.cluster.n_nodes),
-                               hosts=list(cfg.cluster.hosts) or None, node_specs=node_specs,
+                               node_specs=node_specs,
                                use_srun=use_srun, srun_args=srun_args,
                                required_bytes=estimate_run_bytes(cfg), throughput_bytes=throughput_bytes)
     if report.ok:

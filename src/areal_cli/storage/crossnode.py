@@ -44,12 +44,15 @@ class ProbeRun:
 
 
 def probe_argv(paths: list[str], *, expect: int, session: str, timeout_s: float, node_id: str | None,
-               required_bytes: int, throughput_bytes: int, python: str | None = None) -> list[str]:
+               required_bytes: int, throughput_bytes: int, python: str | None = None,
+               create: bool = True) -> list[str]:
     argv = [python or sys.executable, "-m", "areal_cli.storage.node_probe", "--expect", str(expect),
             "--session", session, "--timeout", str(timeout_s), "--required-bytes", str(required_bytes),
             "--throughput-bytes", str(throughput_bytes)]
     if expect == 1:
         argv.append("--single-node")
+    if not create:
+        argv.append("--no-create")
     for p in paths:
         argv += ["--path", p]
     if node_id is not None:
@@ -74,12 +77,13 @@ def _tail(s: str, n: int = 6) -> str:
 
 
 def run_templates(nodes: list[NodeSpec], paths: list[str], *, timeout_s: float, required_bytes: int,
-                  throughput_bytes: int, python: str | None = None) -> ProbeRun:
+                  throughput_bytes: int, python: str | None = None, create: bool = True) -> ProbeRun:
     session = uuid.uuid4().hex[:12]
     procs = []
     for n in nodes:
         argv = probe_argv(paths, expect=len(nodes), session=session, timeout_s=timeout_s, node_id=n.name,
-                          required_bytes=required_bytes, throughput_bytes=throughput_bytes, python=python)
+                          required_bytes=required_bytes, throughput_bytes=throughput_bytes, python=python,
+                          create=create)
         cmd = n.template.format(cmd=shlex.join(argv), host=n.host or n.name, node_id=n.name)
         procs.append((n, subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           stdin=subprocess.DEVNULL, text=True, start_new_session=True)))
@@ -107,13 +111,15 @@ def _cleanup(paths: list[str], session: str) -> None:
 
 
 def run_srun(n_nodes: int, paths: list[str], *, timeout_s: float, required_bytes: int, throughput_bytes: int,
-             srun_args: list[str] | tuple[str, ...] = (), python: str | None = None) -> ProbeRun:
+             srun_args: list[str] | tuple[str, ...] = (), python: str | None = None,
+             create: bool = True) -> ProbeRun:
     """One srun step, one task per node; node names come from SLURMD_NODENAME."""
     session = uuid.uuid4().hex[:12]
     argv = ["srun", "--nodes", str(n_nodes), "--ntasks-per-node", "1", "--ntasks", str(n_nodes),
             "--kill-on-bad-exit=0", *srun_args,
             *probe_argv(paths, expect=n_nodes, session=session, timeout_s=timeout_s, node_id=None,
-                        required_bytes=required_bytes, throughput_bytes=throughput_bytes, python=python)]
+                        required_bytes=required_bytes, throughput_bytes=throughput_bytes, python=python,
+                        create=create)]
     run = ProbeRun()
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s * 2 + 600)

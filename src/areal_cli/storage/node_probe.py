@@ -93,19 +93,20 @@ def remove_session(path: str, session: str) -> None:
 
 def probe(paths: list[str], node_id: str, expect: int, session: str, timeout_s: float, *,
           required_bytes: int = 0, throughput_bytes: int = 0, multi_node: bool = True,
-          local_checks: bool = True) -> dict:
+          local_checks: bool = True, create: bool = True) -> dict:
     from areal_cli.storage.path_checks import check_exists, run_local_checks
 
     out: dict = {"node": node_id, "hostname": socket.gethostname(), "pid": os.getpid(), "paths": {}}
     for p in paths:
-        ex = check_exists(p, create=True)
+        ex = check_exists(p, create=create)
         if ex.failed:
             rec = {"token": None, "seen": {}, "error": f"path unusable: {ex.figure}"}
         else:
             rec = exchange_tokens(p, node_id, expect, session, timeout_s)
         rec["local"] = ([asdict(r) for r in run_local_checks(p, required_bytes=required_bytes,
                                                              multi_node=multi_node,
-                                                             throughput_bytes=throughput_bytes)]
+                                                             throughput_bytes=throughput_bytes,
+                                                             create=create)]
                         if local_checks else [])
         out["paths"][p] = rec
     return out
@@ -122,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--throughput-bytes", type=int, default=0)
     ap.add_argument("--single-node", action="store_true")
     ap.add_argument("--no-local-checks", action="store_true")
+    ap.add_argument("--no-create", action="store_true", help="report a missing path instead of creating it")
     a = ap.parse_args(argv)
     res = probe(a.path, a.node_id or default_node_id(), a.expect, a.session, a.timeout,
                 required_bytes=a.required_bytes, throughput_bytes=a.throughput_bytes,
-                multi_node=not a.single_node, local_checks=not a.no_local_checks)
+                multi_node=not a.single_node, local_checks=not a.no_local_checks, create=not a.no_create)
     sys.stdout.write(MARKER + json.dumps(res) + "\n")
     sys.stdout.flush()
     return 0

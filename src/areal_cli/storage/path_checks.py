@@ -100,7 +100,8 @@ def check_exists(path: str, *, create: bool = True) -> CheckResult:
     if is_dir is False:
         return not_dir
     if not create:
-        return CheckResult("exists", FAIL, "missing", f"mkdir -p {path}", path=path)
+        return CheckResult("exists", FAIL, "missing", f"create it (mkdir -p {path}), or pass --create",
+                           path=path)
     try:
         os.makedirs(path, exist_ok=True)
     except FileExistsError:  # makedirs(exist_ok=True) raises it only for a path that is not a directory

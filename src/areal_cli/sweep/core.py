@@ -17,12 +17,17 @@ def check_trial(fixed: list[str], overrides: list[str], name: str, tid: str) -> 
 
     Returns ``(reason, run_dir, n_processes)``; ``reason`` is empty when the trial is valid.
     """
-    from areal_cli.config.compose import load_config
+    from areal_cli.config.compose import explain_range, load_config, prepare
     from areal_cli.config.validate import validate
+    from areal_cli.errors import ConfigError
 
+    prep = None
     try:
-        cfg = load_config([*fixed, *overrides, f"experiment_name={name}", f"trial_name={tid}"])
+        prep = prepare([*fixed, *overrides, f"experiment_name={name}", f"trial_name={tid}"])
+        cfg = load_config(prepared=prep)
         plan = validate(cfg)
+    except ConfigError as e:
+        return str(explain_range(e, prep) if prep is not None else e), "", 0
     except ArealError as e:
         return str(e), "", 0
     return "", cfg.run_dir(), plan_processes(plan)
@@ -37,11 +42,13 @@ def new_manifest(overrides: list[str], *, sweep_dir: str | None, metric: str, mo
                  n_trials: int) -> Manifest:
     spec = split_overrides(overrides)
     if not spec.swept:
-        raise UsageError("nothing to sweep: give at least one sweep override, e.g. algo.optim.lr=1e-6,3e-6")
+        raise UsageError("nothing to sweep: no override has several values — fix: give at least one sweep "
+                         "override, e.g. algo.optim.lr=1e-6,3e-6")
     if mode not in ("max", "min"):
-        raise UsageError(f"--mode {mode!r}: use max or min")
+        raise UsageError(f"--mode {mode!r} is neither max nor min — fix: --mode max or --mode min")
     if spec.is_search and n_trials <= 0:
-        raise UsageError("interval() sweeps run an optuna search: pass --n-trials N")
+        raise UsageError("interval() sweeps run an optuna search, which needs a trial count — fix: pass "
+                         "--n-trials N")
     name = f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     if sweep_dir is None:
         from areal_cli.config.compose import load_config

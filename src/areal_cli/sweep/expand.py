@@ -91,7 +91,8 @@ def expand_grid(swept: list[str]) -> list[list[str]]:
     axes = []
     for ov in _parse(swept):
         if ov.is_interval_sweep():
-            raise UsageError("interval() sweeps are searched by optuna; pass --n-trials to run a search")
+            raise UsageError("interval() sweeps are searched by optuna, which needs a trial count — "
+                             "fix: pass --n-trials N")
         key = ov.get_key_element()
         if ov.value_type is not None and ov.value_type.name == "GLOB_CHOICE_SWEEP":
             values = _glob_filter(ov)

@@ -68,7 +68,8 @@ class Manifest:
     def load(cls, sweep_dir: str | os.PathLike) -> "Manifest":
         path = Path(sweep_dir) / MANIFEST
         if not path.is_file():
-            raise UsageError(f"--resume {sweep_dir}: no {MANIFEST} there; pass the directory a sweep printed")
+            raise UsageError(f"--resume {sweep_dir}: no {MANIFEST} there — fix: pass the sweep dir a sweep "
+                             "printed (sweep dir: ...)")
         raw = json.loads(path.read_text())
         raw["trials"] = [Trial(**t) for t in raw.get("trials", [])]
         return cls(**raw)

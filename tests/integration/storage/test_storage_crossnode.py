@@ -87,3 +87,17 @@ def test_cli_node_templates_exit_1_and_name_the_split(tmp_path):
     assert r.returncode == 1, r.stderr
     vis = [x for x in json.loads(r.stdout)["results"] if x["check"] == "cross-node visibility"]
     assert vis[0]["status"] == "fail" and "split: {a} | {b}" in vis[0]["figure"]
+
+
+def test_cli_reports_a_missing_path_on_every_node_and_creates_nothing(tmp_path):
+    """`areal check-storage` creates nothing unless asked: each node's probe reports the path missing."""
+    path = str(tmp_path / "missing")
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_cli.cli.main", "check-storage", path, "--json", "--required-gb", "0",
+         "--throughput-mb", "0", "--timeout", "3", "--node", "a", "--node", "b"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    exists = [x for x in json.loads(r.stdout)["results"] if x["check"] == "exists"]
+    assert {(x["node"], x["status"], x["figure"]) for x in exists} == {("a", "fail", "missing"),
+                                                                        ("b", "fail", "missing")}
+    assert not os.path.exists(path)

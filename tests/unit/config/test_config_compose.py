@@ -74,8 +74,11 @@ def test_model_presets_carry_architecture_facts():
                              "number"),
     (["rollout"], "rollout: override 'rollout' has no '=' — fix: write key=value, e.g. "
                   "rollout.group_size=8 or algo=grpo"),
-    (["algo=grpo,dapo"], "algo: 'grpo,dapo' is a sweep (comma-separated choices) — fix: run sweeps with "
-                         "`areal sweep algo=grpo,dapo`"),
+    (["algo=grpo,dapo"], "algo: 'grpo,dapo' is a sweep (comma-separated values): one run takes one value "
+                         "— fix: run the sweep with `areal sweep algo=grpo,dapo`, or pick one value"),
+    (["algo=grpo", "algo.optim.lr=1e-4,3e-4"],
+     "algo.optim.lr: '1e-4,3e-4' is a sweep (comma-separated values): one run takes one value — fix: run "
+     "the sweep with `areal sweep algo=grpo algo.optim.lr=1e-4,3e-4`, or pick one value"),
     (["rollout.group_size.x=1"], "rollout.group_size.x: 'rollout.group_size' is a value (an integer), not a "
                                  "section — fix: set rollout.group_size=<value>"),
     (["engine=fsdp", "allocation_mode=sglang.d4+megatron.d2t2p2"],

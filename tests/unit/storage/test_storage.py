@@ -179,7 +179,8 @@ def test_cli_json_and_exit_codes(tmpfs, tmp_path):
     ro = tmpfs("ro,size=1m")
     good = str(tmp_path / "good")
     r = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "check-storage", good, ro, "--json",
-                        "--required-gb", "0", "--throughput-mb", "1"], capture_output=True, text=True, timeout=120)
+                        "--required-gb", "0", "--throughput-mb", "1", "--create"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     out = json.loads(r.stdout)
     assert out["ok"] is False
