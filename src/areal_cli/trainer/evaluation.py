@@ -31,7 +31,8 @@ from typing import Any
 
 
 async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
-                      reward_fn: Any, concurrency: int, done: dict, base: bool = False) -> dict[str, float]:
+                      reward_fn: Any, concurrency: int, done: dict, base: bool = False,
+                      samples: dict | None = None, on_scored: Any = None) -> dict[str, float]:
     from areal_cli.api.io_struct import ModelRequest
     from areal_cli.rewards.outcome import correctness
     from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
@@ -50,9 +51,15 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
         prompt = build_prompt(tokenizer, item, cfg.dataset.use_chat_template)
         async with sem:
             resp = await client.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=gconfig))
-        reward = await call_reward(reward_fn, prompt.text, decode(tokenizer, resp.output_tokens),
-                                   item.get("answer"))
+        completion = decode(tokenizer, resp.output_tokens)
+        reward = await call_reward(reward_fn, prompt.text, completion, item.get("answer"))
         done[key] = (correctness(reward), len(resp.output_tokens), float(reward))
+        if samples is not None:
+            samples[key] = {"item": key[0], "sample": key[1], "prompt": prompt.text, "completion": completion,
+                            "answer": item.get("answer"), "reward": float(reward), "correct": done[key][0],
+                            "n_tokens": len(resp.output_tokens)}
+        if on_scored is not None:
+            on_scored(key)
         return done[key]
 
     workflow = _episode_evaluator(cfg, tokenizer)
@@ -63,6 +70,12 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
         async with sem:
             res = await workflow.eval_episode(client, item)
         done[key] = (bool(res["success"]), int(res.get("tool_calls", 0)), float(res["reward"]))
+        if samples is not None:
+            samples[key] = {"item": key[0], "sample": key[1], "answer": item.get("answer"),
+                            "reward": float(res["reward"]), "correct": bool(res["success"]),
+                            "tool_calls": int(res.get("tool_calls", 0))}
+        if on_scored is not None:
+            on_scored(key)
         return done[key]
 
     try:
@@ -110,9 +123,12 @@ def _episode_evaluator(cfg: Any, tokenizer: Any) -> Any:
 
 def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
                         *, executor: Any | None = None, reward_fn: Any | None = None,
-                        concurrency: int = 64, done: dict | None = None, base: bool = False) -> dict[str, float]:
+                        concurrency: int = 64, done: dict | None = None, base: bool = False,
+                        samples: dict | None = None, on_scored: Any = None) -> dict[str, float]:
     """Greedy pass@1 (and pass@n) of the servers' current weights on ``items``; ``base``: without the
-    LoRA adapter (the model the servers started with, before any adapter is loaded).
+    LoRA adapter (the model the servers started with, before any adapter is loaded). ``samples``: filled
+    with each scored completion (``(item, sample)`` → prompt, completion, reward, correct; ``areal eval``'s
+    per-sample file); ``on_scored(key)`` is called as each one is scored (a progress bar).
 
     ``done``: scored completions of an earlier, interrupted call on the same items and weights
     (filled in as completions are scored); they are not generated again."""
@@ -127,7 +143,7 @@ def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer:
         executor.pause()
     try:
         out = asyncio.run(_eval_async(cfg, addresses, backend, tokenizer, items, reward_fn, concurrency,
-                                      {} if done is None else done, base))
+                                      {} if done is None else done, base, samples, on_scored))
     finally:
         if executor is not None:
             executor.resume()
