@@ -479,13 +479,12 @@ class RayJob:
             self._check_ranks()
             code = self.ray.get(p.actor.poll.remote(), timeout=60)
             if code is not None:
-                tail = self.ray.get(p.actor.tail.remote(60), timeout=60)
-                hint = _server_hint(tail)
-                raise LaunchError(
-                    f"inference server {p.name} on {self._node_label(p.where)} died before it was "
-                    f"ready ({describe_exit(code)}). Log {self.run_dir}/logs/{p.name}.log:\n"
-                    f"{tail[-4000:]}" + (f"\nhint: {hint}" if hint else "")
-                )
+                from areal_cli.launchers.failures import process_failure
+
+                tail = self.ray.get(p.actor.tail.remote(80), timeout=60)
+                raise process_failure(f"inference server {p.name} on {self._node_label(p.where)}",
+                                      f"{self.run_dir}/logs/{p.name}.log", tail, describe_exit(code),
+                                      hint=_server_hint(tail))
             if self.ray.get(p.actor.healthy.remote(p.address), timeout=60):
                 assert p.spec is not None
                 publish_server(self.run_dir, p.spec.index, p.address, p.epoch, p.pid, p.spec.backend)
@@ -614,13 +613,13 @@ class RayJob:
                 # errors that do. The signalled one is the cause.
                 failed.append((1 if code < 0 else 2, p, describe_exit(code)))
         if failed:
+            from areal_cli.launchers.failures import process_failure
+
             _, p, how = min(failed, key=lambda f: (f[0], f[1].rank))
             self._write_status("failed")
             log = Path(self.run_dir) / "logs" / f"{p.name}.log"
-            raise LaunchError(
-                f"trainer rank {p.rank} on {self._node_label(p.where)} failed ({how}); everything "
-                f"was stopped. Last lines of {log}:\n{tail_file(log, 40)}"
-            )
+            raise process_failure(f"trainer rank {p.rank} on {self._node_label(p.where)}", log, tail_file(log, 80),
+                                  how)
         return done == len(self.ranks)
 
     # ------------------------------------------------------------------ run
@@ -632,8 +631,9 @@ class RayJob:
         self._signal = signum
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    def _write_status(self, state: str) -> None:
-        write_json_atomic(Path(self.run_dir) / STATUS_FILE, {"state": state, "time": time.time()})
+    def _write_status(self, state: str, error: str | None = None) -> None:
+        write_json_atomic(Path(self.run_dir) / STATUS_FILE, {"state": state, "time": time.time(),
+                                                              **({"error": error} if error else {})})
 
     def run(self) -> int:
         # SIGINT too, not Python's default handler: its KeyboardInterrupt can be raised inside Ray's own
@@ -642,8 +642,9 @@ class RayJob:
         with handling_stop_signals(self._handle):
             try:
                 return self._run()
-            except LaunchError:
-                self._write_status("failed")  # a server out of restarts, a rank dead, a group not placed
+            except LaunchError as e:
+                # a server out of restarts, a rank dead, a group not placed
+                self._write_status("failed", error=str(e))
                 raise
             except KeyboardInterrupt:
                 print("\n[areal] interrupted: stopping the Ray actors (trainer ranks, then servers)",
