@@ -65,7 +65,8 @@ def prepare_run_dir(cfg: Any, run_dir: str) -> None:
     from areal_cli.cli.resume import AUTO_RESUME
 
     p = Path(run_dir)
-    fresh = cfg.resume == "none" or (cfg.resume in AUTO_RESUME and not (p / "recover" / "latest.json").exists())
+    saved = (p / "recover" / "latest.json").exists()
+    fresh = cfg.resume == "none" or (cfg.resume in AUTO_RESUME and not saved)
     if fresh and p.exists():
         stale = [name for name in RUN_STATE if (p / name).exists()]
         if stale:
@@ -123,8 +124,8 @@ def fetch_hub_model(cfg: Any) -> bool:
     return True
 
 
-def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None, overrides: list[str] | None = None,
-              choice: Any | None = None) -> int:
+def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
+              overrides: list[str] | None = None, choice: Any | None = None) -> int:
     """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C).
 
     ``overrides``: the command line's, for the command that resumes the run after Ctrl-C or a failure;
@@ -184,15 +185,15 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None, ov
                 kwargs["on_tick"] = view.update if show else _progress_printer(run_dir, total, since=t0)
             rc = launcher.launch(cfg, layout, run_dir, **kwargs)
     except ArealError as e:  # main prints the error line; what to type next goes after it
-        state = after_stop_line(run_dir, overrides, cfg.trial_name, int(cfg.trainer.recover_every))
-        if state.startswith("to resume"):
-            e.details = [*getattr(e, "details", []), state]  # type: ignore[attr-defined]
+        then = after_stop_line(run_dir, overrides, cfg.trial_name, int(cfg.trainer.recover_every))
+        if then.startswith("to resume"):
+            e.details = [*e.details, then]
         raise
     if rc == 0:
         finish_report(run_dir, wall_s=time.time() - t0)
     elif rc in (130, 143):  # Ctrl-C / SIGTERM
-        print(f"[areal] {after_stop_line(run_dir, overrides, cfg.trial_name, int(cfg.trainer.recover_every))}",
-              file=sys.stderr, flush=True)
+        then = after_stop_line(run_dir, overrides, cfg.trial_name, int(cfg.trainer.recover_every))
+        print(f"[areal] {then}", file=sys.stderr, flush=True)
     return rc
 
 

@@ -207,9 +207,10 @@ def check_resume(cfg: Any, run_dir: Path, step: int) -> list[tuple[str, Any, Any
     if risky and cfg.resume != "force":
         diff = ", ".join(f"{k} {_show(a)} → {_show(b)}" for k, a, b in risky)
         fresh = new_trial_name(experiment_dir(cfg), claim=False)
-        raise ConfigError("resume", f"{cfg.experiment_name}/{cfg.trial_name}'s checkpoint (step {step}) depends on "
-                          f"settings that changed since the checkpoint: {diff}",
-                          f"resume with the old values, start a new run (trial_name={fresh}), or resume=force")
+        raise ConfigError("resume", f"{cfg.experiment_name}/{cfg.trial_name}'s checkpoint (step {step}) depends "
+                          f"on settings that changed since the checkpoint: {diff}",
+                          f"resume with the old values, start a new run (trial_name={fresh}), "
+                          "or resume=force")
     return changes
 
 

@@ -154,8 +154,8 @@ def error_record(exc: BaseException) -> dict[str, Any]:
     """A user error as plain JSON: its type and fields (exceptions with their own constructor arguments, like
     ConfigError, do not survive pickling into another process)."""
     to_dict = getattr(exc, "to_dict", None)
-    return {"type": type(exc).__name__, "message": str(exc), "details": list(getattr(exc, "details", None) or []),
-            **(to_dict() if callable(to_dict) else {})}
+    return {"type": type(exc).__name__, "message": str(exc),
+            "details": list(getattr(exc, "details", None) or []), **(to_dict() if callable(to_dict) else {})}
 
 
 def error_from_record(rec: dict[str, Any], where: str = "") -> Exception:

@@ -65,12 +65,12 @@ def process_failure(who: str, log: str | os.PathLike, tail: str, how: str, *, hi
         return err
     exc = _marked(tail, RANK_CRASH_PREFIX) or exception_line(tail)
     last = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), "")
-    if exc is None and last and how.startswith("exit code"):  # no traceback (argparse, a C++ abort): its last word
+    if exc is None and last and how.startswith("exit code"):  # no traceback (argparse, a C++ abort)
         exc = last if len(last) <= 300 else last[:297] + "…"
     err = LaunchError(f"{who} failed: {exc}" if exc else f"{who} failed ({how})")
     err.details = [f"{how}; log {log}; {stopped}" if exc else f"log {log}; {stopped}"]
     if hint:
-        err.details.append(f"hint: {hint}")
+        err.details = [*err.details, f"hint: {hint}"]
     return err
 
 
@@ -102,7 +102,8 @@ class RankLogWatch:
             except OSError:
                 continue
             if data:
-                self.recent[p.name] = (self.recent.get(p.name, "") + data.decode("utf-8", "replace"))[-self.KEEP:]
+                text = self.recent.get(p.name, "") + data.decode("utf-8", "replace")
+                self.recent[p.name] = text[-self.KEEP:]
             text = self.recent.get(p.name, "")
             if USER_ERROR_PREFIX in text or RANK_CRASH_PREFIX in text:
                 m = re.search(r"trainer_rank(\d+)", p.name)

@@ -187,7 +187,8 @@ class NodeRunner:
         old.stop(timeout=5)
         limit = int(self.cfg.launcher.max_server_restarts)
         if not self.cfg.launcher.restart_dead_servers or self.restarts >= limit:
-            raise self._died(old, hint=f"restarts used: {self.restarts}/{limit} (launcher.max_server_restarts)")
+            raise self._died(old, hint=f"restarts used: {self.restarts}/{limit} "
+                                       "(launcher.max_server_restarts)")
         self.restarts += 1
         print(f"[areal] {spec.name} died ({describe_exit(old.poll())}); restarting "
               f"({self.restarts}/{limit}). Log: {old.log_path}", file=sys.stderr, flush=True)
@@ -252,8 +253,8 @@ class NodeRunner:
             return process_failure(*found, describe_exit(rank_code))
         if killed is not None:
             return process_failure(*killed[:3], describe_exit(killed[3]))
-        return process_failure("trainer (torchrun)", logs_dir(self.run_dir) / f"trainer_node{self.node_rank}.log",
-                               self.trainer.tail(80), describe_exit(code))
+        node_log = logs_dir(self.run_dir) / f"trainer_node{self.node_rank}.log"
+        return process_failure("trainer (torchrun)", node_log, self.trainer.tail(80), describe_exit(code))
 
     # ------------------------------------------------------------------ main loop
     def _check_signal(self) -> None:
@@ -282,7 +283,7 @@ class NodeRunner:
             try:
                 return self._run()
             except ArealError as e:
-                # Kept in the run dir: the CLI that submitted a SLURM job shows this line, and `status` reads it.
+                # Kept in the run dir: the CLI that submitted a SLURM job shows this line; `status` reads it.
                 record_node_error(self.run_dir, self.node_rank, e)
                 self._write_status("failed", error=str(e))
                 raise

@@ -618,8 +618,8 @@ class RayJob:
             _, p, how = min(failed, key=lambda f: (f[0], f[1].rank))
             self._write_status("failed")
             log = Path(self.run_dir) / "logs" / f"{p.name}.log"
-            raise process_failure(f"trainer rank {p.rank} on {self._node_label(p.where)}", log, tail_file(log, 80),
-                                  how)
+            raise process_failure(f"trainer rank {p.rank} on {self._node_label(p.where)}", log,
+                                  tail_file(log, 80), how)
         return done == len(self.ranks)
 
     # ------------------------------------------------------------------ run
