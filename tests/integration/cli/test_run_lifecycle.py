@@ -4,13 +4,14 @@ line, Ctrl-C's resume command, and what a resume says, refuses and accepts.
 One experiment (``life``) under one fileroot, its runs in order (module fixtures, each run once):
 
 1. a JSONL whose prompts are all empty: a typed error raised inside trainer rank 0;
-2. a plugin that crashes every trainer rank with a RuntimeError (tests/support/crash_plugin.py);
-3. a run interrupted with SIGINT once its first recover state exists;
-4. ``resume=auto algo.batch_size=4`` with no name: refused (the latest run's batch shape), nothing launched;
-5. the resume command Ctrl-C printed, with ``trainer.total_steps`` raised (a harmless change);
-6. ``resume=force algo.batch_size=4`` with no name: proceeds on the latest run.
+2. a run interrupted with SIGINT once its first recover state exists;
+3. ``resume=auto algo.batch_size=4`` with no name: refused (the latest run's batch shape), nothing launched;
+4. the resume command Ctrl-C printed, with ``trainer.total_steps`` raised (a harmless change);
+5. ``resume=force algo.batch_size=4`` with no name: proceeds on the latest run;
+6. ``resume=force`` with a plugin that crashes every trainer rank with a RuntimeError
+   (tests/support/crash_plugin.py): the untyped error's line, then the command that resumes.
 
-None of the runs names a trial, so 1-3 are three run dirs and 4-6 find the latest of them.
+None of the runs names a trial: 1 and 2 are two run dirs, 3-6 find the latest of them.
 """
 
 from __future__ import annotations
@@ -67,16 +68,14 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def failed(root, tiny_model_dir) -> dict[str, subprocess.CompletedProcess]:
+def typed(root, tiny_model_dir) -> subprocess.CompletedProcess:
     data = root / "empty_prompts.jsonl"
     data.write_text("".join(json.dumps({"question": "", "answer": f"#### {i}"}) + "\n" for i in range(20)))
-    typed = _train(_base(root, tiny_model_dir, **{"dataset.train_path": str(data), "dataset.test_fraction": 0.2}))
-    crash = _train([*_base(root, tiny_model_dir), "plugins=[crash_plugin]"])
-    return {"typed": typed, "crash": crash}
+    return _train(_base(root, tiny_model_dir, **{"dataset.train_path": str(data), "dataset.test_fraction": 0.2}))
 
 
 @pytest.fixture(scope="module")
-def interrupted(root, tiny_model_dir, failed) -> dict:
+def interrupted(root, tiny_model_dir, typed) -> dict:
     before = set(_runs(root))
     proc = subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "train", *_base(root, tiny_model_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env_with_support(),
@@ -99,9 +98,13 @@ def interrupted(root, tiny_model_dir, failed) -> dict:
 @pytest.fixture(scope="module")
 def refused(root, tiny_model_dir, interrupted) -> dict:
     run_dir = interrupted["run_dir"]
-    snapshot = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+
+    def files() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+
+    before, runs = files(), _runs(root)
     res = _train([*_base(root, tiny_model_dir), "resume=auto", "algo.batch_size=4"])
-    return {"res": res, "snapshot": snapshot, "runs": _runs(root)}
+    return {"res": res, "files": (before, files()), "runs": (runs, _runs(root))}
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +121,13 @@ def forced(root, tiny_model_dir, resumed) -> subprocess.CompletedProcess:
     return _train([*_base(root, tiny_model_dir), "trainer.total_steps=10", "resume=force", "algo.batch_size=4"])
 
 
-def test_a_typed_error_in_a_trainer_rank_is_its_own_line_with_the_log_path(failed):
-    res = failed["typed"]
+@pytest.fixture(scope="module")
+def crashed(root, tiny_model_dir, forced) -> subprocess.CompletedProcess:
+    return _train([*_base(root, tiny_model_dir), "trainer.total_steps=10", "resume=force", "plugins=[crash_plugin]"])
+
+
+def test_a_typed_error_in_a_trainer_rank_is_its_own_line_with_the_log_path(typed):
+    res = typed
     assert res.returncode == 1, res.stderr[-3000:]
     errors = _error_lines(res.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: dataset.train_path: no usable rows in "), res.stderr
@@ -129,23 +137,29 @@ def test_a_typed_error_in_a_trainer_rank_is_its_own_line_with_the_log_path(faile
     assert "Traceback" not in res.stderr + res.stdout
 
 
-def test_an_untyped_crash_gives_the_exception_line_the_rank_and_the_log(failed):
+def test_an_untyped_crash_gives_the_exception_line_the_rank_the_log_and_the_resume_command(crashed, interrupted):
     from crash_plugin import CRASH_MESSAGE
 
-    res = failed["crash"]
+    res, run_dir = crashed, interrupted["run_dir"]
     assert res.returncode == 1, res.stderr[-3000:]
     assert _error_lines(res.stderr) == [f"error: trainer rank 0 failed: RuntimeError: {CRASH_MESSAGE}"], res.stderr
-    assert re.search(r"^  exit code 1; log (\S+/logs/trainer_rank0\.log); everything was stopped$", res.stderr, re.M)
-    log = re.search(r"log (\S+trainer_rank0\.log)", res.stderr).group(1)
-    assert "Traceback (most recent call last)" in Path(log).read_text()  # it is in the log, not on the console
+    lines = res.stderr.splitlines()
+    i = lines.index(_error_lines(res.stderr)[0])
+    assert lines[i + 1] == f"  exit code 1; log {run_dir / 'logs' / 'trainer_rank0.log'}; everything was stopped"
+    step = json.loads((run_dir / "recover" / "latest.json").read_text())["step"]
+    assert lines[i + 2].startswith(f"  to resume from step {step}: areal train ")
+    argv = shlex.split(lines[i + 2].split(": ", 1)[1])
+    assert argv[-3:] == ["plugins=[crash_plugin]", f"trial_name={run_dir.name}", "resume=auto"], argv
+    log = (run_dir / "logs" / "trainer_rank0.log").read_text()
+    assert "Traceback (most recent call last)" in log  # it is in the log, not on the console
     assert "Traceback" not in res.stderr + res.stdout
 
 
-def test_runs_without_a_name_get_their_own_timestamped_dirs(root, failed, interrupted):
+def test_runs_without_a_name_get_their_own_timestamped_dirs(root, typed, interrupted):
     names = [p.name for p in _runs(root)]
-    assert len(names) == 3 and all(NAME.match(n) for n in names), names
-    for res in failed.values():  # each failed run printed the dir it made
-        assert any(f"runs/{EXPERIMENT}/{n};" in res.stderr for n in names)
+    assert len(names) == 2 and all(NAME.match(n) for n in names), names
+    assert names[1] == interrupted["run_dir"].name
+    assert f"runs/{EXPERIMENT}/{names[0]};" in typed.stderr  # the failed run printed the dir it made
     status = json.loads((root / "runs" / EXPERIMENT / names[0] / "status.json").read_text())
     assert status["state"] == "failed" and "no usable rows" in status["error"]
 
@@ -167,8 +181,9 @@ def test_a_resume_that_changes_the_batch_shape_is_refused_before_anything_starts
         "that changed since the checkpoint: algo.batch_size 2 → 4 — fix: resume with the old values, start a new "
         f"run (trial_name={_new_name(res.stderr)}), or resume=force"]
     assert "[areal]" not in res.stderr  # no run dir line: nothing was prepared or launched
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == refused["snapshot"]
-    assert refused["runs"] == sorted((run_dir.parent).iterdir())  # no new run dir either
+    before, after = refused["files"]
+    assert after == before and "config.yaml" in before  # the run dir is untouched
+    assert refused["runs"][1] == refused["runs"][0]  # and no new run dir was made
 
 
 def _new_name(text: str) -> str:
