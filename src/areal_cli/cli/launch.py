@@ -142,12 +142,16 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
     if choice is None:
         choice = settle_run(cfg)
     run_dir = cfg.run_dir()
-    check_engine_available(cfg)
-    layout = layout_from_plan(cfg, plan)
-    launcher = get_launcher(cfg.launcher.name)
-    launcher.preflight(cfg, layout)  # missing cluster tools fail here, before any preparation
-    check_dataset_files(cfg)
-    check_storage(cfg, run_dir)
+    try:
+        check_engine_available(cfg)
+        layout = layout_from_plan(cfg, plan)
+        launcher = get_launcher(cfg.launcher.name)
+        launcher.preflight(cfg, layout)  # missing cluster tools fail here, before any preparation
+        check_dataset_files(cfg)
+        check_storage(cfg, run_dir)
+    except BaseException:
+        choice.release()  # nothing ran: no empty run dir stays behind
+        raise
     prepare_run_dir(cfg, run_dir)
     on_nodes = bool(getattr(launcher, "fetches_model_on_nodes", False))
     model_path = resolve_model_path(cfg, fetch=not on_nodes)

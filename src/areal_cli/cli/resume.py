@@ -64,6 +64,15 @@ class RunChoice:
     checkpoint: str | None = None               # its directory
     changed: list[tuple[str, Any, Any]] = field(default_factory=list)  # accepted changes
     no_earlier_run: bool = False                # resume=auto without a name found no run to continue
+    claimed: Path | None = None                 # the new run dir made to hold the name
+
+    def release(self) -> None:
+        """Give the name back when the launch stopped before using its dir (a pre-launch check failed)."""
+        if self.claimed is not None:
+            try:
+                self.claimed.rmdir()  # only while empty
+            except OSError:
+                pass
 
     def resume_line(self) -> str | None:
         if self.step is None:
@@ -228,6 +237,7 @@ def settle_run(cfg: Any, *, claim: bool = True, check: bool = True) -> RunChoice
         else:
             cfg.trial_name = new_trial_name(exp_dir, claim=claim)
             choice.no_earlier_run = resume in AUTO_RESUME
+            choice.claimed = exp_dir / cfg.trial_name if claim else None
     choice.name = f"{cfg.experiment_name}/{cfg.trial_name}"
     run_dir = exp_dir / cfg.trial_name
     state = recover_state(run_dir, resume)

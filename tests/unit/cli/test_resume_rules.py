@@ -59,6 +59,8 @@ def test_an_unnamed_run_is_named_once_and_a_named_one_keeps_its_name(tmp_path):
     choice = settle_run(cfg)
     assert cfg.trial_name and choice.name == f"e/{cfg.trial_name}" and choice.step is None
     assert (tmp_path / "runs" / "e" / cfg.trial_name).is_dir()
+    choice.release()  # a pre-launch check failed: the empty dir goes
+    assert not (tmp_path / "runs" / "e" / cfg.trial_name).exists()
     named = _cfg(tmp_path, "trial_name=mine")
     settle_run(named)
     assert named.trial_name == "mine"

@@ -71,3 +71,15 @@ def test_the_rank_log_watch_reads_only_this_launch(tmp_path):
     assert (who, path) == ("trainer rank 0", log)  # the user's error wins over a peer's crash
     assert "launch before" not in tail and str(process_failure(who, path, tail, "exit code 1")) == \
         "dataset.train_path: no usable rows"
+
+
+def test_a_nodes_failure_reaches_the_slurm_submitter_as_the_same_lines(tmp_path):
+    """The node runner keeps its failure in the run dir; the SLURM submitter rebuilds it from there."""
+    from areal_cli.launchers.base import read_node_error, record_node_error
+
+    err = process_failure("trainer rank 3", "/r/logs/trainer_rank3.log", f"{RANK_CRASH_PREFIX}RuntimeError: x\n",
+                          "exit code 1")
+    record_node_error(tmp_path, 1, err)
+    back = read_node_error(tmp_path)
+    assert type(back) is type(err) and str(back) == str(err) == "trainer rank 3 failed: RuntimeError: x"
+    assert list(back.details) == list(err.details)
