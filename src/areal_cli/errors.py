@@ -6,6 +6,8 @@ and exit code 1 (``UsageError``: 2). Internal invariants may still ``assert``; u
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def did_you_mean(word: str, options) -> str:
     """``"did you mean 'x'? "`` for the closest of ``options``, or ``""``: the start of an error's hint."""
@@ -18,12 +20,17 @@ def did_you_mean(word: str, options) -> str:
 # A process of the run (a trainer rank) that dies of an ArealError prints it on one line behind this prefix;
 # the launcher shows that line alone instead of the log's traceback (launchers/local.py:user_error_in).
 USER_ERROR_PREFIX = "areal user error: "
+# Any other exception that kills a trainer rank: its traceback, then its last line behind this prefix, which
+# the launcher watches for to stop the run at once (launchers/failures.py:RankLogWatch).
+RANK_CRASH_PREFIX = "areal rank crashed: "
 
 
 class ArealError(Exception):
     """Base of all errors that are the user's to fix. ``str()`` is the one line the CLI prints."""
 
     exit_code = 1
+    # Lines the CLI prints under that one line: where it was raised and its log, the command that resumes.
+    details: Sequence[str] = ()
 
 
 class ConfigError(ArealError):

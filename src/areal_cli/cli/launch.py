@@ -62,12 +62,15 @@ def check_dataset_files(cfg: Any) -> None:
 
 
 def prepare_run_dir(cfg: Any, run_dir: str) -> None:
+    from areal_cli.cli.resume import AUTO_RESUME
+
     p = Path(run_dir)
-    fresh = cfg.resume == "none" or (cfg.resume == "auto" and not (p / "recover" / "latest.json").exists())
+    saved = (p / "recover" / "latest.json").exists()
+    fresh = cfg.resume == "none" or (cfg.resume in AUTO_RESUME and not saved)
     if fresh and p.exists():
         stale = [name for name in RUN_STATE if (p / name).exists()]
         if stale:
-            why = "resume=none" if cfg.resume == "none" else "resume=auto found no recover state"
+            why = "resume=none" if cfg.resume == "none" else f"resume={cfg.resume} found no recover state"
             print(f"[areal] {why}: starting over in {run_dir} (replacing {', '.join(stale)})",
                   file=sys.stderr)
             for name in stale:
@@ -121,22 +124,34 @@ def fetch_hub_model(cfg: Any) -> bool:
     return True
 
 
-def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) -> int:
-    """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C)."""
+def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
+              overrides: list[str] | None = None, choice: Any | None = None) -> int:
+    """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C).
+
+    ``overrides``: the command line's, for the command that resumes the run after Ctrl-C or a failure;
+    ``choice``: :func:`areal_cli.cli.resume.settle_run`'s verdict (settled here when not given)."""
     from areal_cli.cli.report import LiveView
+    from areal_cli.cli.resume import after_stop_line, settle_run
+    from areal_cli.errors import ArealError
     from areal_cli.launchers.base import get_launcher
     from areal_cli.trainer.build import layout_from_plan, resolve_model_path
     from areal_cli.trainer.config_io import save_config
     from areal_cli.trainer.entry import LAUNCH_FILE
 
     t0 = time.time()
+    if choice is None:
+        choice = settle_run(cfg)
     run_dir = cfg.run_dir()
-    check_engine_available(cfg)
-    layout = layout_from_plan(cfg, plan)
-    launcher = get_launcher(cfg.launcher.name)
-    launcher.preflight(cfg, layout)  # missing cluster tools fail here, before any preparation
-    check_dataset_files(cfg)
-    check_storage(cfg, run_dir)
+    try:
+        check_engine_available(cfg)
+        layout = layout_from_plan(cfg, plan)
+        launcher = get_launcher(cfg.launcher.name)
+        launcher.preflight(cfg, layout)  # missing cluster tools fail here, before any preparation
+        check_dataset_files(cfg)
+        check_storage(cfg, run_dir)
+    except BaseException:
+        choice.release()  # nothing ran: no empty run dir stays behind
+        raise
     prepare_run_dir(cfg, run_dir)
     on_nodes = bool(getattr(launcher, "fetches_model_on_nodes", False))
     model_path = resolve_model_path(cfg, fetch=not on_nodes)
@@ -148,33 +163,50 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None) ->
             revision = pin_revision(model_path, revision)
     config_path = save_config(cfg, os.path.join(run_dir, "config.yaml"))
     (Path(run_dir) / LAUNCH_FILE).write_text(json.dumps({"layout": layout.to_dict(), "model_path": model_path,
-                                                         "model_revision": revision, "config": config_path},
-                                                        indent=1))
+                                                         "model_revision": revision, "config": config_path,
+                                                         "launched": t0}, indent=1))
+    if choice.no_earlier_run:
+        print(f"[areal] resume={cfg.resume}: no earlier run of {cfg.experiment_name} to continue; starting "
+              f"{choice.name}", file=sys.stderr, flush=True)
+    for line in (choice.resume_line(), choice.changed_line()):
+        if line:
+            print(f"[areal] {line}", file=sys.stderr, flush=True)
     print(f"[areal] run dir {run_dir}; logs in {run_dir}/logs", file=sys.stderr, flush=True)
     show = cfg.stats.live if live is None else live
     show = show and sys.stderr.isatty()
     total = int(cfg.trainer.total_steps)
-    with LiveView(run_dir, total, title=f"areal train {cfg.experiment_name}/{cfg.trial_name}",
-                  enabled=show) as view:
-        kwargs: dict[str, Any] = {}
-        params = inspect.signature(launcher.launch).parameters
-        if "model_path" in params:
-            kwargs["model_path"] = model_path
-        if "model_revision" in params:
-            kwargs["model_revision"] = revision
-        if "on_tick" in params:
-            kwargs["on_tick"] = view.update if show else _progress_printer(run_dir, total)
-        rc = launcher.launch(cfg, layout, run_dir, **kwargs)
+    try:
+        # Records older than this launch (a resumed run's earlier steps) are not shown again as if new.
+        with LiveView(run_dir, total, title=f"areal train {cfg.experiment_name}/{cfg.trial_name}",
+                      enabled=show, since=t0) as view:
+            kwargs: dict[str, Any] = {}
+            params = inspect.signature(launcher.launch).parameters
+            if "model_path" in params:
+                kwargs["model_path"] = model_path
+            if "model_revision" in params:
+                kwargs["model_revision"] = revision
+            if "on_tick" in params:
+                kwargs["on_tick"] = view.update if show else _progress_printer(run_dir, total, since=t0)
+            rc = launcher.launch(cfg, layout, run_dir, **kwargs)
+    except ArealError as e:  # main prints the error line; what to type next goes after it
+        then = after_stop_line(run_dir, overrides, cfg.trial_name, int(cfg.trainer.recover_every))
+        if then.startswith("to resume"):
+            e.details = [*e.details, then]
+        raise
     if rc == 0:
         finish_report(run_dir, wall_s=time.time() - t0)
+    elif rc in (130, 143):  # Ctrl-C / SIGTERM
+        then = after_stop_line(run_dir, overrides, cfg.trial_name, int(cfg.trainer.recover_every))
+        print(f"[areal] {then}", file=sys.stderr, flush=True)
     return rc
 
 
-def _progress_printer(run_dir: str, total: int) -> Any:
-    """Without a terminal: one plain line per logged step (CI logs, pipes)."""
+def _progress_printer(run_dir: str, total: int, since: float | None = None) -> Any:
+    """Without a terminal: one plain line per logged step (CI logs, pipes); ``since``: records older than
+    that (a resumed run's earlier steps) are skipped."""
     from areal_cli.cli.report import MetricsTail
 
-    tail = MetricsTail(Path(run_dir) / "metrics.jsonl")
+    tail = MetricsTail(Path(run_dir) / "metrics.jsonl", since=since)
 
     def tick() -> None:
         for r in tail.read_new():

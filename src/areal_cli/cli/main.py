@@ -98,6 +98,8 @@ def print_error(exc: BaseException) -> None:
     if callable(caret):
         for ln in caret():
             print(ln, file=sys.stderr)
+    for ln in getattr(exc, "details", None) or ():  # where it happened, what to type next: after the line
+        print(f"  {ln}", file=sys.stderr)
 
 
 def _click_exceptions():

@@ -14,16 +14,27 @@ from areal_cli.trainer.stats import METRICS_FILE, read_metrics
 
 
 class MetricsTail:
-    """Incrementally reads new complete lines of a growing ``metrics.jsonl``."""
+    """Incrementally reads new complete lines of a growing ``metrics.jsonl``.
 
-    def __init__(self, path: str | os.PathLike):
+    ``since``: records stamped earlier are skipped. A resumed run's file starts with the earlier launches'
+    records, which the console must not show again as if new; the trainer also rewrites the file once
+    (cut back to the recovered step), which is noticed (another inode, or a shorter file) and read afresh.
+    """
+
+    def __init__(self, path: str | os.PathLike, since: float | None = None):
         self.path = Path(path)
+        self.since = since
         self.offset = 0
         self.buf = ""
+        self.inode: int | None = None
 
     def read_new(self) -> list[dict[str, Any]]:
         try:
             with open(self.path) as f:
+                st = os.fstat(f.fileno())
+                if self.inode is not None and (st.st_ino != self.inode or st.st_size < self.offset):
+                    self.offset, self.buf = 0, ""
+                self.inode = st.st_ino
                 f.seek(self.offset)
                 chunk = f.read()
                 self.offset = f.tell()
@@ -36,9 +47,12 @@ class MetricsTail:
         out = []
         for line in lines:
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except ValueError:
                 continue
+            if self.since is not None and float(rec.get("time", self.since)) < self.since:
+                continue
+            out.append(rec)
         return out
 
 
@@ -61,8 +75,9 @@ def _eta(seconds: float | None) -> str:
 class LiveView:
     """A rich Live panel: step, reward, accuracy, staleness, gen/train tok/s, weight-sync time, ETA."""
 
-    def __init__(self, run_dir: str, total_steps: int, *, title: str = "areal train", enabled: bool = True):
-        self.tail = MetricsTail(Path(run_dir) / METRICS_FILE)
+    def __init__(self, run_dir: str, total_steps: int, *, title: str = "areal train", enabled: bool = True,
+                 since: float | None = None):
+        self.tail = MetricsTail(Path(run_dir) / METRICS_FILE, since=since)
         self.total_steps = total_steps
         self.title = title
         self.enabled = enabled

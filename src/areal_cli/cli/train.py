@@ -10,11 +10,11 @@ HELP = ("Compose and validate the config, then launch inference servers and trai
         "--dry-run stops after printing the plan; --cfg job prints the composed config.")
 
 
-def launch(cfg, plan) -> int:
+def launch(cfg, plan, overrides: list[str] | None = None, choice=None) -> int:
     """Hand the validated config and plan to the launcher; returns the exit code."""
     from areal_cli.cli.launch import run_train
 
-    rv = run_train(cfg, plan)
+    rv = run_train(cfg, plan, overrides=overrides, choice=choice)
     return rv if isinstance(rv, int) else 0
 
 
@@ -73,11 +73,16 @@ def run(overrides: list[str], dry_run: bool, cfg_mode: str | None, as_json: bool
         # --json is for tools, and a launch has no JSON answer to give: it runs for hours behind a live view.
         raise UsageError("--json prints the plan of a dry run; a launch does not print JSON — fix: add --dry-run "
                          "(areal train --dry-run --json ...), or ask a running run with `areal status --json`")
+    from areal_cli.cli.resume import settle_run
+
     cfg, plan = compose_and_validate(overrides, as_json, fetch_model=not dry_run)
+    # The run's name and its resume are settled here, once, before anything launches: every process of the
+    # run reads the name from the config.yaml written next.
+    choice = settle_run(cfg, claim=not dry_run, check=not dry_run)
     if dry_run:
         show_dry_run(cfg, plan, as_json)
         return 0
-    return launch(cfg, plan)
+    return launch(cfg, plan, overrides, choice)
 
 
 def register(app) -> None:

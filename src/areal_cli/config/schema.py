@@ -26,9 +26,12 @@ from areal_cli.config.workflow import WorkflowConfig
 @dataclass
 class ExperimentConfig:
     experiment_name: str = "areal"
-    trial_name: str = "default"
+    # Empty: `areal train` names the run by its start time (YYYYMMDD-HHMMSS), and resume=auto continues
+    # the experiment's latest run (cli/resume.py).
+    trial_name: str = ""
     seed: int = ranged(1, ge=0, le=2**32 - 1)
-    # none | auto (continue the latest recover state in the run dir) | <path to a recover dir>
+    # none | auto (continue the latest recover state in the run dir; refused when a setting the checkpoint
+    # depends on changed) | force (auto without that check) | <path to a recover dir>
     resume: str = "none"
     skip_storage_check: bool = False
     # Modules imported before validation and in every process of the run; they register advantage

@@ -154,7 +154,8 @@ def error_record(exc: BaseException) -> dict[str, Any]:
     """A user error as plain JSON: its type and fields (exceptions with their own constructor arguments, like
     ConfigError, do not survive pickling into another process)."""
     to_dict = getattr(exc, "to_dict", None)
-    return {"type": type(exc).__name__, "message": str(exc), **(to_dict() if callable(to_dict) else {})}
+    return {"type": type(exc).__name__, "message": str(exc),
+            "details": list(getattr(exc, "details", None) or []), **(to_dict() if callable(to_dict) else {})}
 
 
 def error_from_record(rec: dict[str, Any], where: str = "") -> Exception:
@@ -163,10 +164,14 @@ def error_from_record(rec: dict[str, Any], where: str = "") -> Exception:
 
     cls = getattr(errors, str(rec.get("type")), None)
     if cls is errors.ConfigError:
-        return errors.ConfigError(rec.get("path", ""), rec.get("reason", ""), rec.get("hint", ""))
-    if isinstance(cls, type) and issubclass(cls, errors.ArealError):
-        return cls(rec.get("message", ""))
-    return errors.LaunchError(f"{where}{rec.get('message', '')}")
+        err: Exception = errors.ConfigError(rec.get("path", ""), rec.get("reason", ""), rec.get("hint", ""))
+    elif isinstance(cls, type) and issubclass(cls, errors.ArealError):
+        err = cls(rec.get("message", ""))
+    else:
+        err = errors.LaunchError(f"{where}{rec.get('message', '')}")
+    if rec.get("details"):
+        err.details = [str(d) for d in rec["details"]]  # type: ignore[attr-defined]
+    return err
 
 
 def record_node_error(run_dir: str | os.PathLike, node_rank: int, exc: BaseException) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from areal_cli.errors import USER_ERROR_PREFIX, ArealError, LaunchError
+from areal_cli.errors import ArealError, LaunchError
 from areal_cli.launchers.base import (
     MODEL_PATH_ENV,
     STATUS_FILE,
@@ -36,6 +36,7 @@ from areal_cli.launchers.base import (
     record_node_error,
     retract_server,
 )
+from areal_cli.launchers.failures import RankLogWatch, process_failure
 from areal_cli.utils.procs import ManagedProcess, describe_exit, handling_stop_signals, tail_file
 
 
@@ -127,6 +128,7 @@ class NodeRunner:
         self.epochs: dict[int, int] = {}
         self.restarts = 0
         self.trainer: ManagedProcess | None = None
+        self.rank_logs: RankLogWatch | None = None
         self._signal: int | None = None
         self.lock = threading.Lock()
         # status.json: the first trainer node keeps its heartbeat, every trainer node may record the end.
@@ -162,7 +164,7 @@ class NodeRunner:
             self._check_signal()
             self._check_trainer()
             if not proc.alive():
-                raise LaunchError(self._died_msg(proc, "inference server", hint=_server_hint(proc.tail(60))))
+                raise self._died(proc, hint=_server_hint(proc.tail(60)))
             try:
                 if httpx.get(f"http://{address}/health", timeout=2.0).status_code == 200:
                     publish_server(self.run_dir, spec.index, address, self.epochs[spec.index], proc.pid,
@@ -190,9 +192,8 @@ class NodeRunner:
         old.stop(timeout=5)
         limit = int(self.cfg.launcher.max_server_restarts)
         if not self.cfg.launcher.restart_dead_servers or self.restarts >= limit:
-            raise LaunchError(self._died_msg(old, "inference server",
-                                             hint=f"restarts used: {self.restarts}/{limit} "
-                                                  "(launcher.max_server_restarts)"))
+            raise self._died(old, hint=f"restarts used: {self.restarts}/{limit} "
+                                       "(launcher.max_server_restarts)")
         self.restarts += 1
         print(f"[areal] {spec.name} died ({describe_exit(old.poll())}); restarting "
               f"({self.restarts}/{limit}). Log: {old.log_path}", file=sys.stderr, flush=True)
@@ -233,6 +234,7 @@ class NodeRunner:
                                     int(self.cfg.trainer.sft_warmup_steps) > 0,
                                     servers_here=bool(self.layout.servers_on(self.node_rank))))
         env.update({k: str(v) for k, v in self.cfg.launcher.trainer_env.items()})
+        self.rank_logs = RankLogWatch(logs_dir(self.run_dir))
         self.trainer = ManagedProcess(
             name="trainer", log_path=str(logs_dir(self.run_dir) / f"trainer_node{self.node_rank}.log"),
             argv=trainer_argv(self.layout, self.config_path, self.node_rank, self.master_addr,
@@ -240,28 +242,24 @@ class NodeRunner:
         del t
 
     def _trainer_failure(self, code: int | None) -> LaunchError:
-        """Name the rank that failed first and show its traceback tail.
+        """Name the rank that failed first, with its error's one line (launchers/failures.py).
 
         A rank killed by a signal (SIGKILL, the OOM killer) leaves no traceback, while its peers then
         fail with collective errors that do: torchrun's first observed failure names the real cause.
         """
         assert self.trainer is not None
-        killed, killed_tail, how = _torchrun_culprit(self.trainer.tail(200), self.run_dir,
-                                                     self.layout.trainer.nproc_per_node,
-                                                     self.node_rank - self.layout.trainer.first_node)
-        if killed is not None and how < 0:
-            culprit, tail = killed, killed_tail
-        else:
-            culprit, tail = _find_failed_rank(self.run_dir)
-            if culprit is None:
-                culprit, tail = killed, killed_tail
-        if culprit is None:
-            culprit, tail = "trainer (torchrun)", self.trainer.tail(40)
-        user = user_error_in(tail)
-        if user is not None:  # the user's own mistake, raised inside the rank: their line, not the traceback
-            return LaunchError(f"{user} (raised in {culprit}; everything was stopped)")
-        return LaunchError(f"{culprit} failed ({describe_exit(code)}); everything was stopped. "
-                           f"Last log lines:\n{tail}")
+        killed = _torchrun_culprit(self.trainer.tail(200), self.run_dir, self.layout.trainer.nproc_per_node,
+                                   self.node_rank - self.layout.trainer.first_node)
+        if killed is not None and killed[3] < 0:
+            return process_failure(*killed[:3], signal_how(killed[3]))
+        found = _find_failed_rank(self.run_dir)
+        if found is not None:
+            rank_code = killed[3] if killed is not None and killed[1] == found[1] else 1
+            return process_failure(*found, describe_exit(rank_code))
+        if killed is not None:
+            return process_failure(*killed[:3], describe_exit(killed[3]))
+        node_log = logs_dir(self.run_dir) / f"trainer_node{self.node_rank}.log"
+        return process_failure("trainer (torchrun)", node_log, self.trainer.tail(80), describe_exit(code))
 
     # ------------------------------------------------------------------ main loop
     def _check_signal(self) -> None:
@@ -295,6 +293,11 @@ class NodeRunner:
         with handling_stop_signals(self._handle):
             try:
                 return self._run()
+            except ArealError as e:
+                # Kept in the run dir: the CLI that submitted a SLURM job shows this line; `status` reads it.
+                record_node_error(self.run_dir, self.node_rank, e)
+                self._write_status("failed", error=str(e))
+                raise
             except KeyboardInterrupt:
                 print("\n[areal] interrupted: stopping trainer and servers", file=sys.stderr, flush=True)
                 self._write_status("interrupted")
@@ -311,7 +314,13 @@ class NodeRunner:
             return False
         code = self.trainer.poll()
         if code is None:
-            return False
+            dying = self.rank_logs.poll() if self.rank_logs is not None else None
+            if dying is None:
+                return False
+            # A rank printed its last line; it and torchrun take seconds more to exit, the user need not wait.
+            failure = process_failure(*dying, "exit code 1")
+            self._write_status("failed", str(failure))
+            raise failure
         if code == 0:
             self._write_status("done")
             return True
@@ -364,48 +373,43 @@ class NodeRunner:
             if proc.alive():
                 proc.stop(timeout=10)
 
-    def _died_msg(self, proc: ManagedProcess, what: str, hint: str = "") -> str:
-        msg = f"{what} {proc.name} died ({describe_exit(proc.poll())}). Log {proc.log_path}:\n{proc.tail(30)}"
-        return msg + (f"\nhint: {hint}" if hint else "")
+    def _died(self, proc: ManagedProcess, hint: str = "") -> LaunchError:
+        return process_failure(f"inference server {proc.name}", proc.log_path, proc.tail(80),
+                               describe_exit(proc.poll()), hint=hint)
 
 
-def user_error_in(tail: str) -> str | None:
-    """The last user error (ArealError) a trainer rank printed in ``tail``, or None."""
-    found = None
-    for line in tail.splitlines():
-        if line.startswith(USER_ERROR_PREFIX):
-            found = line[len(USER_ERROR_PREFIX):].strip()
-    return found or None
-
-
-def _find_failed_rank(run_dir: str) -> tuple[str | None, str]:
-    """The first rank log holding a traceback, with its tail."""
-    best: tuple[float, str, str] | None = None
+def _find_failed_rank(run_dir: str) -> tuple[str, Path, str] | None:
+    """The first rank log holding a traceback: ``(who, log, tail)``."""
+    best: tuple[float, str, Path, str] | None = None
     for p in sorted(logs_dir(run_dir).glob("trainer_rank*.log")):
-        tail = tail_file(p, 40)
+        tail = tail_file(p, 80)
         if "Traceback" in tail or "Error" in tail:
             m = re.search(r"trainer_rank(\d+)", p.name)
             key = p.stat().st_mtime
-            name = f"trainer rank {m.group(1) if m else '?'} ({p})"
             if best is None or key < best[0]:
-                best = (key, name, tail)
-    return (best[1], best[2]) if best else (None, "")
+                best = (key, f"trainer rank {m.group(1) if m else '?'}", p, tail)
+    return best[1:] if best else None
 
 
 def _torchrun_culprit(torchrun_log: str, run_dir: str, nproc: int,
-                      node_index: int) -> tuple[str | None, str, int]:
-    """torchrun's first observed failure: ``(description, log tail, exit code)``; a negative code is a
-    signal (SIGKILL, OOM killer), a death that leaves no traceback in the rank's log."""
+                      node_index: int) -> tuple[str, Path, str, int] | None:
+    """torchrun's first observed failure: ``(who, log, tail, exit code)``; a negative code is a signal
+    (SIGKILL, the OOM killer), a death that leaves no traceback in the rank's log."""
     m = re.search(r"exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)", torchrun_log)
     if m is None:
-        return None, "", 0
+        return None
     code, local, pid = int(m.group(1)), int(m.group(2)), m.group(3)
     rank = node_index * nproc + local
     log = logs_dir(run_dir) / f"trainer_rank{rank}.log"
+    return f"trainer rank {rank} (pid {pid})", log, tail_file(log, 80), code
+
+
+def signal_how(code: int) -> str:
+    """How a process killed by signal ``-code`` ended, with the likely cause of a SIGKILL."""
     how = describe_exit(code)
     if code == -9:
         how += " — killed from outside, or by the kernel's OOM killer (check `dmesg`)"
-    return f"trainer rank {rank} (pid {pid}, {how}; log {log})", tail_file(log, 20), code
+    return how
 
 
 def _server_hint(tail: str) -> str:

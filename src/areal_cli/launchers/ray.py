@@ -481,13 +481,12 @@ class RayJob:
             self._check_ranks()
             code = self.ray.get(p.actor.poll.remote(), timeout=60)
             if code is not None:
-                tail = self.ray.get(p.actor.tail.remote(60), timeout=60)
-                hint = _server_hint(tail)
-                raise LaunchError(
-                    f"inference server {p.name} on {self._node_label(p.where)} died before it was "
-                    f"ready ({describe_exit(code)}). Log {self.run_dir}/logs/{p.name}.log:\n"
-                    f"{tail[-4000:]}" + (f"\nhint: {hint}" if hint else "")
-                )
+                from areal_cli.launchers.failures import process_failure
+
+                tail = self.ray.get(p.actor.tail.remote(80), timeout=60)
+                raise process_failure(f"inference server {p.name} on {self._node_label(p.where)}",
+                                      f"{self.run_dir}/logs/{p.name}.log", tail, describe_exit(code),
+                                      hint=_server_hint(tail))
             if self.ray.get(p.actor.healthy.remote(p.address), timeout=60):
                 assert p.spec is not None
                 publish_server(self.run_dir, p.spec.index, p.address, p.epoch, p.pid, p.spec.backend)
@@ -616,12 +615,12 @@ class RayJob:
                 # errors that do. The signalled one is the cause.
                 failed.append((1 if code < 0 else 2, p, describe_exit(code)))
         if failed:
+            from areal_cli.launchers.failures import process_failure
+
             _, p, how = min(failed, key=lambda f: (f[0], f[1].rank))
             log = Path(self.run_dir) / "logs" / f"{p.name}.log"
-            failure = LaunchError(
-                f"trainer rank {p.rank} on {self._node_label(p.where)} failed ({how}); everything "
-                f"was stopped. Last lines of {log}:\n{tail_file(log, 40)}"
-            )
+            failure = process_failure(f"trainer rank {p.rank} on {self._node_label(p.where)}", log,
+                                      tail_file(log, 80), how)
             self._write_status("failed", str(failure))
             raise failure
         return done == len(self.ranks)

@@ -164,7 +164,7 @@ class SlurmNodeJob(_load_submitit_checkpointable()):
         node_rank, n_nodes = int(env.node), int(env.num_nodes)
         job_id = str(env.job_id)
         requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-        resume = "auto" if (self.resume == "auto" or requeued) else None
+        resume = "auto" if (self.resume in ("auto", "force") or requeued) else None
         cfg = load_config_file(self.config_path)
         layout = JobLayout.from_dict(self.layout)
         master_addr = env.hostnames[0] if n_nodes > 1 else "127.0.0.1"
@@ -241,7 +241,7 @@ def _switch_to_resume(cfg: Any, config_path: str, run_dir: str) -> None:
 
     from areal_cli.trainer.config_io import save_config
 
-    if cfg.resume != "auto":
+    if cfg.resume not in ("auto", "force"):  # the name stays: config.yaml holds the one the CLI chose
         cfg.resume = "auto"
         save_config(cfg, config_path)
     for name in ("status.json", "servers", NODE_ERRORS):
@@ -321,17 +321,24 @@ class SlurmLauncher:
         try:
             job.result()
         except Exception as e:  # noqa: BLE001 - submitit re-raises the node's failure or the cancellation
+            from areal_cli.launchers.failures import process_failure
             from areal_cli.launchers.local import _find_failed_rank
 
-            user_error = read_node_error(run_dir)
-            if user_error is not None:  # a node's own typed line (a hub model it could not fetch)
-                raise user_error from None
-
-            culprit, tail = _find_failed_rank(run_dir)
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            where = f"{culprit} failed; its last log lines:\n{tail}" if culprit else first
-            raise LaunchError(f"slurm job {job_id} failed (run status: {status or 'none'}); {where}\n"
-                              f"submitit logs: {run_dir}/{SUBMITIT_DIR}/{job_id}") from None
+            # A node's own line: its runner's failure (a rank's error, a server out of restarts, a hub model
+            # it could not fetch), the one the local launcher shows.
+            node_error = read_node_error(run_dir)
+            if node_error is not None:
+                node_error.details = [*getattr(node_error, "details", []),  # type: ignore[attr-defined]
+                                      f"submitit logs: {run_dir}/{SUBMITIT_DIR}/{job_id}"]
+                raise node_error from None
+            found = _find_failed_rank(run_dir)  # the node runner itself died (killed, out of memory)
+            if found is not None:
+                err = process_failure(*found, "exit code 1")
+            else:
+                err = LaunchError(f"slurm job {job_id} failed (run status: {status or 'none'}): "
+                                  f"{(str(e).strip().splitlines() or [type(e).__name__])[-1]}")
+            err.details = [*err.details, f"submitit logs: {run_dir}/{SUBMITIT_DIR}/{job_id}"]
+            raise err from None
         if status != "done":
             raise LaunchError(f"slurm job {job_id} ended but the run status is {status or 'missing'}; "
                               f"see {run_dir}/logs")

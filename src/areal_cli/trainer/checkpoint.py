@@ -115,7 +115,7 @@ class CheckpointManager:
         """The recover dir to continue from, or None (``resume=none`` or nothing saved yet)."""
         if resume in ("none", "", None, False):
             return None
-        if resume == "auto":
+        if resume in ("auto", "force"):  # force: the CLI skipped its config check; the same state
             latest = self.recover_root / "latest.json"
             if not latest.exists():
                 return None
@@ -124,7 +124,7 @@ class CheckpointManager:
         p = Path(os.path.expanduser(resume))
         if not (p / "trainer.json").is_file():
             raise ConfigError("resume", f"{resume} is not a recover state (no trainer.json)",
-                              "use resume=auto or a <run_dir>/recover/step_N dir")
+                              "use resume=auto, resume=force or a <run_dir>/recover/step_N dir")
         return p
 
     def load_recover(self, engine: Any, path: Path, others: dict[str, Any] | None = None) -> dict[str, Any]:

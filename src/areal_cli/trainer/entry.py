@@ -48,10 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, SystemExit) and not e.code:
             raise
         traceback.print_exc()
-        from areal_cli.errors import USER_ERROR_PREFIX, ArealError
+        from areal_cli.errors import RANK_CRASH_PREFIX, USER_ERROR_PREFIX, ArealError
 
-        if isinstance(e, ArealError):  # the launcher shows this line alone (launchers/local.py)
+        # The launcher shows this line instead of the traceback, and stops the run on seeing it
+        # (launchers/failures.py).
+        if isinstance(e, ArealError):
             print(f"{USER_ERROR_PREFIX}{str(e).replace(chr(10), ' ')}", file=sys.stderr, flush=True)
+        elif isinstance(e, Exception):
+            last = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
+            print(f"{RANK_CRASH_PREFIX}{last[0] if last else type(e).__name__}", file=sys.stderr, flush=True)
         return 1
 
 

@@ -400,6 +400,8 @@ class RLTrainer:
             start_step = int(state["step"])
             self.elapsed_before = float(state.get("elapsed_s", 0.0))
             self.stats.truncate_after(start_step)
+            if self.rank == 0:
+                print(f"[areal] resuming from step {start_step} (checkpoint {recover})", flush=True)
         engine.set_version(start_step)
 
         if self.rank == 0:

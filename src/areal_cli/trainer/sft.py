@@ -188,7 +188,9 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
         state = ckpt.load_recover(engine, recover)
         start = int(state["step"])
         stream.load_state_dict(state["stream"])
-        stats.truncate_after(start)
+        stats.truncate_after(start, kinds=("sft", "eval"))
+        if rank == 0:
+            print(f"[areal] resuming from step {start} (checkpoint {recover})", flush=True)
     stats.log("event", start, {"event": "start", "resumed_from": start})
     has_servers = bool(layout.servers)
 

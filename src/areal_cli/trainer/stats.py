@@ -50,8 +50,9 @@ class StatsLogger:
         if stats_cfg.wandb:
             self._wandb = _init_wandb(run_dir, stats_cfg, experiment, trial, config)
 
-    def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` (a resumed run replays those steps)."""
+    def truncate_after(self, step: int, kinds: tuple[str, ...] = ("train", "eval")) -> None:
+        """Drop the ``kinds`` records past ``step``: the steps a resumed run does again. Other kinds stay (an
+        RL run's SFT warm-start records count their own steps, and the warm start is not redone)."""
         if not self.enabled or not self.path.exists():
             return
         keep = []
@@ -60,7 +61,7 @@ class StatsLogger:
                 rec = json.loads(line)
             except ValueError:
                 continue  # a torn last line from a killed run
-            if rec.get("kind") == "event" or int(rec.get("step", 0)) <= step:
+            if rec.get("kind") not in kinds or int(rec.get("step", 0)) <= step:
                 keep.append(line)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(k + "\n" for k in keep))

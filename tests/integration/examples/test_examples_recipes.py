@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -154,9 +155,10 @@ def test_slurm_dry_run_prints_the_sbatch_script(experiment, nodes, time_min, tmp
     extra = ["launcher=slurm", "launcher.slurm.time_min=720"] if experiment == "gsm8k_grpo_1node" else []
     p = _dry([f"experiment={experiment}", "launcher.slurm.partition=gpu", *extra], tmp_path)
     for line in (f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", f"#SBATCH --time={time_min}", "#SBATCH --requeue",
-                 f"#SBATCH --job-name=areal-{experiment}-default"):
+                 "#SBATCH --partition=gpu", f"#SBATCH --time={time_min}", "#SBATCH --requeue"):
         assert line in p.stdout, (line, p.stdout)
+    # An unnamed run is named by its start time (cli/resume.py), the dry run shows the name it would take.
+    assert re.search(rf"^#SBATCH --job-name=areal-{experiment}-\d{{8}}-\d{{6}}$", p.stdout, re.M), p.stdout
     assert "-m submitit.core._submit" in p.stdout and "launcher=slurm" in p.stderr
 
 
@@ -173,6 +175,6 @@ def test_skypilot_dry_run_prints_the_task(tmp_path):
     p = _dry(["experiment=gsm8k_grpo_1node", "launcher=skypilot"], tmp_path)
     task = yaml.safe_load(p.stdout)
     assert task["num_nodes"] == 1 and task["resources"]["accelerators"] == "H100:8"
-    assert task["name"] == "areal-gsm8k-grpo-1node-default"
+    assert re.fullmatch(r"areal-gsm8k-grpo-1node-\d{8}-\d{6}", task["name"]), task["name"]
     assert str(tmp_path / "shared") in task["file_mounts"]
     assert "python -m areal_cli.launchers.skypilot node" in task["run"]
