@@ -218,9 +218,10 @@ GAIN_KEYS = ("rl_gain",)
 
 def format_summary_value(key: str, v: Any) -> str:
     """One unit per figure: accuracies as ``90.5%``, accuracy gains as ``+12.3 pts``, counts as integers."""
-    if isinstance(v, float) and key in GAIN_KEYS:
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON may hold an accuracy of 1 as int
+    if number and key in GAIN_KEYS:
         return f"{v * 100:+.1f} pts"
-    if isinstance(v, float) and key.startswith(("accuracy", "pass@")):
+    if number and key.startswith(("accuracy", "pass@")):
         return f"{v:.1%}"
     if isinstance(v, int):
         return str(v)
