@@ -144,6 +144,7 @@ def run_critic(v: dict, model_dir: str, out_dir: str) -> None:
     critic.initialize(parallel, model_dir)
     b = make_batch(0)
     head = critic.is_dp_head
+    values_init = critic.forward(b if head else None, output="values")["values"]
     stats = [critic.train_batch(b if head else None, value_loss_fn, loss_weight_fn) for _ in range(5)]
     values = critic.forward(b if head else None, output="values")["values"]
     export = str(Path(out_dir) / f"{v['name']}_hf")
@@ -152,7 +153,8 @@ def run_critic(v: dict, model_dir: str, out_dir: str) -> None:
     again.initialize(parallel, export)
     values2 = again.forward(b if head else None, output="values")["values"]
     if dist.get_rank() == 0:
-        torch.save({"stats": stats, "values": values, "values_reloaded": values2, "batch": b},
+        torch.save({"stats": stats, "values": values, "values_reloaded": values2, "batch": b,
+                    "values_init": values_init},
                    Path(out_dir) / f"{v['name']}.pt")
     critic.destroy()
     again.destroy()

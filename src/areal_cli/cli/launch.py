@@ -178,7 +178,8 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
     try:
         # Records older than this launch (a resumed run's earlier steps) are not shown again as if new.
         with LiveView(run_dir, total, title=f"areal train {cfg.experiment_name}/{cfg.trial_name}",
-                      enabled=show, since=t0) as view:
+                      enabled=show, since=t0, sft_steps=int(cfg.trainer.sft_warmup_steps),
+                      sft_only=cfg.algo.name == "sft") as view:
             kwargs: dict[str, Any] = {}
             params = inspect.signature(launcher.launch).parameters
             if "model_path" in params:
@@ -220,7 +221,8 @@ def _progress_printer(run_dir: str, total: int, since: float | None = None) -> A
                 print(f"[areal] eval @ step {r['step']} ({r.get('phase', 'rl')}): pass@1 "
                       f"{r.get('eval/pass@1', 0):.1%}", file=sys.stderr, flush=True)
             elif kind == "sft" and (r["step"] % 10 == 0 or r["step"] == 1):
-                print(f"[areal] sft step {r['step']} loss {r.get('sft/loss', 0):.3f}", file=sys.stderr, flush=True)
+                of = f"/{r['total']}" if r.get("total") else ""
+                print(f"[areal] sft step {r['step']}{of} loss {r.get('sft/loss', 0):.3f}", file=sys.stderr, flush=True)
 
     return tick
 
@@ -243,9 +245,9 @@ def finish_report(run_dir: str, wall_s: float) -> dict[str, Any]:
     warm = summary.get("accuracy_warm_start")
     if before is not None and after is not None and warm is not None and summary.get("steps"):
         console.print(f"held-out accuracy: before {before:.1%} → SFT warm start {warm:.1%} → after RL {after:.1%} "
-                      f"({(after - before) * 100:+.1f} points, RL {(after - warm) * 100:+.1f}) "
+                      f"({(after - before) * 100:+.1f} pts, RL {(after - warm) * 100:+.1f} pts) "
                       f"in {wall_s / 60:.1f} min")
     elif before is not None and after is not None:
         console.print(f"held-out accuracy: before {before:.1%} → after {after:.1%} "
-                      f"({(after - before) * 100:+.1f} points) in {wall_s / 60:.1f} min")
+                      f"({(after - before) * 100:+.1f} pts) in {wall_s / 60:.1f} min")
     return summary

@@ -72,13 +72,28 @@ def _eta(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def _rate_eta(points: list[tuple[float, int]], total: int | None) -> float | None:
+    """Seconds left at the recent step rate: the last 10 ``(time, step)`` points, ``total`` steps in all."""
+    if total is None or len(points) < 2:
+        return None
+    (t0, s0), (t1, s1) = points[max(0, len(points) - 10)], points[-1]
+    if s1 <= s0:
+        return None
+    return (t1 - t0) / (s1 - s0) * max(0, total - s1)
+
+
 class LiveView:
-    """A rich Live panel: step, reward, accuracy, staleness, gen/train tok/s, weight-sync time, ETA."""
+    """A rich Live panel. During SFT (an RL run's warm start, or all of ``algo=sft``): SFT step/total, loss,
+    train tok/s, held-out accuracy and the ETA at the SFT step rate. During RL: step, reward, accuracy,
+    staleness, gen/train tok/s, weight-sync time, ETA."""
 
     def __init__(self, run_dir: str, total_steps: int, *, title: str = "areal train", enabled: bool = True,
-                 since: float | None = None):
+                 since: float | None = None, sft_steps: int | None = None, sft_only: bool = False):
         self.tail = MetricsTail(Path(run_dir) / METRICS_FILE, since=since)
         self.total_steps = total_steps
+        # ``algo=sft`` trains only SFT steps (total_steps of them); an RL run's warm start has its own count.
+        self.sft_only = sft_only
+        self.sft_total = total_steps if sft_only else sft_steps
         self.title = title
         self.enabled = enabled
         self.last: dict[str, Any] = {}
@@ -86,6 +101,7 @@ class LiveView:
         self.first_eval: dict[str, Any] = {}
         self.sft: dict[str, Any] = {}
         self.step_times: list[tuple[float, int]] = []
+        self.sft_times: list[tuple[float, int]] = []
         self.started = time.time()
         self._live = None
 
@@ -117,37 +133,55 @@ class LiveView:
                 self.last_eval = r
             elif kind == "sft":
                 self.sft = r
+                self.sft_times.append((r.get("time", time.time()), int(r.get("step", 0))))
+                if isinstance(r.get("total"), int):
+                    self.sft_total = r["total"]
 
     def eta_s(self) -> float | None:
-        if len(self.step_times) < 2:
-            return None
-        (t0, s0), (t1, s1) = self.step_times[max(0, len(self.step_times) - 10)], self.step_times[-1]
-        if s1 <= s0:
-            return None
-        return (t1 - t0) / (s1 - s0) * max(0, self.total_steps - s1)
+        return _rate_eta(self.step_times, self.total_steps)
+
+    def sft_eta_s(self) -> float | None:
+        return _rate_eta(self.sft_times, self.sft_total)
+
+    def in_sft(self) -> bool:
+        """SFT records and no RL step yet: the table shows the SFT columns."""
+        return bool(self.sft) and not self.last
 
     def update(self) -> None:
         self.ingest(self.tail.read_new())
         if self._live is not None:
             self._live.update(self.render())
 
+    def _accuracy(self) -> str:
+        e = self.last_eval
+        acc = e.get("eval/pass@1")
+        acc_s = "-" if acc is None else f"{acc:.1%}"
+        if self.first_eval and e is not self.first_eval and acc is not None:
+            acc_s += f" (from {self.first_eval.get('eval/pass@1', 0):.1%})"
+        return acc_s
+
     def render(self) -> Any:
         from rich.table import Table
 
         t = Table(title=f"{self.title} — {_eta(time.time() - self.started)} elapsed", show_header=True,
                   header_style="bold cyan", expand=False)
+        if self.in_sft():
+            r = self.sft
+            phase = "SFT" if self.sft_only else "SFT warm start"
+            cols = ["phase", "step", "loss", "accuracy", "train tok/s", "ETA" if self.sft_only else "SFT ETA"]
+            for c in cols:
+                t.add_column(c, justify="right")
+            step = r.get("step", 0)
+            t.add_row(phase, f"{step}/{self.sft_total}" if self.sft_total else str(step), _fmt(r.get("sft/loss")),
+                      self._accuracy(), _fmt(r.get("perf/train_tokens_per_s"), ".0f"), _eta(self.sft_eta_s()))
+            return t
         cols = ["step", "reward", "accuracy", "staleness", "gen tok/s", "train tok/s", "weight sync s",
                 "ETA"]
         for c in cols:
             t.add_column(c, justify="right")
-        r, e = self.last, self.last_eval
-        step = f"{r.get('step', 0)}/{self.total_steps}" if r else (
-            f"sft {self.sft.get('step', 0)}" if self.sft else "starting")
-        acc = e.get("eval/pass@1")
-        acc_s = "-" if acc is None else f"{acc:.1%}"
-        if self.first_eval and e is not self.first_eval and acc is not None:
-            acc_s += f" (from {self.first_eval.get('eval/pass@1', 0):.1%})"
-        t.add_row(step, _fmt(r.get("reward/mean")), acc_s,
+        r = self.last
+        step = f"{r.get('step', 0)}/{self.total_steps}" if r else "starting"
+        t.add_row(step, _fmt(r.get("reward/mean")), self._accuracy(),
                   _fmt(r.get("staleness/mean"), ".2f"), _fmt(r.get("perf/gen_tokens_per_s"), ".0f"),
                   _fmt(r.get("perf/train_tokens_per_s"), ".0f"), _fmt(r.get("perf/weight_sync_s"), ".3f"),
                   _eta(self.eta_s()))
@@ -164,7 +198,8 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     if evals:
         out["accuracy_before"] = evals[0].get("eval/pass@1")
         out["accuracy_after"] = evals[-1].get("eval/pass@1")
-        warm = [r for r in evals if r.get("phase") == "sft"]
+        # An RL run's warm-start evaluation is its "sft" phase; ``algo=sft`` (no RL step) has no warm start.
+        warm = [r for r in evals if r.get("phase") == "sft"] if train else []
         if warm and warm[-1].get("eval/pass@1") is not None and out["accuracy_after"] is not None:
             out["accuracy_warm_start"] = warm[-1]["eval/pass@1"]
             out["rl_gain"] = out["accuracy_after"] - out["accuracy_warm_start"]
@@ -191,6 +226,22 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
+# Summary keys in percentage points (a difference of two accuracies); every other accuracy is a percent.
+GAIN_KEYS = ("rl_gain",)
+
+
+def format_summary_value(key: str, v: Any) -> str:
+    """One unit per figure: accuracies as ``90.5%``, accuracy gains as ``+12.3 pts``, counts as integers."""
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON may hold an accuracy of 1 as int
+    if number and key in GAIN_KEYS:
+        return f"{v * 100:+.1f} pts"
+    if number and key.startswith(("accuracy", "pass@")):
+        return f"{v:.1%}"
+    if isinstance(v, int):
+        return str(v)
+    return _fmt(v)
+
+
 def summary_table(summary: dict[str, Any]) -> Any:
     from rich.table import Table
 
@@ -198,12 +249,7 @@ def summary_table(summary: dict[str, Any]) -> Any:
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k, v in summary.items():
-        if isinstance(v, float) and k.startswith(("accuracy", "pass@")):
-            t.add_row(k, f"{v:.1%}")
-        elif isinstance(v, int):
-            t.add_row(k, str(v))
-        else:
-            t.add_row(k, _fmt(v))
+        t.add_row(k, format_summary_value(k, v))
     return t
 
 
@@ -255,9 +301,10 @@ def plot_learning_curve(run_dir: str | os.PathLike, out_name: str = "learning_cu
     if rl_evals:
         ax.plot([r["step"] for r in rl_evals], [r["eval/pass@1"] for r in rl_evals], "o-", label="held-out pass@1",
                 color="C1")
-    ax.set_xlabel("RL step")
+    sft_run = not train and bool(evals) and all(r.get("phase") == "sft" for r in evals)  # algo=sft
+    ax.set_xlabel("SFT step" if sft_run else "RL step")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("GRPO learning curve")
+    ax.set_title("held-out accuracy (SFT)" if sft_run else "RL learning curve")
     ax.grid(alpha=0.3)
     if train or rl_evals:
         ax.legend(loc="lower right")

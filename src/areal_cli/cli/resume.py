@@ -46,7 +46,6 @@ HARMLESS: dict[str, str] = {
     "rollout.max_concurrent_rollouts": "how many episodes run at once (the staleness bound still holds)",
     "stats": "logging",
     "launcher": "how processes start and are supervised (launcher, timeouts, restarts, env, server flags)",
-    "cluster.hosts": "which machines",
     "cluster.gpu_memory_gb": "the memory estimate",
     "skip_storage_check": "the pre-launch storage probe",
 }

@@ -40,6 +40,19 @@ from areal_cli.utils import collectives, host_memory
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
+def init_value_head(head: Any) -> None:
+    """A new critic's value head starts at zero (weight and bias), so every value is 0 until the critic has
+    learnt: GAE's first advantages are then the whitened returns, not the noise of a random head. A head drawn
+    with std 1/sqrt(hidden+1) on normalised hidden states gives values of std ~1 per token, larger than a 0/1
+    reward's spread, and at a small ``critic_lr`` it stays that way for hundreds of steps (``algo=ppo`` on the
+    embedded task lost accuracy). OpenAI's lm-human-preferences zero-initialises its value head too (Huang et al.,
+    "The N Implementation Details of RLHF with PPO", ICLR blog track 2024)."""
+    import torch
+
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+
+
 class EngineBase(TrainEngine):
     def __init__(self, engine_cfg, optim_cfg=None, *, total_steps: int = 1, seed: int = 0,
                  critic: bool = False, lora: Any = None):

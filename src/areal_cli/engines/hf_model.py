@@ -31,7 +31,7 @@ from areal_cli.engines import materialize, packing, precision, sampling_mask, st
 from areal_cli.engines import parallelize as par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.attn_impl import FLASH
-from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
+from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase, init_value_head
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives, host_memory
 from areal_cli.utils.optim import foreach_ok
@@ -92,8 +92,7 @@ class HFModelEngine(EngineBase):
 
             head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(src)).items()})
         else:
-            torch.nn.init.normal_(head.weight, std=1.0 / (hidden + 1) ** 0.5)
-            torch.nn.init.zeros_(head.bias)
+            init_value_head(head)
         # The tie is broken on purpose: the embedding stays, the vocab projection goes.
         model.config.tie_word_embeddings = False
         model.lm_head = head

@@ -85,7 +85,43 @@ def _reasons(m: Manifest) -> str:
 
 
 def plot(m: Manifest) -> Path | None:
-    """One panel per swept key: the metric against that key's values (best trial starred)."""
+    """One panel per swept key: the metric against that key's values (best trial starred), ``sweep.png``."""
+    fig = build_figure(m)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
+    path = Path(m.sweep_dir) / "sweep.png"
+    fig.savefig(path, dpi=FIG_DPI)
+    plt.close(fig)
+    return path
+
+
+FIG_DPI = 110
+STAR_SIZE = 220  # points^2
+# Learning rates are tried on a geometric grid (1e-5, 3e-5, 1e-4...): on a linear axis the small ones
+# pile up at the left edge and their tick labels run into each other.
+LOG_NAME_SUFFIXES = ("lr", "learning_rate")
+
+
+def log_axis(key: str, xs: list[float]) -> bool:
+    """Whether a numeric knob's axis is logarithmic: all values positive and either an lr-like name or a
+    spread of at least 10x."""
+    if len(set(xs)) < 2 or min(xs) <= 0:
+        return False
+    return key.rsplit(".", 1)[-1].endswith(LOG_NAME_SUFFIXES) or max(xs) / min(xs) >= 10
+
+
+def _tick_label(v: float) -> str:
+    """Short labels: ``0.0001`` → ``1e-4``, ``0.00015`` → ``1.5e-4``, ``0.5`` → ``0.5``, ``32`` → ``32``."""
+    if v != 0 and not 1e-2 <= abs(v) < 1e5:
+        mant, exp = f"{v:.2e}".split("e")
+        return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
+    return f"{v:.4g}"
+
+
+def build_figure(m: Manifest):
+    """The sweep plot as a matplotlib figure (None without a finished trial or a swept key)."""
     done = [t for t in m.trials if t.status == "done" and metric_value(t, m.metric) is not None]
     if not done or not m.swept_keys:
         return None
@@ -93,10 +129,11 @@ def plot(m: Manifest) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FixedFormatter, NullFormatter
 
     best = best_trial(m)
     keys = m.swept_keys
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False, dpi=FIG_DPI)
     for ax, key in zip(axes[0], keys):
         values = [t.value_of(key) for t in done]
         numeric = all(_is_float(v) for v in values)
@@ -105,19 +142,49 @@ def plot(m: Manifest) -> Path | None:
         ax.scatter(xs, ys, color="tab:blue")
         if best is not None:
             bx = float(best.value_of(key)) if numeric else best.value_of(key)
-            ax.scatter([bx], [metric_value(best, m.metric)], marker="*", s=220, color="tab:orange", label="best")
+            ax.scatter([bx], [metric_value(best, m.metric)], marker="*", s=STAR_SIZE, color="tab:orange",
+                       label="best", zorder=3)
             ax.legend(loc="best")
-        if numeric and len(set(xs)) > 1 and min(xs) > 0 and max(xs) / min(xs) >= 100:
+        if numeric and log_axis(key, xs):
             ax.set_xscale("log")
+        if numeric:  # ticks at the values tried, not at round numbers none of the trials used
+            ticks = sorted(set(xs))
+            ax.xaxis.set_major_locator(FixedLocator(ticks))
+            ax.xaxis.set_major_formatter(FixedFormatter([_tick_label(v) for v in ticks]))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        # Room for the star's marker, which autoscaling (data points only) does not count.
+        ax.margins(x=0.1, y=0.15)
         ax.set_xlabel(key)
         ax.set_ylabel(m.metric)
         ax.grid(alpha=0.3)
     fig.suptitle(f"sweep {m.name}")
     fig.tight_layout()
-    path = Path(m.sweep_dir) / "sweep.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _hide_overlapping_ticks(fig)
+    return fig
+
+
+def _hide_overlapping_ticks(fig) -> None:
+    """Blank the x tick labels that would overlap the previous kept one (close values on one axis):
+    every trial's value keeps its tick mark, some lose their text."""
+    from matplotlib.ticker import FixedFormatter
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        fmt = ax.xaxis.get_major_formatter()
+        if not isinstance(fmt, FixedFormatter):
+            continue
+        texts = list(fmt.seq)
+        last = None
+        for i, lb in enumerate(ax.xaxis.get_majorticklabels()):
+            if i >= len(texts) or not lb.get_text():
+                continue
+            box = lb.get_window_extent(renderer).padded(2)
+            if last is not None and box.overlaps(last):
+                texts[i] = ""
+            else:
+                last = box
+        ax.xaxis.set_major_formatter(FixedFormatter(texts))
 
 
 def _is_float(v: str) -> bool:

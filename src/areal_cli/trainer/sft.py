@@ -62,8 +62,10 @@ def make_sft_batch(items: list[dict[str, Any]], tokenizer: Any, use_chat_templat
 
 
 def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: int, batch_size: int,
-                  stats: Any, use_chat_template: bool = True, kind: str = "sft", first_step: int = 1) -> dict[str, float]:
-    """``steps`` optimizer steps; logs ``sft/loss`` per step. Returns the last step's stats."""
+                  stats: Any, use_chat_template: bool = True, kind: str = "sft", first_step: int = 1,
+                  total: int | None = None) -> dict[str, float]:
+    """``steps`` optimizer steps; logs ``sft/loss`` per step (with ``total``, the phase's step count, so a
+    reader of ``metrics.jsonl`` can show step/total and an ETA). Returns the last step's stats."""
     from areal_cli.algorithms.actor import sft_step
     from areal_cli.utils.procs import freeze_heap
 
@@ -81,7 +83,8 @@ def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: i
         last = {"sft/loss": float(out.get("loss", out.get("nll", 0.0))), "sft/lr": out.get("lr"),
                 "sft/grad_norm": out.get("grad_norm"), "perf/train_tokens_per_s": tokens / max(dt, 1e-9),
                 "perf/step_s": dt}
-        stats.log(kind, step, {k: v for k, v in last.items() if v is not None})
+        rec = {k: v for k, v in last.items() if v is not None}
+        stats.log(kind, step, rec if total is None else {**rec, "total": int(total)})
     return last
 
 
@@ -114,7 +117,7 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     with torch_threads(cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))):
         last = run_sft_steps(engine, stream, tokenizer, steps=tc.sft_warmup_steps,
                              batch_size=tc.sft_batch_size, stats=stats,
-                             use_chat_template=cfg.dataset.use_chat_template)
+                             use_chat_template=cfg.dataset.use_chat_template, total=tc.sft_warmup_steps)
     from areal_cli.api.io_struct import SaveLoadMeta
 
     engine.save(SaveLoadMeta(path=str(out_dir), weight_format="hf", tokenizer_path=model_path))
@@ -212,7 +215,7 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
         if rank == 0:
             prune_pushed(meta.path, keep=1)  # every server has loaded this step's weights (or will, from it)
             out = _evaluate_surviving_restarts(cfg, layout, run_dir, tokenizer, test_items, recs, meta, error)
-            stats.log("eval", step, out)
+            stats.log("eval", step, {**out, "phase": "sft"})  # an SFT run's evaluations, not an RL phase's
         return broadcast_obj(out)
 
     if start == 0:
@@ -225,7 +228,7 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
                 chunk = min(chunk, boundary - step % boundary)
         run_sft_steps(engine, stream, tokenizer, steps=chunk, batch_size=cfg.algo.batch_size, stats=stats,
                       use_chat_template=cfg.dataset.use_chat_template,
-                      first_step=step + 1)
+                      first_step=step + 1, total=tc.total_steps)
         step += chunk
         engine.set_version(step)
         if step == tc.total_steps:

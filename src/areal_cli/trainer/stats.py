@@ -18,6 +18,9 @@ from typing import Any
 from areal_cli.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
+# Record fields that are bookkeeping, not curves: never sent to tensorboard or wandb. ``total`` is the
+# step count of the record's phase (SFT records carry it: the live view's step/total and ETA).
+NOT_SCALARS = ("step", "time", "total")
 
 
 def _clean(v: Any) -> Any:
@@ -76,7 +79,7 @@ class StatsLogger:
             f.write(json.dumps(rec) + "\n")
             f.flush()
         numeric = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   and k not in ("step", "time")}
+                   and k not in NOT_SCALARS}
         if self._tb is not None:
             for k, v in numeric.items():
                 self._tb.add_scalar(f"{kind}/{k}" if "/" not in k else k, v, global_step=step)

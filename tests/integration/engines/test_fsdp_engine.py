@@ -144,8 +144,13 @@ def test_bf16_mixed_precision_close_to_fp32(runs):
 
 def test_critic_trains_and_value_head_roundtrips(runs):
     c = runs["critic"]
+    # A new value head starts at zero (engines/base.py:init_value_head): no random values in the first
+    # advantages. It still learns: the head's own gradient is the hidden state, not zero.
+    assert c["values_init"].abs().max() == 0
     mse = [s["value_mse"] for s in c["stats"]]
-    assert mse[-1] < 0.3 * mse[0], mse
+    # From a zero head the first steps move the head alone (the backbone's gradient goes through its
+    # weights), so 5 steps at lr 1e-3 take ~17% off, every step some: measured 1.10 1.09 1.04 0.98 0.91.
+    assert all(b < a for a, b in zip(mse, mse[1:])) and mse[-1] < 0.9 * mse[0], mse
     v, am = c["values"], c["batch"]["attention_mask"]
     assert v.shape == am.shape and (v[:, 0] == 0).all() and (v[~am] == 0).all()
     assert (c["values"] - c["values_reloaded"]).abs().max() < 1e-5

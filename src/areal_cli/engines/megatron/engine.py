@@ -42,7 +42,7 @@ from areal_cli.engines import attn_impl, packing, precision, sampling_mask, step
 from areal_cli.engines import parallelize as par
 from areal_cli.engines.megatron import masters
 from areal_cli.engines import routing_replay as r3
-from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase
+from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase, init_value_head
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives, host_memory
 from areal_cli.utils.dist import send_to_rank0
@@ -202,8 +202,7 @@ class MegatronEngine(EngineBase):
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(self.seed)
                     lin = torch.nn.Linear(hidden, 1, bias=True, dtype=dtype or par.torch_dtype(self.cfg.dtype))
-                    torch.nn.init.normal_(lin.weight, std=1.0 / (hidden + 1) ** 0.5)
-                    torch.nn.init.zeros_(lin.bias)
+                    init_value_head(lin)
                 head = {"lm_head.weight": lin.weight.detach(), "lm_head.bias": lin.bias.detach()}
             else:
                 raise ConfigError("model.path", f"{path} has no {VALUE_HEAD_FILE} for this critic's value head",
