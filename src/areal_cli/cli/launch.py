@@ -108,7 +108,13 @@ def fetch_hub_model(cfg: Any) -> bool:
     """Download a hub ``model.path`` now when this process is the one that fetches it and it is not cached;
     when the launcher's nodes fetch it, download its config.json alone (kilobytes), so the plan is checked
     against the real architecture. True when it downloaded (validation then re-reads the facts)."""
-    from areal_cli.models.hub import cached_config, cached_snapshot, ensure_hub_config, ensure_hub_model, is_hub_id
+    from areal_cli.models.hub import (
+        cached_config,
+        cached_snapshot,
+        ensure_hub_config,
+        ensure_hub_model,
+        is_hub_id,
+    )
 
     path, revision = cfg.model.path, cfg.model.revision or None
     if not is_hub_id(path):
