@@ -18,8 +18,8 @@ must serve the checkpoint. Prints accuracy, n and mean reward; every sample goes
 
 \b
 Examples:
-  areal eval cpu_default/default
-  areal eval ~/.cache/areal/runs/cpu_default/default --step 100 dataset.test_size=500
+  areal eval cpu_default                               (its latest run)
+  areal eval cpu_default/20261129-073015 --step 100 dataset.test_size=500
   areal eval runs/x/y/checkpoints/final --server http://gpu-node:30000 --json
 """
 

@@ -15,7 +15,7 @@ the adapter merged in. DIR must be new or empty (--force replaces it).
 
 \b
 Examples:
-  areal export cpu_default/default --to ./my_model
+  areal export cpu_default --to ./my_model              (its latest run)
   areal export ~/.cache/areal/runs/lora/t0 --to ./merged --merge-lora
 """
 
