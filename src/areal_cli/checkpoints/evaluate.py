@@ -159,22 +159,22 @@ def run_eval(target: str, overrides: list[str], *, step: int | None = None, serv
              progress: Any = None) -> dict[str, Any]:
     """Evaluate the checkpoint ``target`` means; returns the result (also written to the samples file).
     ``progress(done, total)`` is called as completions are scored."""
-    from areal_cli.checkpoints.locate import resolve
+    from areal_cli.checkpoints.locate import pinned
 
-    src = resolve(target, step=step, fileroot=fileroot)
-    cfg = load_eval_config(src, overrides)
     work = tempfile.mkdtemp(prefix="areal_eval_")
     try:
-        model_dir = src.path
-        if src.kind == "recover":
-            from areal_cli.checkpoints.export import export
+        with pinned(target, step=step, fileroot=fileroot) as src:  # a running run may prune it meanwhile
+            cfg = load_eval_config(src, overrides)
+            model_dir = src.path
+            if src.kind == "recover":
+                from areal_cli.checkpoints.export import export_source
 
-            model_dir = Path(work) / "model"
-            export(str(src.path), str(model_dir), merge=int(cfg.model.lora.rank) > 0)
-        elif src.adapter_dir == src.path:
-            raise CheckpointError(f"{src.path} is a LoRA adapter alone — fix: evaluate its run's checkpoint "
-                                  "(which holds the merged model), or `areal export --merge-lora` it first")
-        result = _evaluate(cfg, src, str(model_dir), server, backend, work, progress)
+                model_dir = Path(work) / "model"
+                export_source(src, str(model_dir), merge=int(cfg.model.lora.rank) > 0)
+            elif src.adapter_dir == src.path:
+                raise CheckpointError(f"{src.shown} is a LoRA adapter alone — fix: evaluate its run's checkpoint "
+                                      "(which holds the merged model), or `areal export --merge-lora` it first")
+            result = _evaluate(cfg, src, str(model_dir), server, backend, work, progress)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     path = Path(output) if output else default_output(src)
@@ -187,10 +187,10 @@ def run_eval(target: str, overrides: list[str], *, step: int | None = None, serv
 
 def default_output(src: Source) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = src.name.replace("/", "_") or src.path.name
+    name = src.name.replace("/", "_") or src.shown.name
     if src.run_dir is not None:
         return src.run_dir / "evals" / f"{name}-{stamp}.json"
-    return Path.cwd() / f"areal_eval_{src.path.name}-{stamp}.json"
+    return Path.cwd() / f"areal_eval_{src.shown.name}-{stamp}.json"
 
 
 def _evaluate(cfg: Any, src: Source, model_dir: str, server: str | None, backend: str | None, work: str,
@@ -231,7 +231,7 @@ def _evaluate(cfg: Any, src: Source, model_dir: str, server: str | None, backend
         if callable(close):
             close()
     acc = metrics.get("eval/pass@1")
-    return {"checkpoint": str(src.path), "kind": src.kind, "run_dir": str(src.run_dir) if src.run_dir else None,
+    return {"checkpoint": str(src.shown), "kind": src.kind, "run_dir": str(src.run_dir) if src.run_dir else None,
             "step": src.step, "server": server or f"{backend} (started on the checkpoint)", "backend": backend,
             "n": len(items), "accuracy": acc, "accuracy_pct": None if acc is None else round(100 * acc, 2),
             "reward_mean": metrics.get("eval/reward_mean"), "metrics": metrics,

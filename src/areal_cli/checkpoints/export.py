@@ -32,7 +32,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 def check_destination(to: Path, force: bool, src: Source) -> None:
     if to.exists() and not to.is_dir():
         raise CheckpointError(f"--to {to} is a file — fix: name a directory")
-    s, d = src.path.resolve(), to.resolve()
+    s, d = src.shown.resolve(), to.resolve()
     if d == s or d in s.parents or (src.run_dir is not None and d == src.run_dir.resolve()):
         raise CheckpointError(f"--to {to} holds the checkpoint being exported — fix: name another directory")
     if to.is_dir() and any(to.iterdir()) and not force:
@@ -289,22 +289,27 @@ def export_recover(src: Source, dst: Path, *, merge: bool, to: Path, run: str) -
 def export(target: str, to: str, *, step: int | None = None, merge: bool = False, force: bool = False,
            fileroot: str | None = None) -> dict[str, Any]:
     """Write the checkpoint ``target`` means to ``to``; returns what was written."""
-    from areal_cli.checkpoints.locate import resolve
+    from areal_cli.checkpoints.locate import pinned
 
-    src = resolve(target, step=step, fileroot=fileroot)
+    with pinned(target, step=step, fileroot=fileroot) as src:  # a running run may prune it meanwhile
+        return export_source(src, to, merge=merge, force=force, run=target)
+
+
+def export_source(src: Source, to: str, *, merge: bool = False, force: bool = False, run: str = "") -> dict[str, Any]:
+    """Write checkpoint ``src`` to ``to``."""
     dest = Path(os.path.expanduser(to)).absolute()
     check_destination(dest, force, src)
     tmp = _tmp_dir(dest)
     try:
         if src.kind == "recover":
-            info = export_recover(src, tmp, merge=merge, to=dest, run=target)
+            info = export_recover(src, tmp, merge=merge, to=dest, run=run or str(src.shown))
         else:
-            info = _export_hf(src, tmp, merge=merge, to=dest, run=target)
+            info = _export_hf(src, tmp, merge=merge, to=dest, run=run or str(src.shown))
         _publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"source": str(src.path), "source_kind": src.kind, "step": src.step, "run_dir":
+    return {"source": str(src.shown), "source_kind": src.kind, "step": src.step, "run_dir":
             str(src.run_dir) if src.run_dir else None, "to": str(dest), **info}
 
 
@@ -312,7 +317,7 @@ def _export_hf(src: Source, dst: Path, *, merge: bool, to: Path, run: str) -> di
     adapter = src.adapter_dir
     if adapter is None:
         if merge:
-            raise ConfigError("--merge-lora", f"{src.path} holds no LoRA adapter (the run trained every weight, "
+            raise ConfigError("--merge-lora", f"{src.shown} holds no LoRA adapter (the run trained every weight, "
                               "model.lora.rank=0)", "drop --merge-lora")
         return {"files": copy_hf_dir(src.path, dst), "lora": None}
     base = _adapter_base(src, adapter)

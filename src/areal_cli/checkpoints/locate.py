@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from areal_cli.errors import ArealError
@@ -38,6 +42,12 @@ class Source:
     run_dir: Path | None = None
     step: int | None = None
     name: str = ""
+    origin: Path | None = None  # where a pinned copy's files were linked from (``pinned``)
+
+    @property
+    def shown(self) -> Path:
+        """The checkpoint's own path, for messages and results (not a pinned copy's)."""
+        return self.origin or self.path
 
     @property
     def adapter_dir(self) -> Path | None:
@@ -53,7 +63,7 @@ class Source:
         where = f"{self.run_dir.name} " if self.run_dir is not None else ""
         step = f" (step {self.step})" if self.step is not None else ""
         what = "recover state" if self.kind == "recover" else "checkpoint"
-        return f"{where}{what} {self.name or self.path.name}{step}: {self.path}"
+        return f"{where}{what} {self.name or self.shown.name}{step}: {self.shown}"
 
 
 def is_hf_dir(p: Path) -> bool:
@@ -191,3 +201,52 @@ def engine_name(run_dir: Path | None) -> str | None:
     if run_dir is None:
         return None
     return (read_config(run_dir).get("engine") or {}).get("name")
+
+
+PIN_PREFIX = ".pinned-"
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``dst`` holding hard links to ``src``'s files (symlinks as symlinks): the same bytes, no copy."""
+    for root, dirs, files in os.walk(src):
+        rel = Path(root).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for name in files:
+            s, d = Path(root) / name, dst / rel / name
+            if s.is_symlink():
+                os.symlink(os.readlink(s), d)
+            else:
+                os.link(s, d)
+
+
+@contextmanager
+def pinned(target: str, *, step: int | None = None, fileroot: str | None = None) -> Iterator[Source]:
+    """The checkpoint ``target`` means, held still while it is read.
+
+    A running run prunes its older HF exports (``trainer.keep_checkpoints``) and recover states, so one
+    picked a moment ago can vanish under a reader that takes minutes (a server loading it, a DCP read). A
+    checkpoint inside a run dir is therefore hard-linked into a private dir of that run first: no bytes are
+    copied, and a pruned original leaves the linked files whole. If the run pruned it while it was being
+    linked, the newest one is taken again. A filesystem without hard links reads the checkpoint in place.
+    """
+    for _ in range(3):
+        src = resolve(target, step=step, fileroot=fileroot)
+        if src.run_dir is None:
+            yield src
+            return
+        pin = Path(tempfile.mkdtemp(prefix=PIN_PREFIX, dir=src.run_dir))
+        try:
+            try:
+                _link_tree(src.path, pin / src.path.name)
+            except FileNotFoundError:
+                continue  # pruned mid-link: resolve again
+            except OSError:  # no hard links here (or across a mount): read in place
+                yield src
+                return
+            yield replace(src, path=pin / src.path.name, origin=src.path)
+            return
+        finally:
+            shutil.rmtree(pin, ignore_errors=True)
+    raise CheckpointError(f"{target}: its newest checkpoint was pruned three times while being read (the "
+                          "run saves faster than it can be linked) — fix: pass --step N of an older one it "
+                          "keeps, or raise trainer.keep_checkpoints")

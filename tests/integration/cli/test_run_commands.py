@@ -1,5 +1,5 @@
 """`areal runs`, `areal status`, `areal logs` against real local runs under one fileroot: a finished one, one
-watched while it runs and then stopped with Ctrl-C, and one whose trainer dies of a typed user error."""
+watched while it runs (`areal export` and `areal eval` on its newest recover state too) and then stopped with Ctrl-C, and one whose trainer dies of a typed user error."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_finished_run(finished_run, fileroot):
 def test_running_run_then_ctrl_c(finished_run, fileroot, tiny_model_dir):
     run_dir = fileroot / "runs" / "itest" / "live"
     proc = _start(_overrides(fileroot, tiny_model_dir, trial_name="live", **{"trainer.total_steps": 400,
-                                                                                "trainer.eval_every": 0}))
+                                                                                "trainer.eval_every": 0,
+                                                                                "trainer.recover_every": 2}))
     follower = None
     try:
         _wait_for(lambda: sum(r["kind"] == "train" for r in _records(run_dir)) >= 2, proc, 300, "two steps")
@@ -63,6 +64,23 @@ def test_running_run_then_ctrl_c(finished_run, fileroot, tiny_model_dir):
         assert text.returncode == 0 and "running" in text.stdout and "/400" in text.stdout, text.stdout
         log = areal("logs", "itest", "--fileroot", str(fileroot))  # EXPERIMENT: its latest trial, this one
         assert log.returncode == 0 and "trainer rank 0/1 pid" in log.stdout, log.stdout[-2000:]
+
+        # eval and export take a running run's newest complete checkpoint (HF export or recover state; a
+        # half-written recover state is .partial)
+        _wait_for(lambda: any(p.is_dir() and not p.name.endswith(".partial")
+                              for p in (run_dir / "recover").glob("step_*")), proc, 300, "a recover state")
+        out_dir = fileroot / "live_export"
+        ex = areal("export", "itest/live", "--fileroot", str(fileroot), "--to", str(out_dir), "--json")
+        assert ex.returncode == 0, ex.stderr
+        source = json.loads(ex.stdout)["source"]
+        assert source.startswith(str(run_dir)) and "/step_" in source and (out_dir / "config.json").is_file()
+        assert any(out_dir.glob("*.safetensors"))
+        ev = areal("eval", "itest/live", "--fileroot", str(fileroot), "dataset.test_size=8",
+                   "eval_gconfig.max_new_tokens=4", "--json", timeout=300)
+        assert ev.returncode == 0, ev.stderr[-3000:]
+        got = json.loads(ev.stdout)
+        assert got["run_dir"] == str(run_dir) and got["kind"] in ("hf", "recover") and got["n"] == 8, got
+        assert 0.0 <= got["accuracy"] <= 1.0, got
 
         # -f follows the server's log while the run lives, and ends by itself once the run has stopped.
         follower = subprocess.Popen([sys.executable, "-m", "areal_cli.cli.main", "logs", str(run_dir),
