@@ -64,7 +64,8 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     return str(v)
 
 
-def _eta(seconds: float | None) -> str:
+def clock(seconds: float | None) -> str:
+    """``m:ss`` or ``h:mm:ss`` (``-`` when unknown): ETAs and elapsed times, here and in ``areal status``."""
     if seconds is None or seconds < 0:
         return "-"
     m, s = divmod(int(seconds), 60)
@@ -163,7 +164,7 @@ class LiveView:
     def render(self) -> Any:
         from rich.table import Table
 
-        t = Table(title=f"{self.title} — {_eta(time.time() - self.started)} elapsed", show_header=True,
+        t = Table(title=f"{self.title} — {clock(time.time() - self.started)} elapsed", show_header=True,
                   header_style="bold cyan", expand=False)
         if self.in_sft():
             r = self.sft
@@ -173,7 +174,7 @@ class LiveView:
                 t.add_column(c, justify="right")
             step = r.get("step", 0)
             t.add_row(phase, f"{step}/{self.sft_total}" if self.sft_total else str(step), _fmt(r.get("sft/loss")),
-                      self._accuracy(), _fmt(r.get("perf/train_tokens_per_s"), ".0f"), _eta(self.sft_eta_s()))
+                      self._accuracy(), _fmt(r.get("perf/train_tokens_per_s"), ".0f"), clock(self.sft_eta_s()))
             return t
         cols = ["step", "reward", "accuracy", "staleness", "gen tok/s", "train tok/s", "weight sync s",
                 "ETA"]
@@ -184,7 +185,7 @@ class LiveView:
         t.add_row(step, _fmt(r.get("reward/mean")), self._accuracy(),
                   _fmt(r.get("staleness/mean"), ".2f"), _fmt(r.get("perf/gen_tokens_per_s"), ".0f"),
                   _fmt(r.get("perf/train_tokens_per_s"), ".0f"), _fmt(r.get("perf/weight_sync_s"), ".3f"),
-                  _eta(self.eta_s()))
+                  clock(self.eta_s()))
         return t
 
 

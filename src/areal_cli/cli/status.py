@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from areal_cli.cli.report import clock
+
 HELP = """Show a run's progress from any terminal: state, phase, step/total, ETA, last evaluation, samples/s,
 staleness, each inference server and trainer rank, and the last error. Everything is read from the run dir
 on the shared filesystem, so local, SLURM, Ray and SkyPilot runs look the same.
@@ -28,14 +30,6 @@ STATE_STYLE = {"running": "bold green", "finished": "bold cyan", "failed": "bold
 
 
 # ---------------------------------------------------------------- formatting shared with `areal runs`
-
-def duration(seconds: float | None) -> str:
-    if seconds is None or seconds < 0:
-        return "-"
-    m, s = divmod(round(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
 
 def when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
@@ -88,11 +82,11 @@ def render(s: dict[str, Any]) -> Any:
     grid.add_column()
     where = f"{s['phase']} · step {step_text(s)}"
     if s["eta_s"] is not None and s["state"] == "running":
-        where += f" · ETA {duration(s['eta_s'])}"
+        where += f" · ETA {clock(s['eta_s'])}"
     if s["phase"] == "sft warmup" and s["phase_eta_s"] is not None:
-        where += f" · warm start ends in {duration(s['phase_eta_s'])}"
+        where += f" · warm start ends in {clock(s['phase_eta_s'])}"
     grid.add_row("phase", where)
-    grid.add_row("started", f"{when(s['started'])} · {duration(s['elapsed_s'])} elapsed"
+    grid.add_row("started", f"{when(s['started'])} · {clock(s['elapsed_s'])} elapsed"
                  + (f" · {s['launcher']}" if s["launcher"] else ""))
     grid.add_row("last eval", escape(eval_text(s, with_first=True)))
     if s["sft_loss"] is not None and (s["phase"] in ("sft warmup", "sft") or not s["step"]):
