@@ -18,7 +18,7 @@ def did_you_mean(word: str, options) -> str:
 
 
 # A process of the run (a trainer rank) that dies of an ArealError prints it on one line behind this prefix;
-# the launcher shows that line alone instead of the log's traceback (launchers/local.py:user_error_in).
+# the launcher shows that line alone instead of the log's traceback (launchers/failures.py:user_error_in).
 USER_ERROR_PREFIX = "areal user error: "
 # Any other exception that kills a trainer rank: its traceback, then its last line behind this prefix, which
 # the launcher watches for to stop the run at once (launchers/failures.py:RankLogWatch).

@@ -37,6 +37,12 @@ def user_error_in(tail: str) -> str | None:
     return _marked(tail, USER_ERROR_PREFIX)
 
 
+def error_line(tail: str) -> str | None:
+    """The one line a log ``tail`` ends with an error on: a user error, else a rank's crash line, else the
+    last traceback's exception line (``areal status`` shows it for each process)."""
+    return user_error_in(tail) or _marked(tail, RANK_CRASH_PREFIX) or exception_line(tail)
+
+
 def exception_line(tail: str) -> str | None:
     """The last traceback's exception line in ``tail`` (``RuntimeError: boom``), or None.
 

@@ -431,23 +431,13 @@ def server_indices(run_dir: Path) -> list[int]:
 
 
 def log_error(path: Path) -> str | None:
-    """The error a process's log ends with, as one line: a typed user error's own line, else an exception's
-    last line (``RuntimeError: ...``); None when the log shows none."""
-    from areal_cli.launchers.local import user_error_in
+    """The error a process's log ends with, as one line: a typed user error's own line, else the crash line a
+    rank printed or an exception's last line (``RuntimeError: ...``); None when the log shows none. The same
+    reading as the launchers' failure line (launchers/failures.py)."""
+    from areal_cli.launchers.failures import error_line
     from areal_cli.utils.procs import tail_file
 
-    tail = tail_file(path, 120)
-    user = user_error_in(tail)
-    if user:
-        return user
-    lines = tail.splitlines()
-    starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
-    if not starts:
-        return None
-    for ln in lines[starts[-1] + 1:]:
-        if ln.strip() and not ln[0].isspace():
-            return ln.strip()
-    return None
+    return error_line(tail_file(path, 120))
 
 
 def _node_error(run_dir: Path) -> str | None:
