@@ -64,14 +64,15 @@ class RunChoice:
     changed: list[tuple[str, Any, Any]] = field(default_factory=list)  # accepted changes
     no_earlier_run: bool = False                # resume=auto without a name found no run to continue
     claimed: Path | None = None                 # the new run dir made to hold the name
+    made: list[Path] = field(default_factory=list)  # the dirs above it that claiming created, deepest first
 
     def release(self) -> None:
         """Give the name back when the launch stopped before using its dir (a pre-launch check failed)."""
-        if self.claimed is not None:
+        for d in [self.claimed, *self.made] if self.claimed is not None else []:
             try:
-                self.claimed.rmdir()  # only while empty
+                d.rmdir()  # only while empty: a run of the same experiment started meanwhile keeps it
             except OSError:
-                pass
+                return
 
     def resume_line(self) -> str | None:
         if self.step is None:
@@ -234,7 +235,9 @@ def settle_run(cfg: Any, *, claim: bool = True, check: bool = True) -> RunChoice
         if latest is not None:
             cfg.trial_name, choice.picked_latest = latest, True
         else:
+            made = [d for d in (exp_dir, *exp_dir.parents) if not d.exists()]
             cfg.trial_name = new_trial_name(exp_dir, claim=claim)
+            choice.made = made if claim else []
             choice.no_earlier_run = resume in AUTO_RESUME
             choice.claimed = exp_dir / cfg.trial_name if claim else None
     choice.name = f"{cfg.experiment_name}/{cfg.trial_name}"

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from train_runs import _env, _overrides, _records
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 EXPERIMENT = "life"
 NAME = re.compile(r"^\d{8}-\d{6}(-\d+)?$")
