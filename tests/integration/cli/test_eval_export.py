@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from train_runs import _env, _env_with_reward
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.runs, pytest.mark.timeout(900)]
 
 SHORT = ["trainer.total_steps=2", "trainer.save_every=1", "trainer.recover_every=1", "trainer.eval_every=1",
          "algo.batch_size=2", "rollout.group_size=2", "dataset.train_size=1000", "dataset.test_size=24",

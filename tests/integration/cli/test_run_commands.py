@@ -13,7 +13,7 @@ import pytest
 from run_commands import areal, check_finished_run, cli_env, runs_json, status_json
 from train_runs import _env, _overrides, _records, _start, _wait_for
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.runs, pytest.mark.timeout(600)]
 
 SHORT = {"trainer.total_steps": 2, "trainer.eval_every": 1, "trainer.recover_every": 0,
          "trainer.save_every": 0}
