@@ -108,6 +108,7 @@ def fetch_hub_model(cfg: Any) -> bool:
     """Download a hub ``model.path`` now when this process is the one that fetches it and it is not cached;
     when the launcher's nodes fetch it, download its config.json alone (kilobytes), so the plan is checked
     against the real architecture. True when it downloaded (validation then re-reads the facts)."""
+    from areal_cli.errors import ArealError
     from areal_cli.models.hub import (
         cached_config,
         cached_snapshot,
@@ -122,7 +123,14 @@ def fetch_hub_model(cfg: Any) -> bool:
     if fetches_on_nodes(cfg):
         if cached_config(path, revision):
             return False
-        ensure_hub_config(path, revision)
+        try:
+            ensure_hub_config(path, revision)
+        except ArealError:
+            from areal_cli.config.recipe import preset_facts_known
+
+            if preset_facts_known(cfg):  # an offline submitter: the named preset's facts plan the run
+                return False
+            raise
         return True
     if cached_snapshot(path, revision):
         return False

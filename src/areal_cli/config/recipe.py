@@ -80,6 +80,12 @@ def preset_for_path(path: str) -> str | None:
     return None
 
 
+def preset_facts_known(cfg: ExperimentConfig) -> bool:
+    """Whether the plan's architecture facts belong to a real model (a non-toy preset or a read config.json),
+    not the tiny preset standing in for an unknown hub id."""
+    return not _model_path_of_option(cfg.model.name).startswith("builtin:")
+
+
 def check_model_facts(cfg: ExperimentConfig) -> None:
     """Refuse a plan whose architecture facts belong to the toy while ``model.path`` is a real hub model.
 
@@ -91,7 +97,7 @@ def check_model_facts(cfg: ExperimentConfig) -> None:
     from areal_cli.models.hub import download_command, is_hub_id
 
     path = cfg.model.path
-    if not is_hub_id(path) or not _model_path_of_option(cfg.model.name).startswith("builtin:"):
+    if not is_hub_id(path) or preset_facts_known(cfg):
         return
     raise ConfigError("model.path", f"the architecture of {path} is unknown here: it is not in the Hugging Face "
                       "cache and no model preset names it, so validation would check the tiny model's facts",

@@ -108,16 +108,19 @@ def cached_commit(
     return commit if COMMIT_RE.match(commit) else None
 
 
+def _snapshot_dir(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None) -> Path | None:
+    """The cache's snapshot dir of ``repo_id`` at ``revision`` (whatever it holds so far), or None."""
+    cache = Path(cache_dir or hub_cache_dir())
+    commit = cached_commit(repo_id, revision, cache)
+    return None if commit is None else _repo_folder(cache, repo_id) / "snapshots" / commit
+
+
 def cached_snapshot(
     repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike | None = None
 ) -> str | None:
     """The complete local snapshot of ``repo_id`` at ``revision``, or None. No network, no huggingface_hub."""
-    cache = Path(cache_dir or hub_cache_dir())
-    commit = cached_commit(repo_id, revision, cache)
-    if commit is None:
-        return None
-    snap = _repo_folder(cache, repo_id) / "snapshots" / commit
-    return str(snap) if snapshot_complete(snap) else None
+    snap = _snapshot_dir(repo_id, revision, cache_dir)
+    return str(snap) if snap is not None and snapshot_complete(snap) else None
 
 
 def cached_config(
@@ -126,12 +129,8 @@ def cached_config(
     """The directory holding ``repo_id``'s cached config.json at ``revision``, or None. Weights need not be
     there: validation reads architecture facts only, so ``hf download org/m config.json`` (kilobytes) is
     enough to plan a run whose nodes download the weights themselves. No network."""
-    cache = Path(cache_dir or hub_cache_dir())
-    commit = cached_commit(repo_id, revision, cache)
-    if commit is None:
-        return None
-    snap = _repo_folder(cache, repo_id) / "snapshots" / commit
-    return str(snap) if (snap / "config.json").is_file() else None
+    snap = _snapshot_dir(repo_id, revision, cache_dir)
+    return str(snap) if snap is not None and (snap / "config.json").is_file() else None
 
 
 def hub_cli() -> str:

@@ -191,3 +191,18 @@ def test_user_errors_cross_processes_as_records(tmp_path):
     record_node_error(tmp_path, 10, StorageError("node ten"))
     record_node_error(tmp_path, 2, err)
     assert str(read_node_error(tmp_path)) == str(err)  # the lowest node's
+
+
+def test_an_offline_submitter_plans_from_the_named_preset(tmp_path, monkeypatch):
+    """A cluster launcher's submitter fetches config.json alone; offline, a named preset's facts still plan
+    the run, while an id no preset names is refused in one line."""
+    from areal_cli.cli.launch import fetch_hub_model
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config(["launcher=slurm", "model=qwen2_5_0_5b", "model.path=Qwen/Qwen2.5-0.5B-Instruct",
+                       "experiment=cpu_default"])
+    assert fetch_hub_model(cfg) is False
+    with pytest.raises(ConfigError) as e:
+        fetch_hub_model(load_config(["launcher=slurm", "model.path=org/unknown", "experiment=cpu_default"]))
+    assert "offline" in e.value.reason
