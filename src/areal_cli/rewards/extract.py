@@ -95,7 +95,10 @@ def final_answer_text(completion: str) -> str | None:
     for m in _ANSWER_IS_RE.finditer(completion):
         pass
     if m is not None:
-        return m.group(1).strip().splitlines()[0].strip()
+        # `.` matches form feeds and Unicode line separators that strip()/splitlines() treat as whitespace and
+        # line breaks, so the captured text can split into no lines at all.
+        lines = m.group(1).strip().splitlines()
+        return lines[0].strip() if lines else None
     return None
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from areal_cli.errors import ConfigError
 from areal_cli.rewards import get_reward_fn
-from areal_cli.rewards.extract import extract_boxed, final_number, parse_number, reference_answer
+from areal_cli.rewards.extract import (extract_boxed, final_answer_text, final_number, parse_number,
+                                         reference_answer)
 
 GSM_REF = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips.\n#### 72"
 
@@ -83,3 +84,18 @@ def test_user_reward_by_import_path():
         get_reward_fn("fuzzy")
     with pytest.raises(ConfigError, match="no callable"):
         get_reward_fn("areal_cli.rewards.builtin.nothing_here")
+
+
+# `.` in a regex matches these, while str.strip()/splitlines() treat them as whitespace or line breaks: a sampled
+# "answer:\x0c" once crashed a whole run with IndexError inside final_answer_text.
+ODD_BREAKS = ["\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+@pytest.mark.parametrize("name", ["numeric", "exact", "math"])
+@pytest.mark.parametrize("sep", ODD_BREAKS)
+def test_rewards_survive_odd_line_breaks(name, sep):
+    fn = get_reward_fn(name)
+    for completion in (f"the answer is{sep}", f"answer:{sep}  {sep}", f"#### {sep}", f"Answer ={sep}72"):
+        assert fn("q", completion, "72") in (0.0, 1.0)
+    assert final_answer_text(f"so the answer is {sep}") is None
+    assert final_answer_text(f"the answer is 5{sep}6") == "5"
