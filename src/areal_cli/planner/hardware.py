@@ -1,0 +1,139 @@
+"""Hardware profiles for ``areal plan``: what one device can do, from the vendor's published specs plus an
+efficiency factor per kind of work, or measured on this machine by ``areal plan --calibrate``.
+
+Published peaks are never reached: an RL step mixes prefill (compute-bound, high MFU), decode (bound by
+reading the weights and KV cache once per token, so by HBM bandwidth) and training (compute-bound, lower MFU
+than pretraining: variable lengths, small micro-batches, recompute). The efficiency factors below are the
+fractions of peak that tuned stacks report for each kind of work (Megatron-LM and torchtitan MFU tables,
+SGLang/vLLM decode roofline studies, nccl-tests bus bandwidth); `docs/plan.md` says where they come from and
+how far the model is off against published RL runs.
+
+Torch-free: ``areal plan`` without ``--calibrate`` must start instantly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from areal_cli.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device kind. Rates are per device; bandwidths are one direction, in GB/s (1e9 bytes)."""
+
+    name: str
+    kind: str  # "gpu" | "cpu"
+    matmul_tflops: float  # dense 16-bit peak on a GPU; measured fp32 GEMM rate of the whole host on CPU
+    mem_gb: float  # device memory (HBM); on CPU the host RAM
+    mem_bw_gbs: float  # HBM bandwidth; on CPU measured STREAM-like copy bandwidth
+    intra_node_gbs: float  # device-to-device within a node (NVLink/PCIe), per direction
+    inter_node_gbs: float  # network per device, per direction
+    # Fractions of the peaks above that each kind of work achieves.
+    train_mfu: float = 0.35
+    prefill_mfu: float = 0.5
+    decode_bw_eff: float = 0.6
+    comm_eff: float = 0.75
+    # Fixed costs the rates do not capture: one decode iteration of the server (kernel launches, scheduling,
+    # sampling), one request round trip, one training micro-batch and one optimizer step (Python and launch
+    # overheads), and the resident memory of a process before it holds any model (CUDA context or, on CPU,
+    # the interpreter with torch imported).
+    decode_iter_s: float = 0.004
+    request_s: float = 0.002
+    train_mb_s: float = 0.01
+    optim_step_s: float = 0.01
+    process_base_gb: float = 1.0
+    # On a CPU host every process shares the same cores: work of two pools does not overlap in time.
+    shared_compute: bool = False
+    source: str = ""
+    calibrated: dict = field(default_factory=dict)  # what --calibrate measured, raw
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def with_memory(self, mem_gb: float) -> "HardwareProfile":
+        return replace(self, mem_gb=float(mem_gb))
+
+
+_NVIDIA = "NVIDIA datasheet"
+PROFILES: dict[str, HardwareProfile] = {
+    # H100 SXM5: 989 TFLOPS dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (450 each way),
+    # one 400 Gb/s NDR port per GPU.
+    "h100": HardwareProfile("h100", "gpu", 989.0, 80.0, 3350.0, 450.0, 50.0, source=f"{_NVIDIA}: H100 SXM5"),
+    # H200 SXM: H100's compute with 141 GB HBM3e at 4.8 TB/s.
+    "h200": HardwareProfile("h200", "gpu", 989.0, 141.0, 4800.0, 450.0, 50.0, source=f"{_NVIDIA}: H200 SXM"),
+    # A100 SXM4 80 GB: 312 TFLOPS dense BF16, 2.04 TB/s, NVLink 3 600 GB/s (300 each way), 200 Gb/s HDR.
+    "a100": HardwareProfile("a100", "gpu", 312.0, 80.0, 2039.0, 300.0, 25.0, source=f"{_NVIDIA}: A100 SXM4 80GB"),
+    # B200 (HGX/DGX B200): 2.25 PFLOPS dense BF16, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way),
+    # 400 Gb/s per GPU.
+    "b200": HardwareProfile("b200", "gpu", 2250.0, 180.0, 8000.0, 900.0, 50.0,
+                            decode_iter_s=0.003, source=f"{_NVIDIA}: DGX B200"),
+    # L40S: 362 TFLOPS dense BF16 (733 is with sparsity), 48 GB GDDR6 at 864 GB/s, no NVLink: PCIe Gen4 x16
+    # (32 GB/s each way), typically 100 Gb/s Ethernet per GPU.
+    "l40s": HardwareProfile("l40s", "gpu", 362.0, 48.0, 864.0, 32.0, 12.5, source=f"{_NVIDIA}: L40S"),
+    # This class of CI box (2 cores, 24 GiB) before calibration: rough; `areal plan --calibrate` measures it.
+    "cpu": HardwareProfile("cpu", "cpu", 0.1, 24.0, 8.0, 8.0, 8.0, train_mfu=0.5, prefill_mfu=0.5,
+                           decode_bw_eff=0.5, comm_eff=0.5, decode_iter_s=0.002, request_s=0.002,
+                           train_mb_s=0.01, optim_step_s=0.005, process_base_gb=0.45, shared_compute=True,
+                           source="uncalibrated guess for a 2-core x86 host; run `areal plan --calibrate`"),
+}
+
+
+def profile_dir() -> Path:
+    """Where ``--calibrate`` saves profiles: ``$AREAL_HARDWARE_DIR`` or ``$XDG_CONFIG_HOME/areal/hardware``."""
+    env = os.environ.get("AREAL_HARDWARE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "areal" / "hardware"
+
+
+def save_profile(p: HardwareProfile, path: str | os.PathLike | None = None) -> Path:
+    out = Path(path) if path else profile_dir() / f"{p.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(p.to_dict(), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def known_profiles() -> list[str]:
+    saved = sorted(p.stem for p in profile_dir().glob("*.json")) if profile_dir().is_dir() else []
+    return sorted(set(PROFILES) | set(saved))
+
+
+def get_profile(name: str, key: str = "cluster.gpu") -> HardwareProfile:
+    """A saved (calibrated) profile of that name wins over the built-in one; a path to a .json file works too.
+    ``key`` is the config path or option the name came from, for the error."""
+    raw = str(name).strip()
+    if raw.endswith(".json") or os.sep in raw:
+        path = Path(raw).expanduser()
+        if not path.is_file():
+            raise ConfigError(key, f"hardware profile file {raw} does not exist",
+                              "run `areal plan --calibrate --save PATH` first, or name a built-in profile")
+        return _load(path, key)
+    low = raw.lower()
+    saved = profile_dir() / f"{low}.json"
+    if saved.is_file():
+        return _load(saved, key)
+    if low in PROFILES:
+        return PROFILES[low]
+    raise ConfigError(key, f"unknown hardware profile {raw!r}",
+                      f"use one of {', '.join(known_profiles())}, or measure this machine with "
+                      "`areal plan --calibrate`")
+
+
+def _load(path: Path, key: str) -> HardwareProfile:
+    try:
+        return HardwareProfile.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(key, f"hardware profile {path} cannot be read ({e})",
+                          "re-run `areal plan --calibrate`") from e
