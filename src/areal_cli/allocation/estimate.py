@@ -32,6 +32,7 @@ class ModelFacts:
     tied: bool
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    experts_per_tok: int = 0
 
     @classmethod
     def from_config(cls, m) -> "ModelFacts":
@@ -43,7 +44,8 @@ class ModelFacts:
         targets = lora_target_modules(lora.target_modules, moe=m.num_experts > 0) if rank > 0 else ()
         return cls(m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers, m.hidden_size,
                    hd, m.intermediate_size, m.vocab_size, m.num_experts,
-                   m.moe_intermediate_size or m.intermediate_size, m.tie_word_embeddings, rank, targets)
+                   m.moe_intermediate_size or m.intermediate_size, m.tie_word_embeddings, rank, targets,
+                   m.num_experts_per_tok)
 
     def attn_params(self) -> int:
         q = self.heads * self.head_dim
@@ -65,6 +67,17 @@ class ModelFacts:
 
     def total_params(self) -> int:
         return self.dense_params() + self.expert_params()
+
+    def active_params(self) -> int:
+        """Parameters one token passes through: every dense one, and top-k of the experts (MoE)."""
+        if self.experts <= 0:
+            return self.total_params()
+        k = self.experts_per_tok or 1
+        return self.dense_params() + self.expert_params() * k // self.experts
+
+    def kv_bytes_per_token(self, pb: int, tp: int = 1, pp: int = 1) -> float:
+        """KV cache of one token on one device of a t×p server (KV heads replicate when t exceeds them)."""
+        return 2 * math.ceil(self.layers / pp) * max(1, self.kv_heads // tp) * self.head_dim * pb
 
     def lora_params(self) -> int:
         """Adapter parameters: ``rank × (in + out)`` per targeted projection and layer."""
@@ -160,8 +173,7 @@ def inference_memory(f: ModelFacts, backend: str, tp: int, pp: int, ep: int, dev
     experts = f.expert_params() / (tp * pp * max(1, ep)) if f.experts > 0 else 0.0
     weights = (dense + experts) * pb
     budget = device_gb * GiB * SERVER_MEM_FRACTION.get(backend, 0.9) - weights
-    kv_heads_local = max(1, f.kv_heads // tp)
-    per_token = 2 * math.ceil(f.layers / pp) * kv_heads_local * f.head_dim * pb
+    per_token = f.kv_bytes_per_token(pb, tp, pp)
     kv_tokens = max(0, int(budget // per_token)) if per_token else 0
     return InferenceMemory(weights / GiB, max(0.0, budget) / GiB, kv_tokens, concurrent * seq_len,
                            device_gb)

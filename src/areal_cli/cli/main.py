@@ -24,6 +24,7 @@ COMMANDS = [
     "logs",
     "eval",
     "export",
+    "plan",
 ]
 INTERNAL_ERROR_EXIT = 3
 

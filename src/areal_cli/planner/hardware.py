@@ -46,6 +46,14 @@ class HardwareProfile:
     train_mb_s: float = 0.01
     optim_step_s: float = 0.01
     process_base_gb: float = 1.0
+    # Latency of one small collective (a TP all-reduce of a decode step, one tensor of a weight broadcast):
+    # NCCL within a node ~10-20 us; gloo over loopback on CPU ~0.1-0.3 ms.
+    collective_s: float = 2e-5
+    # Where a disk weight push goes: write then read back (a node's NVMe or a shared filesystem), GB/s.
+    disk_gbs: float = 2.0
+    # CPU hosts: cores the host-wide rates above were measured over (a process with one thread gets
+    # matmul_tflops / cores); 0 on GPUs, or this machine's os.cpu_count() when unknown.
+    cores: int = 0
     # On a CPU host every process shares the same cores: work of two pools does not overlap in time.
     shared_compute: bool = False
     source: str = ""
@@ -83,6 +91,7 @@ PROFILES: dict[str, HardwareProfile] = {
     "cpu": HardwareProfile("cpu", "cpu", 0.1, 24.0, 8.0, 8.0, 8.0, train_mfu=0.5, prefill_mfu=0.5,
                            decode_bw_eff=0.5, comm_eff=0.5, decode_iter_s=0.002, request_s=0.002,
                            train_mb_s=0.01, optim_step_s=0.005, process_base_gb=0.45, shared_compute=True,
+                           collective_s=2e-4, disk_gbs=1.0, cores=2,
                            source="uncalibrated guess for a 2-core x86 host; run `areal plan --calibrate`"),
 }
 

@@ -1,0 +1,91 @@
+"""``areal plan [overrides…] [--suggest] [--json] [--hardware NAME]``: the cost model of the composed config.
+
+Options are parsed in one place (:func:`register` builds :class:`PlanOptions`; :func:`run` acts on it), so a
+new option is one field, one ``typer.Option`` and one branch in :func:`run`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import typer  # at module level: typer resolves the `typer.Context` annotation from module globals
+
+HELP = ("Predict the composed config's run before spending GPU hours: memory per component and what binds "
+        "first, the time of one RL step (generation, rewards, training, weight sync; sync and async), "
+        "samples/s, tokens/s, utilisation per pool and the bottleneck. --suggest searches the split of the "
+        "cluster between inference and training that maximises samples/s. Exit 0, 1 invalid config or "
+        "unknown hardware, 2 usage error.")
+
+
+@dataclass
+class PlanOptions:
+    suggest: bool = False
+    as_json: bool = False
+    hardware: str | None = None  # a profile name or a saved profile's .json path; None: from the config
+
+
+def profile_for(cfg, name: str | None = None):
+    """The hardware profile ``plan`` uses: ``--hardware``, else ``cluster.hardware`` where the config has it,
+    else ``auto``: ``cpu`` on a CPU cluster and ``h100`` on GPUs."""
+    from areal_cli.planner.hardware import get_profile
+
+    key = "--hardware"
+    if name is None:
+        name, key = getattr(cfg.cluster, "hardware", "auto") or "auto", "cluster.hardware"
+    if str(name).lower() == "auto":
+        name = "cpu" if cfg.cluster.device == "cpu" else "h100"
+    return get_profile(name, key)
+
+
+def run(overrides: list[str], opts: PlanOptions) -> int:
+    from areal_cli.cli.common import compose_and_validate, error_json, print_json
+    from areal_cli.errors import ArealError
+    from areal_cli.planner.model import plan_config
+
+    cfg, plan = compose_and_validate(overrides, opts.as_json)
+    try:
+        profile = profile_for(cfg, opts.hardware)
+    except ArealError as exc:
+        if opts.as_json:
+            print_json(error_json(exc))
+        raise
+    rp = plan_config(cfg, plan, profile)
+    sug = None
+    if opts.suggest:
+        from areal_cli.planner.suggest import suggest
+
+        sug = suggest(cfg, plan, profile)
+    if opts.as_json:
+        out = {"valid": True, **rp.to_dict(), "validation": {"warnings": plan.warnings, "notes": plan.notes}}
+        if sug is not None:
+            out["suggest"] = sug.to_dict()
+        print_json(out)
+        return 0
+    from areal_cli.cli.plan_render import render_run_plan, render_suggestion
+
+    render_run_plan(rp, plan)
+    if sug is not None:
+        render_suggestion(sug)
+    return 0
+
+
+def register(app) -> None:
+    from areal_cli.cli.common import OVERRIDES_HELP
+    from areal_cli.cli.main import groups_epilog
+    from areal_cli.cli.options import help_option
+
+    @app.command("plan", help=f"{HELP}\n\nOVERRIDES: {OVERRIDES_HELP}.", epilog=groups_epilog(),
+                 options_metavar="[OPTIONS] [OVERRIDES]...", add_help_option=False,
+                 context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
+    def plan(
+        ctx: typer.Context,
+        suggest: bool = typer.Option(False, "--suggest", help="Search the inference/training split (and "
+                                     "d/t/p within each) that maximises samples/s within memory."),
+        as_json: bool = typer.Option(False, "--json", help="Print everything (or the error) as JSON."),
+        hardware: str = typer.Option(None, "--hardware", help="Hardware profile: h100, h200, a100, b200, "
+                                     "l40s, cpu, a calibrated profile's name or a .json path (default: "
+                                     "cluster.hardware, else cpu on CPU clusters and h100 on GPUs).",
+                                     show_default=False),
+        help_: bool = help_option(),
+    ) -> int:
+        return run(list(ctx.args), PlanOptions(suggest=suggest, as_json=as_json, hardware=hardware))

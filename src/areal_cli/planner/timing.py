@@ -1,0 +1,310 @@
+"""The time terms of one RL step: generation (prefill, decode, requests), rewards, training and weight sync.
+
+Each function returns seconds with the parts that make them up, so the plan can say what binds. The terms
+follow what the trainer loop measures (``trainer/rl.py:train_step``): ``perf/gen_wait_s`` is the wait for
+the step's batch, ``perf/train_s`` everything ``_ppo_step`` does (logp recompute, reference and critic
+forwards, the PPO minibatch updates), ``perf/weight_sync_s`` the push of the new weights to every server.
+
+Rates come from a :class:`~areal_cli.planner.hardware.HardwareProfile`. On a GPU every device runs its own
+work. On a CPU host (``shared_compute``) the profile's rates are the whole host's over ``cores``: a server
+runs one intra-op thread (the local launcher's ``OMP_NUM_THREADS=1``), a trainer rank its share of the
+cores in a sync step and one thread in an async step that waits for generation (``StepThreads``), and
+processes that want more cores than the host has slow each other down.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from areal_cli.allocation.estimate import ModelFacts, dtype_bytes
+from areal_cli.planner.hardware import HardwareProfile
+
+# Per-sample reward cost, seconds: the sandboxed code reward runs a subprocess per sample (in a worker
+# pool); math-verify parses both answers. Built-in numeric/exact rewards are string compares.
+REWARD_S = {"code": 0.1, "math": 0.002}
+REWARD_WORKERS = 8  # the reward pool's concurrency (rewards/runner)
+# Speed-up of a CPU matmul per extra intra-op thread, measured on the 11.9M model (docs/train.md,
+# "Threads of the train step": 2 threads 1.2x one): small models scale poorly across cores.
+CPU_THREAD_GAIN = 0.2
+# Share of a data-parallel gradient reduction that overlaps the backward pass on GPUs (bucketed
+# all-reduce / reduce-scatter); gloo on CPU runs it after the backward, exposed.
+DP_OVERLAP = 0.7
+# Decode reads the attention context of every running row; its average length is prompt + half the output.
+_CTX_FRACTION = 0.5
+
+
+@dataclass
+class Workload:
+    """What one step generates and trains on. Lengths default to the config's caps (prompts half-full,
+    every completion running to ``max_new_tokens``); a benchmark that knows the real lengths passes them."""
+
+    prompts: int  # algo.batch_size
+    group: int  # rollout.group_size
+    prompt_tokens: float  # mean tokens per prompt
+    new_tokens: float  # mean generated tokens per sample
+    decode_iters: int  # decode iterations a batch takes: its longest completion
+    staleness: int  # rollout.max_head_offpolicyness
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.group
+
+    @property
+    def seq_tokens(self) -> float:
+        return self.prompt_tokens + self.new_tokens
+
+
+def workload(cfg, prompt_tokens: float | None = None, new_tokens: float | None = None) -> Workload:
+    g = cfg.rollout.gconfig
+    algo_g = 1 if cfg.algo.name == "sft" else cfg.rollout.group_size
+    return Workload(cfg.algo.batch_size, algo_g,
+                    float(prompt_tokens if prompt_tokens is not None else max(1, cfg.dataset.max_prompt_len // 2)),
+                    float(new_tokens if new_tokens is not None else g.max_new_tokens),
+                    int(g.max_new_tokens), int(cfg.rollout.max_head_offpolicyness))
+
+
+def host_cores(hw: HardwareProfile) -> int:
+    return hw.cores or os.cpu_count() or 1
+
+
+def thread_speedup(threads: int) -> float:
+    return 1.0 + CPU_THREAD_GAIN * (max(1, threads) - 1)
+
+
+def flops_rate(hw: HardwareProfile, threads: int = 1) -> float:
+    """FLOP/s of one process at peak: a GPU's, or ``threads`` cores' share of a CPU host's."""
+    if hw.kind == "cpu":
+        return hw.matmul_tflops * 1e12 / host_cores(hw) * thread_speedup(threads)
+    return hw.matmul_tflops * 1e12
+
+
+def mem_rate(hw: HardwareProfile) -> float:
+    """Bytes/s one process can stream: a GPU's HBM; on a small CPU host one thread gets most of the bandwidth."""
+    return hw.mem_bw_gbs * 1e9
+
+
+# ---------------------------------------------------------------------------------------------- generation
+@dataclass
+class GenTime:
+    prefill_s: float
+    decode_s: float
+    request_s: float
+    iter_s: float  # one decode iteration at the running batch
+    concurrency: int  # sequences decoded together per instance
+    bound: str  # "HBM bandwidth" | "compute" | "per-iteration overhead"
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s + self.request_s
+
+
+def decode_iter(f: ModelFacts, hw: HardwareProfile, tp: int, pp: int, batch: int, ctx: float,
+                pb: int) -> tuple[float, str]:
+    """Seconds of one decode iteration of ``batch`` rows with ``ctx`` tokens of context each on one t×p
+    instance, and what bounds it. Every iteration reads the weights once and each row's KV cache; the
+    stages of a pipeline run one after another, so p divides memory but not time."""
+    experts_read = 1.0 if f.experts <= 0 else min(1.0, batch * max(1, f.experts_per_tok) / f.experts)
+    w_bytes = (f.dense_params() + f.expert_params() * experts_read) * pb / tp
+    kv_bytes = batch * ctx * f.kv_bytes_per_token(pb, tp, 1)
+    mem_s = (w_bytes + kv_bytes) / (mem_rate(hw) * hw.decode_bw_eff)
+    comp_s = 2.0 * f.active_params() * batch / tp / (flops_rate(hw) * hw.prefill_mfu)
+    # Two all-reduces of the hidden states per layer under t > 1 (attention out, MLP out): latency-bound.
+    comm_s = 2 * f.layers * hw.collective_s if tp > 1 else 0.0
+    over = hw.decode_iter_s + comm_s
+    parts = {"HBM bandwidth" if hw.kind == "gpu" else "memory bandwidth": mem_s, "compute": comp_s,
+             "per-iteration overhead": over}
+    return max(mem_s, comp_s) + over, max(parts, key=lambda k: parts[k])
+
+
+def generation_time(f: ModelFacts, hw: HardwareProfile, w: Workload, backend: str, dp: int, tp: int,
+                    pp: int, max_concurrent: int, kv_concurrency: int | None, device: str) -> GenTime:
+    """Busy time of one server instance to produce its share (1/dp) of a step's samples.
+
+    Concurrency per instance: the episodes the staleness bound admits (``(k+1)·B`` prompts, capped by
+    ``rollout.max_concurrent_rollouts``) times the group size, split over the dp instances, capped by the
+    KV cache. A synchronous step decodes its samples in waves of that many, each running to the longest
+    completion; an async run keeps the batch full, so its time per step is throughput-bound."""
+    pb = 2 if device == "cuda" else 4
+    share = w.samples / dp
+    admitted = min(max_concurrent, (w.staleness + 1) * w.prompts) * w.group
+    conc = max(1, min(math.ceil(admitted / dp), math.ceil(share * (w.staleness + 1))))
+    if kv_concurrency is not None:
+        conc = max(1, min(conc, kv_concurrency))
+    running = min(conc, math.ceil(share))
+    ctx = w.prompt_tokens + _CTX_FRACTION * w.new_tokens
+    iter_s, bound = decode_iter(f, hw, tp, pp, running, ctx, pb)
+    if w.staleness == 0:
+        waves = math.ceil(share / running)
+        decode_s = waves * w.decode_iters * iter_s
+    else:
+        # Steady state: ``conc`` rows always running, each finishing after new_tokens iterations on average.
+        it_full, bound = decode_iter(f, hw, tp, pp, conc, ctx, pb)
+        decode_s = share / conc * w.new_tokens * it_full
+        iter_s = it_full
+    # A group's samples share their prompt: SGLang's radix cache and the hf server prefill it once.
+    prefill_tokens = share / w.group * w.prompt_tokens
+    prefill_s = 2.0 * f.active_params() * prefill_tokens / tp / (flops_rate(hw) * hw.prefill_mfu)
+    # One HTTP request per group where the backend takes batches (hf, SGLang), one per sample otherwise.
+    batched = backend in ("hf", "sglang")
+    requests = share / w.group if batched else share
+    return GenTime(prefill_s, decode_s, requests * hw.request_s, iter_s, int(conc), bound)
+
+
+def reward_time(cfg, w: Workload) -> float:
+    per = REWARD_S.get(str(cfg.workflow.reward), 0.0)
+    return w.samples * per / REWARD_WORKERS
+
+
+# ---------------------------------------------------------------------------------------------- training
+@dataclass
+class TrainTime:
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    dp_comm_s: float  # exposed part
+    overhead_s: float  # per micro-batch and per optimizer step
+    optim_s: float  # the memory-bound optimizer update
+    flops: float
+    n_micro_batches: int
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.bubble_s + self.tp_comm_s + self.cp_comm_s + self.dp_comm_s
+                + self.overhead_s + self.optim_s)
+
+    def parts(self) -> dict[str, float]:
+        return {"compute": self.compute_s, "pipeline bubbles": self.bubble_s,
+                "tensor-parallel communication": self.tp_comm_s, "context-parallel communication": self.cp_comm_s,
+                "gradient reduction": self.dp_comm_s, "per-micro-batch overhead": self.overhead_s,
+                "optimizer update": self.optim_s}
+
+
+def train_passes(cfg) -> tuple[float, float]:
+    """(forward-backward passes, forward-only passes) over the step's tokens, in units of the policy model:
+    the PPO update (8N with full recompute instead of 6N: the forward runs twice), a logp recompute
+    (decoupled loss or ``recompute_logprob``), the KL reference's forward, a critic's forward and update."""
+    a = cfg.algo
+    recompute = cfg.engine.gradient_checkpointing and (
+        cfg.engine.name != "megatron" or cfg.engine.megatron.recompute_granularity == "full")
+    fb = 4.0 / 3.0 if recompute else 1.0
+    fwd = 0.0
+    if (a.use_decoupled_loss and a.prox_logp_method == "recompute") or a.recompute_logprob:
+        fwd += 1
+    if a.kl_coef > 0:
+        fwd += 1
+    if a.use_critic:
+        fb, fwd = fb * 2, fwd + 1
+    return fb, fwd
+
+
+def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threads: int,
+               inter_node: bool) -> TrainTime:
+    """Seconds of ``perf/train_s`` on the trainer ``part`` (a validated TrainPart).
+
+    ≈ 6·N·tokens / (peak × train_mfu × world) for the PPO update (2·N·tokens per forward-only pass), over
+    ``threads`` cores per rank on a CPU; pipeline bubbles (p−1)/(m+p−1); per micro-batch the tensor- and
+    context-parallel collectives of every layer; per minibatch the gradient reduction over d×c (FSDP also
+    gathers each layer's weights per micro-batch) on the intra- or inter-node link; a fixed cost per
+    micro-batch and optimizer step, and the optimizer's memory-bound update (16 bytes per local parameter).
+    """
+    par = part.parallel
+    world = par.dp * par.tp * par.pp * par.cp
+    mb = part.micro_batch
+    fb, fwd = train_passes(cfg)
+    shared = cfg.engine.shared_prefix and w.group > 1
+    tokens = (w.prompts * w.prompt_tokens if shared else w.samples * w.prompt_tokens) + w.samples * w.new_tokens
+    n_act = f.active_params()
+    # Causal attention's score and value matmuls, 4·layers·(seq/2)·(heads·head_dim) FLOPs per token
+    # forward, counted as the parameters that would cost the same (2 FLOPs per parameter per token).
+    attn = f.layers * w.seq_tokens * f.heads * f.head_dim
+    flops = (6 * fb + 2 * fwd) * (n_act + attn) * tokens
+    rate = flops_rate(hw, threads) * hw.train_mfu
+    compute = flops / (world * rate)
+    n_mb = max(1, mb.n_micro_batches)  # per minibatch per data-parallel rank
+    bubble = compute * (par.pp - 1) / n_mb if par.pp > 1 else 0.0
+    pb = dtype_bytes(cfg.engine.dtype)
+    link = (hw.inter_node_gbs if inter_node else hw.intra_node_gbs) * 1e9 * hw.comm_eff
+    intra = hw.intra_node_gbs * 1e9 * hw.comm_eff
+    rank_tokens = tokens / (par.dp * par.cp)
+    layers_stage = math.ceil(f.layers / par.pp)
+    passes = 3 * fb + fwd  # collectives run forward (1) and backward (2) per fb pass, forward per fwd pass
+    total_mbs = n_mb * cfg.algo.ppo_n_minibatches
+    tp_comm = cp_comm = 0.0
+    if par.tp > 1:
+        per_layer = 2 * rank_tokens * f.hidden * pb * 2 * (par.tp - 1) / par.tp / intra
+        tp_comm = passes * layers_stage * (per_layer + 2 * total_mbs * hw.collective_s)
+    if par.cp > 1:
+        kv = 2 * f.kv_heads * f.head_dim
+        cp_comm = passes * layers_stage * (rank_tokens * kv * pb * (par.cp - 1) / intra
+                                           + total_mbs * hw.collective_s)
+    local = f.total_params() / (par.tp * par.pp)
+    trainable = f.lora_params() / (par.tp * par.pp) if f.lora_rank > 0 else local
+    models = 2 if cfg.algo.use_critic else 1
+    shard = par.dp * par.cp
+    dp_comm = 0.0
+    if shard > 1:
+        grad_b = 4 if cfg.engine.dtype == "float32" else 2
+        gathers = part.backend in ("fsdp", "archon") or (
+            part.backend == "deepspeed" and cfg.engine.deepspeed.zero_stage >= 3)
+        if gathers and cfg.engine.grad_reduce == "per_micro_batch":
+            # FSDP2 reduce-scatters after every micro-batch, and gathers each layer's weights for the
+            # forward and again for the backward.
+            dp_comm = total_mbs * trainable * grad_b * (shard - 1) / shard / link
+        else:  # one all-reduce (or reduce-scatter + all-gather) per optimizer step
+            dp_comm = cfg.algo.ppo_n_minibatches * trainable * grad_b * 2 * (shard - 1) / shard / link
+        if gathers:
+            dp_comm += total_mbs * (2 * fb / models + fwd) * local * pb * (shard - 1) / shard / link
+        dp_comm *= models
+        if hw.kind == "gpu":
+            dp_comm = max(dp_comm - DP_OVERLAP * compute, (1 - DP_OVERLAP) * dp_comm)
+    overhead = hw.train_mb_s * total_mbs * (fb + 0.5 * fwd) + hw.optim_step_s * cfg.algo.ppo_n_minibatches
+    optim = cfg.algo.ppo_n_minibatches * trainable * 16 / mem_rate(hw) * models
+    return TrainTime(compute, bubble, tp_comm, cp_comm, dp_comm, overhead, optim, flops, int(total_mbs))
+
+
+# ---------------------------------------------------------------------------------------------- weight sync
+@dataclass
+class SyncTime:
+    mode: str  # "distributed" | "disk"
+    bytes: float
+    gather_s: float  # collecting t/p shards on the sending rank
+    transfer_s: float
+    reload_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.gather_s + self.transfer_s + self.reload_s + self.overhead_s
+
+
+def sync_time(cfg, plan, f: ModelFacts, hw: HardwareProfile, mode: str, cross_node: bool) -> SyncTime:
+    """``perf/weight_sync_s``: the model's bytes from the trainer to every server, then loaded there.
+
+    distributed: one broadcast from trainer rank 0 (a pipelined broadcast costs ~bytes/bandwidth whatever
+    the number of receivers) over the link between trainer and servers, after gathering the t×p shards;
+    disk: the trainer writes a checkpoint and each server reads it back. Every tensor is one collective
+    (latency) and every server takes a few control requests (pause, update, continue)."""
+    from areal_cli.planner.memory import weight_bytes
+
+    nbytes = weight_bytes(f, cfg.rollout.weight_update_dtype)
+    train = plan.train.parallel
+    shards = train.tp * train.pp
+    intra = hw.intra_node_gbs * 1e9 * hw.comm_eff
+    gather = nbytes * (shards - 1) / shards / intra if shards > 1 else 0.0
+    n_tensors = f.layers * (12 if f.experts <= 0 else 12 + 3 * f.experts) + 3
+    n_servers = sum(p.dp for p in plan.inferences) or 1
+    if mode == "disk":
+        disk = hw.disk_gbs * 1e9
+        transfer = 2 * nbytes / disk  # write, then read back (servers read in parallel)
+    else:
+        link = (hw.inter_node_gbs if cross_node else hw.intra_node_gbs) * 1e9 * hw.comm_eff
+        transfer = nbytes / link + n_tensors * hw.collective_s
+    # Each server copies the new weights into place: bounded by its memory bandwidth (read + write).
+    inst = plan.inference
+    per_dev = nbytes / max(1, inst.tp * inst.pp) if inst is not None else nbytes
+    reload = 2 * per_dev / mem_rate(hw)
+    overhead = 4 * n_servers * hw.request_s + n_tensors * hw.collective_s
+    return SyncTime(mode, nbytes, gather, transfer, reload, overhead)
