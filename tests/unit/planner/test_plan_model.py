@@ -1,0 +1,144 @@
+"""The cost model of ``areal plan`` (planner/model.py, timing.py, memory.py): each term moves the way the
+physics says when one knob moves, the sync step is the sum of its parts, and the JSON schema other tools
+read is complete. Real composed configs through the real validator; no timings of this machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from areal_cli.cli.common import compose_and_validate
+from areal_cli.planner.hardware import get_profile
+from areal_cli.planner.model import plan_config
+
+EXAMPLE = ["algo=grpo", "engine=megatron", "allocation_mode=sglang.d4+megatron.d2t2p2", "cluster=gpu_2x8",
+           "model=qwen2_5_7b"]
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_profiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_HARDWARE_DIR", str(tmp_path / "hw"))  # a calibrated profile must not leak in
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def planned(*overrides: str, hw: str = "h100", **kw):
+    cfg, plan = compose_and_validate(list(overrides))
+    return plan_config(cfg, plan, get_profile(hw), **kw)
+
+
+def comp(rp, kind: str):
+    return next(c for c in rp.components if c.kind == kind)
+
+
+@pytest.mark.parametrize("base,hw", [(EXAMPLE, "h100"), ([], "cpu")])
+def test_more_new_tokens_means_more_decode_and_a_longer_step(base, hw):
+    short = planned(*base, "rollout.gconfig.max_new_tokens=16", hw=hw)
+    long = planned(*base, "rollout.gconfig.max_new_tokens=64", hw=hw)
+    assert long.step.decode_s > short.step.decode_s
+    assert long.step.train_s > short.step.train_s
+    assert long.step.sync_step_s > short.step.sync_step_s
+    assert long.samples_per_s < short.samples_per_s
+
+
+def test_larger_tp_means_less_memory_per_device():
+    t1 = planned("model=qwen2_5_7b", "cluster=gpu_1x8", "engine=megatron", "allocation_mode=sglang:d2+megatron:d4")
+    t2 = planned("model=qwen2_5_7b", "cluster=gpu_1x8", "engine=megatron",
+                 "allocation_mode=sglang:d1t2+megatron:d2t2")
+    assert comp(t2, "inference").memory.weights_gb == pytest.approx(comp(t1, "inference").memory.weights_gb / 2)
+    assert comp(t2, "train").memory.process_gb < comp(t1, "train").memory.process_gb
+    assert comp(t2, "train").memory.weights_gb < comp(t1, "train").memory.weights_gb
+
+
+@pytest.mark.parametrize("base,hw", [(EXAMPLE, "h100"), ([], "cpu")])
+def test_synchronous_step_is_the_sum_of_its_phases(base, hw):
+    rp = planned(*base, "rollout.max_head_offpolicyness=0", hw=hw)
+    s = rp.step
+    assert s.mode == "sync"
+    assert s.step_s == pytest.approx(s.gen_s + s.reward_s + s.train_s + s.sync_s)
+    assert rp.samples_per_s == pytest.approx(rp.workload["samples"] / s.step_s)
+    # what k=1 would give overlaps generation with the same training: faster, never faster than training
+    assert s.train_s + s.sync_s <= s.async_step_s < s.sync_step_s
+    k1 = planned(*base, "rollout.max_head_offpolicyness=1", hw=hw).step
+    assert k1.mode == "async" and k1.step_s == pytest.approx(s.async_step_s)
+
+
+def test_async_overlaps_generation_with_training_on_gpus_and_less_on_a_shared_cpu_host():
+    gpu = planned(*EXAMPLE, "rollout.max_head_offpolicyness=2").step
+    assert gpu.mode == "async"
+    assert gpu.step_s == pytest.approx(max(gpu.gen_s + gpu.reward_s, gpu.train_s) + gpu.sync_s)
+    cpu = planned("rollout.max_head_offpolicyness=2", hw="cpu").step
+    assert cpu.mode == "async" and cpu.step_s < cpu.sync_step_s
+    # two processes on two cores overlap; a third (a second trainer rank) makes them share cores
+    three = planned("rollout.max_head_offpolicyness=2", "cluster.n_gpus_per_node=3",
+                    "allocation_mode=hf:d1+fsdp:d2", hw="cpu").step
+    assert three.step_s > max(three.gen_s, three.train_s) + three.sync_s
+
+
+def test_colocated_components_never_overlap():
+    rp = planned("allocation_mode=hf:d1|fsdp:d1", "rollout.max_head_offpolicyness=2", hw="cpu")
+    s = rp.step
+    assert s.mode == "sync" and s.async_step_s == pytest.approx(s.sync_step_s)
+
+
+def test_reference_and_critic_live_in_the_trainer_process():
+    plain = comp(planned("algo.kl_coef=0", hw="cpu"), "train").memory
+    ref = comp(planned("algo.kl_coef=0.1", hw="cpu"), "train").memory
+    assert ref.weights_gb == pytest.approx(2 * plain.weights_gb) and ref.optim_gb == plain.optim_gb
+    critic = planned("algo=ppo", hw="cpu")
+    assert comp(critic, "train").memory.optim_gb > plain.optim_gb
+    assert critic.step.train_s > planned("algo.kl_coef=0", hw="cpu").step.train_s
+
+
+def test_a_trainer_that_cannot_fit_says_so_and_what_binds():
+    rp = planned("model=qwen2_5_7b", "cluster=gpu_1x8", "engine=fsdp", "allocation_mode=sglang:d4+fsdp:d1",
+                 "algo.batch_size=4")
+    t = comp(rp, "train").memory
+    assert not t.fits and not rp.fits and "over the device's" in t.binds
+    assert any("over the device's" in w for w in rp.warnings)
+
+
+def test_process_memory_includes_the_process_base():
+    hw = get_profile("cpu")
+    rp = planned(hw="cpu")
+    for c in rp.components:
+        m = c.memory
+        assert m.process_gb >= hw.process_base_gb
+        assert m.process_gb == pytest.approx(m.weights_gb + m.grads_gb + m.optim_gb + m.activations_gb
+                                             + m.kv_cache_gb + hw.process_base_gb)
+
+
+def test_known_lengths_replace_the_caps():
+    capped = planned(hw="cpu")
+    measured = planned(hw="cpu", prompt_tokens=10, new_tokens=6)
+    assert measured.workload["prompt_tokens"] == 10 and measured.workload["new_tokens"] == 6
+    assert measured.step.train_s < capped.step.train_s
+
+
+def test_json_schema_has_every_key_other_tools_read():
+    d = json.loads(json.dumps(planned(*EXAMPLE).to_dict()))
+    assert {"hardware", "step", "samples_per_s", "tokens_per_s", "components", "bottleneck",
+            "warnings"} <= set(d)
+    assert d["hardware"]["name"] == "h100" and d["hardware"]["mem_bw_gbs"] > 0
+    assert {"mode", "step_s", "gen_s", "prefill_s", "decode_s", "reward_s", "train_s", "sync_s", "sync_step_s",
+            "async_step_s"} <= set(d["step"])
+    assert d["step"]["mode"] in ("sync", "async")
+    assert [c["kind"] for c in d["components"]] == ["inference", "train"]
+    for c in d["components"]:
+        assert {"name", "kind", "n_devices", "utilisation", "memory"} <= set(c)
+        assert 0 <= c["utilisation"] <= 1
+        assert {"weights_gb", "grads_gb", "optim_gb", "activations_gb", "kv_cache_gb", "process_gb", "total_gb",
+                "device_gb", "binds"} <= set(c["memory"])
+        assert isinstance(c["memory"]["binds"], str) and c["memory"]["binds"]
+    assert isinstance(d["bottleneck"], str) and d["bottleneck"].count(".") <= 1
+
+
+def test_bottleneck_names_the_pool_and_the_resource():
+    gen_bound = planned(*EXAMPLE, "rollout.gconfig.max_new_tokens=4096", "dataset.max_prompt_len=256",
+                        "engine.max_tokens_per_mb=8192",
+                        "algo.batch_size=64")
+    assert gen_bound.step.gen_s > gen_bound.step.train_s
+    assert gen_bound.bottleneck.startswith("generation on 'sglang'")
+    assert "trainer idles" in gen_bound.bottleneck
+    train_bound = planned(*EXAMPLE, "rollout.gconfig.max_new_tokens=64")
+    assert train_bound.bottleneck.startswith("training on 'megatron'")
