@@ -202,7 +202,7 @@ class _Planner:
                 self.warnings.append(f"{c.kind} '{c.name}': {c.memory.binds}")
         return rp
 
-    def _with_workload(self, w: T.Workload) -> "_Planner":
+    def _with_workload(self, w: T.Workload) -> _Planner:
         other = _Planner.__new__(_Planner)
         other.__dict__.update(self.__dict__)
         other.w = w
