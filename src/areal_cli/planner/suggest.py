@@ -47,6 +47,10 @@ class Suggestion:
                 "searched": self.searched, "refused": self.refused, "elapsed_s": self.elapsed_s}
 
 
+# Predicted gains below this fraction are within the model's noise: the current spec is kept.
+TIE = 0.02
+
+
 def _pow2_upto(n: int) -> list[int]:
     out, k = [], 1
     while k <= n:
@@ -126,8 +130,8 @@ def suggest(cfg, plan, profile: HardwareProfile, *, top: int = 8, **plan_kw) -> 
     fitting = [c for c in found if c.fits] or found or [current]
     fitting.sort(key=lambda c: -c.samples_per_s)
     best = fitting[0]
-    if current.fits and current.samples_per_s >= best.samples_per_s:
-        best = current
+    if current.fits and current.samples_per_s * (1 + TIE) >= best.samples_per_s:
+        best = current  # a change of layout is only worth suggesting for a real gain
     gain = best.samples_per_s / current.samples_per_s if current.samples_per_s > 0 else float("inf")
     return Suggestion(current, best, gain, f"allocation_mode={best.spec}", fitting[:top], searched, refused,
                       time.perf_counter() - t0)
