@@ -94,7 +94,8 @@ PROFILES: dict[str, HardwareProfile] = {
     # (32 GB/s each way), typically 100 Gb/s Ethernet per GPU.
     "l40s": HardwareProfile("l40s", "gpu", 362.0, 48.0, 864.0, 32.0, 12.5, source=f"{_NVIDIA}: L40S"),
     # This class of CI box (2 cores, 24 GiB) before calibration: rough; `areal plan --calibrate` measures it.
-    "cpu": HardwareProfile("cpu", "cpu", 0.1, 24.0, 8.0, 8.0, 8.0, train_mfu=0.5, prefill_mfu=0.5,
+    # gloo's all-reduce between two processes on such a host measured 0.2-0.9 GB/s (calibrate.py, Nov 2026).
+    "cpu": HardwareProfile("cpu", "cpu", 0.1, 24.0, 8.0, 0.5, 0.5, train_mfu=0.5, prefill_mfu=0.5,
                            decode_bw_eff=0.5, comm_eff=0.5, decode_iter_s=0.002, request_s=0.002,
                            train_mb_s=0.01, optim_step_s=0.005, process_base_gb=0.45, shared_compute=True,
                            source="uncalibrated guess for a 2-core x86 host; run `areal plan --calibrate`"),
