@@ -47,6 +47,7 @@ HARMLESS: dict[str, str] = {
     "stats": "logging",
     "launcher": "how processes start and are supervised (launcher, timeouts, restarts, env, server flags)",
     "cluster.gpu_memory_gb": "the memory estimate",
+    "cluster.hardware": "the memory estimate and the plan",
     "skip_storage_check": "the pre-launch storage probe",
 }
 # They name the run dir (or are the resume itself): equal by construction, or meant to differ.

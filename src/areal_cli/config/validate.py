@@ -33,6 +33,7 @@ from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.checks import check_dataset
 from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, get_engine_spec
 from areal_cli.errors import ConfigError
+from areal_cli.planner.hardware import gpu_memory_gb, resolve_hardware
 from areal_cli.registry import load_plugins
 from areal_cli.rewards.registry import check_reward_name
 from areal_cli.rollout.workflows import check_workflow_config
@@ -260,6 +261,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     _check_engine_sections(cfg)
     check_model_facts(cfg)  # before any rule reads the architecture (config/recipe.py)
     _check_scalars(cfg)
+    resolve_hardware(cfg)  # cluster.hardware names a profile of the cluster's device kind
     spec = _resolved_spec(cfg)
     checker = _SpecChecker(spec, cfg)
     for c in spec.components:
@@ -269,7 +271,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     placements = place(spec, n_nodes, per_node, cfg.cluster.device, engine=cfg.engine.name,
                        gpu_fix=(lambda need: gpu_preset_fix(gpu_only, need)) if gpu_only else None)
     facts = ModelFacts.from_config(cfg.model)
-    dev_gb = device_memory_gb(cfg.cluster.device, cfg.cluster.gpu_memory_gb, per_node)
+    dev_gb = device_memory_gb(cfg.cluster.device, gpu_memory_gb(cfg), per_node)
     seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
     plan = Plan(spec="", inferences=[], trains=[], colocated=spec.colocated, n_nodes=n_nodes,
                 n_devices_per_node=per_node, device=cfg.cluster.device)

@@ -1,7 +1,8 @@
 """``launcher=skypilot``: the plan as one SkyPilot task (``sky.Task`` YAML), one node runner per node.
 
 - resources: accelerators from ``launcher.skypilot.accelerators`` or derived from the plan
-  (``cluster.n_gpus_per_node`` GPUs of a type that fits ``cluster.gpu_memory_gb``), cloud, region, spot;
+  (``cluster.n_gpus_per_node`` GPUs of the ``cluster.hardware`` kind, or of a type that fits the GPU
+  memory), cloud, region, spot;
 - ``num_nodes`` = the plan's node count; ``setup`` installs areal-cli; ``envs`` carry the
   launcher env and the run's identity (and ``HF_ENDPOINT`` when set here; ``HF_TOKEN`` goes to
   ``sky launch --env HF_TOKEN`` by name, so no file holds it);
@@ -61,12 +62,21 @@ def accelerators_for(cfg: Any, layout: JobLayout) -> str | None:
         return str(sp.accelerators)
     if layout.device != "cuda":
         return None
+    from areal_cli.planner.hardware import gpu_memory_gb
+
     n = int(cfg.cluster.n_gpus_per_node)
-    mem = float(cfg.cluster.gpu_memory_gb)
-    # The smallest common GPU whose memory covers cluster.gpu_memory_gb.
+    named = _SKY_GPU.get(str(cfg.cluster.hardware).strip().lower())
+    if named:  # cluster.hardware names the GPU kind
+        return f"{named}:{n}"
+    mem = gpu_memory_gb(cfg)
+    # The smallest common GPU whose memory covers the cluster's GPU memory.
     gpu = next(name for need, name in ((80, "H100"), (48, "L40S"), (40, "A100"), (24, "A10G"), (0, "T4"))
                if mem >= need)
     return f"{gpu}:{n}"
+
+
+# cluster.hardware's built-in GPU kinds as SkyPilot names them (`sky show-gpus`).
+_SKY_GPU = {"h100": "H100", "h200": "H200", "a100": "A100-80GB", "b200": "B200", "l40s": "L40S"}
 
 
 def _remote_run_dir(cfg: Any) -> str:

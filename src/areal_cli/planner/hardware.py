@@ -18,7 +18,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from areal_cli.errors import ConfigError
+from areal_cli.errors import ConfigError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,28 @@ class HardwareProfile:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HardwareProfile":
+    def from_dict(cls, d: dict) -> HardwareProfile:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
-    def with_memory(self, mem_gb: float) -> "HardwareProfile":
+    def with_memory(self, mem_gb: float) -> HardwareProfile:
         return replace(self, mem_gb=float(mem_gb))
 
 
+# Datasheet numbers, checked against NVIDIA's datasheets as summarised in these public pages (dense = without
+# 2:4 sparsity, the rate dense training and inference get; NVIDIA's headline figures are the sparse ones, 2x):
+#   H100/H200: https://glennklockwood.com/garden/processors/h100 (BF16 matrix 989.4 dense / 1978.9 sparse,
+#     H100 SXM5 80 GB at 3.35 TB/s, NVLink 900 GB/s); https://lzwjava.github.io/nvidia-h200-gpu-specs-en (H200
+#     141 GB HBM3e at 4.8 TB/s, same compute and NVLink as H100 SXM).
+#   A100: https://glennklockwood.com/garden/processors/A100 (BF16 312 dense / 624 sparse, 80 GB HBM2e at
+#     2,039 GB/s on SXM4, NVLink 300+300 GB/s), from nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf.
+#   B200: https://glennklockwood.com/garden/processors/B200 (HGX B200 at 1,000 W: BF16 2,250 dense / 4,500
+#     sparse, 8 TB/s, NVLink 5 2x900 GB/s); 180 GB per GPU as DGX B200 lists it (1,440 GB for 8; the chip
+#     has 192 GB, https://docs.vultr.com/inference-cookbook/cuda/getting-started/hardware-overview sees 179 GB).
+#   L40S: https://www.mullet.se/product.html?product_id=355414 (the L40/L40S datasheet table: BF16 362.05 dense
+#     / 733 sparse, 48 GB GDDR6 at 864 GB/s, PCIe Gen4 x16 64 GB/s bidirectional, no NVLink).
+#   Network: DGX H100/H200/B200 give each GPU one 400 Gb/s ConnectX-7 port (50 GB/s), DGX A100 one 200 Gb/s
+#     HDR port (25 GB/s); L40S servers typically 100 Gb/s Ethernet per GPU (12.5 GB/s, not a datasheet figure).
 _NVIDIA = "NVIDIA datasheet"
 PROFILES: dict[str, HardwareProfile] = {
     # H100 SXM5: 989 TFLOPS dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (450 each way),
@@ -83,17 +97,20 @@ PROFILES: dict[str, HardwareProfile] = {
     # B200 (HGX/DGX B200): 2.25 PFLOPS dense BF16, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way),
     # 400 Gb/s per GPU.
     "b200": HardwareProfile("b200", "gpu", 2250.0, 180.0, 8000.0, 900.0, 50.0,
-                            decode_iter_s=0.003, source=f"{_NVIDIA}: DGX B200"),
+                            decode_iter_s=0.003, source=f"{_NVIDIA}: HGX/DGX B200"),
     # L40S: 362 TFLOPS dense BF16 (733 is with sparsity), 48 GB GDDR6 at 864 GB/s, no NVLink: PCIe Gen4 x16
     # (32 GB/s each way), typically 100 Gb/s Ethernet per GPU.
     "l40s": HardwareProfile("l40s", "gpu", 362.0, 48.0, 864.0, 32.0, 12.5, source=f"{_NVIDIA}: L40S"),
     # This class of CI box (2 cores, 24 GiB) before calibration: rough; `areal plan --calibrate` measures it.
-    "cpu": HardwareProfile("cpu", "cpu", 0.1, 24.0, 8.0, 8.0, 8.0, train_mfu=0.5, prefill_mfu=0.5,
+    # gloo's all-reduce between two processes on such a host measured 0.2-0.9 GB/s (calibrate.py, Nov 2026).
+    "cpu": HardwareProfile("cpu", "cpu", 0.1, 24.0, 8.0, 0.5, 0.5, train_mfu=0.5, prefill_mfu=0.5,
                            decode_bw_eff=0.5, comm_eff=0.5, decode_iter_s=0.002, request_s=0.002,
                            train_mb_s=0.01, optim_step_s=0.005, process_base_gb=0.45, shared_compute=True,
                            collective_s=2e-4, disk_gbs=1.0, cores=2,
                            source="uncalibrated guess for a 2-core x86 host; run `areal plan --calibrate`"),
 }
+# cluster.hardware=auto: the profile a cluster's device kind implies.
+AUTO_PROFILE = {"cpu": "cpu", "cuda": "h100"}
 
 
 def profile_dir() -> Path:
@@ -135,9 +152,10 @@ def get_profile(name: str, key: str = "cluster.gpu") -> HardwareProfile:
         return _load(saved, key)
     if low in PROFILES:
         return PROFILES[low]
+    known = known_profiles()
     raise ConfigError(key, f"unknown hardware profile {raw!r}",
-                      f"use one of {', '.join(known_profiles())}, or measure this machine with "
-                      "`areal plan --calibrate`")
+                      f"{did_you_mean(low, known)}use one of {', '.join(known)}, a profile .json, or measure "
+                      "this machine with `areal plan --calibrate`")
 
 
 def _load(path: Path, key: str) -> HardwareProfile:
@@ -146,3 +164,36 @@ def _load(path: Path, key: str) -> HardwareProfile:
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(key, f"hardware profile {path} cannot be read ({e})",
                           "re-run `areal plan --calibrate`") from e
+
+
+def hardware_name(cluster) -> str:
+    """``cluster.hardware`` with ``auto`` resolved from ``cluster.device``."""
+    name = str(cluster.hardware or "auto").strip()
+    return AUTO_PROFILE.get(str(cluster.device), "h100") if name.lower() == "auto" else name
+
+
+def resolve_hardware(cfg) -> HardwareProfile:
+    """The profile of one device of ``cfg``'s cluster (``cfg``: the experiment config or its ``cluster``):
+    ``cluster.hardware`` looked up by :func:`get_profile`, with ``cluster.gpu_memory_gb`` replacing a GPU
+    profile's memory when set. A GPU profile on ``cluster.device=cpu`` (or the reverse) is a ConfigError."""
+    cluster = getattr(cfg, "cluster", cfg)
+    name = hardware_name(cluster)
+    p = get_profile(name, key="cluster.hardware")
+    if p.kind != ("cpu" if cluster.device == "cpu" else "gpu"):
+        auto = " (what auto chose)" if str(cluster.hardware).strip().lower() == "auto" else ""
+        raise ConfigError("cluster.hardware", f"profile {name}{auto} is a {p.kind.upper()} profile but "
+                          f"cluster.device={cluster.device}",
+                          f"set cluster.hardware to a {'CPU' if cluster.device == 'cpu' else 'GPU'} profile, "
+                          f"or cluster.device={'cpu' if p.kind == 'cpu' else 'cuda'}")
+    if p.kind == "gpu" and cluster.gpu_memory_gb is not None:
+        p = p.with_memory(cluster.gpu_memory_gb)
+    return p
+
+
+def gpu_memory_gb(cfg) -> float:
+    """``cluster.gpu_memory_gb`` when set, else the hardware profile's memory (the GPU's; a CPU profile's is the
+    host's RAM, which ``allocation.estimate.device_memory_gb`` measures itself on CPU)."""
+    cluster = getattr(cfg, "cluster", cfg)
+    if cluster.gpu_memory_gb is not None:
+        return float(cluster.gpu_memory_gb)
+    return resolve_hardware(cluster).mem_gb

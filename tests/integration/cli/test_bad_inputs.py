@@ -51,6 +51,12 @@ TABLE = [
       "slurm, ray and skypilot find their nodes themselves — fix: drop cluster.hosts; for several nodes use "
       "launcher=slurm, launcher=ray or launcher=skypilot; to check a shared path on given hosts run "
       "`areal check-storage PATH --hosts h1,h2`"]),
+    (["validate-config", "cluster.hardware=h900"], 1,
+     ["error: cluster.hardware: unknown hardware profile 'h900' — fix: did you mean 'h200'? use one of a100, b200, "
+      "cpu, h100, h200, l40s, a profile .json, or measure this machine with `areal plan --calibrate`"]),
+    (["validate-config", "cluster=gpu_2x8", "cluster.hardware=cpu"], 1,
+     ["error: cluster.hardware: profile cpu is a CPU profile but cluster.device=cuda — fix: set cluster.hardware "
+      "to a GPU profile, or cluster.device=cpu"]),
     (["train", "cluster.n_nodes=2"], 1,
      ["error: launcher=local runs on this machine alone, but the plan needs 2 nodes (cluster.n_nodes=2) — fix: "
       + LOCAL_FIX]),
@@ -141,6 +147,8 @@ def answers(tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "COLUMNS": "160", "HOME": str(tmp / "home")}
     env.pop("AREAL_DEBUG", None)
     env.pop("AREAL_CONFIG_DIR", None)
+    env.pop("AREAL_HARDWARE_DIR", None)  # calibrated profiles: only the built-in ones are listed
+    env.pop("XDG_CONFIG_HOME", None)
     p = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(rows)], capture_output=True, text=True,
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

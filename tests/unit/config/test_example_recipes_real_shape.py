@@ -18,6 +18,7 @@ from example_readme import areal_commands, first_command
 from areal_cli.allocation.estimate import ModelFacts
 from areal_cli.cli.common import compose_and_validate
 from areal_cli.config.packages import ENGINE_NEEDS, findable
+from areal_cli.planner.hardware import resolve_hardware
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "examples"
@@ -93,7 +94,7 @@ def _check_real_shape(recipe: Recipe, cfg, plan) -> None:
     params = ModelFacts.from_config(cfg.model).total_params() / 1e9
     lo, hi = recipe.params_b
     assert lo <= params <= hi, f"{recipe.model}: {params:.2f}B parameters, the model card says {recipe.params_b}"
-    assert cfg.cluster.device == "cuda" and cfg.cluster.gpu_memory_gb == 80
+    assert cfg.cluster.device == "cuda" and resolve_hardware(cfg).mem_gb == 80
     assert cfg.cluster.n_nodes == recipe.nodes and cfg.cluster.n_gpus_per_node == 8
     assert plan.spec == recipe.spec
     assert cfg.engine.name == recipe.engine and [t.backend for t in plan.trains] == [recipe.engine]

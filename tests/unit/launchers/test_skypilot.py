@@ -170,3 +170,12 @@ def test_hub_access_reaches_the_nodes_but_the_token_stays_out_of_the_yaml(tmp_pa
     assert t["envs"]["HF_ENDPOINT"] == "http://mirror.example:8080" and t["envs"]["HF_HOME"] == "/shared/hf"
     assert "HF_TOKEN" not in t["envs"] and "hf_do_not_write_me" not in task_yaml(t)
     assert SkyPilotLauncher.fetches_model_on_nodes
+
+
+def test_cluster_hardware_names_the_accelerator(tmp_path):
+    """A GPU kind in cluster.hardware is the accelerator asked for, not the smallest type that fits its memory
+    (141 GB would otherwise read as an 80 GB class)."""
+    _, _, t = _task(GPU + ["cluster.hardware=h200"], tmp_path)
+    assert t["resources"]["accelerators"] == "H200:8"
+    _, _, t = _task(GPU + ["cluster.hardware=a100"], tmp_path)
+    assert t["resources"]["accelerators"] == "A100-80GB:8"

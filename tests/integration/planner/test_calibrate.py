@@ -1,0 +1,66 @@
+"""``areal plan --calibrate`` for real, in quick mode: the built-in hf server decoding a tiny model, gloo between
+two processes, a fresh interpreter's memory; then the saved profile is what ``cluster.hardware=auto`` finds.
+
+Slow (~30-60 s on two cores, mostly the server's and the two ranks' start-up): ``pytest -m slow``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from areal_cli.cli.plan_calibrate import run_calibrate
+from areal_cli.config.compose import load_config
+from areal_cli.planner.hardware import PROFILES, get_profile, resolve_hardware
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    hw = tmp_path_factory.mktemp("hw")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AREAL_HARDWARE_DIR", str(hw))
+    mp.setenv("DS_ACCELERATOR", "cpu")  # what calibrate sets for itself, restored after the module
+    mp.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU path, also on a GPU host
+    yield hw, mp
+    mp.undo()
+
+
+def test_quick_calibration_measures_this_host_and_plans_pick_it_up(calibrated, capsys):
+    hw, _ = calibrated
+    assert run_calibrate("cpu", None, quick=True, json_out=True) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["saved"] == str(hw / "cpu.json")
+    p, raw = out["profile"], out["profile"]["calibrated"]
+    assert p["kind"] == "cpu" and p["shared_compute"] and p["source"].startswith("measured")
+    for f in ("matmul_tflops", "mem_gb", "mem_bw_gbs", "intra_node_gbs", "decode_iter_s", "request_s",
+              "train_mb_s", "optim_step_s", "process_base_gb"):
+        assert math.isfinite(p[f]) and p[f] > 0, f
+    for f in ("train_mfu", "prefill_mfu", "comm_eff"):
+        assert 0.3 <= p[f] <= 1.0, f
+    # the profile's fields are the raw measurements they come from
+    assert p["matmul_tflops"] == raw["gemm_tflops"] >= raw["gemm_tflops_1thread"] > 0
+    assert p["mem_bw_gbs"] == raw["copy_gbs"] and p["intra_node_gbs"] == raw["allreduce_gbs"]
+    assert raw["allreduce_backend"] == "gloo" and raw["allreduce_latency_s"] > 0
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024 ** 3
+    assert p["mem_gb"] == pytest.approx(ram)
+    # a fresh process with torch and the trainer imported: more than the bare interpreter, far less than RAM
+    assert 0.05 < p["process_base_gb"] < min(4.0, ram) and 0.05 < raw["server_rss_gb"] < 4.0
+    # decode: longer generations take longer, and batching makes each token cheaper
+    t = raw["decode_times_s"]
+    assert t["b1_n32"] > t["b1_n4"] and t["b8_n32"] > t["b8_n4"]
+    assert raw["decode_iter_b8_s"] / 8 < raw["decode_iter_b1_s"]
+    assert p["decode_iter_s"] <= raw["decode_iter_b1_s"]
+    # training: a longer micro-batch takes longer; the fixed part is below the whole short one
+    steps = raw["train_step_s_by_tokens"]
+    assert steps["512"] > steps["64"] and p["train_mb_s"] < steps["64"]
+    assert set(raw["step_seconds"]) == {"GEMM rate", "memory bandwidth", "hf server decode",
+                                        "train micro-batch and optimizer step",
+                                        "all-reduce bandwidth and process memory"}
+    # saved as "cpu": every CPU plan (cluster.hardware=auto) now uses it instead of the built-in guess
+    got = get_profile("cpu")
+    assert got.to_dict() == p and got != PROFILES["cpu"]
+    assert resolve_hardware(load_config([])) == got
