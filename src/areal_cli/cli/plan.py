@@ -22,19 +22,22 @@ class PlanOptions:
     suggest: bool = False
     as_json: bool = False
     hardware: str | None = None  # a profile name or a saved profile's .json path; None: from the config
+    calibrate: bool = False  # measure this machine, save the profile, plan nothing
+    name: str | None = None  # --calibrate: the saved profile's name (default: cpu, or the GPU's kind)
+    save: str | None = None  # --calibrate: a path to save to instead of the profile directory
+    quick: bool = False  # --calibrate: fewer repetitions
 
 
 def profile_for(cfg, name: str | None = None):
     """The hardware profile ``plan`` uses: ``--hardware``, else ``cluster.hardware`` where the config has it,
     else ``auto``: ``cpu`` on a CPU cluster and ``h100`` on GPUs."""
-    from areal_cli.planner.hardware import get_profile
+    from areal_cli.planner.hardware import get_profile, resolve_hardware
 
-    key = "--hardware"
     if name is None:
-        name, key = getattr(cfg.cluster, "hardware", "auto") or "auto", "cluster.hardware"
+        return resolve_hardware(cfg)
     if str(name).lower() == "auto":
         name = "cpu" if cfg.cluster.device == "cpu" else "h100"
-    return get_profile(name, key)
+    return get_profile(name, "--hardware")
 
 
 def run(overrides: list[str], opts: PlanOptions) -> int:
@@ -42,6 +45,15 @@ def run(overrides: list[str], opts: PlanOptions) -> int:
     from areal_cli.errors import ArealError
     from areal_cli.planner.model import plan_config
 
+    if opts.calibrate:
+        if overrides:
+            from areal_cli.errors import UsageError
+
+            raise UsageError("--calibrate measures this machine and takes no overrides — fix: run "
+                             "`areal plan --calibrate` alone, then `areal plan OVERRIDES --hardware NAME`")
+        from areal_cli.cli.plan_calibrate import run_calibrate
+
+        return run_calibrate(opts.name, opts.save, opts.quick, opts.as_json)
     cfg, plan = compose_and_validate(overrides, opts.as_json)
     try:
         profile = profile_for(cfg, opts.hardware)
@@ -86,6 +98,15 @@ def register(app) -> None:
                                      "l40s, cpu, a calibrated profile's name or a .json path (default: "
                                      "cluster.hardware, else cpu on CPU clusters and h100 on GPUs).",
                                      show_default=False),
+        calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine (matmul rate, memory "
+                                       "bandwidth, the built-in server's decode rate, all-reduce bandwidth, "
+                                       "training overheads) and save it as a hardware profile."),
+        name: str = typer.Option(None, "--name", help="--calibrate: the profile's name (default: cpu, or "
+                                 "the GPU's kind).", show_default=False),
+        save: str = typer.Option(None, "--save", help="--calibrate: save to this .json path instead of "
+                                 "the profile directory.", show_default=False),
+        quick: bool = typer.Option(False, "--quick", help="--calibrate: fewer repetitions (less exact)."),
         help_: bool = help_option(),
     ) -> int:
-        return run(list(ctx.args), PlanOptions(suggest=suggest, as_json=as_json, hardware=hardware))
+        return run(list(ctx.args), PlanOptions(suggest=suggest, as_json=as_json, hardware=hardware,
+                                               calibrate=calibrate, name=name, save=save, quick=quick))

@@ -49,3 +49,22 @@ def test_json_error_for_unknown_hardware(capsys):
     out = capsys.readouterr().out
     d = json.loads(out)
     assert d["valid"] is False and "tpu9" in d["message"]
+
+
+def test_calibrate_takes_no_overrides(capsys):
+    assert main(["plan", "--calibrate", "rollout.group_size=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--calibrate" in err[0] and "fix:" in err[0]
+
+
+def test_calibrated_profile_is_used_by_name(capsys, tmp_path):
+    from dataclasses import replace
+
+    from areal_cli.planner.hardware import PROFILES, save_profile
+
+    save_profile(replace(PROFILES["cpu"], name="mybox", matmul_tflops=PROFILES["cpu"].matmul_tflops * 10))
+    assert main(["plan", "--json", "cluster.hardware=mybox"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--json"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert fast["hardware"]["name"] == "mybox" and fast["step"]["train_s"] < slow["step"]["train_s"]
