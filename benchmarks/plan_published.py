@@ -66,6 +66,9 @@ _AREAL_COMMON = ["algo.batch_size=512", "rollout.group_size=16", "algo.ppo_n_min
                  "engine.max_tokens_per_mb=32768", "engine.gradient_checkpointing=true",
                  "rollout.max_concurrent_rollouts=512", "cluster.device=cuda", "cluster.n_gpus_per_node=8",
                  "cluster.gpu_memory_gb=80", "cluster.hardware=h800", "launcher=slurm"]
+# The NeMo-RL and verl runs serve with vLLM and refit its weights over NCCL; our vllm backend takes weights
+# from disk only (config/rollout.py DISK_ONLY_BACKENDS), so these setups name sglang, whose distributed update
+# is the same NCCL broadcast. Async setups admit (k+1) batches at once, as those systems' async engines do.
 # verl's 7B fully-async script: vLLM TP4, FSDP2 with Ulysses SP4 (our fsdp 'c'), 2048 prompt + 28672
 # response tokens, 512 prompts x 16 per step in 16 minibatches of 32 prompts, dynamic batch of
 # (2048 + 28672) x 2 tokens per GPU for the actor.
@@ -148,7 +151,7 @@ SETUPS: list[dict] = [
         "id": "verl_7b_colocate_sync_128",
         "description": "verl colocated sync DAPO, Qwen2.5-Math-7B, 128 H20, vLLM + FSDP2",
         "model": "Qwen/Qwen2.5-Math-7B (7.6B, dense; max_position_embeddings raised to 32768 by the script)",
-        "overrides": _VERL_7B + ["allocation_mode=vllm:d32t4|fsdp:d32c4", "rollout.max_head_offpolicyness=0"],
+        "overrides": _VERL_7B + ["allocation_mode=sglang:d32t4|fsdp:d32c4", "rollout.max_head_offpolicyness=0"],
         "published": {"metric": "step_s", "value": 356.30, "unit": "s/step",
                       "raw": "step 356.30 s (gen 177.85, old_log_prob 53.92, update_actor 113.81); "
                              "400 steps in 1d 16h 48m",
@@ -167,7 +170,8 @@ SETUPS: list[dict] = [
         "description": "verl fully async (staleness 0.5, partial rollout), Qwen2.5-Math-7B, 64 rollout : 64 "
                        "train H20",
         "model": "Qwen/Qwen2.5-Math-7B (7.6B, dense)",
-        "overrides": _VERL_7B + ["allocation_mode=vllm:d16t4+fsdp:d16c4", "rollout.max_head_offpolicyness=1"],
+        "overrides": _VERL_7B + ["allocation_mode=sglang:d16t4+fsdp:d16c4", "rollout.max_head_offpolicyness=1",
+                                 "rollout.max_concurrent_rollouts=1024"],
         "published": {"metric": "step_s", "value": 150.63, "unit": "s/step",
                       "raw": "step 150.63 s (gen 33.14, update_actor 113.16); 400 steps in 17h 22m (2.35x "
                              "over colocate sync 128)",
@@ -184,7 +188,7 @@ SETUPS: list[dict] = [
         "id": "nemo_30b_a3b_onpolicy_32",
         "description": "NeMo-RL GRPO on-policy, Qwen3-30B-A3B, 4x8 H100 colocated, vLLM TP2 + Megatron EP8",
         "model": "Qwen/Qwen3-30B-A3B (30.5B total, 3.3B active, MoE 128 experts top-8)",
-        "overrides": _NEMO_30B + ["cluster.n_nodes=4", "allocation_mode=vllm:d16t2|megatron:(attn:d32|ffn:d4e8)",
+        "overrides": _NEMO_30B + ["cluster.n_nodes=4", "allocation_mode=sglang:d16t2|megatron:(attn:d32|ffn:d4e8)",
                                   "rollout.max_head_offpolicyness=0"],
         "published": {"metric": "step_s", "value": 192.0, "unit": "s/step",
                       "raw": "Total Step time 192 s; 1102 tokens/s/GPU; 32 GPUs",
@@ -199,8 +203,8 @@ SETUPS: list[dict] = [
         "description": "NeMo-RL async GRPO 1-step off, Qwen3-30B-A3B, 2 nodes vLLM TP2 + 2 nodes Megatron "
                        "PP2 EP8, H100",
         "model": "Qwen/Qwen3-30B-A3B (30.5B total, 3.3B active, MoE)",
-        "overrides": _NEMO_30B + ["cluster.n_nodes=4", "allocation_mode=vllm:d8t2+megatron:(attn:d8p2|ffn:d1p2e8)",
-                                  "rollout.max_head_offpolicyness=1"],
+        "overrides": _NEMO_30B + ["cluster.n_nodes=4", "allocation_mode=sglang:d8t2+megatron:(attn:d8p2|ffn:d1p2e8)",
+                                  "rollout.max_head_offpolicyness=1", "rollout.max_concurrent_rollouts=128"],
         "published": {"metric": "step_s", "value": 152.0, "unit": "s/step",
                       "raw": "Total Step time 152 s; 1414 tokens/s/GPU; 32 GPUs",
                       "tokens_per_s_per_gpu": 1414.0, "source": NEMO_DOC + ", row 'GRPO Qwen3-30B3A 1-step Off 32'",
@@ -215,8 +219,8 @@ SETUPS: list[dict] = [
                        "EP8, H100",
         "model": "Qwen/Qwen3-30B-A3B (30.5B total, 3.3B active, MoE)",
         "overrides": _NEMO_30B + ["cluster.n_nodes=24",
-                                  "allocation_mode=vllm:d32t2+megatron:(attn:d64t2|ffn:d16e8)",
-                                  "rollout.max_head_offpolicyness=8"],
+                                  "allocation_mode=sglang:d32t2+megatron:(attn:d64t2|ffn:d16e8)",
+                                  "rollout.max_head_offpolicyness=8", "rollout.max_concurrent_rollouts=576"],
         "published": {"metric": "step_s", "value": 34.5, "unit": "s/step",
                       "raw": "Total Step time 34.5 s; 1025 tokens/s/GPU; 192 GPUs",
                       "tokens_per_s_per_gpu": 1025.0, "source": NEMO_DOC + ", row 'GRPO Qwen3-30B3A 8-step Off 192'",
@@ -285,19 +289,37 @@ def profile_for(name: str, save_dir: str):
     return prof, path
 
 
-def predict(overrides: list[str], profile) -> dict:
+def predict(overrides: list[str], profile, mean_seq_tokens: float | None = None) -> dict:
+    """The planner's step for the setup: at the config's caps (every completion runs to max_new_tokens), or
+    with a published mean sequence length (prompt + response) as the mean, the caps still bounding the
+    longest completion of a synchronous wave. ``implied_new_tokens``: the mean response length at which the
+    prediction equals the published step time (bisection; the step time grows with it)."""
+    from areal_cli.cli.common import compose_and_validate
     from areal_cli.planner.model import plan_config
 
-    from areal_cli.cli.common import compose_and_validate
-
     cfg, plan = compose_and_validate(overrides)
-    step = plan_config(cfg, plan, profile).to_dict()["step"]
+    prompt = max(1, cfg.dataset.max_prompt_len // 2)
+    kw = {} if mean_seq_tokens is None else {"prompt_tokens": prompt, "new_tokens": mean_seq_tokens - prompt}
+    step = plan_config(cfg, plan, profile, **kw).to_dict()["step"]
     return {k: step.get(k) for k in ("step_s", "samples_per_s", "tokens_per_s")}
 
 
-def _with_max_new_tokens(overrides: list[str], n: int) -> list[str]:
-    return [o for o in overrides if not o.startswith("rollout.gconfig.max_new_tokens=")] + [
-        f"rollout.gconfig.max_new_tokens={n}"]
+def implied_new_tokens(overrides: list[str], profile, target_s: float) -> float | None:
+    from areal_cli.cli.common import compose_and_validate
+    from areal_cli.planner.model import plan_config
+
+    cfg, plan = compose_and_validate(overrides)
+
+    def at(n: float) -> float:
+        return plan_config(cfg, plan, profile, new_tokens=n).step.step_s
+
+    lo, hi = 1.0, float(cfg.rollout.gconfig.max_new_tokens)
+    if not at(lo) <= target_s <= at(hi):
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) < target_s else (lo, mid)
+    return (lo + hi) / 2
 
 
 def list_setups(as_json: bool) -> None:
@@ -338,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                 ov = overrides_for_branch(s, path)
                 row["predicted"] = predict(ov, prof)
                 if s.get("mean_response_tokens"):
-                    row["predicted_at_mean"] = predict(_with_max_new_tokens(ov, s["mean_response_tokens"]), prof)
+                    row["predicted_at_mean"] = predict(ov, prof, s["mean_response_tokens"])
+                row["implied_new_tokens"] = implied_new_tokens(ov, prof, pub)
             except Exception as exc:  # noqa: BLE001 -- one setup's failure is a row, not the end of the table
                 row["error"] = f"{type(exc).__name__}: {exc}"
             for key in ("predicted", "predicted_at_mean"):
@@ -348,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'setup':28} {'published s':>11} {'predicted s':>11} {'ratio':>6} {'@mean s':>8} {'ratio':>6}")
+    print(f"{'setup':28} {'published s':>11} {'predicted s':>11} {'ratio':>6} {'@mean s':>8} {'ratio':>6} "
+          f"{'implied mean new tokens':>24}")
     for r in rows:
         if "error" in r:
             print(f"{r['id']:28} {r['published_step_s']:>11} error: {r['error']}")
@@ -356,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         pm = r.get("predicted_at_mean") or {}
         print(f"{r['id']:28} {r['published_step_s']:>11} {r['predicted']['step_s']:>11.1f} "
               f"{r.get('ratio_predicted', float('nan')):>6.2f} "
-              f"{pm.get('step_s') or float('nan'):>8.1f} {r.get('ratio_predicted_at_mean', float('nan')):>6.2f}")
+              f"{pm.get('step_s') or float('nan'):>8.1f} {r.get('ratio_predicted_at_mean', float('nan')):>6.2f} "
+              f"{r['implied_new_tokens'] or float('nan'):>24.0f}")
     return 1 if any("error" in r for r in rows) else 0
 
 
