@@ -64,6 +64,23 @@ class RequestRejected(InferenceError):
         super().__init__(message)
         self.status, self.body = status, body
 
+    @property
+    def server_message(self) -> str:
+        """The server's own words (``{"error": {"message"}}``, ``{"message"}``, ``{"detail"}`` or the raw
+        body): what an OpenAI-shaped route hands on to its caller with the same status."""
+        try:
+            data = json.loads(self.body)
+        except ValueError:
+            return self.body.strip() or str(self)
+        if isinstance(data, dict):
+            err = data.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                return err["message"]
+            for k in ("message", "detail", "error"):
+                if isinstance(data.get(k), str):
+                    return data[k]
+        return self.body.strip() or str(self)
+
 
 class _Unreachable(InferenceError):
     """Connection refused/reset: the server is down."""

@@ -19,7 +19,19 @@ Prompt construction (``prompt_mode``):
   would give other ids (retokenization drift: other logprobs, a KL spike); here the ids the model
   produced are the ids it is trained on, and ``Interaction.retokenized`` records whether a fresh
   render would have differed. A parent cut at ``length`` gets the end-of-turn token added (masked).
+  A parent that stopped on a ``stop`` string is closed the same way: its ids (the stop string's
+  tokens included: the model sampled them, and they are trained) get the end-of-turn token (masked)
+  and the template's closing text, so the context reads ``…output<|im_end|>\n<|im_start|>user…`` as
+  the template renders the turn, not ``…output\n<|im_start|>user…``.
 - ``"template"``: always a fresh render of the messages (then calls are only message-linked).
+
+Errors surface as the ``openai`` SDK's own exceptions with the status a server would have answered
+(``rollout/openai_errors.py``): a malformed request, or one the inference server refused (a prompt over its
+context: ``RequestRejected`` with the server's status and message) is ``openai.BadRequestError``
+(400) etc.; an inference server that failed after retries is ``openai.InternalServerError`` (502).
+The original error is the exception's ``__cause__`` (episode retries look there for transport
+failures). ``logprobs=True`` returns ``choices[0].logprobs.content`` (the sampled token's logprob per
+generated token); ``top_logprobs`` > 0 is refused (400): the inference path has no alternatives.
 """
 
 from __future__ import annotations
@@ -36,18 +48,40 @@ import openai
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.inference.server import tool_parsers as TP
 from areal_cli.inference.server.openai_compat import (
+    logprobs_content,
     normalise_messages,
     parse_tools,
     plain,
     refuse_unsupported,
 )
 from areal_cli.rollout.interaction_cache import Interaction, InteractionCache
+from areal_cli.rollout.openai_errors import sdk_error
 
 log = logging.getLogger(__name__)
 
 
 def _given(v: Any) -> bool:
     return v is not None and not isinstance(v, (openai.NotGiven, openai.Omit))
+
+
+def _check_request(model: Any, limit: Any, temperature: Any, top_p: Any, stop: Any, seed: Any, stream: Any,
+                   logprobs: Any, top_logprobs: Any) -> None:
+    """400 for field values a server would refuse (types, ranges), before anything is generated."""
+    from areal_cli.inference.server.openai_compat import seeded
+    from areal_cli.inference.server.schema import BadRequest, openai_sampling
+
+    if _given(model) and not isinstance(model, str):
+        raise BadRequest(f"model must be a string, got {type(model).__name__} {model!r}")
+    sp = openai_sampling({k: v for k, v in (("max_tokens", limit), ("temperature", temperature),
+                                            ("top_p", top_p), ("stop", stop)) if _given(v)},
+                         max_tokens_key=("max_tokens",))
+    seeded(sp, seed if _given(seed) else None, 1)
+    for k, v in (("stream", stream), ("logprobs", logprobs)):
+        if _given(v) and not isinstance(v, bool):
+            raise BadRequest(f"{k} must be a boolean, got {v!r}")
+    if _given(top_logprobs) and (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
+                                 or not 0 <= top_logprobs <= 20):
+        raise BadRequest(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
 
 
 class _ChunkStream:
@@ -77,28 +111,45 @@ class _Completions:
     def __init__(self, client: "ArealOpenAI"):
         self._c = client
 
-    async def create(self, *, messages: Any, model: Any = None, tools: Any = None, tool_choice: Any = None,
-                     max_tokens: Any = None, max_completion_tokens: Any = None, temperature: Any = None,
-                     top_p: Any = None, stop: Any = None, seed: Any = None, n: Any = None, stream: Any = None,
-                     stream_options: Any = None, extra_body: Any = None, store: Any = None,
-                     parallel_tool_calls: Any = None, **kwargs: Any) -> Any:
+    async def create(self, *, messages: Any = None, model: Any = None, tools: Any = None,
+                     tool_choice: Any = None, max_tokens: Any = None, max_completion_tokens: Any = None,
+                     temperature: Any = None, top_p: Any = None, stop: Any = None, seed: Any = None, n: Any = None,
+                     stream: Any = None, stream_options: Any = None, extra_body: Any = None, store: Any = None,
+                     parallel_tool_calls: Any = None, logprobs: Any = None, top_logprobs: Any = None,
+                     **kwargs: Any) -> Any:
+        args = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
+        try:
+            return await self._create(**args, **kwargs)
+        except Exception as e:
+            err = sdk_error(self._c, e, "/chat/completions")
+            if err is None or err is e:
+                raise
+            raise err from e
+
+    async def _create(self, *, messages: Any, model: Any, tools: Any, tool_choice: Any, max_tokens: Any,
+                      max_completion_tokens: Any, temperature: Any, top_p: Any, stop: Any, seed: Any, n: Any,
+                      stream: Any, stream_options: Any, extra_body: Any, store: Any, parallel_tool_calls: Any,
+                      logprobs: Any, top_logprobs: Any, **kwargs: Any) -> Any:
         c = self._c
         if _given(n) and n != 1:
             raise ValueError(f"n={n}: the in-process client makes one completion per call (each call is one "
                              "interaction in the cache); call create() n times")
-        refuse_unsupported({k: v for k, v in kwargs.items() if _given(v)})
+        refuse_unsupported({**{k: v for k, v in kwargs.items() if _given(v)},
+                            "top_logprobs": top_logprobs if _given(top_logprobs) else None})
+        limit = max_completion_tokens if _given(max_completion_tokens) else max_tokens
+        _check_request(model, limit, temperature, top_p, stop, seed, stream, logprobs, top_logprobs)
         body = {"tools": plain(tools) if _given(tools) else None,
                 "tool_choice": plain(tool_choice) if _given(tool_choice) else None}
         tools_l, choice, parse = parse_tools(body)
         msgs = normalise_messages(plain(list(messages)) if isinstance(messages, (list, tuple)) else messages)
         extra = dict(extra_body) if _given(extra_body) else {}
-        limit = max_completion_tokens if _given(max_completion_tokens) else max_tokens
         stops = [stop] if isinstance(stop, str) else list(stop) if _given(stop) else []
         res = await c._complete(msgs, tools_l, choice, parse, limit if _given(limit) else None,
                                 temperature if _given(temperature) else None,
                                 top_p if _given(top_p) else None,
                                 stops, seed if _given(seed) else None, extra,
-                                parallel_tool_calls is not False, store is not False)
+                                parallel_tool_calls is not False, store is not False,
+                                want_logprobs=logprobs is True)
         if _given(stream) and stream:
             return _ChunkStream(c._chunks(res, bool(_given(stream_options) and
                                                     plain(stream_options).get("include_usage"))))
@@ -166,6 +217,9 @@ class ArealOpenAI(openai.AsyncOpenAI):
             kw = {**kw, "tools": tools}
         return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
 
+    def _token_str(self, t: int) -> str:
+        return self.tokenizer.decode([t], skip_special_tokens=False)
+
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -190,8 +244,12 @@ class ArealOpenAI(openai.AsyncOpenAI):
         close = turn[cut + len(eos_tok):] if cut >= 0 else ""
         ids = list(parent.input_ids) + list(parent.output_ids)
         eos_id = self.tokenizer.eos_token_id
-        if parent.stop_reason != "stop" and eos_id is not None:
-            ids.append(int(eos_id))  # the turn the model did not finish is closed for it (masked)
+        # A turn the model did not close itself (cut at ``length``, or stopped on a stop string) is
+        # closed for it as the template closes turns (masked: the model did not sample it). A
+        # template whose turns do not end with EOS (cut < 0) is closed with it only after ``length``.
+        unclosed = not parent.output_ids or parent.output_ids[-1] != eos_id
+        if eos_id is not None and unclosed and (cut >= 0 or parent.stop_reason == "length"):
+            ids.append(int(eos_id))
         ids += self._encode(close + tail)
         return ids, parent, parent, ids != fresh
 
@@ -199,7 +257,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
     async def _complete(self, msgs: list[dict], tools: list[dict] | None, choice: Any, parse: bool,
                         limit: int | None, temperature: float | None, top_p: float | None, stops: list[str],
                         seed: int | None, extra: dict, parallel: bool, store: bool,
-                        interaction_id: str | None = None) -> Any:
+                        interaction_id: str | None = None, want_logprobs: bool = False) -> Any:
         from openai.types.chat import ChatCompletion
 
         kw = dict(extra.get("chat_template_kwargs") or {})
@@ -232,9 +290,10 @@ class ArealOpenAI(openai.AsyncOpenAI):
                            "tool_calls": parsed.tool_calls if parallel else parsed.tool_calls[:1]}
                 finish = "tool_calls" if finish == "stop" else finish
         cid = interaction_id or f"chatcmpl-{uuid.uuid4().hex}"
+        lps = logprobs_content(self._token_str, out, list(resp.output_logprobs)) if want_logprobs else None
         completion = ChatCompletion.model_validate({
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": lps,
                          "token_ids": out, "token_versions": list(resp.output_versions)}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
                       "total_tokens": len(ids) + len(out)},
@@ -261,6 +320,8 @@ class ArealOpenAI(openai.AsyncOpenAI):
             chunks.append({"index": 0, "delta": {"tool_calls": [{"index": k, **call.model_dump()}]},
                            "finish_reason": None})
         chunks.append({"index": 0, "delta": {}, "finish_reason": c.finish_reason})
+        if c.logprobs is not None:  # with the text they belong to (on the last chunk when there is none)
+            chunks[1 if c.message.content else -1]["logprobs"] = c.logprobs.model_dump()
         out = [ChatCompletionChunk.model_validate({**base, "choices": [ch]}) for ch in chunks]
         if include_usage:
             out.append(ChatCompletionChunk.model_validate({**base, "choices": [],

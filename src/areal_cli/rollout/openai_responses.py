@@ -12,7 +12,8 @@ The reply is a genuine ``openai.types.responses.Response``. Its ``output`` holds
 ``message`` item (when there is text) and one ``function_call`` item per tool call; a call's
 ``call_id`` is the tool-call id the cache records, so replaying the output as the next input links
 the next call to this one. The interaction's id is the response id. Streaming
-(``stream=True``) and ``include`` are refused.
+(``stream=True``), ``include`` and ``top_logprobs`` are refused; errors are the SDK's exceptions
+(``openai.BadRequestError``, ...) as for chat completions.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from areal_cli.inference.server.openai_compat import (
     plain,
     refuse_unsupported,
 )
+from areal_cli.rollout.openai_errors import sdk_error
 
 
 def _given(v: Any) -> bool:
@@ -52,27 +54,37 @@ def input_to_messages(input: Any, instructions: Any) -> list[dict]:
         msgs.append({"role": "system", "content": str(instructions)})
     if isinstance(input, str):
         return msgs + [{"role": "user", "content": input}]
-    for item in plain(list(input)):
-        kind = item.get("type", "message")
-        if kind == "message":
-            msgs.append({"role": item["role"], "content": _text(item.get("content"))})
-        elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
-            last = msgs[-1] if msgs else None
-            if last is not None and last["role"] == "assistant":  # the text and the calls of one response
-                last.setdefault("tool_calls", []).append(call)
-                if not last.get("content"):
-                    last["content"] = None
-            else:
-                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out = item.get("output")
-            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
-                         "content": out if isinstance(out, str) else _text(out)})
-        else:
-            raise ValueError(f"responses.create: input items of type {kind!r} are not supported")
+    if not isinstance(input, (list, tuple)):
+        raise ValueError("responses.create: input must be a string or a list of input items")
+    for i, item in enumerate(plain(list(input))):
+        try:
+            _add_item(msgs, item)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"responses.create: input[{i}] is malformed ({type(e).__name__}: {e})") from None
     return msgs
+
+
+def _add_item(msgs: list[dict], item: dict) -> None:
+    """One Responses input item appended to ``msgs`` as chat messages (module docstring)."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        msgs.append({"role": item["role"], "content": _text(item.get("content"))})
+    elif kind == "function_call":
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
+        last = msgs[-1] if msgs else None
+        if last is not None and last["role"] == "assistant":  # the text and the calls of one response
+            last.setdefault("tool_calls", []).append(call)
+            if not last.get("content"):
+                last["content"] = None
+        else:
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        out = item.get("output")
+        msgs.append({"role": "tool", "tool_call_id": item["call_id"],
+                     "content": out if isinstance(out, str) else _text(out)})
+    else:
+        raise ValueError(f"responses.create: input items of type {kind!r} are not supported")
 
 
 def _chat_tools(tools: Any) -> list[dict] | None:
@@ -80,8 +92,9 @@ def _chat_tools(tools: Any) -> list[dict] | None:
         return None
     out = []
     for t in plain(list(tools)):
-        if t.get("type") != "function":
-            raise ValueError(f"responses.create: only function tools are supported, got {t.get('type')!r}")
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            raise ValueError("responses.create: only function tools ({type: 'function', name, parameters}) "
+                             f"are supported, got {t!r}")
         fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
         out.append({"type": "function", "function": fn})
     return out
@@ -91,10 +104,22 @@ class Responses:
     def __init__(self, client: Any):
         self._c = client
 
-    async def create(self, *, input: Any, model: Any = None, instructions: Any = None, tools: Any = None,
+    async def create(self, *, input: Any = None, model: Any = None, instructions: Any = None, tools: Any = None,
                      tool_choice: Any = None, max_output_tokens: Any = None, temperature: Any = None,
                      top_p: Any = None, stream: Any = None, include: Any = None, store: Any = None,
                      parallel_tool_calls: Any = None, extra_body: Any = None, **kwargs: Any) -> Any:
+        args = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
+        try:
+            return await self._create(**args, **kwargs)
+        except Exception as e:  # as the SDK raises a server's answer: openai.BadRequestError for a 400, ...
+            err = sdk_error(self._c, e, "/responses")
+            if err is None or err is e:
+                raise
+            raise err from e
+
+    async def _create(self, *, input: Any, model: Any, instructions: Any, tools: Any, tool_choice: Any,
+                      max_output_tokens: Any, temperature: Any, top_p: Any, stream: Any, include: Any,
+                      store: Any, parallel_tool_calls: Any, extra_body: Any, **kwargs: Any) -> Any:
         from openai.types.responses import Response
 
         if _given(stream) and stream:

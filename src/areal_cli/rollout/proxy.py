@@ -14,7 +14,10 @@ and uses any OpenAI client unchanged.
 | ``POST /rl/end_session`` | session | no more calls; 410 if already ended |
 | ``POST /rl/export`` ``{session_id, style, turn_discount?}`` | admin | 409 before end; rows (+ ``tool_calls``) once, then 404 |
 
-A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
+A chat call answers what the inference server answered: a request it refuses (a prompt over its
+context, malformed messages or tools, a field of the wrong type, ``top_logprobs`` > 0) is a 4xx with
+the server's message, never a 500, and the session and its connection stay usable;
+``logprobs: true`` is honoured (``choices[0].logprobs.content``). A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
 endpoint, is 403. A key only ever reaches its own session (the key *is* the session's identity).
 Sessions idle for longer than ``session_timeout_s`` are collected (on every request and by
 :meth:`AgentProxy.collect_idle`); collecting one returns its capacity unit to nobody (it was used).
@@ -31,9 +34,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import openai
 from fastapi import Request  # a module global: FastAPI resolves the handlers' string annotations here
 
+from areal_cli.errors import InferenceError
 from areal_cli.rollout.openai_client import ArealOpenAI
+from areal_cli.rollout.openai_errors import error_status
 
 
 @dataclass
@@ -134,6 +140,17 @@ class AgentProxy:
         async def bad_value(_r: Request, e: ValueError):
             return err(400, str(e))
 
+        # The in-process client raises what the SDK would (openai.BadRequestError, ...) with the
+        # status the inference server gave; the agent gets that status and message, not a 500, and
+        # its connection stays open for the next call.
+        @app.exception_handler(openai.APIStatusError)
+        async def api_status(_r: Request, e: openai.APIStatusError):
+            return err(e.status_code, e.message)
+
+        @app.exception_handler(InferenceError)
+        async def inference(_r: Request, e: InferenceError):
+            return err(*(error_status(e) or (502, str(e))))
+
         h = SimpleNamespace(err=err, admin=admin, session=session, body=body, JSONResponse=JSONResponse,
                             StreamingResponse=StreamingResponse, BadRequest=BadRequest)
         self._admin_routes(app, h)
@@ -193,6 +210,7 @@ class AgentProxy:
     def _session_routes(self, app: Any, h: SimpleNamespace) -> None:
         err, session, body, JSONResponse, StreamingResponse = (h.err, h.session, h.body, h.JSONResponse,
                                                                h.StreamingResponse)
+        BadRequest = h.BadRequest
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -208,6 +226,8 @@ class AgentProxy:
             if isinstance(s, JSONResponse):
                 return s
             b = await body(request)
+            if "extra_body" in b:  # an SDK argument; its keys travel at the top level of the body
+                raise BadRequest("extra_body is not a request field; send its keys at the top level")
             extra = {k: b.pop(k) for k in ("chat_template_kwargs",) if k in b}
             b.pop("return_token_ids", None)  # the in-process client always adds the token fields
             out = await s.client.chat.completions.create(**b, extra_body=extra or None)

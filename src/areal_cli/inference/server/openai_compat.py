@@ -179,7 +179,9 @@ def refuse_unsupported(body: dict) -> None:
         raise BadRequest("response_format other than {'type': 'text'} is not supported "
                          "(no constrained decoding)")
     if body.get("top_logprobs"):
-        raise BadRequest("top_logprobs is not supported by the hf server")
+        raise BadRequest(f"top_logprobs={body['top_logprobs']!r} is not supported: this inference path returns "
+                         "only the sampled token's logprob (logprobs: true gives it for every token, with "
+                         "top_logprobs: []); leave top_logprobs out or 0")
     for k in ("audio", "prediction", "web_search_options"):
         if body.get(k) is not None:
             raise BadRequest(f"{k} is not supported by the hf server")
@@ -269,13 +271,19 @@ def _choice(state: Any, h: Any, i: int, s: Any, parse: bool, parser: str, want_l
                 finish = "tool_calls"
     c: dict[str, Any] = {"index": i, "message": msg, "finish_reason": finish, "logprobs": None}
     if want_lp:
-        c["logprobs"] = {"content": [{"token": h.tok_str(t), "logprob": v,
-                                      "bytes": list(h.tok_str(t).encode()), "top_logprobs": []}
-                                     for t, v in zip(s.out_ids, s.out_logprobs)]}
+        c["logprobs"] = logprobs_content(h.tok_str, s.out_ids, s.out_logprobs)
     if want_ids:
         c.update(token_ids=list(s.out_ids), token_logprobs=list(s.out_logprobs),
                  token_versions=list(s.out_versions))
     return c
+
+
+def logprobs_content(tok_str: Callable[[int], str], ids: list[int], lps: list[float]) -> dict:
+    """OpenAI's ``choices[i].logprobs``: one entry per generated token (the end-of-turn token included:
+    it was sampled too), each the sampled token's logprob under the sampling temperature, the same
+    numbers the trainer records; no alternatives (``top_logprobs`` > 0 is refused)."""
+    return {"content": [{"token": tok_str(t), "logprob": float(v), "bytes": list(tok_str(t).encode()),
+                         "top_logprobs": []} for t, v in zip(ids, lps)]}
 
 
 def default_parser(state: Any) -> str:
