@@ -100,22 +100,31 @@ class GenTime:
         return self.prefill_s + self.decode_s + self.request_s
 
 
-def decode_iter(f: ModelFacts, hw: HardwareProfile, tp: int, pp: int, batch: int, ctx: float,
-                pb: int) -> tuple[float, str]:
-    """Seconds of one decode iteration of ``batch`` rows with ``ctx`` tokens of context each on one t×p
-    instance, and what bounds it. Every iteration reads the weights once and each row's KV cache; the
-    stages of a pipeline run one after another, so p divides memory but not time."""
+def decode_costs(f: ModelFacts, hw: HardwareProfile, tp: int, batch: int, ctx: float,
+                 pb: int) -> tuple[dict[str, float], dict[str, float]]:
+    """``(floor, row)``: the parts of one decode iteration on one t×p instance: an iteration of ``b`` running
+    rows costs ``floor_s + b·row_s``. The floor is what every iteration pays whatever its batch: reading the
+    weights once (the experts the batch routes to, for MoE), the fixed per-iteration cost (launches,
+    scheduling, sampling) and, under t > 1, two latency-bound all-reduces per layer. Each row adds the larger
+    of reading its KV cache (``ctx`` tokens) and its 2·N FLOPs. The stages of a pipeline run one after
+    another, so p divides memory but not time."""
     experts_read = 1.0 if f.experts <= 0 else min(1.0, batch * max(1, f.experts_per_tok) / f.experts)
-    w_bytes = (f.dense_params() + f.expert_params() * experts_read) * pb / tp
-    kv_bytes = batch * ctx * f.kv_bytes_per_token(pb, tp, 1)
-    mem_s = (w_bytes + kv_bytes) / (mem_rate(hw) * hw.decode_bw_eff)
-    comp_s = 2.0 * f.active_params() * batch / tp / (flops_rate(hw) * hw.prefill_mfu)
-    # Two all-reduces of the hidden states per layer under t > 1 (attention out, MLP out): latency-bound.
+    bw = mem_rate(hw) * hw.decode_bw_eff
+    w_s = (f.dense_params() + f.expert_params() * experts_read) * pb / tp / bw
     comm_s = 2 * f.layers * hw.collective_s if tp > 1 else 0.0
-    over = hw.decode_iter_s + comm_s
-    parts = {"HBM bandwidth" if hw.kind == "gpu" else "memory bandwidth": mem_s, "compute": comp_s,
-             "per-iteration overhead": over}
-    return max(mem_s, comp_s) + over, max(parts, key=lambda k: parts[k])
+    kv_s = ctx * f.kv_bytes_per_token(pb, tp, 1) / bw
+    comp_s = 2.0 * f.active_params() / tp / (flops_rate(hw) * hw.prefill_mfu)
+    mem = "HBM bandwidth" if hw.kind == "gpu" else "memory bandwidth"
+    floor = {f"{mem} (weights)": w_s, "per-iteration overhead": hw.decode_iter_s + comm_s}
+    row = {f"{mem} (KV cache)": kv_s, "compute": comp_s}
+    return floor, row
+
+
+def _decode(floor: dict[str, float], row: dict[str, float], n_iters: float, tokens: float) -> tuple[float, str]:
+    """Seconds of ``n_iters`` iterations producing ``tokens`` tokens, and the part that costs the most."""
+    row_key = max(row, key=lambda k: row[k])
+    parts = {**{k: n_iters * v for k, v in floor.items()}, row_key: tokens * row[row_key]}
+    return sum(parts.values()), max(parts, key=lambda k: parts[k])
 
 
 def generation_time(f: ModelFacts, hw: HardwareProfile, w: Workload, backend: str, dp: int, tp: int,
@@ -124,8 +133,11 @@ def generation_time(f: ModelFacts, hw: HardwareProfile, w: Workload, backend: st
 
     Concurrency per instance: the episodes the staleness bound admits (``(k+1)·B`` prompts, capped by
     ``rollout.max_concurrent_rollouts``) times the group size, split over the dp instances, capped by the
-    KV cache. A synchronous step decodes its samples in waves of that many, each running to the longest
-    completion; an async run keeps the batch full, so its time per step is throughput-bound."""
+    KV cache. Every generated token costs its row's share (``row_s``) once, whenever it runs; the
+    per-iteration floor is paid once per iteration. A synchronous step decodes its samples in waves, each
+    running to its longest completion (``decode_iters``: the cap), so the floor is paid ``decode_iters`` times
+    per wave even as the batch thins out (the long tail); an async run keeps the batch full, paying the floor
+    once per ``conc`` tokens."""
     pb = 2 if device == "cuda" else 4
     share = w.samples / dp
     admitted = min(max_concurrent, (w.staleness + 1) * w.prompts) * w.group
@@ -134,15 +146,12 @@ def generation_time(f: ModelFacts, hw: HardwareProfile, w: Workload, backend: st
         conc = max(1, min(conc, kv_concurrency))
     running = min(conc, math.ceil(share))
     ctx = w.prompt_tokens + _CTX_FRACTION * w.new_tokens
-    iter_s, bound = decode_iter(f, hw, tp, pp, running, ctx, pb)
-    if w.staleness == 0:
-        waves = math.ceil(share / running)
-        decode_s = waves * w.decode_iters * iter_s
-    else:
-        # Steady state: ``conc`` rows always running, each finishing after new_tokens iterations on average.
-        it_full, bound = decode_iter(f, hw, tp, pp, conc, ctx, pb)
-        decode_s = share / conc * w.new_tokens * it_full
-        iter_s = it_full
+    tokens = share * w.new_tokens
+    batch = running if w.staleness == 0 else conc
+    floor, row = decode_costs(f, hw, tp, batch, ctx, pb)
+    n_iters = math.ceil(share / running) * w.decode_iters if w.staleness == 0 else tokens / conc
+    decode_s, bound = _decode(floor, row, n_iters, tokens)
+    iter_s = sum(floor.values()) + batch * max(row.values())
     # A group's samples share their prompt: SGLang's radix cache and the hf server prefill it once.
     prefill_tokens = share / w.group * w.prompt_tokens
     prefill_s = 2.0 * f.active_params() * prefill_tokens / tp / (flops_rate(hw) * hw.prefill_mfu)
@@ -223,7 +232,11 @@ def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threa
     flops = (6 * fb + 2 * fwd) * (n_act + attn) * tokens
     rate = flops_rate(hw, threads) * hw.train_mfu
     compute = flops / (world * rate)
-    n_mb = max(1, mb.n_micro_batches)  # per minibatch per data-parallel rank
+    # Per minibatch per data-parallel rank. Packing fills each micro-batch's token budget with the real
+    # sequences, so with the mean lengths the count is the rank's tokens over the budget; validation's
+    # count assumes every sequence at its cap, the most it can be.
+    packed = math.ceil(tokens / (par.dp * cfg.algo.ppo_n_minibatches) / max(1, mb.tokens_per_mb))
+    n_mb = max(1, min(mb.n_micro_batches, packed))
     bubble = compute * (par.pp - 1) / n_mb if par.pp > 1 else 0.0
     pb = dtype_bytes(cfg.engine.dtype)
     link = (hw.inter_node_gbs if inter_node else hw.intra_node_gbs) * 1e9 * hw.comm_eff
