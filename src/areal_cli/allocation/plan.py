@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from areal_cli.allocation.autosize import AutoChoice
 from areal_cli.allocation.estimate import InferenceMemory, TrainMemory
 from areal_cli.api.io_struct import ParallelStrategy
 
@@ -38,6 +39,7 @@ class MicroBatch:
     max_seq_len: int  # prompt + generated tokens
     tokens_per_mb: int  # token budget of one micro-batch (engine.max_tokens_per_mb, capped)
     n_micro_batches: int  # per optimiser step (per minibatch)
+    auto: bool = False  # tokens_per_mb was chosen by engine.max_tokens_per_mb=auto (allocation/autosize.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,6 +82,7 @@ class Plan:
     device: str
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what was decided for the user, e.g. the chosen recipe
+    auto: list[AutoChoice] = field(default_factory=list)  # the values `auto` resolved to
 
     @property
     def inference(self) -> InferencePart | None:
@@ -117,4 +120,5 @@ class Plan:
             "train": [p.to_dict() for p in self.trains],
             "warnings": list(self.warnings),
             "notes": list(self.notes),
+            "auto": {a.path: a.to_dict() for a in self.auto},
         }

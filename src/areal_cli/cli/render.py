@@ -61,7 +61,7 @@ def render_plan(plan: Plan, title: str = "plan", console=None) -> None:
             if mb is None or m is None:
                 continue
             total = _gb(m.total_gb)
-            tr.add_row(t.name, str(mb.sequences), f"{mb.n_micro_batches} × ≤{mb.tokens_per_mb} tok",
+            tr.add_row(t.name, str(mb.sequences), f"{mb.n_micro_batches} × ≤{mb.tokens_per_mb} tok" + (" (auto)" if mb.auto else ""),
                        _gb(m.weights_gb), _gb(m.grads_gb), _gb(m.optim_gb), _gb(m.activations_gb),
                        f"[red]{total}[/]" if m.total_gb > m.device_gb else total, _gb(m.device_gb))
         con.print(tr)

@@ -61,7 +61,10 @@ class EngineConfig:
     # state under bfloat16 on every engine; the LM head's logits stay fp32 (engines/precision.py)
     dtype: str = "float32"
     gradient_checkpointing: bool = False
-    max_tokens_per_mb: int = ranged(4096, ge=1)  # token budget per micro-batch (FFD packing)
+    # Token budget per micro-batch (FFD packing), or auto: validation picks the largest budget whose estimated
+    # per-device memory fits with a margin, capped at a minibatch per rank (allocation/autosize.py), and writes
+    # the number into the run's config, so engines only ever read an int.
+    max_tokens_per_mb: int | str = ranged("auto", ge=1, also=("auto",))
     pad_to_multiple_of: int = ranged(1, ge=1)
     padding_free: bool = True  # pack sequences without padding where the attention path allows
     # Samples that share a prompt (a GRPO group) run it once per micro-batch: exact, fewer tokens.

@@ -125,6 +125,15 @@ def _convert(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
         if isinstance(value, str):
             return value
         raise Unsupported(path)
+    if set(typing.get_args(base)) == {int, str}:
+        # A number or a word (``auto``): OmegaConf's Union node keeps either as given; which words are allowed
+        # is the range check's (config/ranges.py), as it is after a Hydra compose.
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            raise ConfigError(path, f"expected {describe_type(base)}, got {value!r}",
+                              f"set {path} to {describe_type(base)}")
+        raise Unsupported(path)
     if origin is list and not from_cli:
         (elem,) = typing.get_args(base) or (Any,)
         if isinstance(value, list) and elem is str and all(isinstance(x, str) for x in value):

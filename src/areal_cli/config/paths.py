@@ -49,6 +49,8 @@ def describe_type(tp: Any) -> str:
         return "a list"
     if origin is dict:
         return "a mapping"
+    if set(typing.get_args(tp)) == {int, str}:  # a number or a word such as auto (config/ranges.py)
+        return "an integer or auto"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp)))
 

@@ -4,6 +4,7 @@ A numeric field is declared with :func:`ranged` instead of a bare default::
 
     lr: float = ranged(1e-5, gt=0)
     top_k: int = ranged(-1, ge=1, also=(-1,))   # -1 = off
+    max_tokens_per_mb: int | str = ranged("auto", ge=1, also=("auto",))   # a number, or the word auto
 
 and :func:`check_ranges` walks a config (any group's dataclass, nested groups included) and raises
 a :class:`ConfigError` naming the dotted path, the value and the range for the first value outside
@@ -37,12 +38,14 @@ class Range:
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
-    also: tuple[float, ...] = ()
+    also: tuple[float | str, ...] = ()  # a word here (``auto``) is what an ``int | str`` field may say instead
     why: str = ""  # what the range means, for the hint
 
-    def contains(self, v: float) -> bool:
+    def contains(self, v: float | str) -> bool:
         if v in self.also:
             return True
+        if isinstance(v, str):
+            return False
         if not math.isfinite(v):
             return False
         if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
@@ -58,7 +61,7 @@ class Range:
         right = ")" if self.hi_open or self.hi is None else "]"
         text = f"{left}{lo}, {hi}{right}"
         if self.also:
-            text = " or ".join([*(_num(a) for a in self.also), text])
+            text = " or ".join([*(a if isinstance(a, str) else _num(a) for a in self.also), text])
         return text
 
 
@@ -67,7 +70,7 @@ def _num(x: float) -> str:
 
 
 def ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-           lt: float | None = None, also: tuple[float, ...] = (), why: str = "") -> Any:
+           lt: float | None = None, also: tuple[float | str, ...] = (), why: str = "") -> Any:
     """A dataclass field with ``default`` whose value must lie in the given range (or ``also``)."""
     if ge is not None and gt is not None or le is not None and lt is not None:
         raise ValueError("give one lower bound (ge or gt) and one upper bound (le or lt)")
@@ -83,10 +86,13 @@ def field_range(f: dataclasses.Field) -> Range | None:
 
 
 def is_numeric_type(tp: Any) -> bool:
-    """int / float / their Optional forms (bool is not a number here)."""
+    """int / float / their Optional forms, and ``int | str`` (a number or a word its range allows, such as
+    ``auto``); bool is not a number here."""
     if tp in (int, float):
         return True
     args = typing.get_args(tp)
+    if set(args) == {int, str}:
+        return True
     return bool(args) and type(None) in args and all(a in (int, float, type(None)) for a in args)
 
 
@@ -121,8 +127,11 @@ def check_ranges(cfg: Any, prefix: str = "") -> None:
             obj = getattr(obj, part)
         if obj is None and _optional(f, cfg, path[len(p):]):
             continue
+        if isinstance(obj, str) and obj in r.also:
+            continue
         if isinstance(obj, bool) or not isinstance(obj, (int, float)):
-            raise ConfigError(path, f"must be a number in {r}, got {obj!r}", _hint(path, f, r))
+            words = any(isinstance(a, str) for a in r.also)
+            raise ConfigError(path, f"must be {'' if words else 'a number in '}{r}, got {obj!r}", _hint(path, f, r))
         if not r.contains(obj):
             err = ConfigError(path, f"{obj!r} is out of range: must be in {r}", _hint(path, f, r))
             err.out_of_range = (obj, r)  # compose.explain_range adds where the value came from

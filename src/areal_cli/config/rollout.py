@@ -24,7 +24,9 @@ class GenerationSettings:
 class RolloutConfig:
     # staleness bound in policy versions; 0 = synchronous
     max_head_offpolicyness: int = ranged(2, ge=0, why="0 is synchronous RL")
-    max_concurrent_rollouts: int = ranged(64, ge=1)
+    # Episodes generating at once, or auto: what the servers' KV cache holds with a margin, capped by the
+    # staleness bound (and at 64 for the built-in hf server); allocation/autosize.py.
+    max_concurrent_rollouts: int | str = ranged(64, ge=1, also=("auto",))
     group_size: int = ranged(8, ge=1)  # samples per prompt
     queue_size: int | None = ranged(None, ge=1, why="null sizes it at 4 x the batch")  # bounded result queue
     request_timeout_s: float = ranged(300.0, gt=0.0)

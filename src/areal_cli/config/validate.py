@@ -10,6 +10,7 @@ import functools
 import math
 from collections.abc import Callable
 
+from areal_cli.allocation import autosize
 from areal_cli.allocation.estimate import (
     ModelFacts,
     device_memory_gb,
@@ -97,7 +98,7 @@ def _check_scalars(cfg: ExperimentConfig) -> None:
         raise ConfigError("rollout.gconfig.max_new_tokens",
                           f"prompt + generation = {seq} tokens exceeds model.max_position_embeddings="
                           f"{m.max_position_embeddings}", "lower dataset.max_prompt_len or max_new_tokens")
-    if cfg.engine.max_tokens_per_mb < seq:
+    if cfg.engine.max_tokens_per_mb != autosize.AUTO and cfg.engine.max_tokens_per_mb < seq:
         raise ConfigError("engine.max_tokens_per_mb",
                           f"{cfg.engine.max_tokens_per_mb} is smaller than one sequence ({seq} tokens = "
                           "dataset.max_prompt_len + rollout.gconfig.max_new_tokens)",
@@ -231,7 +232,7 @@ def _resolved_spec(cfg: ExperimentConfig) -> AllocationSpec:
     return spec
 
 
-def _micro_batch(cfg: ExperimentConfig, dp: int, c: Component) -> MicroBatch:
+def _micro_batch(cfg: ExperimentConfig, dp: int, c: Component, auto: bool = False) -> MicroBatch:
     samples = cfg.algo.batch_size * (1 if cfg.algo.name == "sft" else cfg.rollout.group_size)
     if cfg.algo.batch_size % dp:
         good = dp * max(1, round(cfg.algo.batch_size / dp))
@@ -251,7 +252,97 @@ def _micro_batch(cfg: ExperimentConfig, dp: int, c: Component) -> MicroBatch:
     mb_tokens = min(cfg.engine.max_tokens_per_mb, tokens)
     seqs_per_mb = max(1, cfg.engine.max_tokens_per_mb // seq)
     n_mb = math.ceil(per_rank // cfg.algo.ppo_n_minibatches / seqs_per_mb)
-    return MicroBatch(per_rank, seq, mb_tokens, n_mb)
+    return MicroBatch(per_rank, seq, mb_tokens, n_mb, auto=auto)
+
+
+def _train_memory_at(cfg: ExperimentConfig, facts: ModelFacts, c: Component, dev_gb: float,
+                     seq: int) -> tuple[Callable[[int], float], int]:
+    """``(k -> estimated GB per device with micro-batches of k sequences, sequences per minibatch per rank)``
+    for train component ``c``; an indivisible batch is left to :func:`_micro_batch` to report."""
+    par = c.parallel()
+    ffn_tp = c.ffn.t if c.ffn is not None else par.tp
+    sharding = get_engine_spec(c.backend or cfg.engine.name).sharding(cfg.engine)
+    samples = cfg.algo.batch_size * (1 if cfg.algo.name == "sft" else cfg.rollout.group_size)
+    per_mini = max(1, samples // par.dp // cfg.algo.ppo_n_minibatches)
+
+    def total_gb(k: int) -> float:
+        return train_memory(facts, sharding, par, ffn_tp, cfg.engine.dtype, k * seq, math.ceil(per_mini / k),
+                            cfg.engine.gradient_checkpointing, dev_gb).total_gb
+
+    return total_gb, per_mini
+
+
+def _resolve_auto(cfg: ExperimentConfig, spec: AllocationSpec, facts: ModelFacts, dev_gb: float,
+                  seq: int) -> tuple[list[autosize.AutoChoice], ConfigError | None]:
+    """Replace ``auto`` in engine.max_tokens_per_mb and rollout.max_concurrent_rollouts by numbers from the
+    memory model (allocation/autosize.py), in ``cfg`` itself: the run's config.yaml, and so every trainer
+    and engine, get the ints. A micro-batch of one sequence larger than the device comes back as the error to
+    raise once the other rules have spoken (the plan is built with one sequence meanwhile)."""
+    chosen: list[autosize.AutoChoice] = []
+    error = None
+    if cfg.engine.max_tokens_per_mb == autosize.AUTO:
+        choice, error = _auto_micro_batch(cfg, spec, facts, dev_gb, seq)
+        cfg.engine.max_tokens_per_mb = choice.value
+        chosen.append(choice)
+    if cfg.rollout.max_concurrent_rollouts == autosize.AUTO:
+        choice = _auto_concurrency(cfg, spec, facts, dev_gb, seq)
+        cfg.rollout.max_concurrent_rollouts = choice.value
+        chosen.append(choice)
+    return chosen, error
+
+
+def _auto_micro_batch(cfg: ExperimentConfig, spec: AllocationSpec, facts: ModelFacts, dev_gb: float,
+                      seq: int) -> tuple[autosize.AutoChoice, ConfigError | None]:
+    """The budget every train component fits (the engine config is shared, so the smallest)."""
+    budget = autosize.MEMORY_MARGIN * dev_gb
+    best: tuple[int, str, str] | None = None
+    error = None
+    for c in spec.train:
+        total_gb, per_mini = _train_memory_at(cfg, facts, c, dev_gb, seq)
+        cap = autosize.micro_batch_cap(per_mini, c.dims.p)
+        k = autosize.largest_fitting_seqs(total_gb, cap, budget)
+        name = c.label if c.name else c.backend or cfg.engine.name
+        if k == 0 and total_gb(1) > dev_gb and error is None:
+            fix = "raise t, p or d of that component" + (
+                "" if cfg.engine.gradient_checkpointing else ", set engine.gradient_checkpointing=true") + \
+                ", shorten dataset.max_prompt_len or rollout.gconfig.max_new_tokens" + (
+                ", or use larger GPUs (cluster.gpu_memory_gb)" if cfg.cluster.device == "cuda" else "")
+            error = ConfigError("engine.max_tokens_per_mb",
+                                f"auto: one sequence of {seq} tokens needs an estimated {total_gb(1):.1f} GB "
+                                f"per device on train component '{name}', more than the device's "
+                                f"{dev_gb:.1f} GB", fix)
+        # Within the device but over the margin: one sequence, with a warning (validate) rather than an error.
+        bound = "over margin" if k == 0 else "minibatch" if k == cap else "memory"
+        k = max(1, k)
+        if best is None or k < best[0] or bound == "over margin":
+            detail = (f"{k} × {seq}-token sequences: est. {total_gb(k):.1f} GB per device on '{name}' of "
+                      f"{autosize.MEMORY_MARGIN:.0%} × {dev_gb:.1f} GB = {budget:.1f} GB")
+            if bound == "minibatch":
+                detail += (f"; capped at a minibatch per rank ({per_mini} sequences"
+                           + (f" / p={c.dims.p}" if c.dims.p > 1 else "") + ")")
+            best = (k, bound, detail)
+    k, bound, detail = best or (1, "memory", "")
+    return autosize.AutoChoice("engine.max_tokens_per_mb", k * seq, bound, detail), error
+
+
+def _auto_concurrency(cfg: ExperimentConfig, spec: AllocationSpec, facts: ModelFacts, dev_gb: float,
+                      seq: int) -> autosize.AutoChoice:
+    kv, backends = [], set()
+    for c in spec.inference:
+        d, backend = c.dims, c.backend or "hf"
+        backends.add(backend)
+        mem = inference_memory(facts, backend, d.t, d.p, d.e, cfg.cluster.device, dev_gb, 0, seq)
+        kv.append((mem.kv_tokens, d.d))
+    # An episode decodes its whole group at once (rollout/workflows/rlvr.py); the servers' prefix cache
+    # holds the shared prompt once.
+    episode = cfg.dataset.max_prompt_len + cfg.rollout.group_size * cfg.rollout.gconfig.max_new_tokens
+    cap = (cfg.rollout.max_head_offpolicyness + 1) * cfg.algo.batch_size
+    hf_only = backends <= {"hf"}
+    value, bound = autosize.concurrency(kv, episode, cap, hf_only=hf_only)
+    detail = (f"KV for {autosize.MEMORY_MARGIN:.0%} of " + ", ".join(f"{n} × {t:,} tokens" for t, n in kv)
+              + f" at {episode:,} tokens an episode (a prompt, {cfg.rollout.group_size} completions); staleness bound "
+              f"{cap} episodes" + (f", hf cap {autosize.HF_CONCURRENCY}" if hf_only else ""))
+    return autosize.AutoChoice("rollout.max_concurrent_rollouts", value, bound, detail)
 
 
 def validate(cfg: ExperimentConfig) -> Plan:
@@ -275,6 +366,12 @@ def validate(cfg: ExperimentConfig) -> Plan:
     seq = cfg.dataset.max_prompt_len + cfg.rollout.gconfig.max_new_tokens
     plan = Plan(spec="", inferences=[], trains=[], colocated=spec.colocated, n_nodes=n_nodes,
                 n_devices_per_node=per_node, device=cfg.cluster.device)
+    plan.auto, auto_error = _resolve_auto(cfg, spec, facts, dev_gb, seq)
+    mb_auto = any(a.path == "engine.max_tokens_per_mb" for a in plan.auto)
+    plan.notes.extend(f"{a.path}=auto chose {a.value} (bound by {a.bound}: {a.detail})" for a in plan.auto)
+    plan.warnings.extend(f"{a.path}=auto: even one sequence leaves less than {1 - autosize.MEMORY_MARGIN:.0%} of "
+                         "the device free — raise d/t/p or enable engine.gradient_checkpointing"
+                         for a in plan.auto if a.bound == "over margin")
     for c, pl in zip(spec.components, placements):
         d = c.dims
         if c.kind == "inference":
@@ -289,7 +386,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
         par = c.parallel()
         ffn = (ParallelStrategy(dp=c.ffn.d, tp=c.ffn.t, pp=c.ffn.p, cp=1, ep=c.ffn.e)
                if c.ffn is not None else None)
-        mb = _micro_batch(cfg, par.dp, c)
+        mb = _micro_batch(cfg, par.dp, c, auto=mb_auto)
         mem = train_memory(facts, get_engine_spec(backend).sharding(cfg.engine), par,
                            ffn.tp if ffn else par.tp, cfg.engine.dtype, mb.tokens_per_mb, mb.n_micro_batches,
                            cfg.engine.gradient_checkpointing, dev_gb)
@@ -311,6 +408,8 @@ def validate(cfg: ExperimentConfig) -> Plan:
     validate_group_size(cfg.algo, cfg.rollout.group_size)
     for rule in EXTRA_RULES:
         rule(cfg, plan)
+    if auto_error is not None:
+        raise auto_error
     check_packages(cfg, plan)  # last: a config mistake is named before a missing package (config/packages.py)
     return plan
 

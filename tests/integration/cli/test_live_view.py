@@ -5,7 +5,8 @@
   RL columns;
 - ``algo=sft``: the table reads "SFT" with step/total, its evaluations are labelled ``sft`` (not ``rl``) in
   the records and the plain progress lines, and its summary claims no RL gain;
-- the summary table: accuracies as percents, gains in points, never a raw fraction.
+- the summary table: accuracies as percents, gains in points, never a raw fraction;
+- (riding on the same run) ``engine.max_tokens_per_mb=auto`` reaches the trainer as the int validation chose.
 
 The records are replayed into a growing file one at a time, as the trainer writes them.
 """
@@ -40,9 +41,12 @@ def _train(root: Path, model_dir: str, **extra: object) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def warm_start_run(tmp_path_factory, tiny_model_dir):
     """2 RL steps after a 4-step SFT warm start."""
-    return _train(tmp_path_factory.mktemp("warm"), tiny_model_dir, **{
-        "trainer.sft_warmup_steps": SFT_STEPS, "trainer.total_steps": 2, "trainer.eval_every": 2,
-        "trainer.sft_batch_size": 4})
+    return _train(tmp_path_factory.mktemp("warm"), tiny_model_dir, **WARM)
+
+
+# engine.max_tokens_per_mb=auto is the default; named here because test_auto_budget_reaches_the_trainer reads it.
+WARM = {"trainer.sft_warmup_steps": SFT_STEPS, "trainer.total_steps": 2, "trainer.eval_every": 2,
+        "trainer.sft_batch_size": 4, "engine.max_tokens_per_mb": "auto"}
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +137,20 @@ def test_summary_units(warm_start_run):
     assert re.search(r"RL [+-]\d+\.\d pts\)", out), out[-2000:]
     assert format_summary_value("accuracy_after", 0.905) == "90.5%"
     assert format_summary_value("rl_gain", 0.123) == "+12.3 pts"
+
+
+def test_auto_budget_reaches_the_trainer(warm_start_run, tiny_model_dir):
+    """The run's config.yaml holds the int that validation chose for ``auto``, and the trainer split each step
+    into the micro-batches the plan predicted with it."""
+    import yaml
+
+    from areal_cli.cli.common import compose_and_validate
+
+    run_dir, _ = warm_start_run
+    cfg, plan = compose_and_validate(_overrides(run_dir.parents[2], tiny_model_dir, **WARM))
+    chosen = next(a for a in plan.auto if a.path == "engine.max_tokens_per_mb")
+    assert isinstance(chosen.value, int) and plan.train.micro_batch.auto
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["max_tokens_per_mb"]
+    assert written == chosen.value == cfg.engine.max_tokens_per_mb
+    steps = [r for r in _records(run_dir) if r["kind"] == "train"]
+    assert steps and all(r["train/n_micro_batches"] == plan.train.micro_batch.n_micro_batches for r in steps)

@@ -167,8 +167,10 @@ def test_kv_replication_allowed_for_inference_only():
 
 
 def test_memory_estimates_and_warnings():
+    # An explicit budget that does not fit is a warning; engine.max_tokens_per_mb=auto (the default) refuses
+    # the same plan (tests/unit/allocation/test_autosize.py).
     p = plan_of("model=qwen2_5_32b", "cluster=gpu_1x8", "allocation_mode=sglang:d1t4+fsdp:d4",
-                "algo.batch_size=8", "engine.dtype=bfloat16")
+                "algo.batch_size=8", "engine.dtype=bfloat16", "engine.max_tokens_per_mb=4096")
     t = p.train.memory
     # 32.8B params, bf16, FSDP over 4: weights ≈ 15 GB/device, Adam+master 12 B/param / 4 ≈ 92 GB.
     assert 14 < t.weights_gb < 20 and t.optim_gb > 80

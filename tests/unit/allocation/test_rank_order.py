@@ -29,9 +29,10 @@ def plan_json(capsys, *overrides: str) -> dict:
     ("megatron", "hf:d1+megatron:d2p2e2", ("model=qwen3_30b_a3b",), "tp-cp-ep-dp-pp"),
 ])
 def test_validate_config_prints_the_engines_rank_order(capsys, engine, spec, extra, order):
-    # launcher=slurm: a plan for a cluster's nodes, so it validates where megatron-core or deepspeed is absent
+    # launcher=slurm: a plan for a cluster's nodes, so it validates where megatron-core or deepspeed is absent;
+    # an explicit micro-batch budget: a 30B model on this CPU cluster is a layout check, which auto would refuse
     d = plan_json(capsys, f"engine={engine}", f"allocation_mode={spec}", "cluster.n_gpus_per_node=16",
-                  "algo.batch_size=16", "launcher=slurm", *extra)
+                  "algo.batch_size=16", "launcher=slurm", "engine.max_tokens_per_mb=4096", *extra)
     (train,) = d["train"]
     assert train["backend"] == engine and train["rank_order"] == order
     assert train["split_groups"] == []

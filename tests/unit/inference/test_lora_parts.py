@@ -39,7 +39,8 @@ def test_validation_errors(overrides, path, words):
 
 
 def test_memory_estimate_counts_optimizer_for_adapter_only():
-    fp32 = ["model=qwen2_5_7b", "engine.dtype=float32"]  # bf16 (a real model's default) adds fp32 masters
+    # bf16 (a real model's default) adds fp32 masters; an explicit budget, as auto refuses 7B on this CPU cluster
+    fp32 = ["model=qwen2_5_7b", "engine.dtype=float32", "engine.max_tokens_per_mb=4096"]
     full = validate(load_config(fp32)).trains[0].memory
     lora = validate(load_config([*fp32, "model.lora.rank=16"])).trains[0].memory
     attn = validate(load_config([*fp32, "model.lora.rank=16",
