@@ -16,12 +16,10 @@ The planner predicts from ``rollout.gconfig.max_new_tokens`` (every response as 
 responses are not: where a source publishes the mean length, ``main()`` also predicts with
 ``max_new_tokens`` set to that mean (all responses at the mean: no long tail, so this one errs fast).
 
-Hardware: H800 (AReaL) and H20 (verl) have no built-in profile. ``EXTRA_PROFILES`` derives them from
-the H100 profile with the spec differences: H800 is H100 compute and HBM with NVLink cut to 400 GB/s
-(200 each way); H20 is a Hopper part with 148 TFLOPS dense BF16, 96 GB HBM3 at 4.0 TB/s and full
-900 GB/s NVLink. NVIDIA publishes no datasheet for either; the figures are the ones its partners and
-the trade press quote. ``main()`` saves them as JSON profiles and passes the path as
-``cluster.hardware``, which ``get_profile`` accepts.
+Hardware: H800 (AReaL) and H20 (verl) are built-in profiles (``planner/hardware.py``) from the figures
+NVIDIA's partners and the trade press quote (no NVIDIA datasheet exists for either): H800 is H100 compute
+and HBM with NVLink cut to 400 GB/s; H20 a Hopper part with 148 TFLOPS dense BF16, 96 GB HBM3 at 4.0 TB/s
+and full 900 GB/s NVLink.
 """
 
 from __future__ import annotations
@@ -233,16 +231,6 @@ SETUPS: list[dict] = [
     },
 ]
 
-# Spec differences from the built-in H100 profile (see the module docstring for where they come from).
-EXTRA_PROFILES = {
-    "h800": {"intra_node_gbs": 200.0, "source": "H100 SXM5 with NVLink 400 GB/s (trade-press spec; no NVIDIA "
-                                                "datasheet)"},
-    "h20": {"matmul_tflops": 148.0, "mem_gb": 96.0, "mem_bw_gbs": 4000.0,
-            "source": "H20: 148 TFLOPS dense BF16, 96 GB HBM3 4.0 TB/s, NVLink 900 GB/s (partner/trade-press "
-                      "spec; no NVIDIA datasheet)"},
-}
-
-
 def hardware_of(setup: dict) -> str:
     for o in setup["overrides"]:
         if o.startswith("cluster.hardware="):
@@ -274,19 +262,11 @@ def overrides_for_branch(setup: dict, profile_path: str | None = None) -> list[s
     return out
 
 
-def profile_for(name: str, save_dir: str):
-    """``(profile, path or None)``: a built-in or saved profile, else one of EXTRA_PROFILES saved as JSON."""
-    from dataclasses import replace
+def profile_for(name: str, save_dir: str | None = None):
+    """``(profile, None)``: the built-in (or saved) profile; kept as a pair for callers that passed a path."""
+    from areal_cli.planner.hardware import get_profile
 
-    from areal_cli.planner.hardware import PROFILES, get_profile
-
-    if name not in EXTRA_PROFILES:
-        return get_profile(name), None
-    prof = replace(PROFILES["h100"], name=name, **EXTRA_PROFILES[name])
-    path = os.path.join(save_dir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(prof.to_dict(), f, indent=1)
-    return prof, path
+    return get_profile(name), None
 
 
 def predict(overrides: list[str], profile, mean_seq_tokens: float | None = None) -> dict:

@@ -101,6 +101,13 @@ PROFILES: dict[str, HardwareProfile] = {
     # L40S: 362 TFLOPS dense BF16 (733 is with sparsity), 48 GB GDDR6 at 864 GB/s, no NVLink: PCIe Gen4 x16
     # (32 GB/s each way), typically 100 Gb/s Ethernet per GPU.
     "l40s": HardwareProfile("l40s", "gpu", 362.0, 48.0, 864.0, 32.0, 12.5, source=f"{_NVIDIA}: L40S"),
+    # The export variants, common in the clusters AReaL and verl publish from. NVIDIA publishes no datasheet
+    # for either; these are the figures partners and the trade press quote. H800 SXM: H100 SXM5 with NVLink
+    # cut to 400 GB/s (200 each way). H20: 148 TFLOPS dense BF16, 96 GB HBM3 at 4.0 TB/s, NVLink 900 GB/s.
+    "h800": HardwareProfile("h800", "gpu", 989.0, 80.0, 3350.0, 200.0, 50.0,
+                            source="H800 SXM (partner/trade-press spec; no NVIDIA datasheet)"),
+    "h20": HardwareProfile("h20", "gpu", 148.0, 96.0, 4000.0, 450.0, 50.0,
+                           source="H20 (partner/trade-press spec; no NVIDIA datasheet)"),
     # This class of CI box (2 cores, 24 GiB) before calibration: rough; `areal plan --calibrate` measures it.
     # gloo's all-reduce between two processes on such a host measured 0.2-0.9 GB/s (calibrate.py, Nov 2026).
     "cpu": HardwareProfile("cpu", "cpu", 0.1, 24.0, 8.0, 0.5, 0.5, train_mfu=0.5, prefill_mfu=0.5,

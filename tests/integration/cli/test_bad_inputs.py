@@ -52,8 +52,8 @@ TABLE = [
       "launcher=slurm, launcher=ray or launcher=skypilot; to check a shared path on given hosts run "
       "`areal check-storage PATH --hosts h1,h2`"]),
     (["validate-config", "cluster.hardware=h900"], 1,
-     ["error: cluster.hardware: unknown hardware profile 'h900' — fix: did you mean 'h200'? use one of a100, b200, "
-      "cpu, h100, h200, l40s, a profile .json, or measure this machine with `areal plan --calibrate`"]),
+     ["error: cluster.hardware: unknown hardware profile 'h900' — fix: did you mean 'h800'? use one of a100, b200, "
+      "cpu, h100, h20, h200, h800, l40s, a profile .json, or measure this machine with `areal plan --calibrate`"]),
     (["validate-config", "cluster=gpu_2x8", "cluster.hardware=cpu"], 1,
      ["error: cluster.hardware: profile cpu is a CPU profile but cluster.device=cuda — fix: set cluster.hardware "
       "to a GPU profile, or cluster.device=cpu"]),

@@ -53,10 +53,10 @@ def test_get_profile_by_name_is_case_insensitive():
 
 def test_unknown_name_is_one_line_naming_the_key_and_the_known_names():
     with pytest.raises(ConfigError) as ei:
-        get_profile("h900", key="cluster.hardware")
+        get_profile("l40", key="cluster.hardware")
     e = ei.value
-    assert e.path == "cluster.hardware" and "'h900'" in e.reason
-    assert "did you mean 'h200'?" in e.hint
+    assert e.path == "cluster.hardware" and "'l40'" in e.reason
+    assert "did you mean 'l40s'?" in e.hint
     assert all(n in e.hint for n in PROFILES) and "--calibrate" in e.hint
     assert "\n" not in str(e)
 

@@ -92,7 +92,7 @@ def test_reference_and_critic_live_in_the_trainer_process():
 
 def test_a_trainer_that_cannot_fit_says_so_and_what_binds():
     rp = planned("model=qwen2_5_7b", "cluster=gpu_1x8", "engine=fsdp", "allocation_mode=sglang:d4+fsdp:d1",
-                 "algo.batch_size=4")
+                 "algo.batch_size=4", "engine.max_tokens_per_mb=4096")  # auto refuses a plan that cannot fit
     t = comp(rp, "train").memory
     assert not t.fits and not rp.fits and "over the device's" in t.binds
     assert any("over the device's" in w for w in rp.warnings)
