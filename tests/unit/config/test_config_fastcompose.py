@@ -163,3 +163,13 @@ def test_a_cli_type_error_is_a_config_error_not_a_fallback():
     with pytest.raises(ConfigError) as ei:
         fast_compose(["seed=abc"], CONF_DIR)
     assert ei.value.path == "seed"
+
+
+@pytest.mark.parametrize("experiment", group_options()["experiment"])
+def test_rollout_sync_is_honoured_under_every_experiment(experiment):
+    """A group chosen on the command line is not undone by the experiment: `rollout=sync` means k=0 (an
+    experiment that set the staleness itself once turned it back into async RL without a word)."""
+    for compose in (load_config, via_hydra):
+        cfg = compose([f"experiment={experiment}", "rollout=sync"])
+        assert cfg.rollout.max_head_offpolicyness == 0, (experiment, compose.__name__)
+        assert compose([f"experiment={experiment}"]).rollout.max_head_offpolicyness == 2
