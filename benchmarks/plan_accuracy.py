@@ -51,6 +51,9 @@ CONFIGS: dict[str, list[str]] = {
     "train t2": ["cluster.n_gpus_per_node=3", "engine=archon", "allocation_mode=hf:d1+t2"],
 }
 
+# Configs whose steps take many seconds: fewer steps keep each run near a minute; the median needs few.
+MAX_STEPS = {"11.9M 16 tok": 10, "11.9M 64 tok": 8}
+
 
 class PeakWatch:
     """Samples the ``VmHWM`` of every process under ``root`` until stopped; keeps each pid's last value
@@ -59,6 +62,7 @@ class PeakWatch:
     def __init__(self, root: int, interval: float = 0.2):
         self.root, self.interval = root, interval
         self.peaks: dict[int, tuple[str, int]] = {}
+        self.cpu: dict[int, float] = {}  # pid -> user + system CPU seconds at its last sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -96,10 +100,19 @@ class PeakWatch:
                     with open(f"/proc/{p.pid}/status") as f:
                         hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
                     role = self.peaks.get(p.pid, (None,))[0] or self.role(p.cmdline())
+                    t = p.cpu_times()
+                    self.cpu[p.pid] = t.user + t.system
                 except (OSError, StopIteration, psutil.Error):
                     continue
                 self.peaks[p.pid] = (role, max(hwm, self.peaks.get(p.pid, ("", 0))[1]))
             self._stop.wait(self.interval)
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds per role over the run (what each kind of process asked of the cores)."""
+        out: dict[str, float] = {}
+        for pid, (role, _) in self.peaks.items():
+            out[role] = out.get(role, 0.0) + self.cpu.get(pid, 0.0)
+        return out
 
     def peak_gb(self, role: str) -> float | None:
         got = [v for r, v in self.peaks.values() if r == role]
@@ -129,7 +142,7 @@ def measure(name: str, overrides: list[str], steps: int, skip: int, root: str) -
     return {"step_s": step_s, "gen_wait_s": med("perf/gen_wait_s"), "train_s": med("perf/train_s"),
             "sync_s": med("perf/weight_sync_s"), "samples_per_s": med("perf/samples_per_s"),
             "trainer_gb": watch.peak_gb("trainer"), "server_gb": watch.peak_gb("server"),
-            "n_steps": len(kept), "wall_s": time.perf_counter() - t0}
+            "n_steps": len(kept), "wall_s": time.perf_counter() - t0, "cpu_s": watch.cpu_s()}
 
 
 def predict(overrides: list[str], hardware: str) -> dict:
@@ -187,7 +200,9 @@ def main() -> int:
     ap.add_argument("--hardware", default="cpu-calibrated", help="profile name to predict with")
     ap.add_argument("--calibrate", action="store_true", help="measure this machine first, save as --hardware")
     ap.add_argument("--predict-only", action="store_true", help="print predictions, run nothing")
-    ap.add_argument("--out", help="write all figures as JSON here")
+    ap.add_argument("--out", help="write all figures as JSON here (after every config)")
+    ap.add_argument("--reuse", help="a previous --out file: its measurements are kept (only the predictions "
+                                    "are recomputed) and only configs it lacks are run")
     args = ap.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -199,23 +214,26 @@ def main() -> int:
 
         print("calibrated profile saved to", save_profile(calibrate(name=args.hardware)))
     rows = []
+    old = {r["config"]: r["measured"] for r in json.loads(Path(args.reuse).read_text())} if args.reuse else {}
     with tempfile.TemporaryDirectory(prefix="planacc_") as root:
         for name in names:
             overrides = [*COMMON, *CONFIGS[name]]
             pred = predict(overrides, args.hardware)
-            meas: dict = {}
-            if not args.predict_only:
-                runs = [measure(name, overrides + [f"seed={i}"], args.steps, args.skip, f"{root}/{i}")
+            meas: dict = dict(old.get(name) or {})
+            if not args.predict_only and not meas:
+                steps = min(args.steps, MAX_STEPS.get(name, args.steps))
+                skip = min(args.skip, steps // 3)
+                runs = [measure(name, overrides + [f"seed={i}"], steps, skip, f"{root}/{i}")
                         for i in range(args.repeats)]
                 meas = {k: statistics.median(r[k] for r in runs if r[k] is not None)
-                        for k in runs[0] if any(r[k] is not None for r in runs)}
+                        for k in runs[0] if k != "cpu_s" and any(r[k] is not None for r in runs)}
                 meas["runs"] = runs
             rows.append({"config": name, "overrides": overrides, "predicted": pred, "measured": meas})
             print(f"{name}: predicted {pred}; measured {({k: v for k, v in meas.items() if k != 'runs'})}",
                   flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(rows, indent=1))
     ok = report(rows) if not args.predict_only else True
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0 if ok else 1
 
 

@@ -97,6 +97,10 @@ def _profile(name: str, raw: dict) -> HardwareProfile:
     over = {"decode_iter_s": raw["decode_iter_s"], "request_s": raw["request_s"], "train_mb_s": raw["train_mb_s"],
             "optim_step_s": raw["optim_step_s"], "process_base_gb": raw["process_base_gb"], "mem_gb": raw["mem_gb"],
             "calibrated": raw}
+    if raw.get("server_rss_gb"):  # the tiny model's weights and KV are noise against the server's own base
+        over["server_base_gb"] = raw["server_rss_gb"]
+    if raw["device"] == "cpu":  # the built-in server's per-row cost (Python sampling and bookkeeping)
+        over["decode_row_s"] = raw.get("decode_token_s", 0.0)
     if raw["device"] == "cpu":
         bw = raw["allreduce_gbs"]
         return replace(PROFILES["cpu"], name=name, matmul_tflops=raw["gemm_tflops"], mem_bw_gbs=raw["copy_gbs"],

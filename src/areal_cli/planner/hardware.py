@@ -46,6 +46,11 @@ class HardwareProfile:
     train_mb_s: float = 0.01
     optim_step_s: float = 0.01
     process_base_gb: float = 1.0
+    # A server process before its weights and KV cache (its HTTP stack, tokenizer, kernels); 0: as a trainer's.
+    server_base_gb: float = 0.0
+    # Per running row per decode iteration, beyond its FLOPs and KV reads (sampling, bookkeeping): the slope
+    # of iteration time in the batch that --calibrate measures on the built-in server. 0 on GPUs (batched).
+    decode_row_s: float = 0.0
     # Latency of one small collective (a TP all-reduce of a decode step, one tensor of a weight broadcast):
     # NCCL within a node ~10-20 us; gloo over loopback on CPU ~0.1-0.3 ms.
     collective_s: float = 2e-5
@@ -66,6 +71,10 @@ class HardwareProfile:
     def from_dict(cls, d: dict) -> HardwareProfile:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+    @property
+    def server_base(self) -> float:
+        return self.server_base_gb or self.process_base_gb
 
     def with_memory(self, mem_gb: float) -> HardwareProfile:
         return replace(self, mem_gb=float(mem_gb))

@@ -118,7 +118,7 @@ class _Planner:
         seq = int(w.prompt_tokens + w.decode_iters)
         admitted = min(cfg.rollout.max_concurrent_rollouts, (w.staleness + 1) * w.prompts) * w.group
         want = max(1, -(-admitted // inf.dp))
-        mem = server_memory(cfg, inf, self.f, want, seq, self.hw.process_base_gb)
+        mem = server_memory(cfg, inf, self.f, want, seq, self.hw.server_base)
         gen = T.generation_time(self.f, self.hw, w, inf.backend, inf.dp, inf.tp, inf.pp,
                                 cfg.rollout.max_concurrent_rollouts, mem.concurrency or 1, cfg.cluster.device)
         return gen, mem
@@ -215,7 +215,7 @@ class _Planner:
             if rollout and smem is not None:
                 mem = smem
             else:
-                mem = server_memory(self.cfg, p, self.f, 1, int(self.w.seq_tokens), self.hw.process_base_gb)
+                mem = server_memory(self.cfg, p, self.f, 1, int(self.w.seq_tokens), self.hw.server_base)
             busy = steps.gen_s + steps.reward_s if rollout and gen is not None else 0.0
             util = min(1.0, busy / steps.step_s) if steps.step_s > 0 else 0.0
             out.append(ComponentPlan(p.name, "inference", p.backend, f"d{p.dp}t{p.tp}p{p.pp}", p.n_devices,

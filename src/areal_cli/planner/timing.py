@@ -116,7 +116,7 @@ def decode_costs(f: ModelFacts, hw: HardwareProfile, tp: int, batch: int, ctx: f
     comp_s = 2.0 * f.active_params() / tp / (flops_rate(hw) * hw.prefill_mfu)
     mem = "HBM bandwidth" if hw.kind == "gpu" else "memory bandwidth"
     floor = {f"{mem} (weights)": w_s, "per-iteration overhead": hw.decode_iter_s + comm_s}
-    row = {f"{mem} (KV cache)": kv_s, "compute": comp_s}
+    row = {f"{mem} (KV cache)": kv_s + hw.decode_row_s, "compute": comp_s + hw.decode_row_s}
     return floor, row
 
 
