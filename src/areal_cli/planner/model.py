@@ -161,7 +161,9 @@ class _Planner:
         best = None
         for threads in sorted({1, share}):
             train = self.trainer(threads)
-            slow = max(1.0, (servers + ranks * threads) / self.cores)
+            # The episodes' client side (the rollout worker: requests, tokenization, rewards) runs beside
+            # each generating server on the same cores.
+            slow = max(1.0, (servers * (1 + T.CLIENT_CPU_SHARE) + ranks * threads) / self.cores)
             wall = _shared(gen_s + reward_s, train.total_s, slow) + sync_s
             if best is None or wall < best[0]:
                 best = (wall, train)

@@ -28,6 +28,10 @@ REWARD_WORKERS = 8  # the reward pool's concurrency (rewards/runner)
 # Speed-up of a CPU matmul per extra intra-op thread, measured on the 11.9M model (docs/train.md,
 # "Threads of the train step": 2 threads 1.2x one): small models scale poorly across cores.
 CPU_THREAD_GAIN = 0.2
+# CPU hosts: the rollout client (the trainer's rollout worker process: HTTP, tokenization, rewards, episode
+# assembly) burns this fraction of a generating server's CPU time. benchmarks/plan_accuracy.py's per-process
+# CPU accounting measured 0.53-0.66 (worker / server CPU seconds) over group sizes 4 and 16 and a d2 trainer.
+CLIENT_CPU_SHARE = 0.6
 # Share of a data-parallel gradient reduction that overlaps the backward pass on GPUs (bucketed
 # all-reduce / reduce-scatter); gloo on CPU runs it after the backward, exposed.
 DP_OVERLAP = 0.7
@@ -116,7 +120,9 @@ def decode_costs(f: ModelFacts, hw: HardwareProfile, tp: int, batch: int, ctx: f
     comp_s = 2.0 * f.active_params() / tp / (flops_rate(hw) * hw.prefill_mfu)
     mem = "HBM bandwidth" if hw.kind == "gpu" else "memory bandwidth"
     floor = {f"{mem} (weights)": w_s, "per-iteration overhead": hw.decode_iter_s + comm_s}
-    row = {f"{mem} (KV cache)": kv_s + hw.decode_row_s, "compute": comp_s + hw.decode_row_s}
+    # A calibrated per-row cost is the measured slope of iteration time in the batch: it already holds the
+    # row's FLOPs and KV reads on the host it was measured on, so it bounds them rather than adding to them.
+    row = {f"{mem} (KV cache)": max(kv_s, hw.decode_row_s), "compute": max(comp_s, hw.decode_row_s)}
     return floor, row
 
 
@@ -155,10 +161,12 @@ def generation_time(f: ModelFacts, hw: HardwareProfile, w: Workload, backend: st
     # A group's samples share their prompt: SGLang's radix cache and the hf server prefill it once.
     prefill_tokens = share / w.group * w.prompt_tokens
     prefill_s = 2.0 * f.active_params() * prefill_tokens / tp / (flops_rate(hw) * hw.prefill_mfu)
-    # One HTTP request per group where the backend takes batches (hf, SGLang), one per sample otherwise.
+    # Requests run concurrently: their round trip is latency paid once per wave of concurrent requests (one
+    # per group where the backend takes batches, hf and SGLang; one per sample otherwise).
     batched = backend in ("hf", "sglang")
     requests = share / w.group if batched else share
-    return GenTime(prefill_s, decode_s, requests * hw.request_s, iter_s, int(conc), bound)
+    waves = math.ceil(requests / max(1, conc / (w.group if batched else 1)))
+    return GenTime(prefill_s, decode_s, waves * hw.request_s, iter_s, int(conc), bound)
 
 
 def reward_time(cfg, w: Workload) -> float:
