@@ -23,11 +23,12 @@ _ROWS = (
     ("process_base_gb", "GiB", "a process before its model"),
     ("server_base_gb", "GiB", "a server process before its model"),
     ("decode_row_s", "ms", "decode iteration, per running row"),
+    ("collective_s", "ms", "small all-reduce round trip"),
 )
 # Fields a calibration measures (the rest come from the built-in profile it starts from).
 _MEASURED_CPU = {"matmul_tflops", "mem_gb", "mem_bw_gbs", "intra_node_gbs", "inter_node_gbs", "train_mfu",
                  "prefill_mfu", "decode_iter_s", "request_s", "train_mb_s", "optim_step_s", "process_base_gb",
-                 "server_base_gb", "decode_row_s"}
+                 "server_base_gb", "decode_row_s", "collective_s"}
 _MEASURED_GPU = {"matmul_tflops", "mem_gb", "mem_bw_gbs", "decode_iter_s", "request_s", "train_mb_s",
                  "optim_step_s", "process_base_gb", "server_base_gb"}
 

@@ -101,6 +101,8 @@ def _profile(name: str, raw: dict) -> HardwareProfile:
         over["server_base_gb"] = raw["server_rss_gb"]
     if raw["device"] == "cpu":  # the built-in server's per-row cost (Python sampling and bookkeeping)
         over["decode_row_s"] = raw.get("decode_token_s", 0.0)
+    if raw.get("allreduce_latency_s"):  # a small collective's round trip: what TP pays per layer and op
+        over["collective_s"] = raw["allreduce_latency_s"]
     if raw["device"] == "cpu":
         bw = raw["allreduce_gbs"]
         return replace(PROFILES["cpu"], name=name, matmul_tflops=raw["gemm_tflops"], mem_bw_gbs=raw["copy_gbs"],

@@ -22,9 +22,9 @@ def _no_saved_profiles(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def planned(*overrides: str, hw: str = "h100", **kw):
+def planned(*overrides: str, hw="h100", **kw):
     cfg, plan = compose_and_validate(list(overrides))
-    return plan_config(cfg, plan, get_profile(hw), **kw)
+    return plan_config(cfg, plan, get_profile(hw) if isinstance(hw, str) else hw, **kw)
 
 
 def comp(rp, kind: str):
@@ -67,12 +67,16 @@ def test_async_overlaps_generation_with_training_on_gpus_and_less_on_a_shared_cp
     gpu = planned(*EXAMPLE, "rollout.max_head_offpolicyness=2").step
     assert gpu.mode == "async"
     assert gpu.step_s == pytest.approx(max(gpu.gen_s + gpu.reward_s, gpu.train_s) + gpu.sync_s)
+    # On the 2-core host a server, its rollout client and a trainer rank want more than every core: the
+    # overlap gains nothing (measured: async 0.848 s against sync 0.823 s per step, docs/plan.md).
     cpu = planned("rollout.max_head_offpolicyness=2", hw="cpu").step
-    assert cpu.mode == "async" and cpu.step_s < cpu.sync_step_s
-    # two processes on two cores overlap; a third (a second trainer rank) makes them share cores
-    three = planned("rollout.max_head_offpolicyness=2", "cluster.n_gpus_per_node=3",
-                    "allocation_mode=hf:d1+fsdp:d2", hw="cpu").step
-    assert three.step_s > max(three.gen_s, three.train_s) + three.sync_s
+    assert cpu.mode == "async" and cpu.step_s == pytest.approx(cpu.sync_step_s)
+    # with spare cores the pools overlap, but slow each other while both run
+    from dataclasses import replace
+
+    wide = planned("rollout.max_head_offpolicyness=2", hw=replace(get_profile("cpu"), cores=8)).step
+    assert wide.step_s < wide.sync_step_s
+    assert wide.step_s >= max(wide.gen_s, wide.train_s) + wide.sync_s
 
 
 def test_colocated_components_never_overlap():
