@@ -35,7 +35,7 @@ class ModelFacts:
     experts_per_tok: int = 0
 
     @classmethod
-    def from_config(cls, m) -> "ModelFacts":
+    def from_config(cls, m) -> ModelFacts:
         from areal_cli.config.model import lora_target_modules
 
         hd = m.head_dim or (m.hidden_size // max(1, m.num_attention_heads))
@@ -164,6 +164,14 @@ def train_memory(f: ModelFacts, sharding, par, ffn_tp: int, dtype: str, mb_token
     total = weights + grads + optim + act
     return TrainMemory(int(local), weights / GiB, grads / GiB, optim / GiB, act / GiB, total / GiB,
                        device_gb)
+
+
+def companion_states(m: TrainMemory, *, reference: bool, critic: bool) -> tuple[float, float, float]:
+    """GB of (weights, gradients, optimizer states) that live in the actor's process beside ``m``: a frozen KL
+    reference (weights only) and a critic (all three, the actor's shape). Auto-sizing and ``areal plan`` both
+    count them, so a micro-batch chosen to fit fits with them."""
+    w = (m.weights_gb if reference else 0.0) + (m.weights_gb if critic else 0.0)
+    return w, m.grads_gb if critic else 0.0, m.optim_gb if critic else 0.0
 
 
 def inference_memory(f: ModelFacts, backend: str, tp: int, pp: int, ep: int, device: str,

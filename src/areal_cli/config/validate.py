@@ -13,6 +13,7 @@ from collections.abc import Callable
 from areal_cli.allocation import autosize
 from areal_cli.allocation.estimate import (
     ModelFacts,
+    companion_states,
     device_memory_gb,
     inference_memory,
     train_memory,
@@ -265,9 +266,12 @@ def _train_memory_at(cfg: ExperimentConfig, facts: ModelFacts, c: Component, dev
     samples = cfg.algo.batch_size * (1 if cfg.algo.name == "sft" else cfg.rollout.group_size)
     per_mini = max(1, samples // par.dp // cfg.algo.ppo_n_minibatches)
 
+    reference = cfg.algo.kl_coef > 0 and facts.lora_rank == 0
+
     def total_gb(k: int) -> float:
-        return train_memory(facts, sharding, par, ffn_tp, cfg.engine.dtype, k * seq, math.ceil(per_mini / k),
-                            cfg.engine.gradient_checkpointing, dev_gb).total_gb
+        m = train_memory(facts, sharding, par, ffn_tp, cfg.engine.dtype, k * seq, math.ceil(per_mini / k),
+                         cfg.engine.gradient_checkpointing, dev_gb)
+        return m.total_gb + sum(companion_states(m, reference=reference, critic=bool(cfg.algo.use_critic)))
 
     return total_gb, per_mini
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from areal_cli.allocation.estimate import SERVER_MEM_FRACTION, GiB, ModelFacts, dtype_bytes
+from areal_cli.allocation.estimate import SERVER_MEM_FRACTION, GiB, ModelFacts, companion_states, dtype_bytes
 
 # Parts named in ``binds``, in the words the tables print.
 PART_NAMES = {"weights_gb": "weights", "grads_gb": "gradients", "optim_gb": "optimizer states",
@@ -50,11 +50,9 @@ def trainer_memory(cfg, part, facts: ModelFacts, base_gb: float) -> ComponentMem
     KL reference's weights (``algo.kl_coef > 0`` without LoRA: a second, frozen engine) and a critic's
     weights, gradients and optimizer states (``algo.use_critic``) in the same process."""
     m = part.memory
-    weights, grads, optim = m.weights_gb, m.grads_gb, m.optim_gb
-    if cfg.algo.kl_coef > 0 and facts.lora_rank == 0:
-        weights += m.weights_gb
-    if cfg.algo.use_critic:
-        weights, grads, optim = weights + m.weights_gb, grads + m.grads_gb, optim + m.optim_gb
+    cw, cg, co = companion_states(m, reference=cfg.algo.kl_coef > 0 and facts.lora_rank == 0,
+                                  critic=bool(cfg.algo.use_critic))
+    weights, grads, optim = m.weights_gb + cw, m.grads_gb + cg, m.optim_gb + co
     parts = {"weights_gb": weights, "grads_gb": grads, "optim_gb": optim, "activations_gb": m.activations_gb}
     states = sum(parts.values())
     total = states + base_gb
