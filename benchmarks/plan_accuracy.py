@@ -39,7 +39,7 @@ M11_9 = ["model.path=builtin:tiny", "model.hidden_size=256", "model.num_hidden_l
          "model.num_attention_heads=8", "model.num_key_value_heads=4", "model.intermediate_size=1024"]
 # The RL step of each configuration, nothing else: no SFT warm start, no evaluation, no checkpoints.
 COMMON = ["trainer.sft_warmup_steps=0", "trainer.eval_every=0", "trainer.recover_every=0", "trainer.save_every=0",
-          "dataset.test_size=8", "stats.live=false"]
+          "dataset.test_size=8", "stats.live=false", "engine.max_tokens_per_mb=auto"]
 CONFIGS: dict[str, list[str]] = {
     "default sync": ["rollout=sync"],
     "default async": [],

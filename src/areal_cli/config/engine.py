@@ -63,8 +63,9 @@ class EngineConfig:
     gradient_checkpointing: bool = False
     # Token budget per micro-batch (FFD packing), or auto: validation picks the largest budget whose estimated
     # per-device memory fits with a margin, capped at a minibatch per rank (allocation/autosize.py), and writes
-    # the number into the run's config, so engines only ever read an int.
-    max_tokens_per_mb: int | str = ranged("auto", ge=1, also=("auto",))
+    # the number into the run's config, so engines only ever read an int. Not the default: engines, benchmarks
+    # and tools that build an EngineConfig without validating a composed config must get an int.
+    max_tokens_per_mb: int | str = ranged(4096, ge=1, also=("auto",))
     pad_to_multiple_of: int = ranged(1, ge=1)
     padding_free: bool = True  # pack sequences without padding where the attention path allows
     # Samples that share a prompt (a GRPO group) run it once per micro-batch: exact, fewer tokens.

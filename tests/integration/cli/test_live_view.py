@@ -44,7 +44,7 @@ def warm_start_run(tmp_path_factory, tiny_model_dir):
     return _train(tmp_path_factory.mktemp("warm"), tiny_model_dir, **WARM)
 
 
-# engine.max_tokens_per_mb=auto is the default; named here because test_auto_budget_reaches_the_trainer reads it.
+# engine.max_tokens_per_mb=auto: test_auto_budget_reaches_the_trainer reads what validation chose for it.
 WARM = {"trainer.sft_warmup_steps": SFT_STEPS, "trainer.total_steps": 2, "trainer.eval_every": 2,
         "trainer.sft_batch_size": 4, "engine.max_tokens_per_mb": "auto"}
 

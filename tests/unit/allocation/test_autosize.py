@@ -15,7 +15,7 @@ from areal_cli.config.compose import load_config
 from areal_cli.config.validate import _train_memory_at, validate
 from areal_cli.errors import ConfigError
 
-H100_7B = ["model=qwen2_5_7b", "cluster=gpu_1x8", "allocation_mode=gpu8_sglang_fsdp"]
+H100_7B = ["model=qwen2_5_7b", "cluster=gpu_1x8", "allocation_mode=gpu8_sglang_fsdp", "engine.max_tokens_per_mb=auto"]
 
 
 def _validated(*overrides: str):
@@ -27,8 +27,9 @@ def _choice(plan, path: str) -> autosize.AutoChoice:
     return next(a for a in plan.auto if a.path == path)
 
 
-def test_auto_is_the_default_and_becomes_an_int_the_engines_read():
-    cfg = load_config([])
+def test_auto_becomes_an_int_the_engines_read():
+    assert load_config([]).engine.max_tokens_per_mb == 4096  # the default: an int without validation
+    cfg = load_config(["engine.max_tokens_per_mb=auto"])
     assert cfg.engine.max_tokens_per_mb == "auto"
     plan = validate(cfg)
     mb = plan.train.micro_batch
@@ -64,7 +65,8 @@ def test_more_device_memory_never_gives_a_smaller_budget():
 
 
 def test_the_budget_stops_at_a_minibatch_per_rank_and_leaves_every_pipeline_stage_work():
-    cfg, plan = _validated("allocation_mode=hf:d1+archon:d1p2", "engine=archon", "cluster.n_gpus_per_node=3")
+    cfg, plan = _validated("allocation_mode=hf:d1+archon:d1p2", "engine=archon", "cluster.n_gpus_per_node=3",
+                           "engine.max_tokens_per_mb=auto")
     mb = plan.train.micro_batch
     per_mini = mb.sequences // cfg.algo.ppo_n_minibatches
     assert cfg.engine.max_tokens_per_mb == per_mini // 2 * mb.max_seq_len and mb.n_micro_batches == 2
@@ -73,7 +75,7 @@ def test_the_budget_stops_at_a_minibatch_per_rank_and_leaves_every_pipeline_stag
 def test_one_sequence_larger_than_the_device_is_an_error_naming_the_fix():
     with pytest.raises(ConfigError) as ei:
         _validated("model=qwen2_5_32b", "cluster=gpu_1x8", "allocation_mode=sglang:d1t4+fsdp:d4",
-                   "algo.batch_size=8", "engine.dtype=bfloat16")
+                   "algo.batch_size=8", "engine.dtype=bfloat16", "engine.max_tokens_per_mb=auto")
     err = ei.value
     assert err.path == "engine.max_tokens_per_mb" and "one sequence of" in err.reason
     assert "more than the device's 80.0 GB" in err.reason and "gradient_checkpointing" in err.hint
@@ -143,7 +145,7 @@ def test_the_cli_takes_auto_and_ints_and_refuses_anything_else_in_one_line(compo
     assert d["train"][0]["micro_batch"]["auto"] is True
     assert d["auto"]["engine.max_tokens_per_mb"]["value"] == d["train"][0]["micro_batch"]["tokens_per_mb"]
     assert set(d["auto"]) == {"engine.max_tokens_per_mb", "rollout.max_concurrent_rollouts"}
-    human = _cli(env_extra=env)
+    human = _cli("engine.max_tokens_per_mb=auto", env_extra=env)
     assert human.returncode == 0 and "(auto)" in human.stdout and "=auto chose" in human.stdout
     for bad in ("lots", "1.5", "0"):
         res = _cli(f"engine.max_tokens_per_mb={bad}", env_extra=env)
