@@ -157,11 +157,6 @@ class _Planner:
         sync_step = gen_cpu + reward_s + train_sync.total_s + sync_s
         if colocated:
             return sync_step, sync_step, train_sync, train_sync, gen_cpu
-        if servers * (1 + T.CLIENT_CPU_SHARE) + ranks >= self.cores:
-            # The pools' threads want every core even with the trainer on one thread each: overlapped work
-            # only takes cycles from each other. Measured on the 2-core box (benchmarks/plan_accuracy.py):
-            # the embedded default's async step 0.848 s against its sync step 0.823 s; no overlap gain.
-            return sync_step, sync_step, train_sync, train_sync, gen_cpu
         # Async (StepThreads): one thread while generation is the bottleneck, all of the share otherwise.
         best = None
         for threads in sorted({1, share}):

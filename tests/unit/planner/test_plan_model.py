@@ -67,11 +67,11 @@ def test_async_overlaps_generation_with_training_on_gpus_and_less_on_a_shared_cp
     gpu = planned(*EXAMPLE, "rollout.max_head_offpolicyness=2").step
     assert gpu.mode == "async"
     assert gpu.step_s == pytest.approx(max(gpu.gen_s + gpu.reward_s, gpu.train_s) + gpu.sync_s)
-    # On the 2-core host a server, its rollout client and a trainer rank want more than every core: the
-    # overlap gains nothing (measured: async 0.848 s against sync 0.823 s per step, docs/plan.md).
+    # On the 2-core host the pools overlap, but slow each other while both run (measured on a quiet box:
+    # async 0.643 s against sync 0.787 s per step, docs/plan.md)
     cpu = planned("rollout.max_head_offpolicyness=2", hw="cpu").step
-    assert cpu.mode == "async" and cpu.step_s == pytest.approx(cpu.sync_step_s)
-    # with spare cores the pools overlap, but slow each other while both run
+    assert cpu.mode == "async" and cpu.step_s < cpu.sync_step_s
+    # with more cores they slow each other less
     from dataclasses import replace
 
     wide = planned("rollout.max_head_offpolicyness=2", hw=replace(get_profile("cpu"), cores=8)).step
