@@ -158,12 +158,13 @@ class _Planner:
         if colocated:
             return sync_step, sync_step, train_sync, train_sync, gen_cpu
         # Async (StepThreads): one thread while generation is the bottleneck, all of the share otherwise.
+        # The episodes' client side (the rollout worker) runs beside the generating servers on the same cores,
+        # busy for this fraction of the generation.
+        client = min(1.0, self.w.samples * self.w.new_tokens * T.CLIENT_CPU_S_PER_TOKEN / max(gen_s, 1e-9))
         best = None
         for threads in sorted({1, share}):
             train = self.trainer(threads)
-            # The episodes' client side (the rollout worker: requests, tokenization, rewards) runs beside
-            # each generating server on the same cores.
-            slow = max(1.0, (servers * (1 + T.CLIENT_CPU_SHARE) + ranks * threads) / self.cores)
+            slow = max(1.0, (servers + client + ranks * threads) / self.cores)
             wall = _shared(gen_s + reward_s, train.total_s, slow) + sync_s
             if best is None or wall < best[0]:
                 best = (wall, train)

@@ -28,10 +28,11 @@ REWARD_WORKERS = 8  # the reward pool's concurrency (rewards/runner)
 # Speed-up of a CPU matmul per extra intra-op thread, measured on the 11.9M model (docs/train.md,
 # "Threads of the train step": 2 threads 1.2x one): small models scale poorly across cores.
 CPU_THREAD_GAIN = 0.2
-# CPU hosts: the rollout client (the trainer's rollout worker process: HTTP, tokenization, rewards, episode
-# assembly) burns this fraction of a generating server's CPU time. benchmarks/plan_accuracy.py's per-process
-# CPU accounting measured 0.53-0.66 (worker / server CPU seconds) over group sizes 4 and 16 and a d2 trainer.
-CLIENT_CPU_SHARE = 0.6
+# CPU hosts: the rollout client (the trainer's rollout worker process: HTTP, detokenization, rewards, episode
+# assembly) burns CPU per generated token beside the server. benchmarks/plan_accuracy.py's per-process CPU
+# accounting on a quiet 2-core box: worker CPU seconds = 8.6 s (start-up) + 46 µs per generated token, over
+# group sizes 4 and 16 (20 steps each); the 11.9M runs at 16 and 64 tokens fall within 15% of that line.
+CLIENT_CPU_S_PER_TOKEN = 46e-6
 # Share of a data-parallel gradient reduction that overlaps the backward pass on GPUs (bucketed
 # all-reduce / reduce-scatter); gloo on CPU runs it after the backward, exposed.
 DP_OVERLAP = 0.7
