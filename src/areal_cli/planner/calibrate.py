@@ -474,16 +474,18 @@ def _allreduce_worker(rank: int, spec: dict) -> None:
             raise SystemExit("no go file after 600 s: the calibration that started this rank is gone")
         time.sleep(0.05)
 
+    from areal_cli.utils import collectives as C
+
     def run(n_bytes: int, reps: int) -> float:
         x = torch.ones(n_bytes // 4, device=dev)
-        dist.all_reduce(x)  # warm-up: connection set-up and buffers
+        C.all_reduce(x)  # warm-up: connection set-up and buffers
         best = float("inf")
         for _ in range(reps):
-            dist.barrier()
+            C.barrier()
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            dist.all_reduce(x)
+            C.all_reduce(x)
             if cuda:
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
