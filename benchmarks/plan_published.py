@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 
 AREAL_BLOG = ("AReaL v0.3 blog, Table 2 'End-to-end comparison between asynchronous AReaL and synchronous "
               "AReaL' (https://github.com/inclusionAI/AReaL/blob/main/blog/AReaL_v0_3.md, read at "
@@ -238,37 +236,6 @@ def hardware_of(setup: dict) -> str:
     return "h100"
 
 
-def _schema_has_hardware() -> bool:
-    from dataclasses import fields
-
-    from areal_cli.config.cluster import ClusterConfig
-
-    return any(f.name == "hardware" for f in fields(ClusterConfig))
-
-
-def overrides_for_branch(setup: dict, profile_path: str | None = None) -> list[str]:
-    """The setup's overrides as this tree's config takes them: ``cluster.hardware`` is dropped where the
-    schema has no such key yet (before the planner lands) and pointed at a saved JSON profile for the
-    kinds that have no built-in one."""
-    has_hw = _schema_has_hardware()
-    out = []
-    for o in setup["overrides"]:
-        if o.startswith("cluster.hardware="):
-            if not has_hw:
-                continue
-            if profile_path:
-                o = f"cluster.hardware={profile_path}"
-        out.append(o)
-    return out
-
-
-def profile_for(name: str, save_dir: str | None = None):
-    """``(profile, None)``: the built-in (or saved) profile; kept as a pair for callers that passed a path."""
-    from areal_cli.planner.hardware import get_profile
-
-    return get_profile(name), None
-
-
 def predict(overrides: list[str], profile, mean_seq_tokens: float | None = None) -> dict:
     """The planner's step for the setup: at the config's caps (every completion runs to max_new_tokens), or
     with a published mean sequence length (prompt + response) as the mean, the caps still bounding the
@@ -330,24 +297,24 @@ def main(argv: list[str] | None = None) -> int:
         list_setups(args.json)
         return 0
 
+    from areal_cli.planner.hardware import get_profile
+
     rows = []
-    with tempfile.TemporaryDirectory(prefix="plan_published_") as tmp:
-        for s in setups:
-            pub = s["published"]["value"]
-            row = {"id": s["id"], "published_step_s": pub}
-            try:
-                prof, path = profile_for(hardware_of(s), tmp)
-                ov = overrides_for_branch(s, path)
-                row["predicted"] = predict(ov, prof)
-                if s.get("mean_response_tokens"):
-                    row["predicted_at_mean"] = predict(ov, prof, s["mean_response_tokens"])
-                row["implied_new_tokens"] = implied_new_tokens(ov, prof, pub)
-            except Exception as exc:  # noqa: BLE001 -- one setup's failure is a row, not the end of the table
-                row["error"] = f"{type(exc).__name__}: {exc}"
-            for key in ("predicted", "predicted_at_mean"):
-                if row.get(key) and row[key].get("step_s"):
-                    row[f"ratio_{key}"] = round(row[key]["step_s"] / pub, 3)
-            rows.append(row)
+    for s in setups:
+        pub = s["published"]["value"]
+        row = {"id": s["id"], "published_step_s": pub}
+        try:
+            prof, ov = get_profile(hardware_of(s)), s["overrides"]
+            row["predicted"] = predict(ov, prof)
+            if s.get("mean_response_tokens"):
+                row["predicted_at_mean"] = predict(ov, prof, s["mean_response_tokens"])
+            row["implied_new_tokens"] = implied_new_tokens(ov, prof, pub)
+        except Exception as exc:  # noqa: BLE001 -- one setup's failure is a row, not the end of the table
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        for key in ("predicted", "predicted_at_mean"):
+            if row.get(key) and row[key].get("step_s"):
+                row[f"ratio_{key}"] = round(row[key]["step_s"] / pub, 3)
+        rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

@@ -12,16 +12,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
-from plan_published import SETUPS, overrides_for_branch  # benchmarks/ is not a package
+from plan_published import SETUPS  # benchmarks/ is not a package
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=[s["id"] for s in SETUPS])
 def test_published_setup_validates(setup):
     from areal_cli.cli.common import compose_and_validate
 
-    cfg, plan = compose_and_validate(overrides_for_branch(setup))
+    cfg, plan = compose_and_validate(setup["overrides"])
     # The composed config is the setup described, not a default that swallowed an override.
-    for o in overrides_for_branch(setup):
+    for o in setup["overrides"]:
         key, _, value = o.partition("=")
         if key == "rollout.max_head_offpolicyness":
             assert cfg.rollout.max_head_offpolicyness == int(value)
