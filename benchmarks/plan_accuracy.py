@@ -150,9 +150,15 @@ def predict(overrides: list[str], hardware: str) -> dict:
     from areal_cli.planner.hardware import get_profile
     from areal_cli.planner.model import plan_config
 
+    from areal_cli.planner.lengths import dataset_prompt_lengths
+
     cfg, plan = compose_and_validate([*overrides, f"cluster.hardware={hardware}"])
-    got = plan_config(cfg, plan, get_profile(hardware)).to_dict()
-    mem = {c["kind"]: c["memory"]["process_gb"] for c in got["components"]}
+    lengths = dataset_prompt_lengths(cfg)  # what `areal plan` reads too: the prompts as the trainer renders them
+    kw = {} if lengths is None else {"prompt_tokens": lengths.mean, "max_prompt_tokens": lengths.max}
+    got = plan_config(cfg, plan, get_profile(hardware), **kw).to_dict()
+    # A measured peak is a real step's, at the real lengths: compare it with the typical figure (at the mean
+    # lengths), not with the bound at the caps.
+    mem = {c["kind"]: c["memory"]["expected_gb"] for c in got["components"]}
     return {"step_s": got["step"]["step_s"], "gen_s": got["step"]["gen_s"], "train_s": got["step"]["train_s"],
             "sync_s": got["step"]["sync_s"], "samples_per_s": got["samples_per_s"],
             "trainer_gb": mem.get("train"), "server_gb": mem.get("inference")}

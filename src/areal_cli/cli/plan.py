@@ -6,7 +6,7 @@ new option is one field, one ``typer.Option`` and one branch in :func:`run`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import typer  # at module level: typer resolves the `typer.Context` annotation from module globals
 
@@ -26,6 +26,7 @@ class PlanOptions:
     name: str | None = None  # --calibrate: the saved profile's name (default: cpu, or the GPU's kind)
     save: str | None = None  # --calibrate: a path to save to instead of the profile directory
     quick: bool = False  # --calibrate: fewer repetitions
+    caps: bool = False  # lengths from the caps, not from a sample of the dataset
 
 
 def profile_for(cfg, name: str | None = None):
@@ -61,21 +62,28 @@ def run(overrides: list[str], opts: PlanOptions) -> int:
         if opts.as_json:
             print_json(error_json(exc))
         raise
-    rp = plan_config(cfg, plan, profile)
+    lengths = None
+    if not opts.caps:
+        from areal_cli.planner.lengths import dataset_prompt_lengths
+
+        lengths = dataset_prompt_lengths(cfg)
+    kw = {} if lengths is None else {"prompt_tokens": lengths.mean, "max_prompt_tokens": lengths.max}
+    rp = plan_config(cfg, plan, profile, **kw)
     sug = None
     if opts.suggest:
         from areal_cli.planner.suggest import suggest
 
-        sug = suggest(cfg, plan, profile)
+        sug = suggest(cfg, plan, profile, **kw)
     if opts.as_json:
-        out = {"valid": True, **rp.to_dict(), "validation": {"warnings": plan.warnings, "notes": plan.notes}}
+        out = {"valid": True, **rp.to_dict(), "validation": {"warnings": plan.warnings, "notes": plan.notes},
+               "lengths": None if lengths is None else asdict(lengths)}
         if sug is not None:
             out["suggest"] = sug.to_dict()
         print_json(out)
         return 0
     from areal_cli.cli.plan_render import render_run_plan, render_suggestion
 
-    render_run_plan(rp, plan)
+    render_run_plan(rp, plan, lengths=None if lengths is None else lengths.describe())
     if sug is not None:
         render_suggestion(sug)
     return 0
@@ -106,7 +114,10 @@ def register(app) -> None:
         save: str = typer.Option(None, "--save", help="--calibrate: save to this .json path instead of "
                                  "the profile directory.", show_default=False),
         quick: bool = typer.Option(False, "--quick", help="--calibrate: fewer repetitions (less exact)."),
+        caps: bool = typer.Option(False, "--caps", help="Plan every prompt at half of dataset.max_prompt_len "
+                                  "(the longest at the cap) instead of reading a sample of the dataset."),
         help_: bool = help_option(),
     ) -> int:
         return run(list(ctx.args), PlanOptions(suggest=suggest, as_json=as_json, hardware=hardware,
-                                               calibrate=calibrate, name=name, save=save, quick=quick))
+                                               calibrate=calibrate, name=name, save=save, quick=quick,
+                                               caps=caps))

@@ -20,15 +20,17 @@ _ROWS = (
     ("request_s", "ms", "request round trip"),
     ("train_mb_s", "ms", "train micro-batch, fixed part"),
     ("optim_step_s", "ms", "optimizer step (tiny model)"),
-    ("process_base_gb", "GiB", "a process before its model"),
+    ("process_base_gb", "GiB", "a training rank beyond its model"),
     ("server_base_gb", "GiB", "a server process before its model"),
     ("decode_row_s", "ms", "decode iteration, per running row"),
     ("collective_s", "ms", "small all-reduce round trip"),
+    ("tp_layer_s", "ms", "t2 engine: extra per layer and pass"),
+    ("tp_token_eff", "", "t2 engine: share of the ideal per-token speed-up"),
 )
 # Fields a calibration measures (the rest come from the built-in profile it starts from).
 _MEASURED_CPU = {"matmul_tflops", "mem_gb", "mem_bw_gbs", "intra_node_gbs", "inter_node_gbs", "train_mfu",
                  "prefill_mfu", "decode_iter_s", "request_s", "train_mb_s", "optim_step_s", "process_base_gb",
-                 "server_base_gb", "decode_row_s", "collective_s"}
+                 "server_base_gb", "decode_row_s", "collective_s", "tp_layer_s", "tp_token_eff"}
 _MEASURED_GPU = {"matmul_tflops", "mem_gb", "mem_bw_gbs", "decode_iter_s", "request_s", "train_mb_s",
                  "optim_step_s", "process_base_gb", "server_base_gb"}
 

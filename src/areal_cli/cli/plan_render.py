@@ -22,7 +22,7 @@ def _s(x: float) -> str:
     return f"{x:.2f} s"
 
 
-def render_run_plan(rp, plan, console=None) -> None:
+def render_run_plan(rp, plan, console=None, lengths: str | None = None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -34,17 +34,22 @@ def render_run_plan(rp, plan, console=None) -> None:
     con.print(f"per step: {w['prompts']} prompts × {w['group_size']} = {w['samples']} samples, "
               f"~{w['prompt_tokens']:.0f} prompt + {w['new_tokens']:.0f} new tokens each, "
               f"staleness bound k={w['staleness']}", highlight=False)
+    con.print(f"prompt lengths: {escape(lengths)}" if lengths else
+              "prompt lengths: half of dataset.max_prompt_len (the dataset or tokenizer is not on this machine, "
+              "or --caps)", style="dim", highlight=False)
     mem = Table(title="memory per device (one process; estimates)", title_justify="left")
     for col in ("component", "kind", "dims", "devices", "weights", "grads", "optimizer", "activations",
-                "KV cache", "process", "device", "binds first"):
+                "KV cache", "buffers", "process", "typical", "device", "binds first"):
         mem.add_column(col, justify="left" if col in ("component", "kind", "dims", "binds first") else "right")
     for c in rp.components:
         m = c.memory
         proc = _gb(m.process_gb)
         mem.add_row(escape(c.name), c.kind, c.dims, str(c.n_devices), _gb(m.weights_gb), _gb(m.grads_gb),
-                    _gb(m.optim_gb), _gb(m.activations_gb), _gb(m.kv_cache_gb),
-                    proc if m.fits else f"[red]{proc}[/]", _gb(m.device_gb), escape(m.binds))
+                    _gb(m.optim_gb), _gb(m.activations_gb), _gb(m.kv_cache_gb), _gb(m.buffers_gb),
+                    proc if m.fits else f"[red]{proc}[/]", _gb(m.expected_gb), _gb(m.device_gb), escape(m.binds))
     con.print(mem)
+    con.print("process: at the length caps (what must fit); typical: at the mean lengths (a usual step's "
+              "peak)", style="dim", highlight=False)
     s = rp.step
     st = Table(title=f"one RL step ({s.mode}: what this config runs)", title_justify="left")
     st.add_column("term")

@@ -67,7 +67,7 @@ def calibrate(name: str = "cpu", quick: bool = False, progress: Progress | None 
     def decode(tmp: str) -> dict:
         nonlocal allreduce
         model_dir = _tiny_model(tmp)
-        allreduce = _AllReduce(cuda, quick)  # its ranks start up beside the server (see _AllReduce)
+        allreduce = _AllReduce(cuda, quick, model_dir)  # its ranks start up beside the server (see _AllReduce)
         return _measure_decode(model_dir, cuda, quick, tmp, before_timing=allreduce.wait_ready)
 
     with tempfile.TemporaryDirectory(prefix="areal_calibrate_") as tmp:
@@ -103,6 +103,8 @@ def _profile(name: str, raw: dict) -> HardwareProfile:
         over["decode_row_s"] = raw.get("decode_token_s", 0.0)
     if raw.get("allreduce_latency_s"):  # a small collective's round trip: what TP pays per layer and op
         over["collective_s"] = raw["allreduce_latency_s"]
+    if "tp_layer_s" in raw:  # CPU: the t2 engine against d1 (_tp_terms)
+        over.update(tp_layer_s=raw["tp_layer_s"], tp_token_eff=raw["tp_token_eff"])
     if raw["device"] == "cpu":
         bw = raw["allreduce_gbs"]
         return replace(PROFILES["cpu"], name=name, matmul_tflops=raw["gemm_tflops"], mem_bw_gbs=raw["copy_gbs"],
@@ -375,17 +377,37 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
+# One micro-batch of rows × length tokens, small and large: the fixed part and the per-token slope.
+_TP_SHAPES = [[1, 48], [32, 48]]
+
+
+def _tp_terms(d1: dict, tp2: dict) -> dict:
+    """The t2 engine's step against the d1 engine's at the same shapes (:data:`_TP_SHAPES`): the extra
+    fixed cost of one micro-batch, per layer per pass-unit (forward 1 + backward 2 = 3), and the share of
+    the ideal halving of the per-token cost that t2 reaches."""
+    (r0, l0), (r1, l1) = _TP_SHAPES
+    small, large = f"{r0}x{l0}", f"{r1}x{l1}"
+    layers = _TINY_SHAPE["num_layers"]
+    extra = max(0.0, tp2[small] - d1[small])
+    tokens = r1 * l1 - r0 * l0
+    slope_d1 = max(1e-9, (d1[large] - d1[small]) / tokens)
+    slope_tp = max(1e-9, (tp2[large] - tp2[small]) / tokens)
+    return {"tp2_step_s": tp2, "d1_step_s": d1, "tp_layer_s": extra / (3 * layers),
+            "tp_token_eff": _clamp(slope_d1 / 2 / slope_tp, 0.05, 1.0)}
+
+
 class _AllReduce:
-    """Two real processes that first import what a trainer rank imports (rank 0's resident memory then is
-    ``process_base_gb``) and then all-reduce: gloo on CPU, NCCL between GPUs 0 and 1; with one GPU a single
-    process only reports its memory. Bus bandwidth as nccl-tests defines it (``bytes * 2(n-1)/n / time``,
+    """Two real processes that first import what a trainer rank imports and then all-reduce: gloo on CPU,
+    NCCL between GPUs 0 and 1; with one GPU a single process only reports its memory. On CPU, rank 0 then
+    builds and steps the FSDP engine on ``model_dir`` (:func:`_running_rank`): its memory beyond the model
+    is ``process_base_gb``; elsewhere the memory after the imports is. Bus bandwidth as nccl-tests defines it (``bytes * 2(n-1)/n / time``,
     = bytes/time for two ranks).
 
     The ranks start (imports, rendezvous) while the server starts, then wait for a go file: start-up is most of
     their time, and only the all-reduces themselves are timed. :meth:`wait_ready` returns once they are idle, so
     the decode timing does not share the cores with their imports."""
 
-    def __init__(self, cuda: bool, quick: bool):
+    def __init__(self, cuda: bool, quick: bool, model_dir: str | None = None):
         import torch
 
         from areal_cli.utils.network import find_free_port
@@ -395,7 +417,7 @@ class _AllReduce:
         self.sizes = (1 << 26, 1 << 28) if cuda else (1 << 20, 1 << 23) if quick else (1 << 20, 1 << 24)
         spec = {"world": world, "port": find_free_port(), "backend": "nccl" if cuda else "gloo",
                 "sizes": list(self.sizes), "iters": 3 if quick else 5, "dir": self.tmp.name,
-                "imports": list(_RANK_IMPORTS)}
+                "imports": list(_RANK_IMPORTS), "model_dir": model_dir, "tp_shapes": _TP_SHAPES}
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         code = ("import json, sys; from areal_cli.planner.calibrate import _allreduce_worker as w; "
                 "w(int(sys.argv[1]), json.loads(sys.argv[2]))")
@@ -421,6 +443,12 @@ class _AllReduce:
         finally:
             self.close()
         out = {"process_base_gb": res["rss_kb"] * 1024 / GIB, "process_base_imports": list(_RANK_IMPORTS)}
+        if res.get("running_base_kb"):  # a running rank (CPU): what a trainer process really holds
+            out.update(process_base_gb=res["running_base_kb"] * 1024 / GIB,
+                       imports_base_gb=res["rss_kb"] * 1024 / GIB, rank_hwm_gb=res["rank_hwm_kb"] * 1024 / GIB,
+                       rank_model_params=res["rank_model_params"])
+        if res.get("tp2_step_s") and res.get("d1_step_s"):
+            out.update(_tp_terms(res["d1_step_s"], res["tp2_step_s"]))
         if "times" not in res:
             return {**out, "allreduce_gbs": None, "allreduce_note": "one GPU: the datasheet's link is kept"}
         by_size = {str(s): s / t / 1e9 for s, t in zip(self.sizes, res["times"])}
@@ -494,11 +522,66 @@ def _allreduce_worker(rank: int, spec: dict) -> None:
     try:
         latency = run(4096, 10)
         times = [run(s, spec["iters"]) for s in spec["sizes"]]
-        if rank == 0:
-            out.write_text(json.dumps({"backend": spec["backend"], "times": times, "latency_s": latency,
-                                       "rss_kb": rss_kb}))
+        result = {"backend": spec["backend"], "times": times, "latency_s": latency, "rss_kb": rss_kb}
+        engines = not cuda and spec.get("model_dir")
+        if engines:  # the same steps on a t2 layout of the project's DTensor engine (archon), both ranks
+            result["tp2_step_s"] = _engine_steps("archon", spec["model_dir"], spec["tp_shapes"], tp=2)[0]
     finally:
         dist.destroy_process_group()
+    if rank == 0:
+        if engines:
+            d1, mem = _engine_steps("fsdp", spec["model_dir"], spec["tp_shapes"], tp=1)
+            result.update(d1_step_s=d1, **mem)
+        out.write_text(json.dumps(result))
+
+
+def _engine_steps(name: str, model_dir: str, shapes: list[list[int]], tp: int) -> tuple[dict, dict]:
+    """``train_batch`` of the project's ``name`` engine (fsdp or archon, ``tp``-way) on the tiny model, one
+    micro-batch of ``rows × length`` tokens per shape: the best of 3 after a warm-up, one thread per rank.
+
+    Also the rank's resident memory beyond its model's states (fsdp, one rank): what a training process
+    holds once it runs (the engine's modules and buffers, the allocator's pools, gloo), less the tiny
+    model's weights, gradients and AdamW moments. A process that only imported the trainer holds about
+    half of it. The kernel's high-water mark is reset first (``clear_refs`` 5), so the all-reduce
+    buffers before it do not count."""
+    import torch
+
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+
+    if name == "archon":
+        from areal_cli.engines.archon.engine import ArchonEngine as Engine
+    else:
+        from areal_cli.engines.fsdp import FSDPEngine as Engine
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux, or not allowed: the high-water mark then includes the all-reduces'
+        pass
+    engine = Engine(EngineConfig(max_tokens_per_mb=1 << 20), OptimConfig(lr=1e-5), total_steps=100)
+    engine.initialize(ParallelStrategy(tp=tp), model_dir)
+    n_params = sum(p.numel() for p in engine.model.parameters())
+
+    def loss(out, mb):
+        m = mb["loss_mask"]
+        return -(out["logprobs"] * m).sum() / m.sum().clamp(min=1), {}
+
+    times = {}
+    for rows, length in shapes:
+        ids = torch.randint(10, 300, (rows, length), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(rows, length)
+        mask[:, : length // 2] = 0
+        batch = {"input_ids": ids, "attention_mask": torch.ones(rows, length, dtype=torch.bool),
+                 "loss_mask": mask}
+        engine.train_batch(batch, loss, lambda mb: mb["loss_mask"].sum())
+        times[f"{rows}x{length}"] = min(
+            _timed(lambda: engine.train_batch(batch, loss, lambda mb: mb["loss_mask"].sum())) for _ in range(3))
+    if tp > 1:
+        return times, {}
+    hwm_kb = int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+    states = n_params * 16  # fp32 weights, gradients and two AdamW moments (fsdp at d1 holds them whole)
+    return times, {"rank_hwm_kb": hwm_kb, "rank_model_params": n_params,
+                   "running_base_kb": max(0, hwm_kb - states // 1024)}
 
 
 def _rss_gb(pid: int) -> float | None:

@@ -56,6 +56,12 @@ class HardwareProfile:
     collective_s: float = 2e-5
     # Where a disk weight push goes: write then read back (a node's NVMe or a shared filesystem), GB/s.
     disk_gbs: float = 2.0
+    # What a tensor-parallel layout costs beyond its FLOPs and bytes, as --calibrate measures it on a CPU
+    # host (DTensor's per-operator dispatch and redistribution): a fixed cost per layer per micro-batch
+    # pass (forward 1, backward 2), and the fraction of the ideal 1/t per-token speed-up that TP reaches.
+    # 0 and 1 on GPUs, where TP is its NVLink traffic (the comm terms).
+    tp_layer_s: float = 0.0
+    tp_token_eff: float = 1.0
     # CPU hosts: cores the host-wide rates above were measured over (a process with one thread gets
     # matmul_tflops / cores); 0 on GPUs, or this machine's os.cpu_count() when unknown.
     cores: int = 0

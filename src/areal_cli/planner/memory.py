@@ -17,7 +17,8 @@ from areal_cli.allocation.estimate import SERVER_MEM_FRACTION, GiB, ModelFacts, 
 
 # Parts named in ``binds``, in the words the tables print.
 PART_NAMES = {"weights_gb": "weights", "grads_gb": "gradients", "optim_gb": "optimizer states",
-              "activations_gb": "activations", "kv_cache_gb": "KV cache", "process_gb": "process"}
+              "activations_gb": "activations", "kv_cache_gb": "KV cache", "process_gb": "process",
+              "buffers_gb": "buffers (fused weights, push staging)"}
 
 
 @dataclass
@@ -34,6 +35,12 @@ class ComponentMemory:
     fits: bool
     kv_tokens: int = 0  # servers: tokens of KV cache that fit per instance
     concurrency: int = 0  # servers: sequences running at once per instance (after the KV limit)
+    # The process at the workload's mean lengths (a trainer's micro-batches packed with sequences of the
+    # mean length, not at the caps): what a typical step's peak is. ``process_gb`` is the bound.
+    expected_gb: float = 0.0
+    # Buffers beyond the model's states and KV: the hf server's fused weight copy (CPU fast path) and its
+    # weight-push staging slots.
+    buffers_gb: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -45,10 +52,15 @@ def _largest(parts: dict[str, float]) -> str:
     return f"{PART_NAMES[key]} ({parts[key] / total:.0%} of the estimate)"
 
 
-def trainer_memory(cfg, part, facts: ModelFacts, base_gb: float) -> ComponentMemory:
+def trainer_memory(cfg, part, facts: ModelFacts, base_gb: float,
+                   mean_mb_tokens: float | None = None) -> ComponentMemory:
     """One trainer rank of ``part`` (a validated TrainPart): the actor's states from the validator, plus a
     KL reference's weights (``algo.kl_coef > 0`` without LoRA: a second, frozen engine) and a critic's
-    weights, gradients and optimizer states (``algo.use_critic``) in the same process."""
+    weights, gradients and optimizer states (``algo.use_critic``) in the same process.
+
+    The validator sizes activations for a micro-batch of sequences at their length caps (the bound a run
+    must fit). ``mean_mb_tokens``, the tokens a micro-batch really packs at the mean lengths, scales them
+    (activations are linear in tokens) for ``expected_gb``."""
     m = part.memory
     cw, cg, co = companion_states(m, reference=cfg.algo.kl_coef > 0 and facts.lora_rank == 0,
                                   critic=bool(cfg.algo.use_critic))
@@ -62,26 +74,66 @@ def trainer_memory(cfg, part, facts: ModelFacts, base_gb: float) -> ComponentMem
     else:
         binds = (f"over the device's {m.device_gb:.1f} GB by {total - m.device_gb:.1f} GB; "
                  f"largest: {_largest(parts)}")
-    return ComponentMemory(weights, grads, optim, m.activations_gb, 0.0, total, total, m.device_gb, binds, fits)
+    cap = max(1, part.micro_batch.tokens_per_mb)
+    share = min(1.0, mean_mb_tokens / cap) if mean_mb_tokens else 1.0
+    expected = total - m.activations_gb * (1.0 - share)
+    return ComponentMemory(weights, grads, optim, m.activations_gb, 0.0, total, total, m.device_gb, binds, fits,
+                           expected_gb=expected)
+
+
+# The hf server's KV slabs start this long and double (in multiples of 16 tokens) to hold the longest row
+# (inference/server/fastpath.py: FastRunner._ensure); rows start at 8.
+_SLAB_MIN_LEN, _SLAB_MIN_ROWS = 64, 8
+# A distributed weight push to the hf server stages buckets of at most this many bytes in two slots
+# (api/io_struct.py: WeightUpdateMeta.bucket_bytes; inference/server/weights.py: DistributedReceiver).
+_PUSH_BUCKET_BYTES = 256 * 1024 ** 2
+
+
+def _slab_len(max_seq: int) -> int:
+    n = _SLAB_MIN_LEN
+    while n < max_seq:
+        n *= 2
+    return -(-n // 16) * 16
+
+
+def hf_server_extras(cfg, facts: ModelFacts, push_mode: str | None) -> tuple[float, float]:
+    """(bytes the built-in server holds beyond the HF model and its KV, and the bytes of its distributed
+    weight-push staging) on CPU: the fast decode path's fused, pre-transposed copy of every layer's
+    projections (a dense model on CPU: inference/server/engine.py ``_make_runner``), and two staging
+    slots of one bucket each when weights arrive by broadcast."""
+    cpu = cfg.cluster.device != "cuda"
+    pb = 4 if cpu else 2
+    emb = facts.vocab * facts.hidden * (1 if facts.tied else 2)
+    fused = (facts.total_params() - emb) * pb if cpu and facts.experts == 0 else 0.0
+    model_bytes = facts.total_params() * pb
+    staging = 2 * min(_PUSH_BUCKET_BYTES, model_bytes) if push_mode == "distributed" else 0.0
+    return float(fused), float(staging)
 
 
 def server_memory(cfg, part, facts: ModelFacts, concurrency: int, seq_tokens: int,
-                  base_gb: float) -> ComponentMemory:
+                  base_gb: float, *, max_seq_tokens: int | None = None,
+                  push_mode: str | None = None) -> ComponentMemory:
     """One device of a server instance of ``part`` (a validated InferencePart) running ``concurrency``
-    sequences of up to ``seq_tokens`` tokens. SGLang/vLLM hold their reserved fraction whatever the load;
-    the hf server holds what it uses."""
+    sequences of ``seq_tokens`` tokens (the mean; ``max_seq_tokens``: the longest one). SGLang/vLLM hold
+    their reserved fraction whatever the load; the hf server holds what it uses: on the CPU fast path,
+    KV slabs of the longest row's doubled length for every running row, its fused weight copy, and
+    the staging of a distributed push (``push_mode``)."""
     m = part.memory
     pb = 2 if cfg.cluster.device == "cuda" else 4
     per_token = facts.kv_bytes_per_token(pb, part.tp, part.pp)
     reserving = part.backend != "hf"
+    fused, staging = hf_server_extras(cfg, facts, push_mode) if not reserving else (0.0, 0.0)
     kv_tokens = m.kv_tokens if reserving else int(max(0.0, m.device_gb - m.weights_gb - base_gb) * GiB
                                                    // max(per_token, 1))
     fit_seqs = kv_tokens // max(1, seq_tokens)
     conc = max(1, min(concurrency, fit_seqs)) if fit_seqs > 0 else 0
-    kv_gb = conc * seq_tokens * per_token / GiB
+    if fused:  # the fast path's slabs: every row at the capacity the longest row needs
+        kv_gb = max(conc, _SLAB_MIN_ROWS) * _slab_len(max_seq_tokens or seq_tokens) * per_token / GiB
+    else:
+        kv_gb = conc * seq_tokens * per_token / GiB
     # Decode's working set: hidden states and fp32 logits of the running batch (prefill's are chunked).
     act_gb = conc * (8 * facts.hidden + facts.vocab) * 4 / GiB
-    used = m.weights_gb + kv_gb + act_gb
+    used = m.weights_gb + kv_gb + act_gb + (fused + staging) / GiB
     total = max(used, m.device_gb * SERVER_MEM_FRACTION.get(part.backend, 0.9)) if reserving else used
     process = total + base_gb
     if m.weights_gb + base_gb > m.device_gb:
@@ -94,11 +146,14 @@ def server_memory(cfg, part, facts: ModelFacts, concurrency: int, seq_tokens: in
         binds = f"KV cache: room for {fit_seqs} sequences of {seq_tokens} tokens, {conc} run at once"
         fits = True
     else:
-        binds = (f"{_largest({'weights_gb': m.weights_gb, 'kv_cache_gb': kv_gb, 'activations_gb': act_gb})}; "
+        parts = {"weights_gb": m.weights_gb, "kv_cache_gb": kv_gb, "activations_gb": act_gb,
+                 "buffers_gb": (fused + staging) / GiB}
+        binds = (f"{_largest(parts)}; "
                  f"{m.device_gb - process:.1f} GB free")
         fits = process <= m.device_gb
     return ComponentMemory(m.weights_gb, 0.0, 0.0, act_gb, kv_gb, process, process, m.device_gb, binds, fits,
-                           kv_tokens=int(kv_tokens), concurrency=int(conc))
+                           kv_tokens=int(kv_tokens), concurrency=int(conc), expected_gb=process,
+                           buffers_gb=(fused + staging) / GiB)
 
 
 def weight_bytes(facts: ModelFacts, dtype: str) -> float:

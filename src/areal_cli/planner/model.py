@@ -99,10 +99,12 @@ def _shared(a: float, b: float, slow: float) -> float:
 
 
 class _Planner:
-    def __init__(self, cfg, plan, hw: HardwareProfile, prompt_tokens: float | None, new_tokens: float | None):
+    def __init__(self, cfg, plan, hw: HardwareProfile, prompt_tokens: float | None, new_tokens: float | None,
+                 max_prompt_tokens: int | None = None):
         self.cfg, self.plan, self.hw = cfg, plan, hw
         self.f = ModelFacts.from_config(cfg.model)
         self.w = T.workload(cfg, prompt_tokens, new_tokens)
+        self.max_prompt = int(max_prompt_tokens or cfg.dataset.max_prompt_len)
         self.cpu = hw.kind == "cpu" or cfg.cluster.device == "cpu"
         self.cores = T.host_cores(hw)
         self.actor = plan.train
@@ -118,7 +120,9 @@ class _Planner:
         seq = int(w.prompt_tokens + w.decode_iters)
         admitted = min(cfg.rollout.max_concurrent_rollouts, (w.staleness + 1) * w.prompts) * w.group
         want = max(1, -(-admitted // inf.dp))
-        mem = server_memory(cfg, inf, self.f, want, seq, self.hw.server_base)
+        mem = server_memory(cfg, inf, self.f, want, seq, self.hw.server_base,
+                            max_seq_tokens=self.max_prompt + w.decode_iters,
+                            push_mode=self.push_mode())
         gen = T.generation_time(self.f, self.hw, w, inf.backend, inf.dp, inf.tp, inf.pp,
                                 cfg.rollout.max_concurrent_rollouts, mem.concurrency or 1, cfg.cluster.device)
         return gen, mem
@@ -127,11 +131,15 @@ class _Planner:
         inter = len(_nodes(self.actor)) > 1
         return T.train_time(self.cfg, self.actor, self.f, self.hw, self.w, threads, inter)
 
-    def sync(self):
+    def push_mode(self) -> str:
         cfg, plan = self.cfg, self.plan
         backends = [p.backend for p in plan.inferences]
-        mode = resolved_weight_update(cfg.rollout.weight_update, backends, self.f.lora_rank > 0,
+        return resolved_weight_update(cfg.rollout.weight_update, backends, self.f.lora_rank > 0,
                                       shared_gpu=plan.colocated and cfg.cluster.device == "cuda")
+
+    def sync(self):
+        cfg, plan = self.cfg, self.plan
+        mode = self.push_mode()
         cross = bool(self.inf is not None and _nodes(self.inf) - {self.actor.placement[0][0]})
         return T.sync_time(cfg, plan, self.f, self.hw, mode, cross)
 
@@ -224,10 +232,14 @@ class _Planner:
             out.append(ComponentPlan(p.name, "inference", p.backend, f"d{p.dp}t{p.tp}p{p.pp}", p.n_devices,
                                      util, mem, busy))
         for t in self.plan.trains:
-            mem = trainer_memory(self.cfg, t, self.f, self.hw.process_base_gb)
+            par = t.parallel
+            # A rank's tokens per minibatch at the mean lengths: packing fills micro-batches up to the budget,
+            # so the fullest one (the peak) holds the budget or, when one is enough, all of them.
+            mean_rank = self.w.samples * self.w.seq_tokens / (par.dp * self.cfg.algo.ppo_n_minibatches)
+            mean_mb = min(float(t.micro_batch.tokens_per_mb), mean_rank)
+            mem = trainer_memory(self.cfg, t, self.f, self.hw.process_base_gb, mean_mb_tokens=mean_mb)
             busy = steps.train_s + steps.sync_s if t is self.actor else 0.0
             util = min(1.0, busy / steps.step_s) if steps.step_s > 0 else 0.0
-            par = t.parallel
             out.append(ComponentPlan(t.name, "train", t.backend, f"d{par.dp}t{par.tp}p{par.pp}c{par.cp}",
                                      t.n_devices, util, mem, busy))
         return out
@@ -258,8 +270,9 @@ class _Planner:
 
 
 def plan_config(cfg, plan, profile: HardwareProfile, *, prompt_tokens: float | None = None,
-                new_tokens: float | None = None) -> RunPlan:
+                new_tokens: float | None = None, max_prompt_tokens: int | None = None) -> RunPlan:
     """The cost model of ``cfg`` as validated into ``plan`` (``config.validate.validate(cfg)``) on ``profile``.
     ``prompt_tokens``/``new_tokens``: mean lengths when known (default: half of ``dataset.max_prompt_len``
-    and all of ``rollout.gconfig.max_new_tokens``)."""
-    return _Planner(cfg, plan, profile, prompt_tokens, new_tokens).run()
+    and all of ``rollout.gconfig.max_new_tokens``); ``max_prompt_tokens``: the longest prompt (default: the
+    cap). ``planner.lengths.dataset_prompt_lengths`` reads both from the run's dataset."""
+    return _Planner(cfg, plan, profile, prompt_tokens, new_tokens, max_prompt_tokens).run()

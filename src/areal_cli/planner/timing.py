@@ -241,6 +241,8 @@ def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threa
     flops = (6 * fb + 2 * fwd) * (n_act + attn) * tokens
     rate = flops_rate(hw, threads) * hw.train_mfu
     compute = flops / (world * rate)
+    if par.tp > 1:
+        compute /= hw.tp_token_eff
     # Per minibatch per data-parallel rank. Packing fills each micro-batch's token budget with the real
     # sequences, so with the mean lengths the count is the rank's tokens over the budget; validation's
     # count assumes every sequence at its cap, the most it can be.
@@ -257,7 +259,8 @@ def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threa
     tp_comm = cp_comm = 0.0
     if par.tp > 1:
         per_layer = 2 * rank_tokens * f.hidden * pb * 2 * (par.tp - 1) / par.tp / intra
-        tp_comm = passes * layers_stage * (per_layer + 2 * total_mbs * hw.collective_s)
+        # per micro-batch and layer: two collectives' latency, or what a calibrated host measured in all
+        tp_comm = passes * layers_stage * (per_layer + total_mbs * max(2 * hw.collective_s, hw.tp_layer_s))
     if par.cp > 1:
         kv = 2 * f.kv_heads * f.head_dim
         cp_comm = passes * layers_stage * (rank_tokens * kv * pb * (par.cp - 1) / intra

@@ -1,5 +1,5 @@
 """``areal plan --calibrate`` for real, in quick mode: the built-in hf server decoding a tiny model, gloo between
-two processes, a fresh interpreter's memory; then the saved profile is what ``cluster.hardware=auto`` finds.
+two processes, a running training rank's memory; then the saved profile is what ``cluster.hardware=auto`` finds.
 
 Slow (~30-60 s on two cores, mostly the server's and the two ranks' start-up): ``pytest -m slow``."""
 
@@ -47,8 +47,18 @@ def test_quick_calibration_measures_this_host_and_plans_pick_it_up(calibrated, c
     assert raw["allreduce_backend"] == "gloo" and raw["allreduce_latency_s"] > 0
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024 ** 3
     assert p["mem_gb"] == pytest.approx(ram)
-    # a fresh process with torch and the trainer imported: more than the bare interpreter, far less than RAM
-    assert 0.05 < p["process_base_gb"] < min(4.0, ram) and 0.05 < raw["server_rss_gb"] < 4.0
+    # a running training rank (the FSDP engine built and stepped) holds more than a process that only
+    # imported the trainer; its base is its high-water mark less the tiny model's states
+    assert 0.05 < raw["imports_base_gb"] < p["process_base_gb"] < min(4.0, ram) and 0.05 < raw["server_rss_gb"] < 4.0
+    assert p["process_base_gb"] == pytest.approx(
+        raw["rank_hwm_gb"] - raw["rank_model_params"] * 16 / 1024 ** 3, abs=1e-3)
+    # the t2 engine (archon over gloo) against d1 at the same micro-batches: a larger one takes longer on
+    # both, and the profile's TP terms are what the two give
+    for steps in (raw["tp2_step_s"], raw["d1_step_s"]):
+        assert steps["32x48"] > steps["1x48"] > 0
+    assert p["tp_layer_s"] == pytest.approx(
+        max(0.0, raw["tp2_step_s"]["1x48"] - raw["d1_step_s"]["1x48"]) / 6)
+    assert 0.05 <= p["tp_token_eff"] <= 1.0
     # decode: longer generations take longer, and batching makes each token cheaper
     t = raw["decode_times_s"]
     assert t["b1_n32"] > t["b1_n4"] and t["b8_n32"] > t["b8_n4"]

@@ -108,8 +108,9 @@ def test_process_memory_includes_the_process_base():
     for c in rp.components:
         m = c.memory
         assert m.process_gb >= hw.process_base_gb
+        base = hw.process_base_gb if c.kind == "train" else hw.server_base
         assert m.process_gb == pytest.approx(m.weights_gb + m.grads_gb + m.optim_gb + m.activations_gb
-                                             + m.kv_cache_gb + hw.process_base_gb)
+                                             + m.kv_cache_gb + m.buffers_gb + base)
 
 
 def test_known_lengths_replace_the_caps():
@@ -146,3 +147,51 @@ def test_bottleneck_names_the_pool_and_the_resource():
     assert "trainer idles" in gen_bound.bottleneck
     train_bound = planned(*EXAMPLE, "rollout.gconfig.max_new_tokens=64")
     assert train_bound.bottleneck.startswith("training on 'megatron'")
+
+
+def test_typical_trainer_memory_scales_activations_to_the_mean_lengths():
+    one_mb = ("engine.max_tokens_per_mb=100000",)  # every sequence in one micro-batch
+    caps = comp(planned(*one_mb, hw="cpu", prompt_tokens=64, new_tokens=16), "train").memory
+    short = comp(planned(*one_mb, hw="cpu", prompt_tokens=16, new_tokens=8), "train").memory
+    assert caps.expected_gb == pytest.approx(caps.process_gb)  # at the caps the typical step is the bound
+    assert short.process_gb == pytest.approx(caps.process_gb)  # the bound does not move with the lengths
+    share = (16 + 8) / (64 + 16)
+    assert short.expected_gb == pytest.approx(short.process_gb - short.activations_gb * (1 - share))
+    # several micro-batches: packing fills the fullest one to the budget whatever the mean length
+    split = comp(planned("engine.max_tokens_per_mb=2048", hw="cpu", prompt_tokens=16, new_tokens=8), "train")
+    assert split.memory.expected_gb == pytest.approx(split.memory.process_gb)
+
+
+def test_the_hf_server_counts_its_fused_copy_slabs_and_push_staging():
+    from areal_cli.allocation.estimate import GiB, ModelFacts
+
+    dist = planned("rollout.weight_update=distributed", hw="cpu")
+    disk = planned("rollout.weight_update=disk", hw="cpu")
+    cfg, _ = compose_and_validate([])
+    f = ModelFacts.from_config(cfg.model)
+    w = f.total_params() * 4
+    fused = w - f.vocab * f.hidden * (1 if f.tied else 2) * 4
+    assert comp(disk, "inference").memory.buffers_gb == pytest.approx(fused / GiB)
+    assert comp(dist, "inference").memory.buffers_gb == pytest.approx((fused + 2 * w) / GiB)
+    # CUDA: no fast path (no fused copy); SGLang reserves its fraction and stages nothing of ours
+    gpu = planned(*EXAMPLE)
+    assert comp(gpu, "inference").memory.buffers_gb == 0.0
+
+
+def test_slab_length_doubles_from_64_to_hold_the_longest_row():
+    from areal_cli.planner.memory import _slab_len
+
+    assert [_slab_len(n) for n in (1, 64, 65, 80, 128, 129, 1000)] == [64, 64, 128, 128, 128, 256, 1024]
+
+
+def test_a_calibrated_tp_overhead_slows_tp_layouts_only():
+    from dataclasses import replace
+
+    t2 = ("cluster.n_gpus_per_node=3", "engine=archon", "allocation_mode=hf:d1+t2")
+    d2 = ("cluster.n_gpus_per_node=3", "allocation_mode=hf:d1+d2")
+    hw = get_profile("cpu")
+    slow = replace(hw, tp_layer_s=0.02, tp_token_eff=0.5)
+    a, b = planned(*t2, hw=hw).terms["train"], planned(*t2, hw=slow).terms["train"]
+    assert b["compute_s"] == pytest.approx(2 * a["compute_s"])
+    assert b["tp_comm_s"] > a["tp_comm_s"]
+    assert planned(*d2, hw=slow).step.train_s == pytest.approx(planned(*d2, hw=hw).step.train_s)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_cli.inference.server import decode_kernel, lora
+from areal_cli.utils import host_memory
 
 log = logging.getLogger("areal_cli.hf_server")
 
@@ -198,6 +199,7 @@ class FastRunner:
         head = self.model.get_output_embeddings()
         self.lm_head = _Linear(head.weight.detach(), getattr(head, "bias", None))
         self._weights_key = key
+        host_memory.release()  # the previous fused copy, freed under live tensors (utils/host_memory.py)
 
     # ------------------------------------------------------------------ cache bookkeeping
     @property
@@ -227,6 +229,9 @@ class FastRunner:
             else:
                 self._k.append(k)
                 self._v.append(v)
+        # The smaller slabs just freed came from the heap (below glibc's dynamic mmap threshold) and would
+        # stay resident under later allocations: give their pages back.
+        host_memory.release()
 
     @torch.inference_mode()
     def keep(self, idx: list[int]) -> None:
