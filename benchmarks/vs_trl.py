@@ -25,7 +25,7 @@ printed last. Accuracy is evaluated on round 1's checkpoints.
 Threads: TRL runs in one process with all cores (``torch.set_num_threads(os.cpu_count())``);
 areal runs its server, its trainer and its rollout worker as one process each, torch at one thread,
 except the trainer's RL steps, which take the cores the servers leave idle (the default layout:
-docs/train.md, "Threads of the train step").
+docs/train.md, "Threads of the train step"; measured: benchmarks/results/train_threads.md).
 
     python benchmarks/vs_trl.py                      # the default: 3 rounds of 40 steps, 8 prompts x 8, 16 tokens
     python benchmarks/vs_trl.py --steps 10 --warm DIR   # reuse a warm-start HF dir
@@ -200,7 +200,7 @@ def main() -> None:
                     help="SFT learning rate of the big model's warm start (the tiny model's 2e-3 is too high for it)")
     ap.add_argument("--big-lr", type=float, default=5e-5,
                     help="RL learning rate of the realistic row (both systems; 1e-4 is already too large for on-policy "
-                         "GRPO on this model: docs/train.md)")
+                         "GRPO on this model: benchmarks/results/vs_trl.md)")
     ap.add_argument("--big-target", type=float, default=None,
                     help="held-out accuracy the realistic row must reach (default: its warm start + 10 points)")
     ap.add_argument("--fileroot", default=None)

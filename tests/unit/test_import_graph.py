@@ -3,8 +3,9 @@
 The walk is static (``ast``): every ``import``/``from`` statement of every module under
 ``src/areal_cli``, resolved to the package's own modules (``from pkg import name`` is an edge to the
 module ``pkg.name`` when that is a module, else to ``pkg``). Function-level (lazy) imports count as
-well: a lazy import only changes *when* a module is loaded, not that two modules need each other, and
-the layout keeps one direction between folders (docs/architecture.md, "Layout"). Imports under
+well: a lazy import only changes *when* a module is loaded, not that two modules need each other.
+Between folders imports may go both ways (through different modules); docs/architecture.md, "Layout",
+lists what each folder imports, and a test here keeps that table equal to the code. Imports under
 ``if TYPE_CHECKING:`` never run and are left out. Parent packages are not added as edges: importing
 ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, but they are already in ``sys.modules``
 when a sibling is loaded from inside them, so that is not a cycle Python trips over.
@@ -13,12 +14,14 @@ when a sibling is loaded from inside them, so that is not a cycle Python trips o
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+ARCHITECTURE = SRC.parent / "docs" / "architecture.md"
 
 
 def package_modules(src: Path, package: str) -> dict[str, Path]:
@@ -132,3 +135,42 @@ def test_cli_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def folder_imports(src: Path, package: str) -> dict[str, set[str]]:
+    """Folder (or top-level module, as ``registry.py``) → the others it imports, ``errors.py`` left out."""
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        if len(parts) == 1:
+            return None
+        return parts[1] if (src / package / parts[1]).is_dir() else parts[1] + ".py"
+
+    out: dict[str, set[str]] = {}
+    for module, targets in import_graph(src, package).items():
+        a = folder(module)
+        if a is None:
+            continue
+        out.setdefault(a, set()).update(b for t in targets if (b := folder(t)) not in (None, a, "errors.py"))
+    return out
+
+
+def test_architecture_layout_table_is_the_import_graph():
+    """docs/architecture.md's folder table names every folder and exactly the folders each imports, and
+    its list of pairs that import each other is complete: a new import across folders updates the doc."""
+    text = ARCHITECTURE.read_text()
+    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)/` \|.*\| ([^|]*) \|$", layout, flags=re.MULTILINE)
+    doc = {name: set(re.findall(r"`([\w.]+)`", cell)) for name, cell in rows}
+    real = {f: deps for f, deps in folder_imports(SRC, "areal_cli").items() if not f.endswith(".py")}
+    assert set(real) <= set(doc), f"folders missing from the table: {sorted(set(real) - set(doc))}"
+    assert set(doc) - set(real) <= {"conf"}, f"table rows with no such package: {sorted(set(doc) - set(real))}"
+    wrong = {f: {"doc": sorted(doc[f]), "code": sorted(real[f])} for f in real if doc[f] != real[f]}
+    assert not wrong, f"architecture.md's 'imports' column differs from the code: {wrong}"
+
+    both = {frozenset((a, b)) for a in real for b in real[a] if b in real and a in real[b]}
+    listed = set()
+    for left, rights in re.findall(r"^- `(\w+)/` ↔ (.*?):?$", layout, flags=re.MULTILINE):
+        for right in re.findall(r"`(\w+)/`", rights.split(":", 1)[0]):
+            listed.add(frozenset((left, right)))
+    assert listed == both, {"listed, not in the code": sorted(map(sorted, listed - both)),
+                            "in the code, not listed": sorted(map(sorted, both - listed))}

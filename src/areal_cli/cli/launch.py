@@ -3,7 +3,7 @@
 1. prepare the built-in model, or fetch a hub model into the HF cache (launcher=local: here, before
    validation reads its config.json; cluster launchers: each node fetches it, this process pins the
    revision to a commit), check the dataset files (before anything starts);
-2. check the run dir's storage (full probe from areal_cli.storage when available, else writable);
+2. check the run dir's storage (writable, then areal_cli.storage's probe unless ``skip_storage_check``);
 3. write ``config.yaml`` and ``launch.json`` (layout + model path) into the run dir;
 4. hand the layout to the launcher named by ``launcher.name`` and show the live view while it runs;
 5. print the summary table and write ``learning_curve.png`` and ``summary.json``.
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import ConfigError, StorageError
+from areal_cli.storage import run_storage_check
 
 # Files a fresh (resume=none) run replaces; anything else in the run dir is left alone.
 RUN_STATE = ("metrics.jsonl", "status.json", "servers", "recover", "checkpoints", "sft_warmup",
@@ -42,13 +43,9 @@ def check_run_dir_writable(run_dir: str) -> None:
 
 
 def check_storage(cfg: Any, run_dir: str) -> None:
-    """The shared-storage probe when the storage package provides it, else a writability check."""
+    """The run dir must be writable; then the shared-storage probe, unless ``skip_storage_check``."""
     check_run_dir_writable(run_dir)
     if cfg.skip_storage_check:
-        return
-    try:
-        from areal_cli.storage import run_storage_check
-    except ImportError:
         return
     run_storage_check(cfg, run_dir)
 

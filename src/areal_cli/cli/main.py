@@ -1,7 +1,7 @@
 """``areal`` entry point: a typer app whose commands live one per module in this package.
 
-Command modules expose ``register(app)`` (or a function named like the module plus ``HELP``). Adding a command is one line in ``COMMANDS``; a listed
-module that is not installed yet is skipped. Nothing here imports torch, Hydra or rich at import
+Command modules expose ``register(app)`` (or a function named like the module plus ``HELP``). Adding a command is one line in ``COMMANDS``.
+Nothing here imports torch, Hydra or rich at import
 time: ``areal --help`` stays instant. User errors (``ArealError``) become one red line on stderr
 (plus caret lines for spec parse errors) and exit 1; usage errors exit 2; never a traceback
 (set ``AREAL_DEBUG=1`` to see one for internal errors, which exit 3).
@@ -72,12 +72,7 @@ def build_app(only: str | None = None):
         names = [only.replace("-", "_")]
     for name in names:
         modname = f"areal_cli.cli.{name}"
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as exc:
-            if exc.name == modname:
-                continue  # command not written yet
-            raise
+        mod = importlib.import_module(modname)
         register = getattr(mod, "register", None)
         if callable(register):
             register(app)

@@ -40,8 +40,6 @@ from areal_cli.registry import load_plugins
 from areal_cli.rewards.registry import check_reward_name
 from areal_cli.rollout.workflows import check_workflow_config
 
-# Extra rules other modules can register: fn(cfg, plan) raising ConfigError or appending warnings.
-EXTRA_RULES: list[Callable[[ExperimentConfig, Plan], None]] = []
 CHOICES = {
     "cluster.device": ("cpu", "cuda"),
     "engine.dtype": ("float32", "bfloat16"),
@@ -50,12 +48,6 @@ CHOICES = {
     "rollout.weight_update": ("auto", "distributed", "disk"),
     "rollout.routing": ("least_loaded", "round_robin"),
 }
-
-
-def register_rule(fn: Callable[[ExperimentConfig, Plan], None]) -> Callable:
-    """Add a validation rule (e.g. algorithm-specific checks); returns ``fn`` for decorator use."""
-    EXTRA_RULES.append(fn)
-    return fn
 
 
 def _get(cfg: ExperimentConfig, path: str):
@@ -410,8 +402,6 @@ def validate(cfg: ExperimentConfig) -> Plan:
     check_dataset(cfg, plan)  # files, columns and knobs of the dataset group (data/checks.py)
     validate_algo_config(cfg.algo)
     validate_group_size(cfg.algo, cfg.rollout.group_size)
-    for rule in EXTRA_RULES:
-        rule(cfg, plan)
     if auto_error is not None:
         raise auto_error
     check_packages(cfg, plan)  # last: a config mistake is named before a missing package (config/packages.py)

@@ -186,12 +186,6 @@ def trainable_engines() -> list[str]:
     return [n for n, s in ENGINE_SPECS.items() if s.trainable]
 
 
-def register_engine(spec: EngineSpec) -> None:
-    """Register a backend spec under ``spec.name`` (in-process only: child processes see built-ins
-    and import paths, so a plugin meant for ``areal train`` is named by its import path)."""
-    ENGINE_SPECS[spec.name] = spec
-
-
 def get_engine_cls(name: str):
     """The TrainEngine subclass for ``name``; a typed error for a planned or unknown backend."""
     spec = get_engine_spec(name)

@@ -60,10 +60,6 @@ def varlen_is_cheaper(lens: "list[int]", total: int) -> bool:
     return bool(lens) and len(lens) * max(lens) ** 2 < total * total
 
 
-def get_ulysses_group() -> "dist.ProcessGroup | None":
-    return _STATE["group"]
-
-
 def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

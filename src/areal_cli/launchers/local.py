@@ -64,7 +64,7 @@ def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool,
     core: an async step took 12 s instead of 1.2. Sleeping at once (0 spins) is best for RL steps, but
     the SFT warm start's small steps lose 30% to waking sleeping workers, and the policy is fixed for the
     process, so a run with a warm start keeps 20k spins (its speed unchanged, RL gains less).
-    Measured in docs/train.md ("Threads of the train step")."""
+    Measured in benchmarks/results/train_threads.md."""
     from areal_cli.utils.concurrency import cores_per_rank
 
     n = cores_per_rank(nproc_per_node) if device == "cpu" else 1

@@ -80,7 +80,7 @@ class StepThreads:
     does too when its batch was already waiting (the servers are ahead and idle for the rest of the
     step), and stays on one thread after a step that waited for its batch: generation is then the
     bottleneck, and a second trainer thread would take the server's core. With ``shared=False`` (no
-    server on this node) every step takes them. Measured in docs/train.md ("Threads of the train step")."""
+    server on this node) every step takes them. Measured in benchmarks/results/train_threads.md."""
 
     WAIT_FRACTION = 0.1
 

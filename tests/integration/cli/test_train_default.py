@@ -1,7 +1,7 @@
 """The embedded default, end to end: `areal train` with no arguments must learn.
 
 Slow (several minutes on 2 cores): `pytest -m slow tests/integration/cli/test_train_default.py`.
-The wall time is printed, never asserted (house rule); docs/train.md records measured figures.
+The wall time is printed, never asserted (house rule); docs/embedded_default.md records measured figures.
 """
 
 from __future__ import annotations

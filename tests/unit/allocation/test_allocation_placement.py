@@ -192,19 +192,3 @@ def test_param_counts_match_published_sizes():
         assert abs(got - n) / n < 0.03, (name, got)
 
 
-def test_registered_rules_run_after_the_builtin_ones(monkeypatch):
-    from areal_cli.config import validate as v
-
-    seen = []
-
-    def rule(cfg, plan):
-        seen.append(plan.spec)
-        if cfg.algo.name == "dapo" and not cfg.algo.dynamic_sampling:
-            raise ConfigError("algo.dynamic_sampling", "dapo needs dynamic sampling", "set it to true")
-
-    monkeypatch.setattr(v, "EXTRA_RULES", [])
-    v.register_rule(rule)
-    plan_of()
-    assert seen == ["hf:d1+fsdp:d1"]
-    with pytest.raises(ConfigError, match="dynamic sampling"):
-        plan_of("algo=dapo", "algo.dynamic_sampling=false")

@@ -61,18 +61,6 @@ def load_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def to_generation_config(settings: Any, **overrides: Any) -> GenerationConfig:
-    """Build a :class:`GenerationConfig` from ``rollout.gconfig`` (or any object with the same fields)."""
-    if isinstance(settings, GenerationConfig):
-        return settings.new(**overrides)
-    fields = ("temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop", "greedy")
-    kw = {f: getattr(settings, f) for f in fields if hasattr(settings, f)}
-    if "stop" in kw:
-        kw["stop"] = list(kw["stop"])
-    kw.update(overrides)
-    return GenerationConfig(**kw)
-
-
 def with_eos_stop(gconfig: GenerationConfig, tokenizer: Any) -> GenerationConfig:
     """Single-sample copy of ``gconfig`` that also stops on the tokenizer's eos token."""
     stops = list(gconfig.stop_token_ids)
