@@ -54,6 +54,8 @@ class Interaction:
     parent_id: str | None = None
     token_parent_id: str | None = None
     retokenized: bool = False  # the prompt ids differ from a fresh render of the messages
+    render_diff_at: int | None = None  # the first prompt position where a fresh render differs
+    rewritten_history: bool = False  # the template renders earlier turns otherwise than they were sampled
     reward: float | None = None
     discounted: float | None = None
     response: Any = None  # the SDK object returned to the agent

@@ -12,18 +12,27 @@ Every call lands in :attr:`ArealOpenAI.cache`
 (:class:`~areal_cli.rollout.interaction_cache.InteractionCache`).
 
 Prompt construction (``prompt_mode``):
-- ``"continue"`` (default): when an earlier call of the episode is this call's message parent and
-  the template is append-only for that step, the prompt is the parent's *real* ids (prompt + output)
-  followed by the template's rendering of what came after the assistant turn (its turn-closing
-  text, tool results, the next generation header). Decoding and re-encoding the model's output
-  would give other ids (retokenization drift: other logprobs, a KL spike); here the ids the model
-  produced are the ids it is trained on, and ``Interaction.retokenized`` records whether a fresh
-  render would have differed. A parent cut at ``length`` gets the end-of-turn token added (masked).
+- ``"continue"`` (default): when an earlier call of the episode is this call's message parent, the
+  prompt is the parent's *real* ids (prompt + output) followed by the template's rendering of what
+  came after the assistant turn (its turn-closing text, tool results, the next generation header).
+  Decoding and re-encoding the model's output would give other ids (retokenization drift: other
+  logprobs, a KL spike); here the ids the model produced are the ids it is trained on. This holds for
+  templates that rewrite earlier turns too (Qwen3 drops ``<think>…</think>`` from turns before the
+  last user query, and the empty think block of its ``enable_thinking=False`` header): the new text
+  is taken from the full render after the parent's turn, located by its count of end-of-turn markers,
+  so the episode stays one token chain (one row) and the re-rendered history is never trained.
+  ``Interaction.retokenized`` / ``render_diff_at`` record whether and where a fresh render would have
+  differed; ``rewritten_history`` that the template re-rendered earlier turns differently.
+  A parent cut at ``length`` gets the end-of-turn token added (masked).
   A parent that stopped on a ``stop`` string is closed the same way: its ids (the stop string's
   tokens included: the model sampled them, and they are trained) get the end-of-turn token (masked)
   and the template's closing text, so the context reads ``…output<|im_end|>\n<|im_start|>user…`` as
   the template renders the turn, not ``…output\n<|im_start|>user…``.
 - ``"template"``: always a fresh render of the messages (then calls are only message-linked).
+
+Request fields beyond ``create``'s named parameters: those without effect on generation by OpenAI's
+semantics (``NO_EFFECT_FIELDS``: ``user``, ``metadata``, ...) are accepted, every other one is a 400
+naming it (never silently ignored); ``extra_body``'s keys count as top-level fields, as over HTTP.
 
 Errors surface as the ``openai`` SDK's own exceptions with the status a server would have answered
 (``rollout/openai_errors.py``): a malformed request, or one the inference server refused (a prompt over its
@@ -62,6 +71,67 @@ log = logging.getLogger(__name__)
 
 def _given(v: Any) -> bool:
     return v is not None and not isinstance(v, (openai.NotGiven, openai.Omit))
+
+
+# Chat-completion fields beyond the named parameters of ``create``. A field is honoured, accepted because
+# by OpenAI's own semantics it has no effect on what is generated, or refused with a 400 naming it; none
+# is silently ignored (an agent asking for a sampling knob must not train on samples drawn without it).
+NO_EFFECT_FIELDS = {
+    "user": "an end-user id (abuse tracking)",
+    "safety_identifier": "an end-user id (abuse tracking)",
+    "metadata": "tags for stored completions",
+    "service_tier": "the processing tier (latency and price)",
+    "prompt_cache_key": "a prompt-cache routing hint",
+    "prompt_cache_retention": "how long a prompt cache is kept",
+    "return_token_ids": "the token fields are always returned",
+    "extra_headers": "transport option",
+    "extra_query": "transport option",
+    "timeout": "transport option",
+}
+# refused in ``openai_compat.refuse_unsupported`` when set to something the server cannot honour
+_REFUSED_THERE = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "response_format",
+                  "audio", "prediction", "web_search_options")
+_WHY_NOT = {
+    "reasoning_effort": "the chat template decides whether the model thinks (chat_template_kwargs, e.g. "
+                        "{'enable_thinking': false} in extra_body)",
+    "verbosity": "it has no meaning for this model",
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+    "tool_call_parser": "set it on the client (ArealOpenAI(tool_call_parser=...) / AgentProxy(..., "
+                        "tool_call_parser=...))",
+    "modalities": "only ['text'] is generated",
+}
+
+
+def refuse_unknown_fields(kwargs: dict) -> None:
+    """400 for a chat-completion field that is neither honoured nor without effect (module table)."""
+    from areal_cli.inference.server.schema import BadRequest
+
+    for k, v in kwargs.items():
+        if not _given(v) or k in NO_EFFECT_FIELDS or k in _REFUSED_THERE:
+            continue
+        if k == "modalities" and plain(v) == ["text"]:
+            continue
+        why = _WHY_NOT.get(k, "this client does not implement it")
+        raise BadRequest(f"{k}={v!r} is not supported: {why}; it is refused rather than ignored so that "
+                         "sampling is what the trainer assumes")
+
+
+def _merge_extra_body(args: dict, kwargs: dict) -> dict:
+    """``create``'s arguments with ``extra_body``'s keys at the top level, as the SDK sends them to a
+    server (the proxy receives them there too), except ``chat_template_kwargs``, which stays in it."""
+    from areal_cli.inference.server.schema import BadRequest
+
+    extra = args.get("extra_body")
+    out = {**args, **kwargs}
+    if not _given(extra):
+        return out
+    extra = plain(extra)
+    if not isinstance(extra, dict):
+        raise BadRequest(f"extra_body must be an object, got {type(extra).__name__}")
+    out["extra_body"] = {k: v for k, v in extra.items() if k == "chat_template_kwargs"}
+    out.update({k: v for k, v in extra.items() if k != "chat_template_kwargs"})
+    return out
 
 
 def _check_request(model: Any, limit: Any, temperature: Any, top_p: Any, stop: Any, seed: Any, stream: Any,
@@ -119,7 +189,7 @@ class _Completions:
                      **kwargs: Any) -> Any:
         args = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
         try:
-            return await self._create(**args, **kwargs)
+            return await self._create(**_merge_extra_body(args, kwargs))
         except Exception as e:
             err = sdk_error(self._c, e, "/chat/completions")
             if err is None or err is e:
@@ -134,6 +204,7 @@ class _Completions:
         if _given(n) and n != 1:
             raise ValueError(f"n={n}: the in-process client makes one completion per call (each call is one "
                              "interaction in the cache); call create() n times")
+        refuse_unknown_fields(kwargs)
         refuse_unsupported({**{k: v for k, v in kwargs.items() if _given(v)},
                             "top_logprobs": top_logprobs if _given(top_logprobs) else None})
         limit = max_completion_tokens if _given(max_completion_tokens) else max_tokens
@@ -224,34 +295,60 @@ class ArealOpenAI(openai.AsyncOpenAI):
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _prompt(self, msgs: list[dict], tools: list[dict] | None, kw: dict
-                ) -> tuple[list[int], Interaction | None, Interaction | None, bool]:
-        """``(prompt ids, message parent, token parent, retokenized)``."""
+                ) -> tuple[list[int], Interaction | None, Interaction | None, int | None, bool]:
+        """``(prompt ids, message parent, token parent, first position where a fresh render differs,
+        whether the template rewrote earlier turns)``."""
         full_text = self._render(msgs, tools, True, kw)
         fresh = self._encode(full_text)
         parent = self.cache.find_parent(msgs)
         if parent is None or self.prompt_mode != "continue" or parent.tools != tools:
-            return fresh, parent, None, False
-        p_text = self._render(parent.messages, tools, True, kw)
-        asst = _template_message(parent.output_message)
-        a_text = self._render(parent.messages + [asst], tools, False, kw)
-        if not (a_text.startswith(p_text) and full_text.startswith(a_text)):
-            log.warning("chat template is not append-only here (e.g. it rewrites earlier turns); call %s "
-                        "gets a fresh render of its messages and starts a new trained row", parent.id)
-            return fresh, parent, None, False
-        turn, tail = a_text[len(p_text):], full_text[len(a_text):]
-        eos_tok = self.tokenizer.eos_token
-        cut = turn.rfind(eos_tok) if eos_tok else -1
-        close = turn[cut + len(eos_tok):] if cut >= 0 else ""
+            return fresh, parent, None, None, False
+        split = self._after_turn(msgs, len(parent.messages), tools, kw, full_text)
+        if split is None:
+            log.warning("the chat template's rendering of call %s's assistant turn cannot be located in the "
+                        "next render; that call gets a fresh render of its messages and starts a new "
+                        "trained row", parent.id)
+            return fresh, parent, None, None, False
+        close, tail, rewritten = split
         ids = list(parent.input_ids) + list(parent.output_ids)
         eos_id = self.tokenizer.eos_token_id
         # A turn the model did not close itself (cut at ``length``, or stopped on a stop string) is
         # closed for it as the template closes turns (masked: the model did not sample it). A
-        # template whose turns do not end with EOS (cut < 0) is closed with it only after ``length``.
+        # template whose turns do not end with EOS (no ``close``) is closed with it only after ``length``.
         unclosed = not parent.output_ids or parent.output_ids[-1] != eos_id
-        if eos_id is not None and unclosed and (cut >= 0 or parent.stop_reason == "length"):
+        if eos_id is not None and unclosed and (close is not None or parent.stop_reason == "length"):
             ids.append(int(eos_id))
-        ids += self._encode(close + tail)
-        return ids, parent, parent, ids != fresh
+        ids += self._encode((close or "") + tail)
+        return ids, parent, parent, _first_diff(ids, fresh), rewritten
+
+    def _after_turn(self, msgs: list[dict], k: int, tools: list[dict] | None, kw: dict, full_text: str
+                    ) -> tuple[str | None, str, bool] | None:
+        """Where the next prompt leaves the template's text for assistant turn ``msgs[k]`` (the parent's
+        output): ``(the turn's closing text after EOS, or None when turns do not end with EOS; the text
+        of everything after it in ``full_text``: the new messages and the generation header; whether
+        the template renders the earlier turns otherwise than they were sampled)``. None: not found.
+
+        Templates that rewrite history (Qwen3 drops ``<think>…</think>`` from assistant turns before
+        the last user query, and the empty ``<think>\n\n</think>\n\n`` its generation header adds
+        when ``enable_thinking`` is false) change the text *before* the turn's end, never the number of
+        turns: the turn ends at the same count of EOS markers in every render, so the text after that
+        marker is the template's rendering of only what is new, whatever it did to earlier turns."""
+        a_text = self._render(msgs[:k + 1], tools, False, kw)
+        p_text = self._render(msgs[:k], tools, True, kw)
+        appends = a_text.startswith(p_text) and full_text.startswith(a_text)
+        eos = self.tokenizer.eos_token
+        if not eos or eos not in a_text:
+            return (None, full_text[len(a_text):], False) if appends else None
+        close = a_text[a_text.rfind(eos) + len(eos):]
+        pos = -len(eos)
+        for _ in range(a_text.count(eos)):
+            pos = full_text.find(eos, pos + len(eos))
+            if pos < 0:
+                return None
+        rest = full_text[pos + len(eos):]
+        if not rest.startswith(close):
+            return None
+        return close, rest[len(close):], not appends
 
     # ------------------------------------------------------------------ generation
     async def _complete(self, msgs: list[dict], tools: list[dict] | None, choice: Any, parse: bool,
@@ -261,7 +358,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
         from openai.types.chat import ChatCompletion
 
         kw = dict(extra.get("chat_template_kwargs") or {})
-        ids, parent, tparent, drift = self._prompt(msgs, tools, kw)
+        ids, parent, tparent, diff_at, rewritten = self._prompt(msgs, tools, kw)
         budget = self.default_max_tokens if limit is None else int(limit)
         if self.max_total_tokens is not None:
             room = self.max_total_tokens - len(ids)
@@ -304,7 +401,8 @@ class ArealOpenAI(openai.AsyncOpenAI):
                 output_ids=out, logprobs=list(resp.output_logprobs), versions=list(resp.output_versions),
                 stop_reason=resp.stop_reason, output_message=_template_message(message),
                 parent_id=parent.id if parent else None, token_parent_id=tparent.id if tparent else None,
-                retokenized=drift, response=completion))
+                retokenized=diff_at is not None, render_diff_at=diff_at, rewritten_history=rewritten,
+                response=completion))
         return completion
 
     def _chunks(self, comp: Any, include_usage: bool) -> list[Any]:
@@ -327,6 +425,14 @@ class ArealOpenAI(openai.AsyncOpenAI):
             out.append(ChatCompletionChunk.model_validate({**base, "choices": [],
                                                            "usage": comp.usage.model_dump()}))
         return out
+
+
+def _first_diff(ids: list[int], fresh: list[int]) -> int | None:
+    """The first prompt position where ``fresh`` (a render of the messages) differs; None: equal."""
+    for i, (a, b) in enumerate(zip(ids, fresh)):
+        if a != b:
+            return i
+    return None if len(ids) == len(fresh) else min(len(ids), len(fresh))
 
 
 def _template_message(message: dict) -> dict:

@@ -17,7 +17,8 @@ and uses any OpenAI client unchanged.
 A chat call answers what the inference server answered: a request it refuses (a prompt over its
 context, malformed messages or tools, a field of the wrong type, ``top_logprobs`` > 0) is a 4xx with
 the server's message, never a 500, and the session and its connection stay usable;
-``logprobs: true`` is honoured (``choices[0].logprobs.content``). A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
+``logprobs: true`` is honoured (``choices[0].logprobs.content``); a field that is neither honoured nor
+without effect on generation is a 400 naming it (``openai_client.NO_EFFECT_FIELDS``). A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
 endpoint, is 403. A key only ever reaches its own session (the key *is* the session's identity).
 Sessions idle for longer than ``session_timeout_s`` are collected (on every request and by
 :meth:`AgentProxy.collect_idle`); collecting one returns its capacity unit to nobody (it was used).

@@ -239,3 +239,63 @@ def test_logprobs_in_process_and_through_the_proxy(server, tok, tool_model_dir, 
                                             logprobs=True, stream=True))
     streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in p.choices[0].logprobs.content]
+
+
+# ------------------------------------------------------------------------ fields beyond the named ones
+# (field, value, None: accepted (no effect on generation by OpenAI's semantics) | words of the 400)
+FIELDS = [
+    ("user", "user-7", None), ("metadata", {"run": "a"}, None), ("store", True, None),
+    ("service_tier", "auto", None), ("prompt_cache_key", "k", None), ("safety_identifier", "s", None),
+    ("modalities", ["text"], None),
+    ("presence_penalty", 0.5, "presence_penalty=0.5 is not supported"),
+    ("frequency_penalty", 0.5, "frequency_penalty=0.5 is not supported"),
+    ("logit_bias", {"5": 10}, "logit_bias is not supported"),
+    ("response_format", {"type": "json_object"}, "response_format other than"),
+    ("reasoning_effort", "low", "reasoning_effort='low' is not supported"),
+    ("verbosity", "low", "verbosity='low' is not supported"),
+    ("functions", [{"name": "add"}], "functions=[{'name': 'add'}] is not supported: use tools"),
+    ("function_call", "auto", "function_call='auto' is not supported"),
+    ("modalities", ["text", "audio"], "modalities=['text', 'audio'] is not supported"),
+    ("top_k", 5, "top_k=5 is not supported"),
+    ("tool_call_parser", "qwen3", "tool_call_parser='qwen3' is not supported"),
+]
+
+
+def test_request_fields_are_honoured_or_refused_alike(server, tok, proxy):
+    """Every chat-completion field beyond the named parameters is either accepted (no effect on what is
+    generated) or a 400 naming it, with the same message in-process (as a keyword argument) and
+    through the proxy (the real openai client, the field in the body)."""
+    from areal_cli.rollout.openai_client import ArealOpenAI
+
+    ask = {**GOOD, "max_tokens": 2}
+
+    def outcome(r):
+        if isinstance(r, openai.APIStatusError):  # the SDK prefixes a server's message with its status
+            return r.status_code, r.message.removeprefix(f"Error code: {r.status_code} - ")
+        return 200, r.choices[0].finish_reason in ("stop", "length")
+
+    async def in_process():
+        client, out = ArealOpenAI(_engine(server), tok), []
+        for field, value, _ in FIELDS:
+            try:
+                out.append(await client.chat.completions.create(**ask, **{field: value}))
+            except openai.APIStatusError as e:
+                out.append(e)
+        # the SDK's extra_body reaches the in-process client as it reaches a server: at the top level
+        with pytest.raises(openai.BadRequestError, match="top_k=3"):
+            await client.chat.completions.create(**ask, extra_body={"top_k": 3})
+        return out, len(client.cache)
+
+    here, stored = asyncio.run(in_process())
+    assert stored == sum(words is None for *_, words in FIELDS)  # refused calls leave no trace
+    sdk = openai.OpenAI(base_url=proxy.base_url, api_key=_session_key(proxy), max_retries=0)
+    for (field, value, words), r in zip(FIELDS, here):
+        try:
+            there = sdk.chat.completions.create(**ask, extra_body={field: value})
+        except openai.APIStatusError as e:
+            there = e
+        assert outcome(r) == outcome(there), (field, outcome(r), outcome(there))
+        if words is None:
+            assert outcome(r) == (200, True), field
+        else:
+            assert outcome(r)[0] == 400 and words in outcome(r)[1], (field, outcome(r))

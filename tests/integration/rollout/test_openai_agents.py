@@ -10,7 +10,7 @@ import json
 import httpx
 import openai
 import pytest
-from agent_helpers import ADD_TOOL, SYSTEM, make_tool_model, question
+from agent_helpers import ADD_TOOL, SYSTEM, make_tool_model, question, qwen3_tokenizer
 from hf_server_helpers import start_hf_server
 from support_paths import SUPPORT
 
@@ -270,6 +270,107 @@ def test_retokenization_drift_is_handled(random_server, tok):
     assert list(t.cache)[1].input_ids == list(tok.apply_chat_template(
         list(t.cache)[1].messages, add_generation_prompt=True, tokenize=True)["input_ids"])
     assert len(t.export_interactions("per_leaf")) == 2
+
+
+# Qwen3 with enable_thinking=False: every generation header ends with an empty think block that the
+# template drops when it re-renders the turn (and a render ending on an assistant turn adds one), so
+# no render of the conversation is a prefix of the next.
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+NEW_TEXT = ["\n<|im_start|>user\nUse the tool<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+            ("\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+             "<think>\n\n</think>\n\n")]
+
+
+async def _thinking_episode(client: openai.AsyncOpenAI) -> list:
+    """Three calls of the untrained model, a user turn and a tool turn between them, each sent back verbatim."""
+    msgs, out = question(3, 4), []
+    for i, after in enumerate(([{"role": "user", "content": "Use the tool"}],
+                               [{"role": "tool", "tool_call_id": "call_0", "content": "7"}], None)):
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=1.0,
+                                                 seed=21 + i, extra_body=NO_THINK)
+        out.append(r)
+        if after:
+            msgs = msgs + [r.choices[0].message.model_dump(exclude_none=True)] + after
+    return out
+
+
+def test_thinking_template_keeps_one_token_chain(random_server, tiny_model_dir):
+    """Through Qwen3's template, which rewrites earlier turns, a three-call episode is one row: each
+    prompt is the previous prompt, the ids the model sampled (closed with a masked EOS where it did not
+    close the turn) and the template's text for only the new messages; the loss mask is 1 exactly on the
+    sampled tokens, with their logprobs and versions. In-process and through the proxy alike;
+    ``prompt_mode="template"`` keeps fresh renders and one row per call."""
+    from areal_cli.rollout.interaction_cache import rows_to_tensors
+    from areal_cli.rollout.openai_client import ArealOpenAI
+    from areal_cli.rollout.proxy import AgentProxy, serve_proxy
+
+    tok = qwen3_tokenizer(tiny_model_dir)
+    eos = tok.eos_token_id
+
+    def fresh(msgs):
+        return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                            **NO_THINK["chat_template_kwargs"])["input_ids"])
+
+    def check_chain(calls, row):
+        first = calls[0]
+        assert first.input_ids == fresh(first.messages)
+        want = list(first.input_ids)
+        for prev, it, text in zip(calls, calls[1:], NEW_TEXT):
+            assert it.token_parent_id == prev.id and it.rewritten_history
+            want += prev.output_ids + ([eos] if prev.output_ids[-1] != eos else [])
+            want += tok.encode(text, add_special_tokens=False)
+            assert it.input_ids == want
+            # a render of the messages differs inside the earlier turns (the dropped think block), not
+            # only where the model's text re-encodes to other ids
+            assert it.retokenized and it.render_diff_at < len(prev.input_ids)
+            assert fresh(it.messages) != it.input_ids
+        assert row["ids"] == [it.id for it in calls]
+        d = rows_to_tensors([row], tok.pad_token_id, 0).data
+        last = calls[-1]
+        assert d["input_ids"][0].tolist() == last.input_ids + last.output_ids
+        mask = d["loss_mask"][0].tolist()
+        starts = [len(it.input_ids) for it in calls]
+        want_mask = [0] * len(mask)
+        for st, it in zip(starts, calls):
+            want_mask[st:st + len(it.output_ids)] = [1] * len(it.output_ids)
+        assert mask == [bool(m) for m in want_mask]
+        on = d["loss_mask"][0]
+        assert d["logprobs"][0][on].tolist() == pytest.approx([x for it in calls for x in it.logprobs])
+        assert d["versions"][0][on].tolist() == [v for it in calls for v in it.versions]
+        assert set(d["versions"][0][~on].tolist()) == {-1}
+
+    client = ArealOpenAI(_engine(random_server), tok)
+    replies = asyncio.run(_thinking_episode(client))
+    calls = list(client.cache)
+    rows = client.export_interactions("per_leaf")
+    assert len(rows) == 1
+    check_chain(calls, rows[0])
+    assert [r.choices[0].model_extra["token_ids"] for r in replies] == [it.output_ids for it in calls]
+
+    # the proxy runs the same code: one row with the same structure, through the real openai client
+    p = serve_proxy(AgentProxy(_engine(random_server), tok, admin_key="admin-secret"))
+    try:
+        sid, key = _session(p)
+        replies = asyncio.run(_thinking_episode(openai.AsyncOpenAI(base_url=p.base_url, api_key=key,
+                                                                   max_retries=0)))
+        assert httpx.post(f"http://{p.address}/rl/end_session",
+                          headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        prows = _admin(p, "/rl/export", session_id=sid, style="per_leaf").json()["rows"]
+    finally:
+        p.stop()
+    assert len(prows) == 1 and prows[0]["ids"] == [r.id for r in replies]
+    gen = [ids for ids, lp, _ in prows[0]["segments"] if lp is not None]
+    assert gen == [r.choices[0].model_extra["token_ids"] for r in replies]
+    gaps = [tok.decode(ids) for ids, lp, _ in prows[0]["segments"][1:] if lp is None]
+    assert [g.removeprefix(tok.eos_token) for g in gaps] == NEW_TEXT
+
+    # prompt_mode="template": today's fresh renders, message links only, one row per call
+    t = ArealOpenAI(_engine(random_server), tok, prompt_mode="template")
+    asyncio.run(_thinking_episode(t))
+    tcalls = list(t.cache)
+    assert all(it.input_ids == fresh(it.messages) and it.token_parent_id is None for it in tcalls)
+    assert [it.parent_id for it in tcalls[1:]] == [it.id for it in tcalls[:-1]]
+    assert len(t.export_interactions("per_leaf")) == 3
 
 
 def test_openai_agents_sdk_in_process(tool_server, tok):
