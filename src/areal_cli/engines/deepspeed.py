@@ -284,7 +284,6 @@ class DeepSpeedEngine(HFModelEngine):
         self._check(parallel)
         # fsdp's (dp, cp) mesh gives the dp and Ulysses groups; ZeRO partitions over all dp × cp ranks.
         self._meshes = par.build_meshes(parallel, self.device.type)
-        ulysses.set_ulysses_group(self._meshes.cp_group if parallel.cp > 1 else None)
         # engines/precision.py: a trained model's weights are fp32 (DeepSpeed's bf16 mode keeps the fp32
         # masters; the module holds bf16 copies), a forward-only one's are bf16 under bf16 compute.
         self.precision = precision.resolve(self.cfg.dtype, trainable=self.optim_cfg is not None)

@@ -34,7 +34,6 @@ import torch
 
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.engines import parallelize as par
-from areal_cli.engines import ulysses
 from areal_cli.engines.base import VALUE_HEAD_FILE  # noqa: F401  (re-exported: the critic's head file)
 from areal_cli.engines.hf_model import HFModelEngine, _full  # noqa: F401
 from areal_cli.errors import ConfigError
@@ -53,7 +52,6 @@ class FSDPEngine(HFModelEngine):
         self.parallel = parallel
         self.model_path = model_path
         self._meshes = par.build_meshes(parallel, self.device.type)
-        ulysses.set_ulysses_group(self._meshes.cp_group if parallel.cp > 1 else None)
         model, _ = self._build_meta_model(model_path)
         if parallel.cp > 1 and model.config.num_attention_heads % parallel.cp:
             raise ConfigError("allocation_mode", f"c{parallel.cp} does not divide num_attention_heads="

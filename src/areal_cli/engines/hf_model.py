@@ -114,9 +114,9 @@ class HFModelEngine(EngineBase):
         """
         max_len = mb["input_ids"].shape[1]
         cp = self.parallel.cp
-        # The attention function reads the group from module state; engines sharing a process
-        # (actor, reference, critic) may differ, so set it per call.
-        ulysses.set_ulysses_group(self.cp_group if cp > 1 else None)
+        # The attention function reads the group from the model's context (ulysses.AttnContext): set per
+        # call, as a model's layout is fixed but the context is bound to modules lazily.
+        ulysses.set_ulysses_group(self.model, self.cp_group if cp > 1 else None)
         if self._shares_prefix(output) and r3.prefix_shareable(mb):
             sp = packing.pack_shared(mb, loss_only=loss_only)
             if sp is not None:
@@ -125,10 +125,10 @@ class HFModelEngine(EngineBase):
             mult = max(1, self.cfg.pad_to_multiple_of) * self._seq_multiple()
             pk = packing.pack(mb, pad_to_multiple_of=mult, pad_token_id=self.pad_token_id)
             if self.cfg.attn_impl == FLASH or ulysses.varlen_is_cheaper(pk.lengths, pk.input_ids.shape[1]):
-                ulysses.set_varlen(pk.lengths, device=self.device)
+                ulysses.set_varlen(self.model, pk.lengths, device=self.device)
                 mask = None
             else:
-                ulysses.set_varlen(None)
+                ulysses.set_varlen(self.model, None)
                 mask = packing.packed_causal_mask(pk.seq_ids.to(self.device))
             group = self.cp_group if cp > 1 else None
             ids = ulysses.slice_for_rank(pk.input_ids, group, dim=1).to(self.device)
@@ -159,7 +159,7 @@ class HFModelEngine(EngineBase):
             lp = packing.unpack_shifted(ulysses.gather_seq(lp, group), pk, max_len)
             ent = packing.unpack_shifted(ulysses.gather_seq(ent, group), pk, max_len)
             return {"logprobs": lp, "entropy": ent}
-        ulysses.set_varlen(None)
+        ulysses.set_varlen(self.model, None)
         am = mb["attention_mask"].to(self.device)
         ids = mb["input_ids"].to(self.device)
         mask = packing.padded_causal_mask(am)
@@ -177,7 +177,7 @@ class HFModelEngine(EngineBase):
     def _forward_shared(self, sp: packing.SharedPack, mb: Batch, temperature: float) -> dict[str, torch.Tensor]:
         """Logprobs/entropy of a shared-prefix packed micro-batch (see :func:`packing.pack_shared`)."""
         dev = self.device
-        ulysses.set_varlen(sp.seg_lens, sp.seg_ids, device=dev)
+        ulysses.set_varlen(self.model, sp.seg_lens, sp.seg_ids, device=dev)
         r3.set_replay(self.model, r3.shared(mb, sp.input_ids))
         logits = self.model(input_ids=sp.input_ids.to(dev), position_ids=sp.position_ids.to(dev), use_cache=False,
                             logits_to_keep=sp.keep.to(dev),

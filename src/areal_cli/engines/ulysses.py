@@ -15,7 +15,7 @@ of size 1 it is that kernel alone, which makes sp=1 and sp>1 runs numerically co
 from __future__ import annotations
 
 import contextlib
-
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,16 +30,44 @@ ATTN_NAMES = {attn_impl.SDPA: "areal_ulysses_sdpa", attn_impl.EAGER: "areal_ulys
               attn_impl.FLASH: "areal_ulysses_fa2"}
 ATTN_NAME = ATTN_NAMES[attn_impl.SDPA]
 
-_STATE: dict[str, Any] = {"group": None, "varlen": None, "flash_mask": None}
+# The attribute every module of a model carries its :class:`AttnContext` under (the attention function is
+# handed the attention module, not the model or the engine).
+CTX_ATTR = "_areal_attn_ctx"
 
 
-def set_ulysses_group(group: "dist.ProcessGroup | None") -> None:
-    _STATE["group"] = group
+@dataclass
+class AttnContext:
+    """What the attention function needs beyond its arguments, per model (so per engine: an actor, its
+    reference and a critic in one process each have their own, whatever their layouts): the Ulysses
+    group (None: no sequence parallelism), the packed row's per-sequence layout of the next forward, and
+    the flash-attn segments read off the last mask."""
+
+    group: Any = None
+    varlen: dict | None = None
+    flash_mask: tuple | None = None
 
 
-def set_varlen(lens: "list[int] | None", seg_ids: "torch.Tensor | None" = None,
+def context(model: "torch.nn.Module") -> AttnContext:
+    """``model``'s attention context, created on first use and bound to every module it holds. Bound again
+    on each call (a dict lookup per module): modules added since (pipeline stages) or copied with the
+    model then point at the same object."""
+    ctx = model.__dict__.get(CTX_ATTR)
+    if ctx is None:
+        ctx = AttnContext()
+    for m in model.modules():
+        if m.__dict__.get(CTX_ATTR) is not ctx:
+            m.__dict__[CTX_ATTR] = ctx  # past nn.Module.__setattr__: a plain attribute, not a submodule
+    return ctx
+
+
+def set_ulysses_group(model: "torch.nn.Module", group: "dist.ProcessGroup | None") -> None:
+    context(model).group = group
+
+
+def set_varlen(model: "torch.nn.Module", lens: "list[int] | None", seg_ids: "torch.Tensor | None" = None,
                device: "torch.device | str | None" = None) -> None:
-    """Lengths of the sequences packed (in order, from position 0) into the next forward's single row.
+    """Lengths of the sequences packed (in order, from position 0) into ``model``'s next forward's single
+    row.
 
     With lengths set and no explicit mask, attention runs per sequence (:func:`attn_kernels.varlen_attention`)
     instead of over the full ``T x T`` block-diagonal mask. ``seg_ids`` ``[T]`` (shared-prefix
@@ -47,11 +75,9 @@ def set_varlen(lens: "list[int] | None", seg_ids: "torch.Tensor | None" = None,
     The layout (and the shared-prefix mask) is built here, once per forward, on ``device``: the one the
     model runs on, so that no layer copies it there.
     """
-    _STATE["flash_mask"] = None
-    if lens is None:
-        _STATE["varlen"] = None
-        return
-    _STATE["varlen"] = attn_kernels.varlen_index(tuple(int(n) for n in lens), device, seg_ids)
+    ctx = context(model)
+    ctx.flash_mask = None
+    ctx.varlen = None if lens is None else attn_kernels.varlen_index(tuple(int(n) for n in lens), device, seg_ids)
 
 
 def varlen_is_cheaper(lens: "list[int]", total: int) -> bool:
@@ -125,10 +151,11 @@ def slice_for_rank(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return x.chunk(world, dim=dim)[dist.get_rank(group)]
 
 
-def _kernel_out(impl: str, query, key, value, mask, dropout: float, scaling):
+def _kernel_out(ctx: AttnContext | None, impl: str, query, key, value, mask, dropout: float, scaling):
     """``[B, H, L, D]`` attention output of the full sequence by ``impl``'s kernel, from the engine's mask
-    or, without one, the per-forward layout of :func:`set_varlen`."""
-    idx = _STATE["varlen"]
+    or, without one, the per-forward layout of :func:`set_varlen` (``ctx``: the model's context; None for
+    a model no engine set one on)."""
+    idx = ctx.varlen if ctx is not None else None
     if impl == attn_impl.FLASH:
         if mask is None and idx is not None:
             if "mask" in idx:
@@ -140,9 +167,11 @@ def _kernel_out(impl: str, query, key, value, mask, dropout: float, scaling):
             b, length = query.shape[0], query.shape[2]
             cu = torch.arange(0, (b + 1) * length, length, dtype=torch.int32, device=query.device)
             return attn_kernels.flash_varlen(query, key, value, cu, length, b * length, scaling, dropout)
-        cached = _STATE["flash_mask"]
+        cached = ctx.flash_mask if ctx is not None else None
         if cached is None or cached[0] is not mask:  # the same mask reaches every layer: read it once
-            cached = _STATE["flash_mask"] = (mask, *attn_kernels.mask_segments(mask))
+            cached = (mask, *attn_kernels.mask_segments(mask))
+            if ctx is not None:
+                ctx.flash_mask = cached
         return attn_kernels.flash_varlen(query, key, value, cached[1], cached[2], mask.shape[0] * mask.shape[-1],
                                          scaling, dropout)
     kernel = attn_kernels.KERNELS[impl]
@@ -161,7 +190,8 @@ def ulysses_attention(impl: str, module, query, key, value, attention_mask, drop
     engine; GQA is handled by repeating kv heads when they do not split evenly over the group (flash-attn
     takes the grouped heads as they are otherwise).
     """
-    group = _STATE["group"]
+    ctx = module.__dict__.get(CTX_ATTR) if module is not None else None
+    group = ctx.group if ctx is not None else None
     world = _group_size(group)
     n_heads, n_kv = query.shape[1], key.shape[1]
     if world > 1:
@@ -188,7 +218,7 @@ def ulysses_attention(impl: str, module, query, key, value, attention_mask, drop
     with torch.autocast("cpu", enabled=False) if fp32_attn else contextlib.nullcontext():
         if fp32_attn:
             query, key, value = query.float(), key.float(), value.float()
-        out = _kernel_out(impl, query, key, value, mask, dropout, scaling)
+        out = _kernel_out(ctx, impl, query, key, value, mask, dropout, scaling)
     out = out.to(dtype)
     if world > 1:
         out = all_to_all(out, 2, 1, group)

@@ -13,13 +13,14 @@ from areal_cli.errors import ConfigError
 
 LENS = [5, 1, 9, 3]
 AM = torch.tensor([[1] * 7 + [0] * 3, [1] * 10, [1] * 2 + [0] * 8]).bool()  # right-padded rows
+MOD = torch.nn.Module()  # the attention module the function is handed; its model's context rides on it
 
 
 @pytest.fixture(autouse=True)
 def _clean_state():
     yield
-    ulysses.set_varlen(None)
-    ulysses.set_ulysses_group(None)
+    ulysses.set_varlen(MOD, None)
+    ulysses.set_ulysses_group(MOD, None)
 
 
 def _qkv(t: int, dtype=torch.float64, heads: int = 4, kv: int = 2, b: int = 1):
@@ -28,7 +29,7 @@ def _qkv(t: int, dtype=torch.float64, heads: int = 4, kv: int = 2, b: int = 1):
 
 
 def _attend(impl: str, q, k, v, mask=None) -> torch.Tensor:
-    out, _ = ulysses.ATTN_FUNCTIONS[impl](None, q, k, v, mask, scaling=0.3)
+    out, _ = ulysses.ATTN_FUNCTIONS[impl](MOD, q, k, v, mask, scaling=0.3)
     return out  # [B, L, H, D]
 
 
@@ -47,10 +48,10 @@ def _layouts():
     sid = torch.cat([torch.full((n,), i) for i, n in enumerate(LENS)] + [len(LENS) + torch.arange(3)])
     seg_lens, seg = _seg_ids([[4, 3, 2], [2, 5]])
     return [
-        ("varlen", lambda: ulysses.set_varlen(LENS), None, 1, sum(LENS) + 3),
-        ("block_mask", lambda: ulysses.set_varlen(None), packing.packed_causal_mask(sid[None]), 1, sid.numel()),
-        ("shared", lambda: ulysses.set_varlen(seg_lens, seg), None, 1, sum(seg_lens)),
-        ("padded", lambda: ulysses.set_varlen(None), packing.padded_causal_mask(AM), 3, 10),
+        ("varlen", lambda: ulysses.set_varlen(MOD, LENS), None, 1, sum(LENS) + 3),
+        ("block_mask", lambda: ulysses.set_varlen(MOD, None), packing.packed_causal_mask(sid[None]), 1, sid.numel()),
+        ("shared", lambda: ulysses.set_varlen(MOD, seg_lens, seg), None, 1, sum(seg_lens)),
+        ("padded", lambda: ulysses.set_varlen(MOD, None), packing.padded_causal_mask(AM), 3, 10),
     ]
 
 
@@ -127,7 +128,7 @@ def test_mask_segments_reads_sequence_boundaries():
 def test_flash_refuses_the_shared_prefix_mask(monkeypatch):
     monkeypatch.setattr(attn_kernels, "_flash_fn", lambda: _reference_flash)
     seg_lens, seg = _seg_ids([[4, 3, 2]])
-    ulysses.set_varlen(seg_lens, seg)
+    ulysses.set_varlen(MOD, seg_lens, seg)
     q, k, v = _qkv(sum(seg_lens), dtype=torch.float32)
     with pytest.raises(ValueError, match="shared-prefix"):
         _attend(attn_impl.FLASH, q, k, v)
@@ -149,8 +150,8 @@ def test_layout_is_built_once_on_the_model_device(impl, monkeypatch):
     seg_lens, seg = _seg_ids([[4, 3, 2], [2, 5]])
     for lens, seg_ids in ((seg_lens, seg), (LENS, None)):
         seen.clear()
-        ulysses.set_varlen(lens, seg_ids, device="meta")
-        idx = ulysses._STATE["varlen"]
+        ulysses.set_varlen(MOD, lens, seg_ids, device="meta")
+        idx = ulysses.context(MOD).varlen
         assert {idx[k].device.type for k in ("gather", "valid", "cu")} == {"meta"}
         q, k, v = _qkv(sum(lens), dtype=torch.float32)
         for _ in range(3):  # three layers
@@ -195,3 +196,20 @@ def test_megatron_flash_needs_transformer_engine(monkeypatch):
     assert attn_impl.refusal("flash_attention_2", "fsdp", "cuda", bf16_compute=False) is None  # cast around it
     for impl in ("sdpa", "eager"):
         assert attn_impl.refusal(impl, "megatron", "cpu") is None
+
+
+def test_each_model_has_its_own_attention_context():
+    """Two engines in one process (an actor and its reference, say) keep their own layout: a layout set on
+    one model never reaches the other's attention, and a model nobody set a layout on attends densely."""
+    a, b = torch.nn.Sequential(torch.nn.Module()), torch.nn.Sequential(torch.nn.Module())
+    ulysses.set_varlen(a, LENS)
+    t = sum(LENS)
+    q, k, v = _qkv(t)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    dense_a, _ = ulysses.ATTN_FUNCTIONS["sdpa"](a[0], q, k, v, None, scaling=0.3)
+    dense_b, _ = ulysses.ATTN_FUNCTIONS["sdpa"](b[0], q, k, v, None, scaling=0.3)
+    full, _ = ulysses.ATTN_FUNCTIONS["sdpa"](None, q, k, v, causal, scaling=0.3)
+    torch.testing.assert_close(dense_b, full)  # b: one causal sequence
+    assert not torch.allclose(dense_a, full)  # a: per-sequence attention over LENS
+    assert ulysses.context(a) is a[0].__dict__[ulysses.CTX_ATTR] and ulysses.context(b).varlen is None
+    assert ulysses.context(a) is not ulysses.context(b)

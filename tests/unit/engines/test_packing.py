@@ -117,11 +117,9 @@ def test_varlen_attention_equals_block_diagonal_mask(lens, pad, kernel):
     sid = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)] + [len(lens) + torch.arange(pad)])
     mask = packing.packed_causal_mask(sid[None])
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
-    ulysses.set_varlen(lens)
-    try:
-        out = attn_kernels.varlen_attention(q, k, v, ulysses._STATE["varlen"], 0.3, attn_kernels.KERNELS[kernel])
-    finally:
-        ulysses.set_varlen(None)
+    model = torch.nn.Module()
+    ulysses.set_varlen(model, lens)
+    out = attn_kernels.varlen_attention(q, k, v, ulysses.context(model).varlen, 0.3, attn_kernels.KERNELS[kernel])
     real = sum(lens)
     assert out.shape == ref.shape
     torch.testing.assert_close(out[:, :, :real], ref[:, :, :real])

@@ -62,7 +62,6 @@ class ArchonEngine(HFModelEngine):
         m = self.mesh
         self._meshes = fsdp_par.Meshes(mesh=m.world, fsdp_mesh=m.fsdp_mesh, dp_group=m.dp_group,
                                        cp_group=m.cp_group, dp_rank=m.dp_rank, cp_rank=m.cp_rank)
-        ulysses.set_ulysses_group(m.cp_group if dims.cp > 1 else None)
         model, _ = self._build_meta_model(model_path)  # meta parameters: nothing read yet
         self.hf_config = model.config
         mp = self.precision.mixed  # bf16 compute over fp32 masters (engines/precision.py)
@@ -220,8 +219,8 @@ class ArchonEngine(HFModelEngine):
         length = pipeline.bucket_length(max(p.input_ids.shape[1] for p in packs), mult,
                                         cap=self.cfg.max_tokens_per_mb)
         cp_group = self.cp_group if self.parallel.cp > 1 else None
-        ulysses.set_ulysses_group(cp_group)
-        ulysses.set_varlen(None)
+        ulysses.set_ulysses_group(self.model, cp_group)
+        ulysses.set_varlen(self.model, None)
         dev = self.device
         ids = pipeline.pad_stack([p.input_ids for p in packs], length=length, value=self.pad_token_id)
         pos = pipeline.pad_stack([p.position_ids for p in packs], length=length)
