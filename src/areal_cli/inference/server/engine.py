@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -569,6 +570,7 @@ class HFRunner:
         self._cache, self._mask, self.lens = None, None, []
 
 
+@functools.cache  # one class per process, built on first use: transformers is imported lazily
 def _slab_layer_cls():
     from transformers.cache_utils import DynamicLayer
 
@@ -607,14 +609,8 @@ def _slab_layer_cls():
     return _SlabLayer
 
 
-_SLAB = None
-
-
 def SlabLayer(keys: torch.Tensor, values: torch.Tensor):  # noqa: N802 - acts as a class
-    global _SLAB
-    if _SLAB is None:
-        _SLAB = _slab_layer_cls()
-    return _SLAB(keys, values)
+    return _slab_layer_cls()(keys, values)
 
 
 def _lpad(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
