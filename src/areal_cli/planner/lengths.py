@@ -34,16 +34,12 @@ class PromptLengths:
 
 
 def _load(path: str, **kw):
-    """A fast tokenizer straight from its ``tokenizer.json`` (no torch import: ``AutoTokenizer`` costs ~5 s
-    more on two cores); ``AutoTokenizer`` for the rest."""
+    """A fast tokenizer straight from its ``tokenizer.json``. Not ``AutoTokenizer``: it imports torch (~5 s
+    more on two cores, and ``areal plan`` stays torch-free); a model with a slow tokenizer only is planned
+    at the caps."""
     from transformers import PreTrainedTokenizerFast
 
-    try:
-        return PreTrainedTokenizerFast.from_pretrained(path, **kw)
-    except (OSError, ValueError):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path, **kw)
+    return PreTrainedTokenizerFast.from_pretrained(path, **kw)
 
 
 def _tokenizer(cfg):

@@ -1,5 +1,6 @@
 """``areal plan --json`` as a user runs it: a real subprocess on the embedded default and on the user's
-2×8 example, with --suggest, importing no torch."""
+2×8 example, with --suggest, importing no torch (and with --caps, no transformers either: reading the
+dataset's prompt lengths needs a tokenizer, and only that)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,26 @@ def plan_json(tmp_path, *args: str) -> dict:
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     heavy = json.loads([ln for ln in p.stderr.splitlines() if ln.startswith("HEAVY=")][-1][len("HEAVY="):])
-    assert heavy == []
+    assert not [m for m in heavy if m.split(".")[0] == "torch"]
+    if "--caps" in args:
+        assert heavy == []
     return json.loads(p.stdout)
+
+
+def test_plan_reads_the_prompt_lengths_of_the_embedded_dataset(tmp_path):
+    """The embedded default's prompts, rendered with its chat template, are far shorter than half the
+    cap; --caps plans at the caps. Both agree on everything but the lengths' consequences."""
+    from areal_cli.cli.common import compose_and_validate
+
+    d = plan_json(tmp_path)
+    caps = plan_json(tmp_path, "--caps")
+    cfg, _ = compose_and_validate([])
+    got = d["lengths"]
+    assert caps["lengths"] is None and caps["workload"]["prompt_tokens"] == cfg.dataset.max_prompt_len // 2
+    assert got["source"] == "builtin:arith" and got["rows"] > 100
+    assert 0 < got["mean"] <= got["max"] <= cfg.dataset.max_prompt_len
+    assert d["workload"]["prompt_tokens"] == pytest.approx(got["mean"])
+    assert d["step"]["train_s"] != caps["step"]["train_s"]
 
 
 @pytest.mark.parametrize("args,hw,spec", [([], "cpu", "hf:d1+fsdp:d1"),
