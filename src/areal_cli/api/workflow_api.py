@@ -24,6 +24,9 @@ class Trajectory:
 
     data: "dict[str, torch.Tensor]"
     meta: dict[str, Any] = field(default_factory=dict)
+    # The prompt-stream position of each episode in this batch (one per episode, None where unknown): set
+    # by the rollout layer, not by workflows; concatenation keeps them in episode order.
+    positions: list[int | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.data["input_ids"].shape[0])
@@ -54,7 +57,7 @@ class Trajectory:
         for t in items:
             for k, v in t.meta.items():
                 meta.setdefault(k, []).append(v)
-        return Trajectory(out, meta)
+        return Trajectory(out, meta, [p for t in items for p in (t.positions or [None])])
 
 
 def key_is_per_token(key: str, t: Trajectory) -> bool:

@@ -2,7 +2,7 @@
 
 The rollout executor pulls prompts ahead of training (queued, running, finished but not yet
 consumed), so "how far the dataloader got" is not "what the trainer used". The stream numbers every
-prompt it hands out (``_pos``); the trainer reports the positions it consumed; the saved state is
+prompt it hands out (:attr:`StreamItem.pos`); the trainer reports the positions it consumed; the saved state is
 the lowest position not yet consumed plus the consumed positions above it. A resumed stream restarts
 at that position and skips those, so after a crash no prompt is trained twice and none is lost.
 In synchronous mode consumption is in order, so the state is a single position and a resumed run
@@ -19,8 +19,25 @@ import threading
 from typing import Any
 
 
+class StreamItem(dict):
+    """A data item as the user's workflow sees it (a plain copy of the dataset row's dict) that also
+    knows its position in the stream, as an attribute: the position never rides in the data."""
+
+    def __init__(self, data: dict[str, Any], pos: int):
+        super().__init__(data)
+        self.pos = int(pos)
+
+    def __reduce__(self):  # pickles (to a process-based worker) with its position
+        return (StreamItem, (dict(self), self.pos))
+
+
+def position(item: Any) -> int | None:
+    """The stream position of ``item`` (None for a dict that did not come from a :class:`PromptStream`)."""
+    return getattr(item, "pos", None)
+
+
 class PromptStream:
-    """An endless iterator over ``items`` (dicts), each yielded as a copy with ``_pos`` set."""
+    """An endless iterator over ``items`` (dicts), each yielded as a :class:`StreamItem` copy."""
 
     def __init__(self, items: list[dict[str, Any]], *, seed: int = 0, shuffle: bool = True):
         if not items:
@@ -52,18 +69,16 @@ class PromptStream:
     def __iter__(self) -> "PromptStream":
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> StreamItem:
         with self._lock:
             while self._next in self._skip:
                 self._skip.discard(self._next)
                 self._next += 1
             pos = self._next
             self._next += 1
-            item = dict(self.items[self._index(pos)])
-        item["_pos"] = pos
-        return item
+            return StreamItem(self.items[self._index(pos)], pos)
 
-    def take(self, n: int) -> list[dict[str, Any]]:
+    def take(self, n: int) -> list[StreamItem]:
         return [next(self) for _ in range(n)]
 
     def mark_consumed(self, positions: list[int]) -> None:

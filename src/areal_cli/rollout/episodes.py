@@ -12,10 +12,12 @@ import dataclasses
 import time
 from typing import Any
 
+from areal_cli.rollout.data_stream import position
+
 
 class EpisodeRunner:
-    """Wraps the user's workflow: tags each trajectory with its prompt position (``meta['_pos']``)
-    and re-runs an episode whose server died under it.
+    """Wraps the user's workflow: tags each trajectory with its prompt position
+    (:attr:`Trajectory.positions`) and re-runs an episode whose server died under it.
 
     A failed episode is discarded whole and run again from its prompt (on whichever server the
     client routes to), so a server crash loses no prompt and duplicates none. Retries continue for
@@ -35,7 +37,7 @@ class EpisodeRunner:
         deadline = time.monotonic() + self.retry_window_s
         while True:
             try:
-                pos = data.get("_pos")
+                pos = position(data)
                 seeded = SeededEngine(engine, (self.seed * 1_000_003 + pos) * 4096) if pos is not None else engine
                 traj = await self.inner.arun_episode(seeded, data)
                 break
@@ -47,7 +49,7 @@ class EpisodeRunner:
                 self.retried += 1
                 await asyncio.sleep(self.wait_s)
         if traj is not None:
-            traj.meta["_pos"] = data.get("_pos")
+            traj.positions = [position(data)]
         return traj
 
 

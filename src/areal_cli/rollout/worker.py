@@ -95,7 +95,7 @@ class RolloutService:
             traj = self.executor.prepare_batch(self.stream, timeout=timeout)
         except TimeoutError:
             return None
-        pos = traj.meta.get("_pos", [])
+        pos = traj.positions
         self.stream.mark_consumed([p for p in pos if p is not None])
         stats = dict(self.executor.last_batch_stats)
         stats["data/positions"] = [int(p) for p in pos if p is not None]

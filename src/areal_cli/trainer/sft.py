@@ -74,7 +74,7 @@ def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: i
     for step in range(first_step, first_step + steps):
         t0 = time.perf_counter()
         items = stream.take(batch_size)
-        stream.mark_consumed([it["_pos"] for it in items])
+        stream.mark_consumed([it.pos for it in items])
         mine = items[engine.dp_rank::engine.dp_world_size]  # every rank of a replica trains its replica's items
         batch = make_sft_batch(mine, tokenizer, use_chat_template)
         out = sft_step(engine, batch)

@@ -61,7 +61,7 @@ def test_prompt_stream_resume_sync_is_exact():
     items = [{"q": i} for i in range(7)]
     a = PromptStream(items, seed=3)
     first = a.take(10)
-    a.mark_consumed([x["_pos"] for x in first])
+    a.mark_consumed([x.pos for x in first])
     state = json.loads(json.dumps(a.state_dict()))
     rest_a = [x["q"] for x in a.take(9)]
     b = PromptStream(items, seed=3)
@@ -76,13 +76,13 @@ def test_prompt_stream_async_no_loss_no_duplicates():
     items = [{"q": i} for i in range(50)]
     s = PromptStream(items, seed=0, shuffle=False)
     drawn = s.take(12)  # 12 in flight, consumed out of order
-    consumed = [drawn[i]["_pos"] for i in (0, 1, 2, 5, 7)]
+    consumed = [drawn[i].pos for i in (0, 1, 2, 5, 7)]
     s.mark_consumed(consumed)
     r = PromptStream(items, seed=0, shuffle=False)
     r.load_state_dict(s.state_dict())
-    again = [x["_pos"] for x in r.take(20)]
+    again = [x.pos for x in r.take(20)]
     assert not set(again) & set(consumed), "a consumed prompt came back"
-    lost = {d["_pos"] for d in drawn} - set(consumed)
+    lost = {d.pos for d in drawn} - set(consumed)
     assert lost <= set(again), "an unconsumed prompt was lost"
 
 
@@ -273,3 +273,20 @@ def test_a_process_that_forgets_the_group_still_destroys_it_at_exit():
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "destroyed True"
+
+
+def test_stream_items_carry_their_position_outside_the_data():
+    """The workflow sees the dataset row and nothing else; the position travels as an attribute, also
+    through pickling (a process-based rollout worker)."""
+    import pickle
+
+    from areal_cli.rollout.data_stream import PromptStream, position
+
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(5)]
+    items = PromptStream(rows, seed=3).take(7)
+    assert sorted(it.pos for it in items) == list(range(7))
+    for it in items:
+        assert set(it) == {"question", "answer"} and dict(it) in rows
+        back = pickle.loads(pickle.dumps(it))
+        assert back == it and position(back) == it.pos
+    assert position({"question": "q"}) is None
