@@ -279,7 +279,7 @@ class DeepSpeedEngine(HFModelEngine):
 
         deepspeed = import_deepspeed()
         init_distributed()
-        self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
+        self.device = torch.device(kwargs.get("device") or default_device())
         self.parallel, self.model_path = parallel, model_path
         self._check(parallel)
         # fsdp's (dp, cp) mesh gives the dp and Ulysses groups; ZeRO partitions over all dp × cp ranks.

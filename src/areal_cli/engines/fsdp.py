@@ -27,7 +27,6 @@ initializing a critic from a dir that has ``value_head.safetensors`` restores it
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ class FSDPEngine(HFModelEngine):
         from areal_cli.utils.dist import default_device, init_distributed
 
         init_distributed()
-        self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
+        self.device = torch.device(kwargs.get("device") or default_device())
         self.parallel = parallel
         self.model_path = model_path
         self._meshes = par.build_meshes(parallel, self.device.type)

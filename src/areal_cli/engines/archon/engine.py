@@ -17,7 +17,6 @@ each tensor). MoE models (Qwen3-MoE) run their experts through :mod:`.expert_par
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ class ArchonEngine(HFModelEngine):
         from areal_cli.utils.dist import default_device, init_distributed
 
         init_distributed()
-        self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
+        self.device = torch.device(kwargs.get("device") or default_device())
         self.parallel, self.model_path = parallel, model_path
         self._aux_values: list[torch.Tensor] = []  # this step's load-balancing losses (one per layer and mb)
         self._aux_total = 1.0  # (replica, micro-batch, Ulysses slice) count they are averaged over

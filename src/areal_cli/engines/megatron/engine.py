@@ -29,7 +29,6 @@ splitting and the global loss normalisation (``weight / global weight``), stats 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -101,7 +100,7 @@ class MegatronEngine(EngineBase):
         from areal_cli.utils.dist import default_device, init_distributed
 
         init_distributed()
-        self.device = torch.device(kwargs.get("device") or os.environ.get("AREAL_DEVICE") or default_device())
+        self.device = torch.device(kwargs.get("device") or default_device())
         self.parallel, self.model_path = parallel, model_path
         if parallel.cp > 1:
             raise ConfigError("allocation_mode.spec", "engine=megatron does not run context parallelism (c) in "
