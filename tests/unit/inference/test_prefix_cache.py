@@ -80,8 +80,9 @@ def _episode(eng, long_prompts: bool):
     return turns, len(system)
 
 
-@pytest.mark.parametrize("attention,long_prompts", [("kernel", False), ("torch", False), ("kernel", True)],
-                         ids=["kernel", "torch", "kernel-torch-prefill"])
+# "kernel-torch-prefill" runs the torch-ops suffix prefill (the path without the C kernels too).
+@pytest.mark.parametrize("attention,long_prompts", [("kernel", False), ("kernel", True)],
+                         ids=["kernel", "kernel-torch-prefill"])
 def test_prefix_cache_same_tokens_and_logprobs_fewer_prefilled(tiny_model_dir, attention, long_prompts):
     _kernel_or_skip(attention)
     on, off = _engine(tiny_model_dir, attention, 4096), _engine(tiny_model_dir, attention, 0)

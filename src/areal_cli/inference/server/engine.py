@@ -256,12 +256,14 @@ class GenerationEngine:
 
     def _run_commands(self, commands: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
         self._prefixes.clear()  # a command may have changed the weights: cached prompt KV is stale for new rows
+        # Before them: a caller sees the cache dropped once its command returned, and rows they retire
+        # (a pause) were admitted in the old epoch, so they are not stored.
+        self._new_epoch()
         for fn, fut in commands:
             try:
                 fut.set_result(fn())
             except BaseException as e:  # reported to the HTTP caller, engine keeps going
                 fut.set_exception(e)
-        self._new_epoch()  # after them: rows a pause retired were stored under the old weights
 
     def _new_epoch(self) -> None:
         """Weights may have changed: drop the prefix cache, and keep rows admitted so far out of it."""
