@@ -14,7 +14,7 @@ from areal_cli.inference.server.prefix_cache import PrefixCache
 
 def test_prefix_cache_lookup_lru_and_adapters():
     pc = PrefixCache(budget_tokens=100, block=4)
-    kv = lambda n: torch.arange(n, dtype=torch.float32)  # noqa: E731 - stands for [L, 2, kv, n, D]
+    kv = lambda n: torch.arange(n, dtype=torch.float32)
     a = tuple(range(10))
     assert pc.insert(None, a, kv)
     assert pc.lookup(None, list(range(10)) + [99], limit=10)[1] == 10
@@ -96,9 +96,10 @@ def test_prefix_cache_same_tokens_and_logprobs_fewer_prefilled(tiny_model_dir, a
         for a, b in zip(t_on, t_off):
             assert a.out_ids == b.out_ids
             assert max(abs(x - y) for x, y in zip(a.out_logprobs, b.out_logprobs)) < 1e-4
-    # Turn 1: both sessions prefill in one batch (nothing cached yet). Later turns reuse everything the
-    # previous turn fed through the model: its prompt and all its output but the last token.
-    assert [s.cached_tokens for s in got[0]] == [0, 0]
+    # Turn 1: session 1 arrives with session 0 and shares its system prompt: it is admitted one step
+    # later and copies that from the cache. Later turns reuse everything the previous turn fed through
+    # the model: its prompt and all its output but the last token.
+    assert [s.cached_tokens for s in got[0]] == [0, n_sys]
     for k in (1, 2):
         assert [s.cached_tokens for s in got[k]] == [len(s.prompt_ids) + len(s.out_ids) - 1 for s in got[k - 1]]
     st_on, st_off = on.cache_stats(), off.cache_stats()
@@ -110,7 +111,8 @@ def test_prefix_cache_same_tokens_and_logprobs_fewer_prefilled(tiny_model_dir, a
     # A third session with the same system prompt reuses it; a command (here a no-op, as a weight
     # update would run) drops the cache, and nothing admitted before it is stored afterwards.
     third = _generate(on, [got[0][0].prompt_ids[:n_sys] + [3, 4, 5]], greedy=[True])[0]
-    assert third.cached_tokens == n_sys
+    assert third.cached_tokens == n_sys and on.prefix_cache.followers([(None, [1] * 40), (None, [1] * 39)]) == [
+        False, True]
     import concurrent.futures
 
     on._run_commands([(lambda: None, concurrent.futures.Future())])

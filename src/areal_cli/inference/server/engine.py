@@ -66,9 +66,10 @@ class Sequence:
     finished_at: float = 0.0
     cancelled: bool = False
     real_len: int = 0  # prompt + generated tokens already in the KV cache
-    cached_tokens: int = 0  # prompt tokens whose KV was copied (identical prompt or prefix cache), not computed
+    cached_tokens: int = 0  # prompt tokens whose KV was copied (identical prompt, prefix cache), not computed
     epoch: int = -1  # the engine's weights epoch at admission (its KV may enter the prefix cache only then)
     prefix_key: tuple | None = None  # (adapter, tokens) this row was admitted with (shared prefill)
+    deferred: bool = False  # held back one admission to reuse an earlier row's prefix (prefix cache)
     text_tail: str = ""  # decoded output (only maintained for stop-string requests)
     lora: str | None = None  # the LoRA adapter this request runs with (SGLang's lora_path); None: the base
 
@@ -255,7 +256,7 @@ class GenerationEngine:
             self._retire(gone)
 
     def _run_commands(self, commands: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
-        self._prefixes.clear()  # a command may have changed the weights: cached prompt KV is stale for new rows
+        self._prefixes.clear()  # a command may have changed the weights: running prompts' KV is stale for new rows
         # Before them: a caller sees the cache dropped once its command returned, and rows they retire
         # (a pause) were admitted in the old epoch, so they are not stored.
         self._new_epoch()
@@ -286,8 +287,24 @@ class GenerationEngine:
                 if batch and n * (len(batch) + 1) > budget:
                     break
                 batch.append(self._waiting.popleft())
+        if len(batch) > 1 and self.prefix_cache is not None:
+            batch = self._defer_followers(batch)
         if batch:
             self._prefill_shared(batch)
+
+    def _defer_followers(self, batch: list[Sequence]) -> list[Sequence]:
+        """Hold back (once) rows that share a prefix with an earlier row of the batch: the next admission
+        finds it in the prefix cache (see ``PrefixCache.followers``)."""
+        flags = self.prefix_cache.followers([(s.lora, s.prompt_ids + s.out_ids) for s in batch])
+        later = [s for s, f in zip(batch, flags) if f and not s.deferred and not s.record_routing]
+        if not later:
+            return batch
+        for s in later:
+            s.deferred = True
+        with self._cv:
+            self._waiting.extendleft(reversed(later))
+        held = {id(s) for s in later}
+        return [s for s in batch if id(s) not in held]
 
     def _prefill_shared(self, batch: list[Sequence]) -> None:
         """Prefill each distinct token sequence once; every other request with the same tokens gets a
@@ -320,6 +337,11 @@ class GenerationEngine:
             else:
                 logits = self.runner.prefill([list(k[1]) for k in computed])
             rt = self._take_routing(len(firsts)) if routed else None
+            if self.prefix_cache is not None:  # now, not only when they finish: a follower may start with it
+                r0 = len(self._running)
+                for i, (k, s) in enumerate(zip(computed, firsts)):
+                    if not s.record_routing:
+                        self.prefix_cache.insert(k[0], k[1], lambda n, row=r0 + i: self.runner.export(row, n))
             for i, (k, s, row) in enumerate(zip(computed, firsts, logits)):
                 old = self._prefixes.get(k)
                 r = None if rt is None else rt[i, rt.shape[1] - len(k[1]):]

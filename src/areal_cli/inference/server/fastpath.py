@@ -346,7 +346,8 @@ class FastRunner:
         width = max(lens)
         dev = self.device
         ids = torch.tensor([t for s, st in zip(seqs, starts) for t in s[st:]], dtype=torch.long, device=dev)
-        pos = torch.tensor([j for f, st in zip(full, starts) for j in range(st, f)], dtype=torch.long, device=dev)
+        pos = torch.tensor([j for f, st in zip(full, starts) for j in range(st, f)], dtype=torch.long,
+                           device=dev)
         self._groups = lora.row_groups(self.row_adapters[:n], lens, dev)
         if self._kernel is not None and width <= self.KERNEL_PREFILL_MAX_LEN:  # packed; causal per row
             # The kernel attends token t over its row's columns 0..pos[t]: a cached prefix is just
@@ -370,11 +371,15 @@ class FastRunner:
         g, d = self.n_heads // self.n_kv, self.head_dim
         j = torch.tensor([j for m in lens for j in range(m)], dtype=torch.long, device=dev)
         slot = (torch.arange(n, device=dev) * width).repeat_interleave(torch.tensor(lens, device=dev)) + j
-        rows = torch.tensor([r0 + r for r, m in enumerate(lens) for _ in range(m)], dtype=torch.long, device=dev)
+        rows = torch.tensor([r0 + r for r, m in enumerate(lens) for _ in range(m)], dtype=torch.long,
+                            device=dev)
         total = max(s + m for s, m in zip(starts, lens))
         st = torch.tensor(starts, dtype=torch.long, device=dev).view(n, 1, 1)
-        allowed = torch.arange(total, device=dev).view(1, 1, total) <= st + torch.arange(width, device=dev).view(1, width, 1)
-        bias = torch.zeros((n, width, total), dtype=torch.float32, device=dev).masked_fill_(~allowed, float("-inf"))
+        # Query j of row r (position starts[r] + j) sees columns 0..starts[r] + j.
+        allowed = torch.arange(total, device=dev).view(1, 1, total) <= st + torch.arange(width, device=dev).view(
+            1, width, 1)
+        bias = torch.zeros((n, width, total), dtype=torch.float32, device=dev).masked_fill_(
+            ~allowed, float("-inf"))
         h = F.embedding(ids, self.embed)
         cos, sin = self._rope_tables(h, pos)
         for li, layer in enumerate(self.layers):

@@ -1,31 +1,33 @@
-"""Prefix cache of the built-in ``hf`` server: the KV of finished sequences, reused by later requests.
+"""Prefix cache of the built-in ``hf`` server: the KV of sequences it ran, reused by later requests.
 
 A multi-turn agent sends its whole conversation every turn, and the members of a GRPO group (or
 every episode of a task) share a system prompt: without a cache each call prefills all of it again.
-When a row leaves the running batch its KV (prompt + generated tokens that went through the model)
-is copied here; a new request whose tokens start with a cached sequence copies that KV into its
-slab row and prefills only the rest (:meth:`FastRunner.prefill` ``cached=``).
+When a row is prefilled, its prompt's KV is copied here, and when it leaves the running batch, the KV
+of everything it fed through the model (prompt + all output but the last token); a new request whose
+tokens start with a cached sequence copies that KV into its slab row and prefills only the rest
+(:meth:`FastRunner.prefill` ``cached=``). Rows admitted together that share a prefix go one
+admission apart (:meth:`PrefixCache.followers`), so concurrent episodes compute their system prompt once.
 
 Layout: one entry per stored sequence, ``kv`` ``[layers, 2, kv_heads, n, head_dim]``; an index from
 the chained hash of every full block of ``BLOCK`` tokens (keyed by the LoRA adapter too: another
 adapter has other KV) to the entries holding that prefix. A lookup walks the request's blocks while
-the index has them, checks the tokens of the deepest entry found (a hash collision cannot serve wrong
-KV), then extends the match token by token inside that entry. An entry that another one extends is
-dropped when the longer one comes in (a conversation's next turn replaces the previous one). Entries
-are not deduplicated against each other: eight samples of one prompt hold eight copies of it, and the
-token budget counts every copy, so the bound on memory is exact.
+the index has them, extends the match token by token inside the entries found at the deepest block,
+and checks the chosen entry's tokens (a hash collision cannot serve wrong KV). An entry that another
+one extends is dropped when the longer one comes in (a conversation's next turn replaces the previous
+one). Entries are not deduplicated against each other: eight samples of one prompt hold eight copies
+of it, and the token budget counts every copy, so the bound on memory is exact.
 
-Bounded by ``budget`` tokens, least recently used first out. The engine clears it whenever a command
-ran (every weight update, LoRA load/unload, version change, ``/flush_cache``) and never stores a row
-admitted before the last clear, so no request reuses KV computed with other weights.
+Bounded by ``budget`` tokens, least recently used first out. The engine clears it before every
+command it runs (weight updates, LoRA load/unload, version change, pause, ``/flush_cache``) and never
+stores a row admitted before the last clear, so no request reuses KV computed with other weights.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -43,6 +45,8 @@ class _Entry:
 
 class PrefixCache:
     """See the module docstring. Engine thread only."""
+
+    CANDIDATES = 32  # entries sharing a lookup's deepest block whose partial last block is compared
 
     def __init__(self, budget_tokens: int, block: int = BLOCK):
         self.budget = int(budget_tokens)
@@ -68,27 +72,34 @@ class PrefixCache:
         """The entry holding the longest cached prefix of ``tokens`` (at most ``limit`` tokens) and
         that prefix's length; ``(None, 0)`` when no full block matches."""
         limit = min(limit, len(tokens))
-        best: _Entry | None = None
+        found: dict[int, None] | None = None
         depth = 0
         for d, key in enumerate(self._keys(adapter, tokens, limit // self.block), start=1):
             ids = self._index.get(key)
             if not ids:
                 break
-            best, depth = self._entries[next(reversed(ids))], d
-        if best is None:
+            found, depth = ids, d
+        if found is None:
             return None, 0
-        m = depth * self.block
-        if best.tokens[:m] != tuple(tokens[:m]):  # hash collision: serve nothing
+        # Entries past the deepest common block differ in their last, partial block: take the one that
+        # matches longest (ties: the most recent), among the most recent few.
+        best, m = None, depth * self.block
+        for eid in itertools.islice(reversed(found), self.CANDIDATES):
+            e, k = self._entries[eid], depth * self.block
+            end = min(limit, len(e.tokens))
+            while k < end and e.tokens[k] == tokens[k]:
+                k += 1
+            if best is None or k > m:
+                best, m = e, k
+        if best.tokens[:depth * self.block] != tuple(tokens[:depth * self.block]):  # hash collision
             return None, 0
-        end = min(limit, len(best.tokens))
-        while m < end and best.tokens[m] == tokens[m]:
-            m += 1
         if touch:
             self._entries.move_to_end(best.eid)
             self.hits += 1
         return best, m
 
-    def insert(self, adapter: str | None, tokens: tuple[int, ...], kv_of: Callable[[int], torch.Tensor]) -> bool:
+    def insert(self, adapter: str | None, tokens: tuple[int, ...],
+               kv_of: Callable[[int], torch.Tensor]) -> bool:
         """Store the KV of ``tokens`` (``kv_of(n)`` copies it out of the running cache, called only when
         it is stored). Returns whether anything was stored."""
         n = len(tokens)
@@ -110,6 +121,32 @@ class PrefixCache:
             self._drop(next(iter(self._entries.values())))
             self.evicted += 1
         return True
+
+    def followers(self, rows: list[tuple[str | None, list[int]]]) -> list[bool]:
+        """Per row of one admission batch (``(adapter, tokens)``): True when it shares at least one more
+        full block with an earlier row of the batch than the cache holds for it, and is not identical to
+        it (identical prompts share one prefill anyway). Admitted one step after that row, whose prompt is
+        stored when it is prefilled, it prefills only what the cache lacks: episodes that start together
+        with one system prompt compute it once."""
+        seen: set[tuple] = set()
+        whole: set[tuple] = set()
+        out = []
+        for adapter, toks in rows:
+            t = (adapter, tuple(toks))
+            if t in whole:
+                out.append(False)
+                continue
+            keys = list(self._keys(adapter, toks, (len(toks) - 1) // self.block))
+            d = 0
+            while d < len(keys) and keys[d] in seen:
+                d += 1
+            if d and d * self.block - self.lookup(adapter, toks, len(toks) - 1, touch=False)[1] >= self.block:
+                out.append(True)
+                continue
+            seen.update(keys)
+            whole.add(t)
+            out.append(False)
+        return out
 
     def _drop(self, e: _Entry) -> None:
         del self._entries[e.eid]
