@@ -16,10 +16,14 @@ from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 
 @pytest.fixture(scope="module")
 def two(tiny_model_dir, tmp_path_factory):
+    from areal_cli.inference.launch import wait_until_ready
+
     hs = []
     try:
-        for _ in range(2):
-            hs.append(start_hf_server(tiny_model_dir, tmp_path_factory, extra=["--num-threads", "1"]))
+        for _ in range(2):  # started together, then waited for: half the start-up time
+            hs.append(start_hf_server(tiny_model_dir, tmp_path_factory, extra=["--num-threads", "1"], wait=False))
+        for h in hs:
+            wait_until_ready(h.address, 180, h.proc, h.log_path)
         yield hs
     finally:
         for h in hs:
