@@ -60,6 +60,10 @@ class ModelRequest:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Routing key: every request with one key goes to the server that served it before while that one
+    # is healthy, so the server's prefix cache holds its earlier turns (an agent session's id; a GRPO
+    # group's id for its members). None: routed by load alone.
+    session_id: str | None = None
 
 
 @dataclass

@@ -9,6 +9,11 @@
   that refuses connections leaves the routing set and the request is retried elsewhere; it comes
   back after a successful health probe (:meth:`check_health`, run automatically every
   ``health_interval_s`` and whenever no healthy server is left);
+- session affinity: a request with a ``session_id`` (an agent session, a GRPO group) goes to the
+  server that served that id before while it is healthy and not failing this request, so the
+  server's prefix cache holds the session's earlier turns; otherwise the routing above picks one
+  and the id follows it. Ids are forgotten by :meth:`end_session` or, least recently used first,
+  past ``AFFINITY_KEYS``;
 - resume: a generation that ends with ``abort`` (a weight update paused the server) is re-submitted
   as prompt + tokens so far with the remaining budget; tokens, logprobs and per-token versions are
   concatenated, so a response may span policy versions and ends only with ``stop`` or ``length``.
@@ -22,6 +27,8 @@ asyncio.to_thread(make_rank0_group))``.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
 import json
 import logging
@@ -129,6 +136,8 @@ def _url(address: str, path: str) -> str:
 class RemoteInferenceEngine(InferenceEngine):
     """Client for one or more servers of one backend (see module docstring)."""
 
+    AFFINITY_KEYS = 65536  # session ids remembered (about 200 bytes each)
+
     def __init__(self, addresses: list[str], backend: str = "hf", *, timeout_s: float = 300.0,
                  retries: int = 3, routing: str = "least_loaded", api_key: str | None = None,
                  backoff_s: float = 0.5, health_interval_s: float = 5.0, max_resumes: int = 1000,
@@ -157,6 +166,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._tp = self._tp_list(tp_sizes, len(addresses))
         self._checked_versions: set[str] = set()
         self._rr = itertools.count()
+        self._affinity: collections.OrderedDict[str, str] = collections.OrderedDict()  # session id -> address
         self._version = 0
         self._clients: dict[int, aiohttp.ClientSession] = {}
         self._keepers: dict[int, Any] = {}
@@ -196,7 +206,12 @@ class RemoteInferenceEngine(InferenceEngine):
     def healthy_addresses(self) -> list[str]:
         return [a for a in self._order if self._servers[a].healthy]
 
-    def _pick(self, exclude: set[str]) -> _ServerState | None:
+    def _pick(self, exclude: set[str], key: str | None = None) -> _ServerState | None:
+        if key is not None:
+            s = self._servers.get(self._affinity.get(key, ""))
+            if s is not None and s.healthy and s.address not in exclude:
+                self._affinity.move_to_end(key)
+                return s
         cands = [self._servers[a] for a in self._order if self._servers[a].healthy and a not in exclude]
         if not cands:
             cands = [self._servers[a] for a in self._order if self._servers[a].healthy]
@@ -204,9 +219,21 @@ class RemoteInferenceEngine(InferenceEngine):
             return None
         start = next(self._rr) % len(cands)
         rotated = cands[start:] + cands[:start]
-        if self.routing == "round_robin":
-            return rotated[0]
-        return min(rotated, key=lambda s: s.inflight)
+        s = rotated[0] if self.routing == "round_robin" else min(rotated, key=lambda s: s.inflight)
+        if key is not None:
+            self._affinity[key] = s.address
+            self._affinity.move_to_end(key)
+            while len(self._affinity) > self.AFFINITY_KEYS:
+                self._affinity.popitem(last=False)
+        return s
+
+    def end_session(self, key: str) -> None:
+        """Forget a session id's server (its episode is over)."""
+        self._affinity.pop(key, None)
+
+    def session_server(self, key: str) -> str | None:
+        """The server a session id is routed to (None: not routed yet, or forgotten)."""
+        return self._affinity.get(key)
 
     # ------------------------------------------------------------------ transport
     async def _client(self) -> aiohttp.ClientSession:
@@ -294,15 +321,16 @@ class RemoteInferenceEngine(InferenceEngine):
         return s.model_name
 
     async def _route(self, build: Callable[[_ServerState], Awaitable[HttpCall]], parse: Callable[[Any], T],
-                     rows: int = 1) -> tuple[T, str]:
+                     rows: int = 1, key: str | None = None) -> tuple[T, str]:
         """One generation call with failover: ``build(server)`` makes the call, ``parse`` reads the
-        answer; ``rows`` sequences count toward the server's in-flight load. Returns (parsed, address)."""
+        answer; ``rows`` sequences count toward the server's in-flight load; ``key``: the session id
+        (affinity). Returns (parsed, address)."""
         tried: set[str] = set()
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             if time.monotonic() - self._last_health > self.health_interval_s or not self.healthy_addresses():
                 await self.check_health()
-            s = self._pick(tried)
+            s = self._pick(tried, key)
             if s is None:
                 last = InferenceError(f"no healthy inference server among {self._order}")
                 await asyncio.sleep(self.backoff_s * (2 ** attempt))
@@ -344,7 +372,7 @@ class RemoteInferenceEngine(InferenceEngine):
             wait = min(2.0, wait * 2)
 
     async def _one_call(self, inputs: list[list[int]], gs: list[GenerationConfig],
-                        budgets: list[int]) -> tuple[list[Segment], str]:
+                        budgets: list[int], key: str | None = None) -> tuple[list[Segment], str]:
         """One prompt, one ``/generate`` call with failover."""
         async def build(s: _ServerState) -> HttpCall:
             kw: dict[str, Any] = {"max_new_tokens": budgets[0], "lora": self.lora_name}
@@ -353,17 +381,17 @@ class RemoteInferenceEngine(InferenceEngine):
             return self.backend.build_generate(inputs[0], gs[0], **kw)
 
         seg, address = await self._route(build, lambda resp: self.backend.parse_generate(
-            resp, fallback_version=self._version))
+            resp, fallback_version=self._version), key=key)
         return [seg], address
 
     async def _batch_call(self, inputs: list[list[int]], gs: list[GenerationConfig],
-                          budgets: list[int]) -> tuple[list[Segment], str]:
+                          budgets: list[int], key: str | None = None) -> tuple[list[Segment], str]:
         """Several prompts in one ``/generate`` call (SGLang's batch form) with failover."""
         async def build(_s: _ServerState) -> HttpCall:
             return self.backend.build_generate_batch(inputs, gs, budgets, lora=self.lora_name)
 
         return await self._route(build, lambda resp: self.backend.parse_generate_batch(
-            resp, len(inputs), fallback_version=self._version), rows=len(inputs))
+            resp, len(inputs), fallback_version=self._version), rows=len(inputs), key=key)
 
     async def _rounds(self, reqs: list[ModelRequest], call: Callable[..., Awaitable[tuple[list[Segment], str]]]
                       ) -> list[ModelResponse]:
@@ -415,7 +443,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 for r, o in zip(reqs, outs)]
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        return (await self._rounds([req], self._one_call))[0]
+        return (await self._rounds([req], functools.partial(self._one_call, key=req.session_id)))[0]
 
     @property
     def supports_batch_generate(self) -> bool:
@@ -428,7 +456,8 @@ class RemoteInferenceEngine(InferenceEngine):
         aborted resumed together in the next round. Same per-request results and semantics."""
         if len(reqs) <= 1 or not self.supports_batch_generate:
             return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
-        return await self._rounds(reqs, self._batch_call)
+        key = next((r.session_id for r in reqs if r.session_id is not None), None)
+        return await self._rounds(reqs, functools.partial(self._batch_call, key=key))
 
     # ------------------------------------------------------------------ admin (every server)
     async def _all(self, calls: list[HttpCall | list[HttpCall]], what: str, *,

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest LoRA adapter rank /load_lora_adapter accepts (SGLang's flag)")
     p.add_argument("--max-loaded-loras", type=int, default=8,
                    help="LoRA adapters loaded at once (SGLang's flag); a further load is refused")
+    p.add_argument("--prefix-cache-tokens", type=int, default=-1,
+                   help="token budget of the prefix cache (KV of finished sequences reused by prompts that "
+                        "start with them; LRU; dropped on every weight update): 0 = off, -1 = auto (as many "
+                        "tokens as fit in 512 MiB of KV, at most 65536; the fast path only)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = GenerationEngine(model, tok, device=device, max_running=args.max_running_requests,
                                   max_prefill_tokens=args.max_prefill_tokens, context_length=int(ctx),
                                   version=version, seed=args.random_seed,
-                                  decode_attention=args.decode_attention)
+                                  decode_attention=args.decode_attention,
+                                  prefix_cache_tokens=args.prefix_cache_tokens)
     except ValueError as e:  # e.g. --decode-attention kernel without a C compiler
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -239,9 +239,11 @@ class ArealOpenAI(openai.AsyncOpenAI):
     def __init__(self, engine: Any, tokenizer: Any, *, tool_call_parser: str = "hermes",
                  prompt_mode: str = "continue", default_max_tokens: int = 512,
                  max_total_tokens: int | None = None, cache: InteractionCache | None = None,
-                 model_name: str = "areal-policy", force_greedy: bool = False):
+                 model_name: str = "areal-policy", force_greedy: bool = False, session_id: str | None = None):
         """``force_greedy``: every call decodes greedily whatever temperature the agent asks for
-        (evaluation runs the agent this way)."""
+        (evaluation runs the agent this way). ``session_id``: the routing key of every call (the client
+        sends a session's calls to one server, whose prefix cache then holds its earlier turns; the
+        members of a GRPO group share one); default: an id of this client's own."""
         super().__init__(api_key="areal-in-process", base_url="http://in-process.invalid/v1", max_retries=0)
         if prompt_mode not in ("continue", "template"):
             raise ValueError(f"prompt_mode must be 'continue' or 'template', got {prompt_mode!r}")
@@ -254,6 +256,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
         self.cache = cache if cache is not None else InteractionCache()
         self.model_name = model_name
         self.force_greedy = force_greedy
+        self.session_id = session_id or uuid.uuid4().hex
         self._chat = _Chat(self)
         self._responses: Any = None
 
@@ -371,7 +374,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
         g = GenerationConfig(temperature=t if t > 0 else 1.0, greedy=t <= 0,
                              top_p=1.0 if top_p is None else float(top_p), max_new_tokens=budget,
                              stop=stops, stop_token_ids=[int(eos)] if eos is not None else [], seed=seed)
-        resp = await self.engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=g))
+        resp = await self.engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=g, session_id=self.session_id))
         out = list(resp.output_tokens)
         body = out[:-1] if out and resp.stop_reason == "stop" and out[-1] == eos else out
         text = self.tokenizer.decode(body, skip_special_tokens=True)

@@ -78,6 +78,13 @@ class AgentProxy:
     def _drop(self, s: _Session) -> None:
         self._sessions.pop(s.id, None)
         self._by_key.pop(s.key, None)
+        self._end_route(s)
+
+    def _end_route(self, s: _Session) -> None:
+        """The inference client may forget which server served this session (session affinity)."""
+        end = getattr(self.engine, "end_session", None)
+        if end is not None:
+            end(s.client.session_id)
 
     def build_app(self) -> Any:
         from fastapi import FastAPI
@@ -265,6 +272,7 @@ class AgentProxy:
             if isinstance(s, JSONResponse):
                 return s
             s.ended = True
+            self._end_route(s)
             return {"session_id": s.id, "interaction_count": len(s.client.cache)}
 
 

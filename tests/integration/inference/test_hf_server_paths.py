@@ -88,8 +88,9 @@ def test_grpo_batch_is_seed_deterministic_and_shares_prefill(servers, tok, tiny_
     stats = httpx.get(f"http://{addr}/get_load", timeout=10).json()["stats"]
     shared = stats["shared_prefill_tokens"] - before["shared_prefill_tokens"]
     computed = stats["prefill_tokens"] - before["prefill_tokens"]
-    assert shared + computed == 4 * sum(len(p) for p in ps) and shared > 0
-    assert sum(o["meta_info"]["cached_tokens"] for o in batch) == shared
+    cached = stats["cached_prefill_tokens"] - before["cached_prefill_tokens"]  # from the prefix cache
+    assert shared + computed + cached == 4 * sum(len(p) for p in ps) and shared > 0
+    assert sum(o["meta_info"]["cached_tokens"] for o in batch) == shared + cached
     # Each seed alone (no sharing, batch of one) gives the same tokens; logprobs are the model's.
     model = load_model(tiny_model_dir)
     for j in (0, 1, 5, 11):

@@ -436,7 +436,7 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/get_load")
     async def get_load():
-        return {**eng.load(), "paused": eng.paused, "stats": dict(eng.stats)}
+        return {**eng.load(), "paused": eng.paused, "stats": eng.cache_stats()}
 
 
 def _check_group_request(body: dict) -> None:
@@ -476,8 +476,10 @@ def _admin_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None:
 
     @app.post("/flush_cache")
     async def flush_cache():
-        # There is no prefix cache to drop; KV rows of running requests are per-request and freed on exit.
-        return {"success": True, "message": "no prefix cache to flush"}
+        # Any engine command starts a new weights epoch, which drops the prefix cache (engine._new_epoch);
+        # KV rows of running requests are per-request and freed on exit.
+        await asyncio.wrap_future(eng.call(lambda: None))
+        return {"success": True, "message": "prefix cache flushed"}
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):

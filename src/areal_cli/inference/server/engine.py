@@ -6,7 +6,9 @@ Each loop iteration is one token boundary:
 1. run queued commands (weight swaps, pause, flush) — so weights change atomically between steps;
 2. admit waiting requests: one prefill for all of them, appended as new rows of the running cache
    (a prompt identical to one admitted with it, or to a running row's, is prefilled once: its KV
-   rows are copied, see :meth:`GenerationEngine._prefill_shared`);
+   rows are copied, see :meth:`GenerationEngine._prefill_shared`; a prompt that starts with a
+   finished sequence's tokens copies their KV from the prefix cache and prefills only the rest,
+   see :mod:`~areal_cli.inference.server.prefix_cache` — fast path only);
 3. one decode forward for the whole running batch;
 4. sample all rows in one vectorised pass, append, and retire finished rows (cache rows compacted).
 
@@ -65,8 +67,10 @@ class Sequence:
     finished_at: float = 0.0
     cancelled: bool = False
     real_len: int = 0  # prompt + generated tokens already in the KV cache
-    cached_tokens: int = 0  # prompt tokens whose KV was copied from an identical prompt, not computed
+    cached_tokens: int = 0  # prompt tokens whose KV was copied (identical prompt, prefix cache), not computed
+    epoch: int = -1  # the engine's weights epoch at admission (its KV may enter the prefix cache only then)
     prefix_key: tuple | None = None  # (adapter, tokens) this row was admitted with (shared prefill)
+    deferred: bool = False  # held back one admission to reuse an earlier row's prefix (prefix cache)
     text_tail: str = ""  # decoded output (only maintained for stop-string requests)
     lora: str | None = None  # the LoRA adapter this request runs with (SGLang's lora_path); None: the base
 
@@ -85,7 +89,10 @@ class GenerationEngine:
 
     def __init__(self, model, tokenizer, *, device: str, max_running: int = 256,
                  max_prefill_tokens: int = 8192, context_length: int, version: int = 0, seed: int = 0,
-                 fast_path: bool | None = None, decode_attention: str = "auto"):
+                 fast_path: bool | None = None, decode_attention: str = "auto", prefix_cache_tokens: int = 0):
+        """``prefix_cache_tokens``: token budget of the prefix cache (0: off; -1: ``auto_budget``, 512 MiB
+        of KV). The HF-forward runner has no cache (its left-padded DynamicCache rows are not exported):
+        there the flag is ignored and every prompt is prefilled in full."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -110,8 +117,33 @@ class GenerationEngine:
         self.adapters = lora.AdapterSet()
         self._capture = None  # routing_replay.Capture, made on the first request that records routing
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
-                      "finished": 0}
+                      "cached_prefill_tokens": 0, "finished": 0}
+        self._epoch = 0  # bumped after every command batch: KV of rows admitted before it is not cached
+        self.prefix_cache = self._make_prefix_cache(prefix_cache_tokens)
         self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
+
+    def _make_prefix_cache(self, tokens: int):
+        from areal_cli.inference.server import prefix_cache as PC
+
+        if tokens == 0:
+            return None
+        if not hasattr(self.runner, "export"):
+            log.info("prefix cache: off (the HF-forward path has none)")
+            return None
+        per = PC.bytes_per_token(self.runner)
+        if tokens < 0:
+            tokens = PC.auto_budget(self.runner)
+        log.info("prefix cache: %d tokens, up to %.0f MiB (%.1f KiB of KV per token)", tokens,
+                 tokens * per / 2**20, per / 1024)
+        return PC.PrefixCache(tokens) if tokens > 0 else None
+
+    def cache_stats(self) -> dict[str, int]:
+        """Counters for ``/get_load``: the engine's plus the prefix cache's size."""
+        out = dict(self.stats)
+        pc = self.prefix_cache
+        out.update(prefix_cache_budget=pc.budget if pc else 0, prefix_cache_tokens=pc.tokens if pc else 0,
+                   prefix_cache_entries=len(pc) if pc else 0, prefix_cache_hits=pc.hits if pc else 0)
+        return out
 
     # ----------------------------------------------------------------- public (any thread)
     def start(self) -> None:
@@ -191,13 +223,8 @@ class GenerationEngine:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
-            if commands:  # a command may have changed the weights: cached prompt KV is stale for new rows
-                self._prefixes.clear()
-            for fn, fut in commands:
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:  # reported to the HTTP caller, engine keeps going
-                    fut.set_exception(e)
+            if commands:
+                self._run_commands(commands)
             try:
                 self._drop_cancelled()
                 if not self._paused:
@@ -229,6 +256,23 @@ class GenerationEngine:
         if gone:
             self._retire(gone)
 
+    def _run_commands(self, commands: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
+        self._prefixes.clear()  # a command may have changed the weights: running prompts' KV is stale for new rows
+        # Before them: a caller sees the cache dropped once its command returned, and rows they retire
+        # (a pause) were admitted in the old epoch, so they are not stored.
+        self._new_epoch()
+        for fn, fut in commands:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # reported to the HTTP caller, engine keeps going
+                fut.set_exception(e)
+
+    def _new_epoch(self) -> None:
+        """Weights may have changed: drop the prefix cache, and keep rows admitted so far out of it."""
+        self._epoch += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def _admit(self) -> None:
         batch: list[Sequence] = []
         budget = self.max_prefill_tokens
@@ -244,8 +288,24 @@ class GenerationEngine:
                 if batch and n * (len(batch) + 1) > budget:
                     break
                 batch.append(self._waiting.popleft())
+        if len(batch) > 1 and self.prefix_cache is not None:
+            batch = self._defer_followers(batch)
         if batch:
             self._prefill_shared(batch)
+
+    def _defer_followers(self, batch: list[Sequence]) -> list[Sequence]:
+        """Hold back (once) rows that share a prefix with an earlier row of the batch: the next admission
+        finds it in the prefix cache (see ``PrefixCache.followers``)."""
+        flags = self.prefix_cache.followers([(s.lora, s.prompt_ids + s.out_ids) for s in batch])
+        later = [s for s, f in zip(batch, flags) if f and not s.deferred and not s.record_routing]
+        if not later:
+            return batch
+        for s in later:
+            s.deferred = True
+        with self._cv:
+            self._waiting.extendleft(reversed(later))
+        held = {id(s) for s in later}
+        return [s for s in batch if id(s) not in held]
 
     def _prefill_shared(self, batch: list[Sequence]) -> None:
         """Prefill each distinct token sequence once; every other request with the same tokens gets a
@@ -267,17 +327,32 @@ class GenerationEngine:
             else:  # a running prefix without recorded routing is computed again for a row that records it
                 computed[k] = s
         firsts = list(computed.values())
+        for s in batch:
+            s.epoch = self._epoch
         if firsts:
             self._set_row_adapters(firsts)
             routed = self._capture_for(firsts)
-            logits = self.runner.prefill([list(k[1]) for k in computed])
+            hits = self._cache_hits(list(computed), firsts)
+            if any(hits):
+                logits = self.runner.prefill([list(k[1]) for k in computed], cached=hits)
+            else:
+                logits = self.runner.prefill([list(k[1]) for k in computed])
             rt = self._take_routing(len(firsts)) if routed else None
+            if self.prefix_cache is not None:  # now, not only when they finish: a follower may start with it
+                r0 = len(self._running)
+                for i, (k, s) in enumerate(zip(computed, firsts)):
+                    if not s.record_routing:
+                        self.prefix_cache.insert(k[0], k[1], lambda n, row=r0 + i: self.runner.export(row, n))
             for i, (k, s, row) in enumerate(zip(computed, firsts, logits)):
                 old = self._prefixes.get(k)
                 r = None if rt is None else rt[i, rt.shape[1] - len(k[1]):]
                 self._prefixes[k] = _Prefix(logits=row.clone(), holders=[s] + (old.holders if old else []),
                                             routing=r)
-            self.stats["prefill_tokens"] += sum(len(k[1]) for k in computed)
+            reused = [h[1] if h else 0 for h in hits]
+            for s, m in zip(firsts, reused):
+                s.cached_tokens = m
+            self.stats["prefill_tokens"] += sum(len(k[1]) for k in computed) - sum(reused)
+            self.stats["cached_prefill_tokens"] += sum(reused)
             self._running.extend(firsts)
         if copies:
             at = {id(s): i for i, s in enumerate(self._running)}
@@ -295,6 +370,31 @@ class GenerationEngine:
                 s.routing.append(self._prefixes[s.prefix_key].routing)
         logits = torch.stack([self._prefixes[s.prefix_key].logits for s in ordered])
         self._sample_and_append(logits, rows=list(range(len(self._running) - len(ordered), len(self._running))))
+
+    def _cache_hits(self, keys: list[tuple], seqs: list[Sequence]) -> list[tuple[torch.Tensor, int] | None]:
+        """Per row to prefill, ``(kv, m)`` of its longest prefix in the prefix cache (None: no hit). At
+        least the last token is computed: its logits sample the first new token."""
+        pc = self.prefix_cache
+        if pc is None or not len(pc):
+            return [None] * len(keys)
+        out: list[tuple[torch.Tensor, int] | None] = []
+        for (adapter, toks), s in zip(keys, seqs):
+            e, m = (None, 0) if s.record_routing else pc.lookup(adapter, toks, len(toks) - 1)
+            out.append((e.kv, m) if e is not None and m > 0 else None)
+        return out
+
+    def _store_prefixes(self, rows: list[int]) -> None:
+        """Copy the KV of leaving rows into the prefix cache (before the runner compacts them away)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        for i in rows:
+            s = self._running[i]
+            if s.epoch != self._epoch or (s.finish or {}).get("type") == "error":
+                continue
+            n = min(s.real_len, self.runner.lens[i])
+            toks = tuple((s.prompt_ids + s.out_ids)[:n])
+            pc.insert(s.lora, toks, lambda k, row=i: self.runner.export(row, k))
 
     def routing_unsupported(self) -> str | None:
         """Why this model's routed experts cannot be recorded (None: they can)."""
@@ -399,6 +499,7 @@ class GenerationEngine:
 
     def _retire(self, rows: list[int]) -> None:
         drop = set(rows)
+        self._store_prefixes(sorted(drop))
         for i in sorted(drop):
             self._release_prefix(self._running[i])
             self._finish(self._running[i])

@@ -261,6 +261,12 @@ class FastRunner:
     def clear(self) -> None:
         self.lens = []
 
+    @torch.inference_mode()
+    def export(self, row: int, n: int) -> torch.Tensor:
+        """A copy of row ``row``'s first ``n`` cached tokens' K and V: ``[layers, 2, kv_heads, n, D]``
+        (what :class:`~areal_cli.inference.server.prefix_cache.PrefixCache` stores)."""
+        return torch.stack([torch.stack([k[row, :, :n], v[row, :, :n]]) for k, v in zip(self._k, self._v)])
+
     # ------------------------------------------------------------------ math
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and x.dim() == 2 and x.stride(1) == 1:
@@ -318,25 +324,80 @@ class FastRunner:
 
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
-    def prefill(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Append one row per sequence, run it through the model, return last-token logits ``[n, V]``."""
+    def prefill(self, seqs: list[list[int]], cached: list[tuple[torch.Tensor, int] | None] | None = None
+                ) -> torch.Tensor:
+        """Append one row per sequence, run it through the model, return last-token logits ``[n, V]``.
+
+        ``cached[i] = (kv, m)``: the first ``m`` tokens of ``seqs[i]`` have K/V ``kv`` (``[layers, 2,
+        kv_heads, >= m, D]``, from :meth:`export`): they are copied into the row and only tokens
+        ``m..`` go through the model, at their own positions (``m < len(seqs[i])``)."""
         self._refresh()
-        lens = [len(s) for s in seqs]
-        n, r0, width = len(seqs), self.rows, max(lens)
-        self._ensure(r0 + n, max(width, max(self.lens, default=0)) + 1)
+        full = [len(s) for s in seqs]
+        starts = [0 if c is None else c[1] for c in (cached or [None] * len(seqs))]
+        n, r0 = len(seqs), self.rows
+        self._ensure(r0 + n, max(max(full), max(self.lens, default=0)) + 1)
+        for i, st in enumerate(starts):
+            if st:
+                kv = cached[i][0]
+                for li, (k, v) in enumerate(zip(self._k, self._v)):
+                    k[r0 + i, :, :st] = kv[li, 0, :, :st]
+                    v[r0 + i, :, :st] = kv[li, 1, :, :st]
+        lens = [f - st for f, st in zip(full, starts)]  # tokens that go through the model
+        width = max(lens)
         dev = self.device
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-        pos = torch.tensor([j for m in lens for j in range(m)], dtype=torch.long, device=dev)
+        ids = torch.tensor([t for s, st in zip(seqs, starts) for t in s[st:]], dtype=torch.long, device=dev)
+        pos = torch.tensor([j for f, st in zip(full, starts) for j in range(st, f)], dtype=torch.long,
+                           device=dev)
         self._groups = lora.row_groups(self.row_adapters[:n], lens, dev)
         if self._kernel is not None and width <= self.KERNEL_PREFILL_MAX_LEN:  # packed; causal per row
+            # The kernel attends token t over its row's columns 0..pos[t]: a cached prefix is just
+            # columns already written.
             rows = torch.tensor([r0 + i for i, m in enumerate(lens) for _ in range(m)], dtype=torch.long,
                                 device=dev)
             h = self._forward_fused(ids, rows, pos, self._buffers(len(pos), keep=False))
+        elif any(starts):
+            h = self._prefill_torch_after(ids, pos, lens, starts, r0)
         else:
             h = self._prefill_torch(ids, pos, lens, r0)
-        self.lens.extend(lens)
+        self.lens.extend(full)
         last = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) - 1
         return self._logits(h.index_select(0, last))
+
+    def _prefill_torch_after(self, ids: torch.Tensor, pos: torch.Tensor, lens: list[int], starts: list[int],
+                             r0: int) -> torch.Tensor:
+        """:meth:`_prefill_torch` for rows whose first ``starts[r]`` columns already hold cached K/V:
+        new tokens are written at their positions, then attend over the row's columns ``0..pos``."""
+        dev, n, width = self.device, len(lens), max(lens)
+        g, d = self.n_heads // self.n_kv, self.head_dim
+        j = torch.tensor([j for m in lens for j in range(m)], dtype=torch.long, device=dev)
+        slot = (torch.arange(n, device=dev) * width).repeat_interleave(torch.tensor(lens, device=dev)) + j
+        rows = torch.tensor([r0 + r for r, m in enumerate(lens) for _ in range(m)], dtype=torch.long,
+                            device=dev)
+        total = max(s + m for s, m in zip(starts, lens))
+        st = torch.tensor(starts, dtype=torch.long, device=dev).view(n, 1, 1)
+        # Query j of row r (position starts[r] + j) sees columns 0..starts[r] + j.
+        allowed = torch.arange(total, device=dev).view(1, 1, total) <= st + torch.arange(width, device=dev).view(
+            1, width, 1)
+        bias = torch.zeros((n, width, total), dtype=torch.float32, device=dev).masked_fill_(
+            ~allowed, float("-inf"))
+        h = F.embedding(ids, self.embed)
+        cos, sin = self._rope_tables(h, pos)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms(h, layer.ln1), cos, sin)
+            kc, vc = self._k[li], self._v[li]
+            kc[rows, :, pos] = k
+            vc[rows, :, pos] = v
+            qp = self._padded(q, slot, n, width)  # [n, heads, width, D]
+            scores = torch.matmul(qp.reshape(n, self.n_kv, g * width, d),
+                                  kc[r0:r0 + n, :, :total].transpose(2, 3))  # [n, kv, g*W, total]
+            if scores.dtype != torch.float32:
+                scores = scores.float()
+            scores.view(n, self.n_kv, g, width, total).add_(bias.view(n, 1, 1, width, total))
+            o = torch.matmul(torch.softmax(scores, dim=-1).to(vc.dtype), vc[r0:r0 + n, :, :total])
+            o = o.view(n, self.n_heads, width, d).transpose(1, 2).reshape(n * width, -1).index_select(0, slot)
+            h = self._lora(layer, "o", o, layer.o.residual(h, o))
+            h = self._mlp(layer, h)
+        return h
 
     def _prefill_torch(self, ids: torch.Tensor, pos: torch.Tensor, lens: list[int], r0: int) -> torch.Tensor:
         """Prefill with torch ops: attention over the right-padded batch, everything else packed."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import uuid
 from typing import Any
 
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
@@ -71,8 +72,10 @@ class AgentWorkflow(RolloutWorkflow):
         self.failed = 0
         self.episodes = 0
 
-    async def _run(self, engine: Any, data: dict[str, Any], greedy: bool = False) -> tuple[ArealOpenAI, Any]:
-        client = ArealOpenAI(engine, self.tokenizer, force_greedy=greedy, **self.client_kwargs)
+    async def _run(self, engine: Any, data: dict[str, Any], greedy: bool = False,
+                   session_id: str | None = None) -> tuple[ArealOpenAI, Any]:
+        client = ArealOpenAI(engine, self.tokenizer, force_greedy=greedy, session_id=session_id,
+                             **self.client_kwargs)
         return client, await self.agent(client, data)
 
     async def eval_episode(self, engine: Any, data: dict[str, Any]) -> tuple[bool, float]:
@@ -87,9 +90,11 @@ class AgentWorkflow(RolloutWorkflow):
         success = float(reward) >= self.success_threshold if ok is None else ok
         return {"success": success, "reward": float(reward), "tool_calls": _tool_calls(client)}
 
-    async def episode_rows(self, engine: Any, data: dict[str, Any]) -> list[dict[str, Any]]:
-        """Run one episode; its exported rows (``interaction_cache`` format)."""
-        client, reward = await self._run(engine, data)
+    async def episode_rows(self, engine: Any, data: dict[str, Any], session_id: str | None = None
+                           ) -> list[dict[str, Any]]:
+        """Run one episode; its exported rows (``interaction_cache`` format). ``session_id``: the
+        routing key of its calls (the group's, so one server's prefix cache serves all members)."""
+        client, reward = await self._run(engine, data, session_id=session_id)
         if isinstance(reward, dict):
             for iid, r in reward.items():
                 client.set_reward(iid, r)
@@ -115,8 +120,14 @@ class AgentWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Trajectory | None:
         import torch
 
-        res = await asyncio.gather(*[self.episode_rows(engine, data) for _ in range(self.group_size)],
-                                   return_exceptions=True)
+        key = f"group-{uuid.uuid4().hex}"
+        try:
+            res = await asyncio.gather(*[self.episode_rows(engine, data, key) for _ in range(self.group_size)],
+                                       return_exceptions=True)
+        finally:
+            end = getattr(engine, "end_session", None)
+            if end is not None:
+                end(key)
         self.episodes += len(res)
         errors = [r for r in res if isinstance(r, BaseException)]
         for e in errors:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,8 +86,14 @@ class MultiTurnWorkflow(RolloutWorkflow):
 
         prompt = build_prompt(self.tokenizer, data, self.use_chat_template)
         answer = data.get("answer")
-        dialogues = await asyncio.gather(*[self._dialogue(engine, prompt, answer)
-                                           for _ in range(self.group_size)])
+        key = f"group-{uuid.uuid4().hex}"  # the group's members share one server's prefix cache
+        try:
+            dialogues = await asyncio.gather(*[self._dialogue(engine, prompt, answer, key)
+                                               for _ in range(self.group_size)])
+        finally:
+            end = getattr(engine, "end_session", None)
+            if end is not None:
+                end(key)
         rows = [build_row(d.segments) for d in dialogues]
         extra = {"n_turns": torch.tensor([d.turns for d in dialogues], dtype=torch.long)}
         meta = {"id": data.get("id"), "prompt_len": len(prompt.ids),
@@ -95,12 +102,14 @@ class MultiTurnWorkflow(RolloutWorkflow):
         return stack_rows(rows, [d.reward for d in dialogues], [d.no_eos for d in dialogues],
                           next_group_id(), self.pad_id, meta, extra, correct=[d.correct for d in dialogues])
 
-    async def _dialogue(self, engine: "InferenceEngine", prompt: Prompt, answer: Any) -> _Dialogue:
+    async def _dialogue(self, engine: "InferenceEngine", prompt: Prompt, answer: Any,
+                        key: str | None = None) -> _Dialogue:
         d = _Dialogue(segments=[Segment(list(prompt.ids))])
         context = list(prompt.ids)
         messages = list(prompt.messages) if prompt.messages is not None else None
         for turn in range(self.max_turns):
-            resp = await engine.agenerate(ModelRequest(input_ids=list(context), gconfig=self.gconfig))
+            resp = await engine.agenerate(ModelRequest(input_ids=list(context), gconfig=self.gconfig,
+                                                       session_id=key))
             out = list(resp.output_tokens)
             d.segments.append(Segment(out, list(resp.output_logprobs), list(resp.output_versions),
                                       resp.sampling_cutoffs, resp.routed_experts))

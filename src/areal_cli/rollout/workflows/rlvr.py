@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
@@ -58,16 +59,19 @@ class RLVRWorkflow(RolloutWorkflow):
         async def score(resp: Any) -> float:
             return await call_reward(self.reward_fn, prompt.text, decode(self.tokenizer, resp.output_tokens), answer)
 
+        key = f"group-{uuid.uuid4().hex}"  # the group's members go to one server (its prefix cache)
+
         async def sample() -> tuple[Any, float]:
             # Each sample is scored as soon as it finishes, overlapping rewards with generation.
-            resp = await engine.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig))
+            resp = await engine.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig,
+                                                       session_id=key))
             return resp, await score(resp)
 
         group = getattr(engine, "agenerate_group", None)
         if group is not None and getattr(engine, "supports_batch_generate", False) and self.group_size > 1:
             # One batched call for the whole group: the server prefills the shared prompt once and
             # the trainer-side client handles one HTTP exchange instead of group_size.
-            resps = await group([ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig)
+            resps = await group([ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig, session_id=key)
                                  for _ in range(self.group_size)])
             rewards = await call_rewards(self.reward_fn, prompt.text,
                                          [decode(self.tokenizer, r.output_tokens) for r in resps], answer)
@@ -75,6 +79,9 @@ class RLVRWorkflow(RolloutWorkflow):
             scored = await asyncio.gather(*[sample() for _ in range(self.group_size)])
             resps = [r for r, _ in scored]
             rewards = [x for _, x in scored]
+        end = getattr(engine, "end_session", None)
+        if end is not None:
+            end(key)
         rows = [build_row([Segment(prompt.ids),
                            Segment(list(r.output_tokens), list(r.output_logprobs), list(r.output_versions),
                                    r.sampling_cutoffs, r.routed_experts)])
