@@ -38,6 +38,18 @@ def vllm_python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
+# Workflows whose requests never continue an earlier sequence: the hf server already prefills a group's
+# shared prompt once, and a prefix cache would only hold every finished row until the next weight update.
+SINGLE_TURN_WORKFLOWS = frozenset({"rlvr"})
+
+
+def prefix_cache_tokens(workflow: str) -> int:
+    """The hf server's ``--prefix-cache-tokens`` for a run of ``workflow``: 0 (off) for single-turn
+    workflows, -1 (auto: 512 MiB of KV, at most 65536 tokens) for multi-turn and agent ones. The launcher
+    puts it before ``launcher.server_args``, so a flag of the user's wins."""
+    return 0 if workflow in SINGLE_TURN_WORKFLOWS else -1
+
+
 def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp: int = 1,
                      tp_size: int | None = None, pp: int = 1, dtype: str = "auto", device: str = "cpu", seed: int = 0,
                      api_key: str | None = None, context_length: int | None = None,

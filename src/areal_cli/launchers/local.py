@@ -87,6 +87,7 @@ def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: st
         extra = ["--allowed-weight-roots", *roots]
         if cfg.cluster.device == "cpu":
             extra += ["--num-threads", os.environ.get("AREAL_SERVER_THREADS", "1")]
+        extra += ["--prefix-cache-tokens", str(inf_launch.prefix_cache_tokens(cfg.workflow.name))]
     extra += [str(a) for a in cfg.launcher.server_args]  # last: the user's flags win
     from areal_cli.config.model import lora_target_modules
 

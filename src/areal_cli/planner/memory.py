@@ -18,7 +18,7 @@ from areal_cli.allocation.estimate import SERVER_MEM_FRACTION, GiB, ModelFacts, 
 # Parts named in ``binds``, in the words the tables print.
 PART_NAMES = {"weights_gb": "weights", "grads_gb": "gradients", "optim_gb": "optimizer states",
               "activations_gb": "activations", "kv_cache_gb": "KV cache", "process_gb": "process",
-              "buffers_gb": "buffers (fused weights, push staging)"}
+              "buffers_gb": "buffers (fused weights, push staging, prefix cache)"}
 
 
 @dataclass
@@ -38,8 +38,8 @@ class ComponentMemory:
     # The process at the workload's mean lengths (a trainer's micro-batches packed with sequences of the
     # mean length, not at the caps): what a typical step's peak is. ``process_gb`` is the bound.
     expected_gb: float = 0.0
-    # Buffers beyond the model's states and KV: the hf server's fused weight copy (CPU fast path) and its
-    # weight-push staging slots.
+    # Buffers beyond the model's states and KV: the hf server's fused weight copy (CPU fast path), its
+    # weight-push staging slots and its prefix cache.
     buffers_gb: float = 0.0
 
     def to_dict(self) -> dict:
@@ -96,23 +96,53 @@ def _slab_len(max_seq: int) -> int:
     return -(-n // 16) * 16
 
 
-def hf_server_extras(cfg, facts: ModelFacts, push_mode: str | None) -> tuple[float, float]:
-    """(bytes the built-in server holds beyond the HF model and its KV, and the bytes of its distributed
-    weight-push staging) on CPU: the fast decode path's fused, pre-transposed copy of every layer's
-    projections (a dense model on CPU: inference/server/engine.py ``_make_runner``), and two staging
-    slots of one bucket each when weights arrive by broadcast."""
+# The hf server's prefix cache at ``--prefix-cache-tokens -1`` (inference/server/prefix_cache.py auto_budget).
+_PREFIX_CACHE_MIB, _PREFIX_CACHE_MAX_TOKENS = 512, 1 << 16
+
+
+def prefix_cache_budget(cfg) -> int:
+    """Tokens the hf server's prefix cache may hold in this run: what the launcher passes
+    (``inference/launch.py:prefix_cache_tokens``), or the user's own ``--prefix-cache-tokens`` in
+    ``launcher.server_args`` (the last one wins, as on the command line); -1 is auto."""
+    from areal_cli.inference.launch import prefix_cache_tokens
+
+    value = prefix_cache_tokens(cfg.workflow.name)
+    args = [str(a) for a in cfg.launcher.server_args]
+    for i, a in enumerate(args):
+        if a == "--prefix-cache-tokens" and i + 1 < len(args):
+            value = int(args[i + 1])
+        elif a.startswith("--prefix-cache-tokens="):
+            value = int(a.split("=", 1)[1])
+    return value
+
+
+def hf_server_extras(cfg, facts: ModelFacts, push_mode: str | None,
+                     cached_tokens: float = 0.0) -> tuple[float, float, float]:
+    """Bytes the built-in server holds beyond the HF model and its KV, on CPU: the fast decode path's fused,
+    pre-transposed copy of every layer's projections (a dense model on CPU: inference/server/engine.py
+    ``_make_runner``), two staging slots of one bucket each when weights arrive by broadcast, and its
+    prefix cache filled with ``cached_tokens`` (what one weight version stores: it is dropped on every
+    update) up to its budget. (fused, staging, cache)."""
     cpu = cfg.cluster.device != "cuda"
     pb = 4 if cpu else 2
     emb = facts.vocab * facts.hidden * (1 if facts.tied else 2)
-    fused = (facts.total_params() - emb) * pb if cpu and facts.experts == 0 else 0.0
+    fast = cpu and facts.experts == 0
+    fused = (facts.total_params() - emb) * pb if fast else 0.0
     model_bytes = facts.total_params() * pb
     staging = 2 * min(_PUSH_BUCKET_BYTES, model_bytes) if push_mode == "distributed" else 0.0
-    return float(fused), float(staging)
+    cache = 0.0
+    budget = prefix_cache_budget(cfg) if fast else 0
+    if budget != 0:
+        per_token = facts.kv_bytes_per_token(pb)
+        if budget < 0:
+            budget = min(_PREFIX_CACHE_MAX_TOKENS, _PREFIX_CACHE_MIB * 1024 ** 2 // max(1, int(per_token)))
+        cache = min(float(budget), cached_tokens) * per_token
+    return float(fused), float(staging), float(cache)
 
 
 def server_memory(cfg, part, facts: ModelFacts, concurrency: int, seq_tokens: int,
                   base_gb: float, *, max_seq_tokens: int | None = None,
-                  push_mode: str | None = None) -> ComponentMemory:
+                  push_mode: str | None = None, cached_tokens: float = 0.0) -> ComponentMemory:
     """One device of a server instance of ``part`` (a validated InferencePart) running ``concurrency``
     sequences of ``seq_tokens`` tokens (the mean; ``max_seq_tokens``: the longest one). SGLang/vLLM hold
     their reserved fraction whatever the load; the hf server holds what it uses: on the CPU fast path,
@@ -122,7 +152,8 @@ def server_memory(cfg, part, facts: ModelFacts, concurrency: int, seq_tokens: in
     pb = 2 if cfg.cluster.device == "cuda" else 4
     per_token = facts.kv_bytes_per_token(pb, part.tp, part.pp)
     reserving = part.backend != "hf"
-    fused, staging = hf_server_extras(cfg, facts, push_mode) if not reserving else (0.0, 0.0)
+    fused, staging, cache = hf_server_extras(cfg, facts, push_mode, cached_tokens) if not reserving else (0.0,) * 3
+    staging += cache  # the buffers column: fused copy, push staging and prefix cache
     kv_tokens = m.kv_tokens if reserving else int(max(0.0, m.device_gb - m.weights_gb - base_gb) * GiB
                                                    // max(per_token, 1))
     fit_seqs = kv_tokens // max(1, seq_tokens)

@@ -122,7 +122,9 @@ class _Planner:
         want = max(1, -(-admitted // inf.dp))
         mem = server_memory(cfg, inf, self.f, want, seq, self.hw.server_base,
                             max_seq_tokens=self.max_prompt + w.decode_iters,
-                            push_mode=self.push_mode())
+                            push_mode=self.push_mode(),
+                            # a weight version's prefix-cache stores: every prompt at prefill, every row at its end
+                            cached_tokens=(w.samples * w.seq_tokens + w.prompts * w.prompt_tokens) / inf.dp)
         gen = T.generation_time(self.f, self.hw, w, inf.backend, inf.dp, inf.tp, inf.pp,
                                 cfg.rollout.max_concurrent_rollouts, mem.concurrency or 1, cfg.cluster.device)
         return gen, mem

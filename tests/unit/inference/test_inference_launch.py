@@ -64,6 +64,30 @@ def test_launcher_server_args_reach_every_server(tmp_path):
     assert argv[-2:] == ["--max-running-requests", "4"]
 
 
+def test_the_hf_prefix_cache_is_off_for_single_turn_runs_and_the_users_flag_wins(tmp_path):
+    """A single-turn RL run never continues a finished row, so its servers keep no prefix cache; multi-turn
+    runs get the automatic budget. The parsed command line is what the server sees."""
+    import argparse
+
+    from areal_cli.config.schema import ExperimentConfig
+    from areal_cli.inference.hf_server import build_parser
+    from areal_cli.launchers.base import ServerSpec
+    from areal_cli.launchers.local import server_argv
+
+    def budget(workflow: str, user: list[str]) -> int:
+        cfg = ExperimentConfig()
+        cfg.workflow.name, cfg.launcher.server_args = workflow, user
+        argv, _ = server_argv(cfg, ServerSpec(index=0, backend="hf", tp=1, pp=1), 1234, str(tmp_path / "m"),
+                              "127.0.0.1", str(tmp_path))
+        args, _ = build_parser().parse_known_args(argv[argv.index("-m") + 2:])
+        assert isinstance(args, argparse.Namespace)
+        return args.prefix_cache_tokens
+
+    assert budget("rlvr", []) == 0
+    assert budget("multi_turn", []) == -1
+    assert budget("rlvr", ["--prefix-cache-tokens", "4096"]) == 4096
+
+
 def test_vllm_cmd_env_for_cpu(tmp_path):
     argv, env = build_server_cmd("vllm", "/m", "127.0.0.1", 8000, dtype="float32", device="cpu",
                                  cache_root=str(tmp_path), python="/venv/bin/python", context_length=256)

@@ -195,3 +195,18 @@ def test_a_calibrated_tp_overhead_slows_tp_layouts_only():
     assert b["compute_s"] == pytest.approx(2 * a["compute_s"])
     assert b["tp_comm_s"] > a["tp_comm_s"]
     assert planned(*d2, hw=slow).step.train_s == pytest.approx(planned(*d2, hw=hw).step.train_s)
+
+
+def test_the_hf_servers_prefix_cache_is_counted_where_the_launcher_turns_it_on():
+    from areal_cli.allocation.estimate import GiB, ModelFacts
+
+    single = comp(planned(hw="cpu"), "inference").memory
+    multi = planned("workflow=multi_turn", hw="cpu")
+    capped = planned("workflow=multi_turn", "launcher.server_args=[--prefix-cache-tokens,100]", hw="cpu")
+    cfg, _ = compose_and_validate(["workflow=multi_turn"])
+    per_token = ModelFacts.from_config(cfg.model).kv_bytes_per_token(4)
+    w = multi.workload
+    stored = w["samples"] * (w["prompt_tokens"] + w["new_tokens"]) + w["prompts"] * w["prompt_tokens"]
+    extra = comp(multi, "inference").memory.buffers_gb - single.buffers_gb
+    assert extra == pytest.approx(stored * per_token / GiB)  # one weight version's stores, under the budget
+    assert comp(capped, "inference").memory.buffers_gb - single.buffers_gb == pytest.approx(100 * per_token / GiB)
