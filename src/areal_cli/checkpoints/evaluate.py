@@ -208,7 +208,7 @@ def _evaluate(cfg: Any, src: Source, model_dir: str, server: str | None, backend
     else:
         started = _Server(cfg, model_dir, backend or "hf", work)
         address, backend = started.address, backend or "hf"
-    reward_fn = build.build_reward_fn(cfg)
+    reward_fn = build.build_reward_fn(cfg, [address])
     samples: dict = {}
     try:
         if started is not None:

@@ -37,6 +37,7 @@ from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, get_engine_s
 from areal_cli.errors import ConfigError
 from areal_cli.planner.hardware import gpu_memory_gb, resolve_hardware
 from areal_cli.registry import load_plugins
+from areal_cli.rewards.judge_prompt import check_judge_config
 from areal_cli.rewards.registry import check_reward_name
 from areal_cli.rollout.workflows import check_workflow_config
 
@@ -350,6 +351,9 @@ def validate(cfg: ExperimentConfig) -> Plan:
     _check_scalars(cfg)
     resolve_hardware(cfg)  # cluster.hardware names a profile of the cluster's device kind
     spec = _resolved_spec(cfg)
+    if cfg.workflow.reward == "judge" and cfg.algo.name != "sft":
+        check_judge_config(cfg.workflow.judge, workflow=cfg.workflow.name,
+                           inference_names=[c.name for c in spec.inference])
     checker = _SpecChecker(spec, cfg)
     for c in spec.components:
         checker.check(c)

@@ -40,6 +40,24 @@ class Reward(float):
         return f"Reward({float(self)!r}, correct={self.correct})"
 
 
+class Dropped(float):
+    """A sample its reward could not score and that the run leaves out (the LLM judge's
+    ``on_failure=drop``): the workflow drops the episode. NaN, so it can never pass for a score."""
+
+    def __new__(cls) -> "Dropped":
+        return super().__new__(cls, float("nan"))
+
+    def __reduce__(self):
+        return (Dropped, ())
+
+    def __repr__(self) -> str:
+        return "Dropped()"
+
+
+def is_dropped(value: Any) -> bool:
+    return isinstance(value, Dropped)
+
+
 def correctness(value: Any) -> bool | None:
     """``Reward.correct``; a bool is its own correctness; anything else is unknown (None)."""
     if isinstance(value, Reward):
@@ -52,6 +70,8 @@ def correctness(value: Any) -> bool | None:
 def as_outcome(value: Any) -> float:
     """A reward function's result as a float that keeps its correctness (a :class:`Reward`) when
     the function stated one."""
+    if isinstance(value, Dropped):
+        return value
     ok = correctness(value)
     return float(value) if ok is None else Reward(float(value), ok)
 

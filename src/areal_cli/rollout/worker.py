@@ -81,7 +81,9 @@ class RolloutService:
         gconfig = build.build_gconfig(cfg.rollout.gconfig, tokenizer,
                                       keep_sampling_mask=keep_sampling_mask_active(cfg),
                                       return_routed_experts=bool(cfg.rollout.routing_replay))
-        self.episodes = EpisodeRunner(build.build_workflow(cfg, tokenizer, gconfig),
+        # Kept: a reward with per-step counters (the LLM judge's take_stats) reports them with each batch.
+        self.reward = build.build_reward_fn(cfg, addresses)
+        self.episodes = EpisodeRunner(build.build_workflow(cfg, tokenizer, gconfig, reward_fn=self.reward),
                                       retry_window_s=float(cfg.launcher.server_startup_timeout_s) + 60,
                                       seed=cfg.seed)
         self.executor = build.build_executor(cfg, self.client, self.episodes, cfg.algo.batch_size)
@@ -100,6 +102,9 @@ class RolloutService:
         stats = dict(self.executor.last_batch_stats)
         stats["data/positions"] = [int(p) for p in pos if p is not None]
         stats["rollout/episode_retries"] = float(self.episodes.retried)
+        take = getattr(self.reward, "take_stats", None)
+        if take is not None:
+            stats.update(take())
         return {"data": canonical_order(traj.data, pos), "stats": stats}
 
     def pause(self) -> None:
@@ -115,6 +120,9 @@ class RolloutService:
 
     def set_addresses(self, addresses: list[str]) -> None:
         self.client.set_addresses(addresses)
+        follow = getattr(self.reward, "set_addresses", None)  # a judge on the rollout servers follows them
+        if follow is not None:
+            follow(addresses)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.stream.state_dict(), "executor": self.executor.state_dict()}
@@ -124,8 +132,12 @@ class RolloutService:
         self.executor.load_state_dict(state["executor"])
 
     def close(self) -> None:
-        """Cancel running episodes and stop the executor (the client's sessions close with its loop)."""
+        """Cancel running episodes and stop the executor (the client's sessions close with its loop),
+        then the reward's worker pool, if it has one."""
         self.executor.destroy()
+        close = getattr(self.reward, "close", None)
+        if close is not None:
+            close()
 
 
 # ---------------------------------------------------------------------- the process form

@@ -146,21 +146,29 @@ def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:
     return g.new(**override) if override else g
 
 
-def build_reward_fn(cfg: Any) -> Any:
+def build_reward_fn(cfg: Any, addresses: list[str] | None = None) -> Any:
     """Rewards declared ``in_process`` (the cheap built-ins) run in-process; others (math-verify,
     code, user functions) in the time-bounded process pool, so a hanging or crashing reward cannot
-    take the trainer down. A bad name fails here, before any worker is spawned."""
-    from areal_cli.rewards.registry import get_reward_fn, reward_runs_in_process
+    take the trainer down. A bad name fails here, before any worker is spawned.
+
+    ``judge``: an LLM judge (rewards/judge.py) calling ``addresses`` (the run's inference servers,
+    ``workflow.judge.server=rollout``) or ``workflow.judge.base_url``."""
+    from areal_cli.rewards.registry import JUDGE, get_reward_fn, reward_runs_in_process
     from areal_cli.rewards.runner import AsyncRewardRunner
 
     w = cfg.workflow
+    if w.reward == JUDGE:
+        from areal_cli.rewards.judge import JudgeReward
+
+        return JudgeReward(w.judge, addresses, api_key=os.environ.get(SERVER_KEY_ENV) or None)
     fn = get_reward_fn(w.reward)
     if reward_runs_in_process(w.reward):
         return fn
     return AsyncRewardRunner(w.reward, max_workers=w.reward_workers, timeout_s=w.reward_timeout_s)
 
 
-def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any | None = None, reward_fn: Any | None = None) -> Any:
+def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any | None = None, reward_fn: Any | None = None,
+                   addresses: list[str] | None = None) -> Any:
     """The one place a workflow is wired from the config: ``workflow.name`` (built-in, plugin or
     import path) with the reward (:func:`build_reward_fn`), the generation config
     (:func:`build_gconfig`: stops on the tokenizer's EOS) and ``workflow.*`` / ``rollout.group_size``;
@@ -172,7 +180,7 @@ def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any | None = None, reward_
     check_workflow_config(w.name, dict(w.kwargs))
     if gconfig is None:
         gconfig = build_gconfig(cfg.rollout.gconfig, tokenizer)
-    return _build(w.name, reward_fn=reward_fn if reward_fn is not None else build_reward_fn(cfg),
+    return _build(w.name, reward_fn=reward_fn if reward_fn is not None else build_reward_fn(cfg, addresses),
                   gconfig=gconfig, tokenizer=tokenizer, group_size=cfg.rollout.group_size,
                   max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback, **dict(w.kwargs))
 

@@ -34,7 +34,7 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
                       reward_fn: Any, concurrency: int, done: dict, base: bool = False,
                       samples: dict | None = None, on_scored: Any = None) -> dict[str, float]:
     from areal_cli.api.io_struct import ModelRequest
-    from areal_cli.rewards.outcome import correctness
+    from areal_cli.rewards.outcome import correctness, is_dropped
     from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
     from areal_cli.trainer import build
 
@@ -53,6 +53,8 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
             resp = await client.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=gconfig))
         completion = decode(tokenizer, resp.output_tokens)
         reward = await call_reward(reward_fn, prompt.text, completion, item.get("answer"))
+        if is_dropped(reward):  # a judge that failed under on_failure=drop: nothing to drop here
+            reward = 0.0
         done[key] = (correctness(reward), len(resp.output_tokens), float(reward))
         if samples is not None:
             samples[key] = {"item": key[0], "sample": key[1], "prompt": prompt.text, "completion": completion,
@@ -137,7 +139,7 @@ def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer:
     if not items:
         return {}
     if reward_fn is None:
-        reward_fn = build.build_reward_fn(cfg)
+        reward_fn = build.build_reward_fn(cfg, addresses)
     t0 = time.perf_counter()
     if executor is not None:
         executor.pause()

@@ -445,6 +445,7 @@ class RLTrainer:
         batch, gen_stats = self.next_batch(engine, step - 1)
         if self.rank == 0:
             gen_stats["rollout/server_restarts"] = float(self.restarts_synced)
+            _log_judge_samples(self.run_dir, step, gen_stats.pop("judge/samples", None))
         t_gen = time.perf_counter() - t0
         local = scatter_batch(batch, self.cfg.algo.batch_size, self.dp_of_rank)
         t1 = time.perf_counter()
@@ -508,6 +509,17 @@ class RLTrainer:
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {"step": step, "version": step, **self.rollout.state_dict(), "weight_mode": self.weight_mode,
                 "elapsed_s": self.elapsed_before + time.time() - self.t_start, "time": time.time()}
+
+
+def _log_judge_samples(run_dir: Any, step: int, samples: list[dict] | None) -> None:
+    """The LLM judge's recent verdicts (rewards/judge.py), one JSON line each, in the run's judge.jsonl."""
+    if not samples:
+        return
+    import json
+
+    with open(Path(run_dir) / "judge.jsonl", "a") as f:
+        for rec in samples:
+            f.write(json.dumps({"step": step, **rec}) + "\n")
 
 
 def _peek_state(recover: Path | None) -> dict[str, Any] | None:

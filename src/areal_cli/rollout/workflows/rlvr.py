@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
+from areal_cli.rewards.outcome import is_dropped
 from areal_cli.rollout.workflows.common import (
     check_group_and_reward,
     RewardFn,
@@ -40,6 +41,10 @@ class RLVRWorkflow(RolloutWorkflow):
     generated tokens), ``logprobs`` and ``versions`` (per token, as produced by the server; 0 / -1 on the
     prompt), ``rewards`` [G], ``seq_no_eos_mask`` [G] (True when generation hit the length limit) and
     ``group_id`` [G].
+
+    A reward that drops a sample (:class:`~areal_cli.rewards.outcome.Dropped`: the LLM judge's
+    ``on_failure=drop``) drops the whole group (``None``: the executor counts it rejected and admits
+    another prompt) — a group with a member missing would skew its baseline.
     """
 
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any, group_size: int = 1,
@@ -82,6 +87,8 @@ class RLVRWorkflow(RolloutWorkflow):
         end = getattr(engine, "end_session", None)
         if end is not None:
             end(key)
+        if any(is_dropped(x) for x in rewards):
+            return None
         rows = [build_row([Segment(prompt.ids),
                            Segment(list(r.output_tokens), list(r.output_logprobs), list(r.output_versions),
                                    r.sampling_cutoffs, r.routed_experts)])
