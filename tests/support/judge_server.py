@@ -80,7 +80,7 @@ class JudgeServer:
         if mode == "slow":
             try:  # cut short when the server closes, so close() does not wait on it
                 await asyncio.wait_for(self._stopping.wait(), SLOW_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         if mode == "garbage":
             return web.Response(text="<html>not json</html>", content_type="text/html")

@@ -129,7 +129,7 @@ class JudgeReward:
             try:
                 async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=float(j.timeout_s))) as r:
                     status, raw = r.status, await r.read()
-            except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            except (TimeoutError, aiohttp.ServerTimeoutError):
                 raise _Failed("timeout", f"no answer from {base} within {j.timeout_s:g}s") from None
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
                 raise _Failed("unreachable", f"{base}: {type(e).__name__}: {e}") from None

@@ -97,7 +97,7 @@ class Parser:
     regex: re.Pattern | None
 
     @classmethod
-    def from_config(cls, j: Any) -> "Parser":
+    def from_config(cls, j: Any) -> Parser:
         return cls(j.parse, tuple((str(k).lower(), float(v)) for k, v in dict(j.verdicts).items()),
                    re.compile(j.regex) if j.regex else None)
 
