@@ -97,6 +97,15 @@ def test_garbage_bodies_are_unparseable(server):
     assert stats["judge/samples"][0]["judge_answer"].startswith("<html>")
 
 
+@pytest.mark.parametrize("mode", ["words", "correct"])
+def test_non_numbers_under_score_parsing_are_unparseable(server, mode):
+    j = judge(server.url(mode), parse="score", on_failure="retry", max_retries=1, after_retries="zero")
+    assert score(j) == [0.0]
+    stats = j.take_stats()
+    assert stats["judge/failures/unparseable"] == stats["judge/calls"] == 2 and stats["judge/zeroed"] == 1
+    assert stats["judge/samples"][0]["failure"] == "unparseable: no number in the answer"
+
+
 def test_verdicts_and_scores_are_parsed(server):
     j = judge(server.url("correct"))
     [r] = score(j, ("What is 2+2?", "4", "#### 4"))
