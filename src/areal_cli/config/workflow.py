@@ -31,8 +31,9 @@ class JudgeConfig:
     on_failure: str = "zero"  # zero | drop (the episode's group) | retry (then `after_retries`)
     max_retries: int = ranged(2, ge=1)
     after_retries: str = "zero"  # zero | drop
-    # The run stops with an error after this many failed judge calls in a row (0: never): a judge
-    # that is down would otherwise train on zeros, or under drop wait for ever for a full batch.
+    # The run stops with an error after this many judge calls in a row failed because the judge is down
+    # (timeout, unreachable, error; under drop, any failure) — 0: never. A dead judge would otherwise
+    # train on zeros, or under drop wait for ever for a full batch. Garbage answers alone never stop it.
     max_failures_in_row: int = ranged(64, ge=0)
     rule: str = ""  # optional cheap rule reward (numeric, exact) combined with the judge's score
     combine: str = "gate"  # gate: rule 0 -> 0 without a judge call | add: rule + weight * judge

@@ -10,9 +10,11 @@ A call fails in one of four ways, each counted: ``timeout``, ``unreachable`` (no
 answer with no verdict or score). A failed sample gets ``on_failure``: ``zero`` (the judge's score
 is 0), ``drop`` (:class:`~areal_cli.rewards.outcome.Dropped`: the workflow drops the episode) or
 ``retry`` (up to ``max_retries`` more calls, then ``after_retries``). Never an exception, never a
-silent 1 — except after ``max_failures_in_row`` failed calls in a row, which stop the run with
+silent 1 — except after ``max_failures_in_row`` calls in a row failed because the judge is down
+(timeout, unreachable, error; under ``drop``, failed in any way), which stop the run with
 :class:`JudgeDown`: a judge that is down would otherwise train on zeros, or under ``drop`` starve
-the batch for ever.
+the batch for ever. A judge that answers garbage is up: its samples get their outcome and the run
+goes on.
 
 :meth:`JudgeReward.take_stats` returns the ``judge/*`` counters since its last call and a few recent
 verdicts (``judge/samples``); the rollout service adds them to each step's metrics.
@@ -92,6 +94,7 @@ class JudgeReward:
         self._score_sum = 0.0
         self._samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(0, int(j.log_samples)))
         self._in_row = 0
+        self._drops = "drop" in (j.on_failure, j.after_retries if j.on_failure == "retry" else None)
         self._warned: set[str] = set()
         self._per_loop: dict[int, tuple[aiohttp.ClientSession, asyncio.Semaphore, Any]] = {}
 
@@ -211,7 +214,9 @@ class JudgeReward:
             first = fail.kind not in self._warned
             self._warned.add(fail.kind)
             self._counts.update({"calls": 1, f"failures/{fail.kind}": 1})
-            self._in_row += 1
+            # An unparseable answer means the judge is up: it breaks a streak, unless failed samples are
+            # dropped, where any failure leaves nothing to train on.
+            self._in_row = self._in_row + 1 if fail.kind != "unparseable" or self._drops else 0
             in_row = self._in_row
         # The first failure of each kind is a warning; the rest are counted (judge/failures/*) and sampled
         # (judge.jsonl) rather than logged one by one.

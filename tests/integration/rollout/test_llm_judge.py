@@ -152,22 +152,55 @@ def test_rule_reward_gates_or_adds(server):
     assert score(judge(server.url("words"), rule="exact", combine="add"), ("q", "6", "6")) == [1.0]
 
 
-def test_failures_in_a_row_stop_the_run(server):
-    j = judge(server.url("words"), max_failures_in_row=3)
-
+def _three_calls_stop(j: JudgeReward) -> None:
     async def go() -> None:
         try:
-            assert await j("q", "a", "r") == 0.0
-            assert await j("q", "a", "r") == 0.0
+            for _ in range(2):
+                x = await j("q", "a", "r")
+                assert x == 0.0 or is_dropped(x)
             with pytest.raises(JudgeDown, match="failed 3 calls in a row"):
                 await j("q", "a", "r")
         finally:
             await j.aclose()
 
     asyncio.run(go())
-    # A success in between resets the count; 0 never stops.
-    j = judge(server.url("words"), max_failures_in_row=0)
-    assert score(j, *[("q", "a", "r")] * 5) == [0.0] * 5
+
+
+@pytest.mark.parametrize("mode", ["error", "slow", None])
+def test_a_judge_that_is_down_stops_the_run(server, mode):
+    url = server.url(mode) if mode else _closed_port_url()
+    _three_calls_stop(judge(url, timeout_s=0.3, max_failures_in_row=3))
+
+
+def test_garbage_answers_stop_the_run_only_under_drop(server):
+    # Up but answering garbage: every sample zeroed, the run goes on.
+    assert score(judge(server.url("words"), max_failures_in_row=3), *[("q", "a", "r")] * 5) == [0.0] * 5
+    # Under drop nothing would ever train: it stops.
+    _three_calls_stop(judge(server.url("words"), on_failure="drop", max_failures_in_row=3))
+    # Retries count too: the first sample's second attempt is the second failure in a row.
+    j = judge(server.url("words"), on_failure="retry", max_retries=1, after_retries="drop", max_failures_in_row=2)
+    with pytest.raises(JudgeDown, match="failed 2 calls in a row"):
+        score(j)
+    # 0 never stops.
+    j = judge(server.url("error"), on_failure="drop", max_failures_in_row=0)
+    assert all(is_dropped(x) for x in score(j, *[("q", "a", "r")] * 5))
+
+
+def test_a_scored_call_breaks_the_streak(server):
+    down, up = server.url("error"), server.url("correct")
+    j = judge(down, max_failures_in_row=3)
+
+    async def go() -> list[float]:
+        try:
+            out = [await j("q", "a", "r"), await j("q", "a", "r")]
+            j.addresses = [up]
+            out.append(await j("q", "a", "r"))
+            j.addresses = [down]
+            return out + [await j("q", "a", "r"), await j("q", "a", "r")]
+        finally:
+            await j.aclose()
+
+    assert asyncio.run(go()) == [0.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_rlvr_drops_the_group_when_the_judge_drops_a_sample(server, fake_engine, tiny_model_dir):
