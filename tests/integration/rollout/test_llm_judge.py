@@ -68,7 +68,8 @@ def test_failure_kinds_get_their_configured_outcome(server, kind, outcome):
     mode = KINDS[kind]
     url = server.url(mode) if mode else _closed_port_url()
     before = server.requests[mode] if mode else 0
-    j = judge(url, timeout_s=0.5, **settings)
+    # Short only where the timeout is the point: a loaded machine may take longer than that to answer.
+    j = judge(url, timeout_s=0.5 if kind == "timeout" else 30.0, **settings)
     [value] = score(j)
     stats = j.take_stats()
     if final == "drop":
