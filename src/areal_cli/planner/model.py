@@ -129,6 +129,25 @@ class _Planner:
                                 cfg.rollout.max_concurrent_rollouts, mem.concurrency or 1, cfg.cluster.device)
         return gen, mem
 
+    def judge_time(self) -> float:
+        """``workflow.reward=judge`` on the rollout servers: one chat call per sample (its question and
+        answer in a ~64-token template, ``judge.max_new_tokens`` back, ``judge.max_concurrent`` at once),
+        served by the same instances as generation, so its time adds to theirs. A judge at a URL runs on
+        hardware this plan does not know: 0, and a warning says so."""
+        cfg, w, inf = self.cfg, self.w, self.inf
+        if str(cfg.workflow.reward) != "judge" or inf is None:
+            return 0.0
+        j = cfg.workflow.judge
+        if j.server != "rollout":
+            self.warnings.append("workflow.judge.server=url: the judge's time (a server this plan does not "
+                                 "know) is not in the step")
+            return 0.0
+        calls = T.Workload(w.samples, 1, w.prompt_tokens + w.new_tokens + 64, float(j.max_new_tokens),
+                           int(j.max_new_tokens), 0)
+        t = T.generation_time(self.f, self.hw, calls, inf.backend, inf.dp, inf.tp, inf.pp, j.max_concurrent,
+                              None, cfg.cluster.device)
+        return t.total_s
+
     def trainer(self, threads: int):
         inter = len(_nodes(self.actor)) > 1
         return T.train_time(self.cfg, self.actor, self.f, self.hw, self.w, threads, inter)
@@ -183,7 +202,7 @@ class _Planner:
     def run(self) -> RunPlan:
         cfg, hw, w = self.cfg, self.hw, self.w
         gen, smem = self.server()
-        reward_s = T.reward_time(cfg, w) if gen is not None else 0.0
+        reward_s = (T.reward_time(cfg, w) + self.judge_time()) if gen is not None else 0.0
         sync = self.sync() if gen is not None else None
         sync_s = sync.total_s if sync is not None else 0.0
         sync_step, async_step, train_sync, train_async, gen_s = self.steps(gen, reward_s, sync_s)

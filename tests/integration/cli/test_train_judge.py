@@ -17,7 +17,8 @@ import pytest
 from judge_server import JudgeServer
 from train_runs import _env, _overrides, _records
 
-pytestmark = pytest.mark.timeout(400)
+# real runs with a judge: CI's runs phase (pytest -m runs tests/integration), not the default suite
+pytestmark = [pytest.mark.timeout(400), pytest.mark.runs]
 
 SHORT = {"trainer.total_steps": 2, "trainer.recover_every": 0, "trainer.save_every": 0, "trainer.eval_every": 0,
          "dataset.test_size": 4, "workflow.reward": "judge"}
@@ -66,7 +67,6 @@ def judge_server():
     srv.close()
 
 
-@pytest.mark.slow
 def test_train_with_a_judge_at_a_url(tmp_path, tiny_model_dir, judge_server):
     res = _train(tmp_path, tiny_model_dir, **{"workflow.judge.server": "url",
                                                "workflow.judge.base_url": judge_server.url("parity")})
@@ -80,7 +80,6 @@ def test_train_with_a_judge_at_a_url(tmp_path, tiny_model_dir, judge_server):
     assert {s["outcome"] for s in _judge_lines(run_dir)} == {"scored"}
 
 
-@pytest.mark.slow
 def test_a_dead_judge_under_drop_stops_the_run(tmp_path, tiny_model_dir, judge_server):
     res = _train(tmp_path, tiny_model_dir, **{"workflow.judge.server": "url",
                                                "workflow.judge.base_url": judge_server.url("words"),

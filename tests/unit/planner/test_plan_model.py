@@ -210,3 +210,14 @@ def test_the_hf_servers_prefix_cache_is_counted_where_the_launcher_turns_it_on()
     extra = comp(multi, "inference").memory.buffers_gb - single.buffers_gb
     assert extra == pytest.approx(stored * per_token / GiB)  # one weight version's stores, under the budget
     assert comp(capped, "inference").memory.buffers_gb - single.buffers_gb == pytest.approx(100 * per_token / GiB)
+
+
+def test_a_judge_on_the_rollout_servers_adds_its_generation_to_the_step():
+    plain = planned(hw="cpu")
+    short = planned("workflow.reward=judge", "workflow.judge.max_new_tokens=8", hw="cpu")
+    long = planned("workflow.reward=judge", "workflow.judge.max_new_tokens=64", hw="cpu")
+    assert plain.step.reward_s == 0 < short.step.reward_s < long.step.reward_s
+    assert long.step.sync_step_s == pytest.approx(plain.step.sync_step_s + long.step.reward_s, rel=1e-6)
+    url = planned("workflow.reward=judge", "workflow.judge.server=url",
+                  "workflow.judge.base_url=http://127.0.0.1:9", hw="cpu")
+    assert url.step.reward_s == 0 and any("judge" in w for w in url.warnings)
