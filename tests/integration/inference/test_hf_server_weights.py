@@ -206,7 +206,10 @@ def test_flattened_bucket_extension(server, models, tok):
 
 
 def test_partial_rollout_spans_a_weight_update(server, models, tok, tiny_model_dir, tiny_model_dir_b):
-    """A 200-token generation is paused mid-way, the weights change, and the client resumes it."""
+    """A long generation is paused mid-way, the weights change, and the client resumes it. The update
+    starts once ~60 tokens are out; the generation runs 10x longer, so a loaded machine still pauses it
+    mid-way (a shorter one sometimes finished first on a loaded machine)."""
+    n = 600
     engine = _engine(server)
     asyncio.run(engine.update_weights_from_disk(WeightUpdateMeta(type="disk", version=30, path=tiny_model_dir)))
     p = prompts(tok, 1, seed=14)[0]
@@ -232,13 +235,13 @@ def test_partial_rollout_spans_a_weight_update(server, models, tok, tiny_model_d
     t = threading.Thread(target=updater)
     t.start()
     resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=p, gconfig=GenerationConfig(
-        temperature=temp, max_new_tokens=200, min_new_tokens=200))))
+        temperature=temp, max_new_tokens=n, min_new_tokens=n))))
     t.join()
     assert resp.stop_reason == "length" and resp.n_resumes >= 1
-    assert len(resp.output_tokens) == len(resp.output_logprobs) == len(resp.output_versions) == 200
+    assert len(resp.output_tokens) == len(resp.output_logprobs) == len(resp.output_versions) == n
     k = resp.output_versions.index(31)
-    assert 0 < k < 200
-    assert resp.output_versions == [30] * k + [31] * (200 - k)
+    assert 0 < k < n
+    assert resp.output_versions == [30] * k + [31] * (n - k)
     lp_a = teacher_forced_logprobs(models[0], p, resp.output_tokens, temperature=temp)
     lp_b = teacher_forced_logprobs(models[1], p, resp.output_tokens, temperature=temp)
     want = lp_a[:k] + lp_b[k:]
