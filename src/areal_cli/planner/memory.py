@@ -106,13 +106,20 @@ def prefix_cache_budget(cfg) -> int:
     ``launcher.server_args`` (the last one wins, as on the command line); -1 is auto."""
     from areal_cli.inference.launch import prefix_cache_tokens
 
+    from areal_cli.errors import ConfigError
+
     value = prefix_cache_tokens(cfg.workflow.name)
     args = [str(a) for a in cfg.launcher.server_args]
     for i, a in enumerate(args):
-        if a == "--prefix-cache-tokens" and i + 1 < len(args):
-            value = int(args[i + 1])
-        elif a.startswith("--prefix-cache-tokens="):
-            value = int(a.split("=", 1)[1])
+        raw = args[i + 1] if a == "--prefix-cache-tokens" and i + 1 < len(args) else (
+            a.split("=", 1)[1] if a.startswith("--prefix-cache-tokens=") else None)
+        if raw is None:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError("launcher.server_args", f"--prefix-cache-tokens {raw!r} is not a token count",
+                              "give an integer: 0 turns the cache off, -1 is automatic") from None
     return value
 
 

@@ -221,3 +221,10 @@ def test_a_judge_on_the_rollout_servers_adds_its_generation_to_the_step():
     url = planned("workflow.reward=judge", "workflow.judge.server=url",
                   "workflow.judge.base_url=http://127.0.0.1:9", hw="cpu")
     assert url.step.reward_s == 0 and any("judge" in w for w in url.warnings)
+
+
+def test_a_non_integer_prefix_cache_flag_is_one_config_error():
+    from areal_cli.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="launcher.server_args"):
+        planned("workflow=multi_turn", "launcher.server_args=[--prefix-cache-tokens,lots]", hw="cpu")
