@@ -175,20 +175,20 @@ def report(rows: list[dict]) -> bool:
     from rich.table import Table
 
     t = Table(title="areal plan: predicted vs measured on this machine (error = predicted/measured - 1)")
-    for col in ("config", "step s (pred / meas)", "err", "samples/s (pred / meas)", "err",
-                "trainer GiB (pred / meas)", "err", "server GiB (pred / meas)", "err"):
+    for col in ("config", "step s (pred / meas)", "err", "train s (pred / meas)", "err", "samples/s (pred / meas)",
+                "err", "trainer GiB (pred / meas)", "err", "server GiB (pred / meas)", "err"):
         t.add_column(col, justify="left" if col == "config" else "right")
     ok = True
     for r in rows:
         p, m = r["predicted"], r["measured"]
         cells = [r["config"]]
-        for key, bound in (("step_s", TIME_BOUND), ("samples_per_s", TIME_BOUND), ("trainer_gb", MEM_BOUND),
-                           ("server_gb", MEM_BOUND)):
+        for key, bound in (("step_s", TIME_BOUND), ("train_s", TIME_BOUND), ("samples_per_s", TIME_BOUND),
+                           ("trainer_gb", MEM_BOUND), ("server_gb", MEM_BOUND)):
             e = rel(p.get(key), m.get(key))
             inside = e is not None and abs(e) <= bound
             ok &= inside
             r.setdefault("errors", {})[key] = e
-            fmt = "{:.3f}" if key == "step_s" else "{:.2f}"
+            fmt = "{:.3f}" if key in ("step_s", "train_s") else "{:.2f}"
             cells.append(f"{fmt.format(p[key]) if p.get(key) is not None else '-'} / "
                          f"{fmt.format(m[key]) if m.get(key) is not None else '-'}")
             cells.append("-" if e is None else f"[{'green' if inside else 'red'}]{e:+.0%}[/]")

@@ -12,7 +12,7 @@ _ROWS = (
     ("mem_bw_gbs", "GB/s", "memory bandwidth (copy)"),
     ("intra_node_gbs", "GB/s", "all-reduce bus bandwidth"),
     ("inter_node_gbs", "GB/s", "network per device"),
-    ("train_mfu", "", "training / GEMM rate"),
+    ("train_mfu", "", "training / GEMM rate (embedded default's width)"),
     ("prefill_mfu", "", "prefill / GEMM rate"),
     ("decode_bw_eff", "", "decode / memory bandwidth"),
     ("comm_eff", "", "collectives / link bandwidth"),
@@ -105,6 +105,9 @@ def render_profile(profile, console) -> None:
         src = "measured" if profile.calibrated and field in measured else ""
         table.add_row(field, shown, unit, src, what)
     console.print(table)
+    if profile.train_mfu_points:
+        pts = ", ".join(f"h{int(h)}×{int(t)} tok {v:.2f}" for h, t, v in profile.train_mfu_points)
+        console.print(f"train_mfu of the engines' RL update (hidden × micro-batch tokens): {pts}")
     console.print(f"source: {profile.source}")
     secs = profile.calibrated.get("seconds")
     if secs is not None:

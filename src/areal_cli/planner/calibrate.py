@@ -38,7 +38,7 @@ GIB = 1024 ** 3
 Progress = Callable[[int, int, str], None]  # (index of the measurement starting, how many, what it is)
 
 STEPS = ("GEMM rate", "memory bandwidth", "hf server decode", "train micro-batch and optimizer step",
-         "all-reduce bandwidth and process memory")
+         "all-reduce bandwidth, process memory and the engines' RL step")
 # Fractions of the datasheet that a healthy GPU's best GEMM / copy / all-reduce reach (module docstring).
 _GPU_GEMM_OF_PEAK, _GPU_COPY_OF_PEAK, _GPU_NCCL_OF_PEAK = 0.8, 0.9, 0.8
 # What a trainer rank and a server import before they hold a model: their resident memory is the floor of
@@ -107,8 +107,17 @@ def _profile(name: str, raw: dict) -> HardwareProfile:
         over.update(tp_layer_s=raw["tp_layer_s"], tp_token_eff=raw["tp_token_eff"])
     if raw["device"] == "cpu":
         bw = raw["allreduce_gbs"]
+        train_mfu = _clamp(raw["train_mfu"], 0.3, 1.0)
+        if raw.get("rl_steps"):  # the engines' own RL step (_rl_steps), against one thread's GEMM share
+            per_thread = raw["gemm_tflops"] * 1e12 / max(1, raw["cpu_cores"])
+            points = [[p["hidden"], p["mb_tokens"], _clamp(p["flops"] / p["seconds"] / per_thread, 0.02, 1.5)]
+                      for p in raw["rl_steps"]]
+            # each point is a whole update (one micro-batch and the optimizer step): its fixed costs are
+            # inside its rate, so none go on top
+            over.update(train_mfu_points=points, train_mb_s=0.0, optim_step_s=0.0)
+            train_mfu = points[0][2]
         return replace(PROFILES["cpu"], name=name, matmul_tflops=raw["gemm_tflops"], mem_bw_gbs=raw["copy_gbs"],
-                       intra_node_gbs=bw, inter_node_gbs=bw, train_mfu=_clamp(raw["train_mfu"], 0.3, 1.0),
+                       intra_node_gbs=bw, inter_node_gbs=bw, train_mfu=train_mfu,
                        prefill_mfu=_clamp(raw["prefill_mfu"], 0.3, 1.0), comm_eff=1.0,
                        source=f"measured by `areal plan --calibrate` on this host ({raw['cpu_cores']} cores, "
                               f"{raw['when']})", **over)
@@ -449,6 +458,8 @@ class _AllReduce:
                        rank_model_params=res["rank_model_params"])
         if res.get("tp2_step_s") and res.get("d1_step_s"):
             out.update(_tp_terms(res["d1_step_s"], res["tp2_step_s"]))
+        if res.get("rl_steps"):
+            out["rl_steps"] = res["rl_steps"]
         if "times" not in res:
             return {**out, "allreduce_gbs": None, "allreduce_note": "one GPU: the datasheet's link is kept"}
         by_size = {str(s): s / t / 1e9 for s, t in zip(self.sizes, res["times"])}
@@ -532,6 +543,7 @@ def _allreduce_worker(rank: int, spec: dict) -> None:
         if engines:
             d1, mem = _engine_steps("fsdp", spec["model_dir"], spec["tp_shapes"], tp=1)
             result.update(d1_step_s=d1, **mem)
+            result["rl_steps"] = _rl_steps(spec["model_dir"], spec["dir"])
         out.write_text(json.dumps(result))
 
 
@@ -582,6 +594,72 @@ def _engine_steps(name: str, model_dir: str, shapes: list[list[int]], tp: int) -
     states = n_params * 16  # fp32 weights, gradients and two AdamW moments (fsdp at d1 holds them whole)
     return times, {"rank_hwm_kb": hwm_kb, "rank_model_params": n_params,
                    "running_base_kb": max(0, hwm_kb - states // 1024)}
+
+
+# The engines' RL step, measured at two model widths (the embedded default's, and one twice as wide) and two
+# micro-batch sizes each: GRPO groups of 8 over a shared 29-token prompt with 16 new tokens, as the
+# embedded task's batches are.
+_RL_WIDE = {**_TINY_SHAPE, "hidden_size": 256, "intermediate_size": 1024, "num_layers": 4, "num_heads": 8,
+            "num_kv_heads": 4}
+_RL_ROWS = {_TINY_SHAPE["hidden_size"]: (32, 128, 256), _RL_WIDE["hidden_size"]: (32, 128)}
+_RL_GROUP, _RL_PROMPT, _RL_NEW = 8, 29, 16
+
+
+def _rl_steps(tiny_dir: str, tmp: str) -> list[dict]:
+    """The PPO update of the project's default algorithm (``PPOActor.ppo_update``: the engine packs the
+    rows, runs the shared prompts once, projects the loss positions, computes the loss and its statistics,
+    and steps AdamW) on the fsdp engine at d1, one thread, for each width and row count: the best of 3
+    after a warm-up. Each point carries the FLOPs that :func:`planner.timing.step_flops` counts for it, so
+    the profile's ``train_mfu_points`` are the rates the planner's own accounting needs (:func:`_profile`)."""
+    import dataclasses
+
+    from areal_cli.algorithms.actor import PPOActor
+    from areal_cli.allocation.estimate import ModelFacts
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.config.algo import AlgoConfig, OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.engines.fsdp import FSDPEngine
+    from areal_cli.models.tiny import make_tiny_model
+    from areal_cli.planner.timing import step_flops
+
+    wide_dir = make_tiny_model(os.path.join(tmp, "wide"), tokenizer_dir=tiny_dir, **_RL_WIDE)
+    algo = dataclasses.replace(AlgoConfig(), kl_coef=0.0)  # the reference forward is a pass of its own
+    out = []
+    for model_dir in (tiny_dir, wide_dir):
+        engine = FSDPEngine(EngineConfig(max_tokens_per_mb=1 << 20), OptimConfig(lr=1e-6), total_steps=100)
+        engine.initialize(ParallelStrategy(), model_dir)
+        actor = PPOActor(algo, engine, group_size=_RL_GROUP, max_new_tokens=_RL_NEW)
+        hf = engine.model.config
+        facts = ModelFacts(hf.num_attention_heads, hf.num_key_value_heads, hf.num_hidden_layers, hf.hidden_size,
+                           hf.hidden_size // hf.num_attention_heads, hf.intermediate_size, hf.vocab_size, 0, 0,
+                           bool(hf.tie_word_embeddings))
+        for rows in _RL_ROWS[hf.hidden_size]:
+            batch = _rl_batch(rows, hf.vocab_size)
+            batch = actor.compute_advantages(batch)
+            actor.ppo_update(batch)
+            t = min(_timed(lambda: actor.ppo_update(batch)) for _ in range(3))
+            seq = _RL_PROMPT + _RL_NEW
+            tokens = rows // _RL_GROUP * _RL_PROMPT + rows * _RL_NEW
+            out.append({"hidden": hf.hidden_size, "rows": rows, "mb_tokens": tokens, "seconds": t,
+                        "flops": step_flops(facts, tokens, rows * _RL_NEW, seq, 1.0, 0.0)})
+        engine.destroy()
+    return out
+
+
+def _rl_batch(rows: int, vocab: int) -> dict:
+    """``rows`` samples in groups of :data:`_RL_GROUP`: one prompt per group, random responses."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    seq = _RL_PROMPT + _RL_NEW
+    ids = torch.randint(10, vocab - 10, (rows, seq), generator=g)
+    ids[:, :_RL_PROMPT] = ids[::_RL_GROUP, :_RL_PROMPT].repeat_interleave(_RL_GROUP, 0)
+    mask = torch.zeros(rows, seq)
+    mask[:, _RL_PROMPT:] = 1
+    return {"input_ids": ids, "attention_mask": torch.ones(rows, seq, dtype=torch.bool), "loss_mask": mask,
+            "logprobs": -torch.rand(rows, seq, generator=g) * mask,
+            "rewards": torch.randint(0, 2, (rows,), generator=g).float(),
+            "versions": torch.zeros(rows, seq, dtype=torch.long)}
 
 
 def _rss_gb(pid: int) -> float | None:

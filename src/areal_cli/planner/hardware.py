@@ -14,6 +14,7 @@ Torch-free: ``areal plan`` without ``--calibrate`` must start instantly.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -62,6 +63,12 @@ class HardwareProfile:
     # 0 and 1 on GPUs, where TP is its NVLink traffic (the comm terms).
     tp_layer_s: float = 0.0
     tp_token_eff: float = 1.0
+    # CPU hosts, from --calibrate: train_mfu as the engines' RL step reaches it, measured at more than one
+    # model width and micro-batch size: [[hidden size, tokens per micro-batch, mfu], ...]. A one-thread
+    # step's efficiency depends on both: wider matrices run closer to the GEMM rate, and a micro-batch whose
+    # activations outgrow the caches runs further from it. Between measured points the log-linear
+    # interpolation, outside them the nearest. Empty: train_mfu everywhere (GPU profiles).
+    train_mfu_points: list = field(default_factory=list)
     # CPU hosts: cores the host-wide rates above were measured over (a process with one thread gets
     # matmul_tflops / cores); 0 on GPUs, or this machine's os.cpu_count() when unknown.
     cores: int = 0
@@ -78,12 +85,33 @@ class HardwareProfile:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
+    def train_mfu_at(self, hidden: int, mb_tokens: float) -> float:
+        """``train_mfu`` for a model of this hidden size at this micro-batch size (``train_mfu_points``)."""
+        if not self.train_mfu_points:
+            return self.train_mfu
+        by_h: dict[int, list[tuple[float, float]]] = {}
+        for h, t, v in self.train_mfu_points:
+            by_h.setdefault(int(h), []).append((float(t), float(v)))
+        at_h = [(float(h), _log_interp(sorted(pts), mb_tokens)) for h, pts in sorted(by_h.items())]
+        return _log_interp(at_h, hidden)
+
     @property
     def server_base(self) -> float:
         return self.server_base_gb or self.process_base_gb
 
     def with_memory(self, mem_gb: float) -> HardwareProfile:
         return replace(self, mem_gb=float(mem_gb))
+
+
+def _log_interp(pts: list[tuple[float, float]], x: float) -> float:
+    """``y`` at ``x`` on the line through sorted ``(x, y)`` points, linear in ``log x``; flat outside them."""
+    x = max(float(x), 1e-9)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0) if x1 > x0 else y1
+    return pts[-1][1]
 
 
 # Datasheet numbers, checked against NVIDIA's datasheets as summarised in these public pages (dense = without

@@ -218,11 +218,29 @@ def train_passes(cfg) -> tuple[float, float]:
     return fb, fwd
 
 
+def step_flops(f: ModelFacts, tokens: float, loss_tokens: float, seq_tokens: float, fb: float,
+               fwd: float) -> float:
+    """FLOPs of ``fb`` forward-backward and ``fwd`` forward-only passes over ``tokens`` trained positions.
+
+    2 FLOPs per parameter per token forward (4 backward) through the layers, plus causal attention's score
+    and value matmuls, 4·layers·(seq/2)·(heads·head_dim) per token forward, counted as the parameters that
+    would cost the same. The vocabulary projection (vocab × hidden) runs in the training pass on the
+    ``loss_tokens`` only (the engines project the positions that carry loss, as TRL's
+    ``logits_to_keep``), and in a forward-only logp pass on every position; the embedding lookup is free.
+    With a small model that head is much of the parameters, so counting it on every token (6·N) would be
+    off by up to 2×."""
+    head = f.vocab * f.hidden
+    body = max(0, f.active_params() - head * (1 if f.tied else 2))
+    attn = f.layers * seq_tokens * f.heads * f.head_dim
+    return 6 * fb * ((body + attn) * tokens + head * loss_tokens) + 2 * fwd * (body + attn + head) * tokens
+
+
 def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threads: int,
                inter_node: bool) -> TrainTime:
     """Seconds of ``perf/train_s`` on the trainer ``part`` (a validated TrainPart).
 
-    ≈ 6·N·tokens / (peak × train_mfu × world) for the PPO update (2·N·tokens per forward-only pass), over
+    ≈ 6·N·tokens / (peak × train_mfu × world) for the PPO update (2·N·tokens per forward-only pass;
+    :func:`step_flops`), over
     ``threads`` cores per rank on a CPU; pipeline bubbles (p−1)/(m+p−1); per micro-batch the tensor- and
     context-parallel collectives of every layer; per minibatch the gradient reduction over d×c (FSDP also
     gathers each layer's weights per micro-batch) on the intra- or inter-node link; a fixed cost per
@@ -234,20 +252,17 @@ def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threa
     fb, fwd = train_passes(cfg)
     shared = cfg.engine.shared_prefix and w.group > 1
     tokens = (w.prompts * w.prompt_tokens if shared else w.samples * w.prompt_tokens) + w.samples * w.new_tokens
-    n_act = f.active_params()
-    # Causal attention's score and value matmuls, 4·layers·(seq/2)·(heads·head_dim) FLOPs per token
-    # forward, counted as the parameters that would cost the same (2 FLOPs per parameter per token).
-    attn = f.layers * w.seq_tokens * f.heads * f.head_dim
-    flops = (6 * fb + 2 * fwd) * (n_act + attn) * tokens
-    rate = flops_rate(hw, threads) * hw.train_mfu
-    compute = flops / (world * rate)
-    if par.tp > 1:
-        compute /= hw.tp_token_eff
+    flops = step_flops(f, tokens, w.samples * w.new_tokens, w.seq_tokens, fb, fwd)
     # Per minibatch per data-parallel rank. Packing fills each micro-batch's token budget with the real
     # sequences, so with the mean lengths the count is the rank's tokens over the budget; validation's
     # count assumes every sequence at its cap, the most it can be.
-    packed = math.ceil(tokens / (par.dp * cfg.algo.ppo_n_minibatches) / max(1, mb.tokens_per_mb))
+    rank_mb_tokens = tokens / (par.dp * cfg.algo.ppo_n_minibatches)
+    packed = math.ceil(rank_mb_tokens / max(1, mb.tokens_per_mb))
     n_mb = max(1, min(mb.n_micro_batches, packed))
+    rate = flops_rate(hw, threads) * hw.train_mfu_at(f.hidden, rank_mb_tokens / n_mb)
+    compute = flops / (world * rate)
+    if par.tp > 1:
+        compute /= hw.tp_token_eff
     bubble = compute * (par.pp - 1) / n_mb if par.pp > 1 else 0.0
     pb = dtype_bytes(cfg.engine.dtype)
     link = (hw.inter_node_gbs if inter_node else hw.intra_node_gbs) * 1e9 * hw.comm_eff

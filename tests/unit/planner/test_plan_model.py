@@ -228,3 +228,43 @@ def test_a_non_integer_prefix_cache_flag_is_one_config_error():
 
     with pytest.raises(ConfigError, match="launcher.server_args"):
         planned("workflow=multi_turn", "launcher.server_args=[--prefix-cache-tokens,lots]", hw="cpu")
+
+
+def test_calibrated_training_rates_follow_the_width_and_the_micro_batch_size():
+    """A calibrated CPU profile's train_mfu comes from points (hidden, tokens per micro-batch, mfu): the
+    plan reads the one at the run's model width and micro-batch, log-linear between points."""
+    from dataclasses import replace
+
+    hw = get_profile("cpu")
+    flat = replace(hw, train_mfu=0.5, train_mfu_points=[])
+    pts = replace(hw, train_mfu=0.5, train_mfu_points=[[128, 500, 0.5], [128, 5000, 0.25], [256, 500, 1.0]])
+    assert pts.train_mfu_at(128, 100) == 0.5 and pts.train_mfu_at(128, 50000) == 0.25
+    assert pts.train_mfu_at(128, 500 * 10 ** 0.5) == pytest.approx(0.375)  # half-way in log tokens
+    # between the widths: log-linear in the hidden size, each width's value taken at the tokens first
+    assert pts.train_mfu_at(181, 500) == pytest.approx(0.5 + 0.5 * 0.5, abs=0.01)
+    assert pts.train_mfu_at(4096, 5000) == 1.0 and flat.train_mfu_at(4096, 5000) == 0.5
+    # the embedded default trains 16 prompts x 8 samples in one micro-batch: its tokens pick the point
+    base = ("trainer.sft_warmup_steps=0", "engine.max_tokens_per_mb=auto")
+    a = planned(*base, hw=flat, prompt_tokens=28.6).terms["train"]["compute_s"]
+    b = planned(*base, hw=pts, prompt_tokens=28.6).terms["train"]["compute_s"]
+    mb_tokens = 16 * 28.6 + 128 * 16  # the group's prompt once (shared prefix), every sample's answer
+    assert b == pytest.approx(a * 0.5 / pts.train_mfu_at(128, mb_tokens))
+
+
+def test_step_flops_count_the_vocabulary_projection_on_loss_positions_only_when_training():
+    from dataclasses import replace
+
+    from areal_cli.allocation.estimate import ModelFacts
+    from areal_cli.planner.timing import step_flops
+
+    f = ModelFacts(heads=4, kv_heads=2, layers=2, hidden=128, head_dim=32, intermediate=512, vocab=1000,
+                   experts=0, moe_intermediate=0, tied=True)
+    untied = replace(f, tied=False)
+    head = 1000 * 128
+    body = f.active_params() - head
+    attn = 2 * 40 * 4 * 32
+    # one forward-backward over 100 positions of which 30 carry loss; then one forward-only pass
+    assert step_flops(f, 100, 30, 40, 1, 0) == 6 * ((body + attn) * 100 + head * 30)
+    assert step_flops(f, 100, 30, 40, 0, 1) == 2 * (body + attn + head) * 100
+    # an untied input embedding is a lookup: no FLOPs beyond the tied model's
+    assert step_flops(untied, 100, 30, 40, 1, 1) == step_flops(f, 100, 30, 40, 1, 1)
