@@ -163,8 +163,10 @@ def generation_time(f: ModelFacts, hw: HardwareProfile, w: Workload, backend: st
     prefill_tokens = share / w.group * w.prompt_tokens
     prefill_s = 2.0 * f.active_params() * prefill_tokens / tp / (flops_rate(hw) * hw.prefill_mfu)
     # Requests run concurrently: their round trip is latency paid once per wave of concurrent requests (one
-    # per group where the backend takes batches, hf and SGLang; one per sample otherwise).
-    batched = backend in ("hf", "sglang")
+    # per group where the backend takes batches, hf and SGLang: its spec's batch_generate; one per sample otherwise).
+    from areal_cli.inference.backends import backend_spec
+
+    batched = backend_spec(backend).batch_generate
     requests = share / w.group if batched else share
     waves = math.ceil(requests / max(1, conc / (w.group if batched else 1)))
     return GenTime(prefill_s, decode_s, waves * hw.request_s, iter_s, int(conc), bound)
@@ -272,8 +274,10 @@ def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threa
     dp_comm = 0.0
     if shard > 1:
         grad_b = 4 if cfg.engine.dtype == "float32" else 2
-        gathers = part.backend in ("fsdp", "archon") or (
-            part.backend == "deepspeed" and cfg.engine.deepspeed.zero_stage >= 3)
+        from areal_cli.engines import get_engine_spec
+
+        # the engines that gather each layer's weights (fsdp, archon, ZeRO-3), as their spec's sharding says
+        gathers = get_engine_spec(part.backend).sharding(cfg.engine).gathers_layers
         if gathers and cfg.engine.grad_reduce == "per_micro_batch":
             # FSDP2 reduce-scatters after every micro-batch, and gathers each layer's weights for the
             # forward and again for the backward.
