@@ -45,10 +45,16 @@ CHOICES = {
     "cluster.device": ("cpu", "cuda"),
     "engine.dtype": ("float32", "bfloat16"),
     "engine.attn_impl": attn_impl.ATTN_IMPLS,
-    "launcher.name": ("local", "slurm", "skypilot", "ray"),
+    "launcher.name": lambda: _launcher_names(),  # the registry's, plugins' included
     "rollout.weight_update": ("auto", "distributed", "disk"),
     "rollout.routing": ("least_loaded", "round_robin"),
 }
+
+
+def _launcher_names() -> tuple[str, ...]:
+    from areal_cli.launchers.base import LAUNCHER_REGISTRY
+
+    return LAUNCHER_REGISTRY.names()
 
 
 def _get(cfg: ExperimentConfig, path: str):
@@ -64,6 +70,7 @@ def _check_scalars(cfg: ExperimentConfig) -> None:
 
         raise ConfigError("engine.dtype", FP16_REASON, FP16_FIX)
     for path, choices in CHOICES.items():
+        choices = choices() if callable(choices) else choices
         v = _get(cfg, path)
         if v not in choices:
             raise ConfigError(path, f"unknown value '{v}'",
