@@ -69,6 +69,8 @@ class EngineSpec:
     c_splits_heads: bool = True
     # keeps engine.shared_prefix under flash attention (its kernel takes the shared-prefix mask)
     flash_shared_prefix: bool = False
+    # its recover state is torch DCP under HF parameter names, so `areal export` can turn it into an HF dir
+    dcp_checkpoint: bool = False
     package: PackageNeed | None = None  # beyond torch, checked before launch
 
     @property

@@ -36,7 +36,7 @@ def check_lora(cfg: Any, plan: Any) -> None:
         if cut:
             x = cut[0]
             raise ConfigError("model.lora.rank", f"{t.backend} with {DIM_NAMES[x]} parallelism ({x}{sizes[x]}) has "
-                              f"no {DIM_NAMES[x]}-parallel plan for adapter layers yet",
+                              f"no {x.upper()}P plan for adapter layers yet",
                               f"use {'/'.join(d for d in dims if d != 'e')} dims for LoRA with {t.backend} ({x}1), "
                               f"or engine={engines_with('lora')[0]}")
     others = sorted({p.backend for p in plan.inferences if disk_only(p.backend, lora=True)})

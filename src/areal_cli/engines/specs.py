@@ -41,7 +41,7 @@ def _deepspeed_sharding(engine_cfg: Any) -> Sharding:
 
 FSDP = EngineSpec("fsdp", "areal_cli.engines.fsdp:FSDPEngine", "dc", lambda _: FULL_SHARD, None,
                   "PyTorch FSDP2 data parallel with Ulysses context parallel",
-                  lora=ALL_DIMS, routing_replay=ALL_DIMS)
+                  lora=ALL_DIMS, routing_replay=ALL_DIMS, dcp_checkpoint=True)
 
 # DeepSpeed inherits fsdp's forward, but routing replay is untested with it, so it does not declare it.
 DEEPSPEED = EngineSpec("deepspeed", "areal_cli.engines.deepspeed:DeepSpeedEngine", "dc", _deepspeed_sharding,
