@@ -69,6 +69,9 @@ class EngineSpec:
     c_splits_heads: bool = True
     # keeps engine.shared_prefix under flash attention (its kernel takes the shared-prefix mask)
     flash_shared_prefix: bool = False
+    # engine config -> whether engine.gradient_checkpointing recomputes whole layers (the planner's cost);
+    # None: always (HF-module engines checkpoint each decoder layer)
+    full_recompute: Callable[[Any], bool] | None = None
     # its recover state is torch DCP under HF parameter names, so `areal export` can turn it into an HF dir
     dcp_checkpoint: bool = False
     package: PackageNeed | None = None  # beyond torch, checked before launch

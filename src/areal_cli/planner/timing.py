@@ -207,8 +207,10 @@ def train_passes(cfg) -> tuple[float, float]:
     the PPO update (8N with full recompute instead of 6N: the forward runs twice), a logp recompute
     (decoupled loss or ``recompute_logprob``), the KL reference's forward, a critic's forward and update."""
     a = cfg.algo
-    recompute = cfg.engine.gradient_checkpointing and (
-        cfg.engine.name != "megatron" or cfg.engine.megatron.recompute_granularity == "full")
+    from areal_cli.engines import get_engine_spec
+
+    full = get_engine_spec(cfg.engine.name).full_recompute  # megatron's "selective" recomputes attention only
+    recompute = cfg.engine.gradient_checkpointing and (full is None or full(cfg.engine))
     fb = 4.0 / 3.0 if recompute else 1.0
     fwd = 0.0
     if (a.use_decoupled_loss and a.prox_logp_method == "recompute") or a.recompute_logprob:
