@@ -6,9 +6,11 @@ Every part a config key selects by name (``algo.adv_estimator``, ``algo.policy_l
 allowed names and the requirements (an estimator that needs a critic, a loss without advantages)
 from it, and the trainer resolves the implementation from the same entry.
 
-- Built-ins are declared in their concept's registry module by ``"module:attr"`` target (like
-  ``engines.ENGINE_SPECS``), so validation knows them without importing torch; the target is
-  imported on first use.
+- Built-ins are declared in their concept's registry module by ``"module:attr"`` target, so
+  validation knows them without importing torch; the target is imported on first use. The same
+  class lists training engines (``engines.ENGINES``), inference backends
+  (``inference.backends.INFERENCE_BACKENDS``), launchers and CLI commands; an engine's or backend's
+  entry is its torch-free spec (``api/backend_spec.py``).
 - Plugins use the registry's decorator on the object itself::
 
       @register_adv_estimator("my_adv", needs_values=False)
@@ -139,6 +141,11 @@ class Registry(Generic[S]):
     # ---------------------------------------------------------------- reading
     def names(self) -> tuple[str, ...]:
         _import_env_plugins()
+        return tuple(self._entries)
+
+    def declared(self) -> tuple[str, ...]:
+        """The names declared so far, without importing the plugins named in ``AREAL_PLUGINS`` first (the CLI's
+        command table, read before any config is)."""
         return tuple(self._entries)
 
     def __iter__(self) -> Iterator[str]:

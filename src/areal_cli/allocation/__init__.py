@@ -2,12 +2,11 @@
 
 from areal_cli.allocation.parser import parse_allocation
 from areal_cli.allocation.spec import (
-    INFERENCE_BACKENDS,
-    TRAIN_BACKENDS,
     AllocationSpec,
     Component,
     Dims,
+    inference_backends,
+    train_backends,
 )
 
-__all__ = ["INFERENCE_BACKENDS", "TRAIN_BACKENDS", "AllocationSpec", "Component", "Dims",
-           "parse_allocation"]
+__all__ = ["AllocationSpec", "Component", "Dims", "inference_backends", "parse_allocation", "train_backends"]

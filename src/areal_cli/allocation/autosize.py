@@ -6,8 +6,9 @@ no more than a minibatch per data-parallel rank (a larger budget packs nothing m
 no more than a minibatch / p, so every stage has a micro-batch to work on).
 
 ``rollout.max_concurrent_rollouts=auto``: the episodes the servers' KV cache holds with the same margin (each
-episode decodes its whole group at once, the prompt cached once), capped by the staleness bound (more can never be admitted), and for
-the built-in hf server at :data:`HF_CONCURRENCY`.
+episode decodes its whole group at once, the prompt cached once), capped by the staleness bound (more can never be
+admitted), and by the servers' own cap where every backend's spec declares one (``max_concurrency``: the built-in
+hf server's 64).
 
 Pure arithmetic, no torch: ``config/validate.py`` calls it once and writes the numbers into the config, so the
 run's config.yaml and every engine see ints, never ``auto``.
@@ -18,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+# The hf server's cap lives in its spec (inference/backends/hf.py); the name stays for its readers.
+from areal_cli.inference.backends.hf import MAX_CONCURRENCY as HF_CONCURRENCY  # noqa: F401
+
 AUTO = "auto"
 # The estimates are good to ~20% (estimate.py) and leave out what no formula here counts: the CUDA context
 # and NCCL buffers, the caching allocator's fragmentation, temporaries of the loss. Filling 85% of the device
 # keeps that headroom and still uses most of it.
 MEMORY_MARGIN = 0.85
-# The built-in hf server batches every running request into one decode step; on a CPU more requests only
-# lengthen each step. The schema's fixed default, kept as auto's cap where the KV budget is no real bound.
-HF_CONCURRENCY = 64
 
 
 @dataclass
@@ -34,7 +35,7 @@ class AutoChoice:
 
     path: str  # the config key, e.g. engine.max_tokens_per_mb
     value: int
-    bound: str  # what limited it: "memory", "minibatch", "staleness", "hf cap"
+    bound: str  # what limited it: "memory", "minibatch", "staleness", "<backend> cap"
     detail: str  # one line: the estimate and the limit
 
     def to_dict(self) -> dict:
@@ -65,16 +66,17 @@ def micro_batch_cap(seqs_per_minibatch: int, pp: int) -> int:
 
 
 def concurrency(kv_tokens: list[tuple[int, int]], episode_tokens: int, staleness_cap: int,
-                hf_only: bool, margin: float = MEMORY_MARGIN) -> tuple[int, str]:
+                server_cap: tuple[int, str] | None = None, margin: float = MEMORY_MARGIN) -> tuple[int, str]:
     """``(episodes, what bound it)`` for ``rollout.max_concurrent_rollouts=auto``.
 
     ``kv_tokens``: ``(KV tokens one instance holds, instances)`` per inference component; ``episode_tokens``:
-    the KV one episode needs at its longest (the prompt once, plus group size × new tokens)."""
+    the KV one episode needs at its longest (the prompt once, plus group size × new tokens); ``server_cap``:
+    ``(episodes, backend)`` the servers themselves take at most, or None."""
     fits = [int(margin * tokens // max(1, episode_tokens)) * n for tokens, n in kv_tokens]
     kv = min(fits) if fits else staleness_cap
     best, bound = kv, "memory"
     if staleness_cap < best:
         best, bound = staleness_cap, "staleness"
-    if hf_only and HF_CONCURRENCY < best:
-        best, bound = HF_CONCURRENCY, "hf cap"
+    if server_cap is not None and server_cap[0] < best:
+        best, bound = server_cap[0], f"{server_cap[1]} cap"
     return max(1, best), bound

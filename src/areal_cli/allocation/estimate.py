@@ -13,9 +13,6 @@ import os
 from dataclasses import asdict, dataclass
 
 GiB = 1024 ** 3
-# Fraction of device memory the server claims (sglang mem_fraction_static≈0.88, vLLM
-# gpu_memory_utilization=0.9); the built-in hf server allocates on demand.
-SERVER_MEM_FRACTION = {"sglang": 0.88, "vllm": 0.9, "hf": 1.0}
 
 
 @dataclass
@@ -174,13 +171,20 @@ def companion_states(m: TrainMemory, *, reference: bool, critic: bool) -> tuple[
     return w, m.grads_gb if critic else 0.0, m.optim_gb if critic else 0.0
 
 
+def server_mem_fraction(backend: str) -> float:
+    """The fraction of device memory ``backend``'s server claims (its spec's ``mem_fraction``)."""
+    from areal_cli.inference.backends import backend_spec
+
+    return backend_spec(backend).mem_fraction
+
+
 def inference_memory(f: ModelFacts, backend: str, tp: int, pp: int, ep: int, device: str,
                      device_gb: float, concurrent: int, seq_len: int) -> InferenceMemory:
     pb = 2 if device == "cuda" else 4  # servers run bf16 on GPUs, fp32 on CPU
     dense = f.dense_params() / (tp * pp)
     experts = f.expert_params() / (tp * pp * max(1, ep)) if f.experts > 0 else 0.0
     weights = (dense + experts) * pb
-    budget = device_gb * GiB * SERVER_MEM_FRACTION.get(backend, 0.9) - weights
+    budget = device_gb * GiB * server_mem_fraction(backend) - weights
     per_token = f.kv_bytes_per_token(pb, tp, pp)
     kv_tokens = max(0, int(budget // per_token)) if per_token else 0
     return InferenceMemory(weights / GiB, max(0.0, budget) / GiB, kv_tokens, concurrent * seq_len,

@@ -5,7 +5,7 @@ Grammar (whitespace around the whole spec is ignored, inside it is an error)::
     spec      := group ('+' group)*
     group     := component ('|' component)*          # '|' colocates parts on the same devices
     component := [backend ['[' name ']'] ('.'|':')] body
-    body      := dims | '(' 'attn' ':' dims '|' 'ffn' ':' dims ')'   # hybrid MoE (megatron)
+    body      := dims | '(' 'attn' ':' dims '|' 'ffn' ':' dims ')'   # hybrid MoE (engines with hybrid_moe)
     dims      := (letter int)+   letter in d t p c e, each at most once
 
 Every error is a :class:`ConfigError` on ``allocation_mode.spec`` carrying the text and the
@@ -17,28 +17,34 @@ from __future__ import annotations
 from areal_cli.allocation.spec import (
     DIM_LETTERS,
     DIM_NAMES,
-    INFERENCE_BACKENDS,
-    TRAIN_BACKENDS,
     AllocationSpec,
     Component,
     Dims,
+    inference_backends,
+    train_backends,
 )
-from areal_cli.engines import ENGINE_SPECS
+from areal_cli.engines import engines_with, get_engine_spec
 from areal_cli.errors import ConfigError, did_you_mean
+from areal_cli.inference.backends import backend_spec
 
 SPEC_PATH = "allocation_mode.spec"
 MAX_DIM = 65536
 EXAMPLE = "sglang:d4+fsdp:d4"
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-# Which dims each backend can express. Inference parts never use c; hf is one process per instance.
-# Training backends run what their registry entry says (areal_cli.engines.ENGINE_SPECS).
-BACKEND_DIMS = {
-    "hf": "d",
-    "sglang": "dtpe",
-    "vllm": "dtpe",
-    **{name: spec.dims for name, spec in ENGINE_SPECS.items()},
-}
 UNSPECIFIED_TRAIN_DIMS = "dtpce"  # checked against the engine once it is known
+
+
+def backend_dims(backend: str, kind: str | None = None) -> str:
+    """The dims ``backend`` can express, from its registry entry (inference parts never use c)."""
+    if kind == "inference" or (kind is None and backend in inference_backends()):
+        return backend_spec(backend).dims
+    return get_engine_spec(backend).dims
+
+
+def _hybrid_default() -> str:
+    """The engine a bare hybrid body ``(attn:…|ffn:…)`` is checked against until the engine is known."""
+    capable = engines_with("hybrid_moe")
+    return capable[0] if capable else ""
 
 
 class _Parser:
@@ -112,7 +118,7 @@ class _Parser:
                 raise self.error(f"{self.describe()}, expected '.' or ':' after the backend",
                                  f"write {backend}{'[' + name + ']' if name else ''}:d2")
             self.i += 1
-            kind = "inference" if backend in INFERENCE_BACKENDS else "train"
+            kind = "inference" if backend in inference_backends() else "train"
             if self.peek() == "(":
                 return self.hybrid(backend, name, start, group)
             dims = self.dims(backend)
@@ -131,12 +137,12 @@ class _Parser:
         return self.i + 1 < len(self.s) and self.s[self.i + 1].isdigit()
 
     def _backend_hint(self, w: str) -> str:
-        known = INFERENCE_BACKENDS + TRAIN_BACKENDS
-        return (f"{did_you_mean(w.lower(), known)}inference backends: {', '.join(INFERENCE_BACKENDS)}; "
-                f"train backends: {', '.join(TRAIN_BACKENDS)}")
+        inference, train = inference_backends(), train_backends()
+        return (f"{did_you_mean(w.lower(), inference + train)}inference backends: {', '.join(inference)}; "
+                f"train backends: {', '.join(train)}")
 
     def backend(self, w: str, start: int) -> str:
-        if w not in INFERENCE_BACKENDS and w not in TRAIN_BACKENDS:
+        if w not in inference_backends() and w not in train_backends():
             raise self.error(f"unknown backend '{w}'", self._backend_hint(w), start)
         return w
 
@@ -160,10 +166,11 @@ class _Parser:
 
     def hybrid(self, backend: str | None, name: str | None, start: int, group: int) -> Component:
         open_col = self.i
-        if backend is not None and backend != "megatron":
-            raise self.error(f"the hybrid MoE form (attn:…|ffn:…) is only supported by megatron, not "
-                             f"'{backend}'", "use megatron:(attn:d4p2t2c2|ffn:d2p2t4e2) or plain dims",
-                             open_col)
+        if backend is not None and (backend in inference_backends() or not get_engine_spec(backend).hybrid_moe):
+            capable = engines_with("hybrid_moe")
+            raise self.error(f"the hybrid MoE form (attn:…|ffn:…) is only supported by {', '.join(capable)}, not "
+                             f"'{backend}'", f"use {capable[0] if capable else '<engine>'}:(attn:d4p2t2c2|ffn:d2p2t4e2) "
+                             "or plain dims", open_col)
         self.i += 1
         parts: dict[str, Dims] = {}
         for key, sep in (("attn", "|"), ("ffn", ")")):
@@ -174,7 +181,7 @@ class _Parser:
                 raise self.error(f"expected '{key}:' in the hybrid MoE form, found {shown}",
                                  "write (attn:d4p2t2c2|ffn:d2p2t4e2)", kcol)
             self.expect(":", f"after '{key}'")
-            parts[key] = self.dims(backend or "megatron", part=key)
+            parts[key] = self.dims(backend or _hybrid_default() or None, part=key)
             if self.peek() != sep:
                 if not self.peek() and sep == ")":
                     raise self.error("unclosed '(' in the hybrid MoE form", "close it with ')'", open_col)
@@ -231,16 +238,14 @@ class _Parser:
                              "put context parallelism in the attn part", col)
         if backend is None:
             return
-        allowed = BACKEND_DIMS[backend]
+        allowed = backend_dims(backend)
         if letter not in allowed:
             what = DIM_NAMES[letter]
-            if backend == "hf":
-                hint = "the built-in hf server runs one process per instance: use only d, e.g. hf:d2"
-            elif backend in INFERENCE_BACKENDS:
-                hint = f"{backend} supports d, t, p, e; drop {letter}{value}"
+            if backend in inference_backends():
+                hint = backend_spec(backend).dims_fix(letter, value)
             else:
                 hint = (f"drop {letter}{value} or pick a backend that supports {what} parallelism "
-                        f"({', '.join(b for b in TRAIN_BACKENDS if letter in BACKEND_DIMS[b])})")
+                        f"({', '.join(b for b in train_backends() if letter in backend_dims(b, 'train'))})")
             raise self.error(f"{backend} does not support {what} parallelism ({letter}{value})", hint, col)
 
 

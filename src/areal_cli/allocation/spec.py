@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.engines import BUILTIN_ENGINES
+from areal_cli.engines import engine_names as train_backends  # noqa: F401  (the registries name the backends)
+from areal_cli.inference.backends import backend_names as inference_backends  # noqa: F401
 
-INFERENCE_BACKENDS = ("sglang", "vllm", "hf")
-TRAIN_BACKENDS = BUILTIN_ENGINES  # one registry entry per training backend (areal_cli.engines)
 DIM_LETTERS = "dtpce"
 DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 

@@ -24,9 +24,15 @@ from typing import Any
 from areal_cli.checkpoints.locate import CheckpointError, Source, engine_name, policy_base
 from areal_cli.errors import ConfigError
 
-DCP_ENGINES = ("fsdp", "archon")  # recover states in torch DCP under HF parameter names
 HF_EXTRA_FILES = ("config.json", "generation_config.json")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def _saves_dcp(engine: str) -> bool:
+    """Whether ``engine``'s recover state is torch DCP under HF parameter names (its spec's ``dcp_checkpoint``)."""
+    from areal_cli.engines import engine_names, get_engine_spec
+
+    return engine in engine_names() and get_engine_spec(engine).dcp_checkpoint
 
 
 def check_destination(to: Path, force: bool, src: Source) -> None:
@@ -233,7 +239,7 @@ def export_recover(src: Source, dst: Path, *, merge: bool, to: Path, run: str) -
     from areal_cli.weight_sync.hf_io import MAX_SHARD_BYTES, stream_hf_dir
 
     engine = engine_name(src.run_dir) or "?"
-    if engine not in DCP_ENGINES:
+    if not _saves_dcp(engine):
         raise CheckpointError(
             f"{src.describe()} is in the {engine} engine's own checkpoint layout, which only that engine can "
             f"read back (it exports HF dirs itself) — fix: resume the run (resume=auto) with "

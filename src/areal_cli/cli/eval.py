@@ -34,8 +34,10 @@ def run(target: str, overrides: list[str], step: int | None, server: str | None,
     from areal_cli.checkpoints.evaluate import run_eval
     from areal_cli.errors import UsageError
 
-    if backend is not None and backend not in ("hf", "sglang", "vllm"):
-        raise UsageError(f"--backend takes hf, sglang or vllm, got {backend!r}")
+    from areal_cli.inference.backends import backend_names
+
+    if backend is not None and backend not in backend_names():
+        raise UsageError(f"--backend takes {', '.join(backend_names())}, got {backend!r}")
     err = Console(stderr=True)
     bar = Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=err, transient=True, disable=not sys.stderr.isatty())

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -191,15 +190,9 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
         with LiveView(run_dir, total, title=f"areal train {cfg.experiment_name}/{cfg.trial_name}",
                       enabled=show, since=t0, sft_steps=int(cfg.trainer.sft_warmup_steps),
                       sft_only=cfg.algo.name == "sft") as view:
-            kwargs: dict[str, Any] = {}
-            params = inspect.signature(launcher.launch).parameters
-            if "model_path" in params:
-                kwargs["model_path"] = model_path
-            if "model_revision" in params:
-                kwargs["model_revision"] = revision
-            if "on_tick" in params:
-                kwargs["on_tick"] = view.update if show else _progress_printer(run_dir, total, since=t0)
-            rc = launcher.launch(cfg, layout, run_dir, **kwargs)
+            on_tick = view.update if show else _progress_printer(run_dir, total, since=t0)
+            rc = launcher.launch(cfg, layout, run_dir, model_path=model_path, model_revision=revision,
+                                 on_tick=on_tick)
     except ArealError as e:  # main prints the error line; what to type next goes after it
         then = after_stop_line(run_dir, overrides, cfg.trial_name, int(cfg.trainer.recover_every))
         if then.startswith("to resume"):

@@ -1,7 +1,7 @@
 """``areal`` entry point: a typer app whose commands live one per module in this package.
 
-Command modules expose ``register(app)`` (or a function named like the module plus ``HELP``). Adding a command is one line in ``COMMANDS``.
-Nothing here imports torch, Hydra or rich at import
+Each command module exposes ``register(app)``; ``COMMANDS`` (a :class:`~areal_cli.registry.Registry`, like every
+other name → implementation map) lists them, one line each. Nothing here imports torch, Hydra or rich at import
 time: ``areal --help`` stays instant. User errors (``ArealError``) become one red line on stderr
 (plus caret lines for spec parse errors) and exit 1; usage errors exit 2; never a traceback
 (set ``AREAL_DEBUG=1`` to see one for internal errors, which exit 3).
@@ -10,22 +10,16 @@ time: ``areal --help`` stays instant. User errors (``ArealError``) become one re
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import sys
 
-COMMANDS = [
-    "validate_config",
-    "train",
-    "check_storage",
-    "sweep",
-    "runs",
-    "status",
-    "logs",
-    "eval",
-    "export",
-    "plan",
-]
+from areal_cli.registry import Registry
+
+# `areal <name>` → its module's ``register(app)``, in --help order
+COMMANDS: Registry = Registry("command", "<command>")
+for _name in ("validate-config", "train", "check-storage", "sweep", "runs", "status", "logs", "eval", "export",
+              "plan"):
+    COMMANDS.declare(_name, f"areal_cli.cli.{_name.replace('-', '_')}:register")
 INTERNAL_ERROR_EXIT = 3
 
 
@@ -67,19 +61,11 @@ def build_app(only: str | None = None):
     def _root(help_: bool = help_option()) -> None:
         """Asynchronous RL for language models: compose, validate, launch."""
 
-    names = COMMANDS
-    if only is not None and only.replace("-", "_") in COMMANDS:
-        names = [only.replace("-", "_")]
+    names = COMMANDS.declared()
+    if only is not None and only in names:
+        names = (only,)
     for name in names:
-        modname = f"areal_cli.cli.{name}"
-        mod = importlib.import_module(modname)
-        register = getattr(mod, "register", None)
-        if callable(register):
-            register(app)
-        elif callable(getattr(mod, name, None)):
-            # Convention 2: a function named like the module, with an optional HELP string.
-            app.command(name.replace("_", "-"), help=getattr(mod, "HELP", None),
-                        epilog=groups_epilog())(getattr(mod, name))
+        COMMANDS.get(name)(app)
     return app
 
 
@@ -133,7 +119,7 @@ def click_usage_error(exc, command: str | None = None):
     msg = msg[:1].lower() + msg[1:]
     ctx = getattr(exc, "ctx", None)
     path = getattr(ctx, "command_path", "") if ctx is not None else ""
-    if path in ("", "areal") and command in {c.replace("_", "-") for c in COMMANDS}:
+    if path in ("", "areal") and command in COMMANDS.declared():
         path = f"areal {command}"
     return UsageError(f"{msg} — fix: {fix}see `{path or 'areal'} -h`")
 

@@ -113,3 +113,9 @@ def _slurm_params(m) -> dict:
     if s.account:
         params["slurm_account"] = s.account
     return params
+
+
+def register(app) -> None:
+    from areal_cli.cli.main import groups_epilog
+
+    app.command("sweep", help=HELP, epilog=groups_epilog())(sweep)

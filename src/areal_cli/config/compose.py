@@ -121,6 +121,7 @@ def prepare(overrides: list[str]) -> Prepared:
     options = group_options()
     out: list[str] = []
     prep = Prepared(hydra_overrides=out)
+    _load_plugin_overrides(overrides)
     for raw in overrides:
         if not isinstance(raw, str) or not raw.strip():
             raise ConfigError("<override>", "empty override", "remove it or write key=value")
@@ -167,6 +168,20 @@ def prepare(overrides: list[str]) -> Prepared:
     _resolve_engine(prep)
     _choose_recipe(prep)
     return prep
+
+
+def _load_plugin_overrides(overrides: list[str]) -> None:
+    """Import the modules a ``plugins=[...]`` override names before anything below reads a registry: a plugin
+    backend's name must parse in ``allocation_mode`` (validate() loads them again, a no-op by then)."""
+    from areal_cli.registry import load_plugins
+
+    for raw in overrides:
+        if not isinstance(raw, str):
+            continue
+        prefix, key, value = split_override(raw.strip())
+        if key == "plugins" and not prefix and value is not None:
+            items = value.strip().removeprefix("[").removesuffix("]")
+            load_plugins([m.strip().strip("'\"") for m in items.split(",") if m.strip()])
 
 
 def _choose_recipe(prep: Prepared) -> None:

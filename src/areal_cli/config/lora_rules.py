@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from areal_cli.allocation.spec import DIM_NAMES
 from areal_cli.config.model import lora_target_modules
-from areal_cli.config.rollout import LORA_DISK_ONLY_BACKENDS
+from areal_cli.config.rollout import disk_only
+from areal_cli.engines import engines_with, get_engine_spec
 from areal_cli.errors import ConfigError
-
-# Training engines that apply peft adapters (engines/lora.py); the others refuse model.lora.rank > 0.
-LORA_ENGINES = ("fsdp", "archon", "deepspeed")
-# Servers that load adapters from an areal-written directory; the adapter travels by disk to these.
+from areal_cli.inference.backends import backend_names, backend_spec
 
 
 def check_lora(cfg: Any, plan: Any) -> None:
@@ -22,21 +21,30 @@ def check_lora(cfg: Any, plan: Any) -> None:
         raise ConfigError("algo.name", "LoRA is wired into the RL loop (adapter sync into the servers); "
                           "algo=sft with an adapter is not", "fine-tune fully for SFT (model.lora.rank=0), or run RL "
                           "with LoRA (an SFT warm start, trainer.sft_warmup_steps, trains all weights)")
+    # Each engine's spec says under which dims it applies peft adapters (engines/lora.py); "" refuses.
     for t in plan.trains:
-        if t.backend not in LORA_ENGINES:
+        dims = get_engine_spec(t.backend).lora
+        if not dims:
+            capable = engines_with("lora")
             raise ConfigError("model.lora.rank", f"the {t.backend} engine does not train LoRA adapters "
-                              f"(engines with LoRA: {', '.join(LORA_ENGINES)})",
-                              f"use engine={' or engine='.join(LORA_ENGINES)}, or set model.lora.rank=0 "
+                              f"(engines with LoRA: {', '.join(capable)})",
+                              f"use engine={' or engine='.join(capable)}, or set model.lora.rank=0 "
                               "for full fine-tuning")
-        if t.backend == "archon" and t.parallel.tp > 1:
-            raise ConfigError("model.lora.rank", f"archon with tensor parallelism (t{t.parallel.tp}) has no "
-                              "TP plan for adapter layers yet", "use d/p/c dims for LoRA with archon (t1), "
-                              "or engine=fsdp")
-    others = sorted({p.backend for p in plan.inferences if p.backend in LORA_DISK_ONLY_BACKENDS})
+        p = t.parallel
+        sizes = {"t": p.tp, "p": p.pp, "c": p.cp, "e": p.ep}
+        cut = [x for x in "tpce" if sizes[x] > 1 and x not in dims]
+        if cut:
+            x = cut[0]
+            raise ConfigError("model.lora.rank", f"{t.backend} with {DIM_NAMES[x]} parallelism ({x}{sizes[x]}) has "
+                              f"no {x.upper()}P plan for adapter layers yet",
+                              f"use {'/'.join(d for d in dims if d != 'e')} dims for LoRA with {t.backend} ({x}1), "
+                              f"or engine={engines_with('lora')[0]}")
+    others = sorted({p.backend for p in plan.inferences if disk_only(p.backend, lora=True)})
     if others and cfg.rollout.weight_update == "distributed":
         raise ConfigError("rollout.weight_update", f"{', '.join(others)} load LoRA adapters from a directory "
                           "(/load_lora_adapter), not from a broadcast",
-                          "set rollout.weight_update=disk (an adapter is a few MB), or use the hf backend")
+                          "set rollout.weight_update=disk (an adapter is a few MB), or use the "
+                          f"{' or '.join(n for n in backend_names() if backend_spec(n).lora_broadcast)} backend")
     if cfg.algo.use_critic:
         plan.warnings.append("model.lora: the critic trains all of its weights (the adapter is the "
                              "policy's only)")

@@ -12,7 +12,8 @@ What a config selects, and what that needs (the extra that brings it, docs/insta
   in the SkyPilot venv the launcher looks for.
 
 vLLM runs under its own interpreter (``$AREAL_VLLM_PYTHON``, else ``.venv-vllm``, else this one:
-:func:`areal_cli.inference.launch.vllm_python`), so that interpreter is the one asked. A workflow or engine
+:func:`areal_cli.inference.backends.vllm.vllm_python`, its spec's ``python``), so that interpreter is the one
+asked. Each engine's and backend's package is declared in its spec (``package``). A workflow or engine
 named by import path is not checked here: it is imported by name where it runs (the validator already
 imports an engine class named that way).
 
@@ -38,6 +39,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,18 +63,54 @@ def _extra(name: str) -> str:
 
 
 TORCH = Need("engine.name", "torch", "torch", f"{INSTALL_SH} (the CPU build; AREAL_TORCH=cuda on GPU nodes)")
-ENGINE_NEEDS = {
-    "megatron": Need("engine.name", "megatron.core", "megatron-core", _extra("megatron")),
-    "deepspeed": Need("engine.name", "deepspeed", "deepspeed",
-                      "DS_BUILD_OPS=0 pip install 'areal-cli[deepspeed]' (or AREAL_EXTRAS=deepspeed "
-                      f"{INSTALL_SH})"),
-}
-BACKEND_NEEDS = {
-    "sglang": Need("allocation_mode.spec", "sglang", "sglang", _extra("sglang")),
-    "vllm": Need("allocation_mode.spec", "vllm", "vllm",
-                 "on CPU `bash scripts/setup_vllm_env.sh` and set AREAL_VLLM_PYTHON=.venv-vllm/bin/python; on "
-                 "GPU nodes `pip install vllm` in its own venv and point AREAL_VLLM_PYTHON at its python"),
-}
+
+
+class _SpecNeeds(Mapping):
+    """``backend -> Need`` read from each registered backend's spec (its ``package``), so a backend's package is
+    declared once, in its own folder."""
+
+    def __init__(self, path: str, names: Callable[[], tuple[str, ...]], spec: Callable[[str], Any]):
+        self.path, self._names, self._spec = path, names, spec
+
+    def __getitem__(self, name: str) -> Need:
+        pkg = self._spec(name).package if name in self._names() else None
+        if pkg is None:
+            raise KeyError(name)
+        return Need(self.path, pkg.module, pkg.dist, pkg.fix)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(n for n in self._names() if self._spec(n).package is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _engine_spec(name: str) -> Any:
+    from areal_cli.engines import get_engine_spec
+
+    return get_engine_spec(name)
+
+
+def _engine_names() -> tuple[str, ...]:
+    from areal_cli.engines import engine_names
+
+    return engine_names()
+
+
+def _backend_spec(name: str) -> Any:
+    from areal_cli.inference.backends import backend_spec
+
+    return backend_spec(name)
+
+
+def _backend_names() -> tuple[str, ...]:
+    from areal_cli.inference.backends import backend_names
+
+    return backend_names()
+
+
+ENGINE_NEEDS: Mapping[str, Need] = _SpecNeeds("engine.name", _engine_names, _engine_spec)
+BACKEND_NEEDS: Mapping[str, Need] = _SpecNeeds("allocation_mode.spec", _backend_names, _backend_spec)
 LAUNCHER_NEEDS = {
     "slurm": Need("launcher.name", "submitit", "submitit", f"pip install submitit (a base dependency: {INSTALL_SH})"),
     "ray": Need("launcher.name", "ray", "ray", _extra("ray") + "; the same Ray version as the cluster"),
@@ -143,11 +181,8 @@ def missing(cfg: Any, backends: list[str]) -> list[tuple[Need, str]]:
         need = BACKEND_NEEDS.get(backend)
         if need is None:
             continue
-        python = here
-        if backend == "vllm":
-            from areal_cli.inference.launch import vllm_python
-
-            python = vllm_python()
+        own_python = _backend_spec(backend).python  # a backend that runs under its own interpreter (vLLM)
+        python = own_python() if own_python is not None else here
         if not findable_in(python, need.module):
             out.append((need, python))
     need = LAUNCHER_NEEDS.get(cfg.launcher.name)

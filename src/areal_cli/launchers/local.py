@@ -440,7 +440,8 @@ class LocalLauncher:
         return None
 
     def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
-               on_tick: Callable[[], None] | None = None) -> int:
+               model_revision: str | None = None, on_tick: Callable[[], None] | None = None) -> int:
+        # model_revision: unused; this machine is the only node and model_path is what it resolved
         self.preflight(cfg, layout)
         runner = NodeRunner(cfg, layout, run_dir, node_rank=0, model_path=model_path, on_tick=on_tick)
         return runner.run()

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,7 +258,9 @@ class SkyPilotLauncher:
     def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
         return dry_run(cfg, layout, run_dir)
 
-    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, **_: Any) -> int:
+    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+               model_revision: str | None = None, on_tick: Callable[[], None] | None = None) -> int:
+        # the cloud's nodes fetch the model and report nothing to tick on: the three are unused
         path = write_task(cfg, layout, run_dir)
         missing = missing_credentials(cfg.launcher.skypilot.cloud)
         if missing:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from areal_cli.allocation.estimate import SERVER_MEM_FRACTION, GiB, ModelFacts, companion_states, dtype_bytes
+from areal_cli.allocation.estimate import GiB, ModelFacts, companion_states, dtype_bytes, server_mem_fraction
 
 # Parts named in ``binds``, in the words the tables print.
 PART_NAMES = {"weights_gb": "weights", "grads_gb": "gradients", "optim_gb": "optimizer states",
@@ -158,7 +158,9 @@ def server_memory(cfg, part, facts: ModelFacts, concurrency: int, seq_tokens: in
     m = part.memory
     pb = 2 if cfg.cluster.device == "cuda" else 4
     per_token = facts.kv_bytes_per_token(pb, part.tp, part.pp)
-    reserving = part.backend != "hf"
+    from areal_cli.inference.backends import backend_spec
+
+    reserving = backend_spec(part.backend).reserves_memory  # else: on demand, as the hf server
     fused, staging, cache = hf_server_extras(cfg, facts, push_mode, cached_tokens) if not reserving else (0.0,) * 3
     staging += cache  # the buffers column: fused copy, push staging and prefix cache
     kv_tokens = m.kv_tokens if reserving else int(max(0.0, m.device_gb - m.weights_gb - base_gb) * GiB
@@ -172,7 +174,7 @@ def server_memory(cfg, part, facts: ModelFacts, concurrency: int, seq_tokens: in
     # Decode's working set: hidden states and fp32 logits of the running batch (prefill's are chunked).
     act_gb = conc * (8 * facts.hidden + facts.vocab) * 4 / GiB
     used = m.weights_gb + kv_gb + act_gb + (fused + staging) / GiB
-    total = max(used, m.device_gb * SERVER_MEM_FRACTION.get(part.backend, 0.9)) if reserving else used
+    total = max(used, m.device_gb * server_mem_fraction(part.backend)) if reserving else used
     process = total + base_gb
     if m.weights_gb + base_gb > m.device_gb:
         binds, fits = f"weights: {m.weights_gb:.1f} GB per device exceed the device's {m.device_gb:.1f} GB", False

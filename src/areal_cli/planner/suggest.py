@@ -66,14 +66,15 @@ def _divisors(n: int) -> list[int]:
 def candidate_specs(cfg, plan) -> list[str]:
     """Every disaggregated ``<server>:d·t·+<engine>:d·t·p·`` split of the cluster's devices that passes the
     cheap checks, the current spec first."""
-    from areal_cli.allocation.parser import BACKEND_DIMS
+    from areal_cli.allocation.parser import backend_dims
     from areal_cli.engines import engine_dims
+    from areal_cli.inference.backends import DEFAULT_BACKEND
 
     m = cfg.model
     per_node, total = cfg.cluster.n_gpus_per_node, cfg.cluster.n_nodes * cfg.cluster.n_gpus_per_node
-    inf_backend = plan.inference.backend if plan.inference is not None else "hf"
+    inf_backend = plan.inference.backend if plan.inference is not None else DEFAULT_BACKEND
     tr_backend = plan.train.backend
-    inf_dims, tr_dims = BACKEND_DIMS.get(inf_backend, "d"), engine_dims(tr_backend)
+    inf_dims, tr_dims = backend_dims(inf_backend, "inference"), engine_dims(tr_backend)
     heads, kv, layers = m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers
     t_inf = [t for t in (_pow2_upto(per_node) if "t" in inf_dims else [1])
              if heads % t == 0 and (kv % t == 0 or t % kv == 0)]

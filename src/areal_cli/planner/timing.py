@@ -163,8 +163,10 @@ def generation_time(f: ModelFacts, hw: HardwareProfile, w: Workload, backend: st
     prefill_tokens = share / w.group * w.prompt_tokens
     prefill_s = 2.0 * f.active_params() * prefill_tokens / tp / (flops_rate(hw) * hw.prefill_mfu)
     # Requests run concurrently: their round trip is latency paid once per wave of concurrent requests (one
-    # per group where the backend takes batches, hf and SGLang; one per sample otherwise).
-    batched = backend in ("hf", "sglang")
+    # per group where the backend takes batches, hf and SGLang: its spec's batch_generate; one per sample otherwise).
+    from areal_cli.inference.backends import backend_spec
+
+    batched = backend_spec(backend).batch_generate
     requests = share / w.group if batched else share
     waves = math.ceil(requests / max(1, conc / (w.group if batched else 1)))
     return GenTime(prefill_s, decode_s, waves * hw.request_s, iter_s, int(conc), bound)
@@ -205,8 +207,10 @@ def train_passes(cfg) -> tuple[float, float]:
     the PPO update (8N with full recompute instead of 6N: the forward runs twice), a logp recompute
     (decoupled loss or ``recompute_logprob``), the KL reference's forward, a critic's forward and update."""
     a = cfg.algo
-    recompute = cfg.engine.gradient_checkpointing and (
-        cfg.engine.name != "megatron" or cfg.engine.megatron.recompute_granularity == "full")
+    from areal_cli.engines import get_engine_spec
+
+    full = get_engine_spec(cfg.engine.name).full_recompute  # megatron's "selective" recomputes attention only
+    recompute = cfg.engine.gradient_checkpointing and (full is None or full(cfg.engine))
     fb = 4.0 / 3.0 if recompute else 1.0
     fwd = 0.0
     if (a.use_decoupled_loss and a.prox_logp_method == "recompute") or a.recompute_logprob:
@@ -287,8 +291,10 @@ def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threa
     dp_comm = 0.0
     if shard > 1:
         grad_b = 4 if cfg.engine.dtype == "float32" else 2
-        gathers = part.backend in ("fsdp", "archon") or (
-            part.backend == "deepspeed" and cfg.engine.deepspeed.zero_stage >= 3)
+        from areal_cli.engines import get_engine_spec
+
+        # the engines that gather each layer's weights (fsdp, archon, ZeRO-3), as their spec's sharding says
+        gathers = get_engine_spec(part.backend).sharding(cfg.engine).gathers_layers
         if gathers and cfg.engine.grad_reduce == "per_micro_batch":
             # FSDP2 reduce-scatters after every micro-batch, and gathers each layer's weights for the
             # forward and again for the backward.

@@ -27,7 +27,7 @@ from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.engines import packing, sampling_mask, step_stats, ulysses
 from areal_cli.engines import parallelize as fsdp_par
 from areal_cli.engines import routing_replay as r3
-from areal_cli.engines.archon import clip, expert_parallel, pipeline, vocab_parallel
+from areal_cli.engines.archon import SPEC, clip, expert_parallel, pipeline, vocab_parallel
 from areal_cli.engines.archon.mesh import ArchonMesh, ArchonDims
 from areal_cli.engines.archon.parallelize import parallelize
 from areal_cli.engines.hf_model import HFModelEngine, _full
@@ -39,7 +39,7 @@ from areal_cli.utils.dist import send_to_rank0
 class ArchonEngine(HFModelEngine):
     """PyTorch-native 4-D parallel training of HF decoder models (Qwen2/2.5, Qwen3, Llama)."""
 
-    dims = "dtpce"
+    dims = SPEC.dims  # its spec (engines/archon/__init__.py) is the one place that says them
 
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
         from transformers import AutoConfig

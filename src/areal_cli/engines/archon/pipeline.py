@@ -28,10 +28,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from areal_cli.engines import precision
+from areal_cli.engines.archon import SCHEDULES
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives
-
-SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 
 
 def schedule_class(name: str):

@@ -39,7 +39,7 @@ from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import attn_impl, packing, precision, sampling_mask, step_stats
 from areal_cli.engines import parallelize as par
-from areal_cli.engines.megatron import masters
+from areal_cli.engines.megatron import SPEC, check_virtual_stages, masters
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase, init_value_head
 from areal_cli.errors import ConfigError
@@ -91,7 +91,7 @@ class MegatronEngine(EngineBase):
     """megatron-core TP × PP (× virtual stages) × DP (× EP for Qwen3-MoE) training of Qwen2/2.5, Qwen3, Llama and
     Qwen3-MoE models."""
 
-    dims = "dtpe"
+    dims = SPEC.dims  # its spec (engines/megatron/__init__.py) is the one place that says them
 
     # ------------------------------------------------------------------ setup
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
@@ -117,9 +117,7 @@ class MegatronEngine(EngineBase):
         mc = self.cfg.megatron
         tp, pp, vpp = parallel.tp, parallel.pp, int(mc.virtual_stages)
         ep, etp = parallel.ep, parallel.etp or parallel.tp
-        if vpp > 1 and pp == 1:
-            raise ConfigError("engine.megatron.virtual_stages", f"{vpp} virtual stages need pipeline parallelism",
-                              "set p > 1 in allocation_mode, or engine.megatron.virtual_stages=1")
+        check_virtual_stages(vpp, pp)
         dtype = par.torch_dtype(self.cfg.dtype)
         hf_config = self._read_hf_config(model_path)
         self.mc_arch = arch = mm.hf_arch(hf_config)

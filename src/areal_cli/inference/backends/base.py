@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from areal_cli.api.backend_spec import InferenceBackendSpec, PackageNeed, ServerArgs  # noqa: F401  (re-exported)
+
 
 @dataclass
 class HttpCall:
@@ -65,3 +67,4 @@ CAPABILITY_MEMBERS = {
     "NEEDS_MODEL_NAME": ("build_models", "parse_model_name"),
     "SUPPORTS_LORA_BROADCAST": ("build_load_lora_distributed",),
 }
+

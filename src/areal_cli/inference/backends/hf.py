@@ -12,7 +12,9 @@ LoRA (inference/server/lora.py): SGLang's ``/load_lora_adapter`` with the hf fie
 
 from __future__ import annotations
 
-from areal_cli.inference.backends.base import HttpCall
+import sys
+
+from areal_cli.inference.backends.base import HttpCall, InferenceBackendSpec, ServerArgs
 from areal_cli.inference.backends.sglang import (
     HEALTH,
     build_begin_update,
@@ -46,6 +48,28 @@ SUPPORTS_FLATTENED_BUCKET = True
 SUPPORTS_ATOMIC_UPDATE = True
 NEEDS_MODEL_NAME = False
 SERVER_ENV: dict[str, str] = {}
+# The cap rollout.max_concurrent_rollouts=auto keeps to when every server is hf (allocation/autosize.py).
+MAX_CONCURRENCY = 64
+
+
+def server_cmd(a: ServerArgs) -> tuple[list[str], dict[str, str]]:
+    argv = [a.python or sys.executable, "-m", "areal_cli.inference.hf_server", "--model-path", a.model_path,
+            "--host", a.host, "--port", str(a.port), "--dtype", a.dtype, "--device", a.device,
+            "--tp-size", str(a.tp), "--random-seed", str(a.seed)]
+    if a.context_length:
+        argv += ["--context-length", str(a.context_length)]
+    if a.lora_rank > 0:
+        argv += ["--max-lora-rank", str(a.lora_rank)]
+    return argv, {}
+
+
+SPEC = InferenceBackendSpec(
+    NAME, __name__, server_cmd, dims="d",
+    dims_hint="the built-in hf server runs one process per instance: use only d, e.g. hf:d2",
+    summary="the built-in server (SGLang's protocol; CPU and CUDA)",
+    mem_fraction=1.0, reserves_memory=False,  # allocates on demand
+    lora_broadcast=SUPPORTS_LORA_BROADCAST, batch_generate=SUPPORTS_BATCH_GENERATE,
+    sampling_mask=True, routed_experts=True, max_concurrency=MAX_CONCURRENCY)
 
 
 def build_server_info() -> None:
@@ -84,6 +108,7 @@ __all__ = [
     "NAME",
     "NEEDS_MODEL_NAME",
     "SERVER_ENV",
+    "SPEC",
     "SUPPORTS_ATOMIC_UPDATE",
     "SUPPORTS_BATCH_GENERATE",
     "SUPPORTS_FLATTENED_BUCKET",

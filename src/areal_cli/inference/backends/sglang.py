@@ -25,11 +25,19 @@ SGLang's own routes and request models (``srt/entrypoints/http_server.py``,
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from areal_cli.api.io_struct import GenerationConfig, ParamSpec, WeightUpdateMeta
 from areal_cli.errors import InferenceError
-from areal_cli.inference.backends.base import HttpCall, Segment, version_from
+from areal_cli.inference.backends.base import (
+    HttpCall,
+    InferenceBackendSpec,
+    PackageNeed,
+    Segment,
+    ServerArgs,
+    version_from,
+)
 
 NAME = "sglang"
 HEALTH = HttpCall("GET", "/health")
@@ -43,6 +51,28 @@ NEEDS_MODEL_NAME = False  # /generate serves the one loaded model
 # (begin/end_weight_update, weight_version in /model_info); the upper one the next minor series.
 SUPPORTED_VERSIONS = ((0, 5, 23), (0, 6, 0))
 SERVER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}  # /health must not queue behind a pause
+
+
+def server_cmd(a: ServerArgs) -> tuple[list[str], dict[str, str]]:
+    argv = [a.python or sys.executable, "-m", "sglang.launch_server", "--model-path", a.model_path,
+            "--host", a.host, "--port", str(a.port), "--tp-size", str(a.tp), "--pp-size", str(a.pp),
+            "--dtype", a.dtype, "--random-seed", str(a.seed), "--device", a.device, "--skip-server-warmup"]
+    if a.context_length:
+        argv += ["--context-length", str(a.context_length)]
+    if a.lora_rank > 0:  # adapters come later through /load_lora_adapter, so declare their shape now
+        argv += ["--enable-lora", "--max-lora-rank", str(a.lora_rank), "--lora-target-modules", *a.lora_targets]
+    # SGLang's /health generates a token by default, which waits while a weight push holds generation
+    # paused; the client's 5 s probe would then drop paused servers from routing.
+    return argv, dict(SERVER_ENV)
+
+
+SPEC = InferenceBackendSpec(
+    NAME, __name__, server_cmd, dims="dtpe", summary="SGLang (GPU nodes)",
+    mem_fraction=0.88,  # mem_fraction_static's default
+    lora_broadcast=SUPPORTS_LORA_BROADCAST, batch_generate=SUPPORTS_BATCH_GENERATE, gpu_only=True,
+    cpu_note="sglang needs GPUs",
+    package=PackageNeed("sglang", "sglang", "pip install 'areal-cli[sglang]' (or AREAL_EXTRAS=sglang "
+                        "bash scripts/install.sh)"))
 
 
 def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> dict[str, Any]:

