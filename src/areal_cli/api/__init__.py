@@ -11,9 +11,11 @@ from areal_cli.api.io_struct import (
     SaveLoadMeta,
     WeightUpdateMeta,
 )
+from areal_cli.api.weight_receiver import WeightReceiver
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 
 __all__ = [
     "GenerationConfig", "InferenceEngine", "ModelRequest", "ModelResponse", "ParallelStrategy",
-    "ParamSpec", "RolloutWorkflow", "SaveLoadMeta", "TrainEngine", "Trajectory", "WeightUpdateMeta",
+    "ParamSpec", "RolloutWorkflow", "SaveLoadMeta", "TrainEngine", "Trajectory", "WeightReceiver",
+    "WeightUpdateMeta",
 ]

@@ -2,19 +2,24 @@
 
 All network-facing methods are coroutines: the rollout executor drives them from its background
 event loop, and the trainer reaches them with ``asyncio.run_coroutine_threadsafe`` or
-``asyncio.run``.
+``asyncio.run``. The weight-update half of the contract is
+:class:`~areal_cli.api.weight_receiver.WeightReceiver`; this class adds generation and the control of
+the server set. Every public method of the HTTP client (``inference/client.py``) is declared here or
+there (``tests/unit/api/test_receiver_contract.py``).
 """
 
 from __future__ import annotations
 
 import abc
 
-from areal_cli.api.io_struct import ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
+from areal_cli.api.io_struct import ModelRequest, ModelResponse
+from areal_cli.api.weight_receiver import WeightReceiver
 
 
-class InferenceEngine(abc.ABC):
+class InferenceEngine(WeightReceiver):
     """A client for one or more inference servers."""
 
+    # -------------------------------------------------------------- generation
     @abc.abstractmethod
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate for one request. An ``abort`` caused by a weight update is resumed
@@ -28,33 +33,53 @@ class InferenceEngine(abc.ABC):
 
         return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
 
-    @abc.abstractmethod
-    async def pause_generation(self) -> None:
-        """Servers abort running requests (returning partial tokens) and hold new ones."""
+    @property
+    def supports_batch_generate(self) -> bool:
+        """Whether the servers take several prompts in one call (then :meth:`agenerate_group` sends one)."""
+        return False
 
-    @abc.abstractmethod
-    async def continue_generation(self) -> None: ...
+    def end_session(self, key: str) -> None:
+        """Forget a session id's server (its episode is over); no-op without session affinity."""
 
-    @abc.abstractmethod
-    async def update_weights_from_disk(self, meta: WeightUpdateMeta) -> None:
-        """Every server loads safetensors from ``meta.path`` and sets its version to ``meta.version``."""
+    def session_server(self, key: str) -> str | None:
+        """The server a session id is routed to (None: not routed, or no session affinity)."""
+        return None
 
-    @abc.abstractmethod
-    async def init_weights_update_group(self, meta: WeightUpdateMeta) -> None:
-        """Servers join the weight-update group (ranks 1..N); the trainer joins as rank 0."""
+    # -------------------------------------------------------------- the server set
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Replace the server set (e.g. after the launcher restarted one); new ones start healthy."""
+        from areal_cli.errors import LaunchError
 
-    @abc.abstractmethod
-    async def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: list[ParamSpec]) -> None:
-        """Servers receive one bucket of tensors by broadcast from group rank 0.
-        ``meta.version`` is applied with the bucket (servers apply the final version atomically)."""
+        raise LaunchError("the inference client cannot change its server list (no set_addresses); "
+                          "a restarted server cannot be used")
 
-    @abc.abstractmethod
-    def get_version(self) -> int: ...
+    def healthy_addresses(self) -> list[str]:
+        """The servers currently in the routing set."""
+        raise NotImplementedError(f"{type(self).__name__} does not track server health")
 
-    @abc.abstractmethod
-    def set_version(self, version: int) -> None: ...
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every server; healthy ones (re)join routing. Returns address -> healthy."""
+        raise NotImplementedError(f"{type(self).__name__} does not track server health")
+
+    async def get_server_versions(self) -> dict[str, int | None]:
+        """Every server's own weight version."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read its servers' versions")
+
+    async def check_server_versions(self) -> dict[str, str]:
+        """Refuse servers whose software version is outside the supported range (default: none checked)."""
+        return {}
 
     @property
-    @abc.abstractmethod
-    def addresses(self) -> list[str]:
-        """``host:port`` of each server this client routes to."""
+    def weight_group_world_size(self) -> int:
+        """World size of the weight-update group: the trainer plus every rank of every server."""
+        return 1 + len(self.addresses)
+
+    async def release_memory_occupation(self) -> None:
+        """Free the servers' accelerator memory for a colocated trainer."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release its servers' memory")
+
+    async def resume_memory_occupation(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot release its servers' memory")
+
+    async def close(self) -> None:
+        """Release this event loop's connections (default: none held)."""

@@ -361,7 +361,7 @@ class EngineBase(TrainEngine):
         from areal_cli.weight_sync.senders import DiskSender, DistributedSender
 
         version = meta.version
-        n_servers = sum(len(getattr(c, "addresses", [])) for c in engines) or len(engines)
+        n_servers = sum(len(c.addresses) for c in engines) or len(engines)
         meta = dataclasses.replace(meta, version=version, world_size=meta.world_size or 1 + n_servers)
         is_src = dist.get_rank() == 0
         if is_src and self._runner is None:
@@ -401,8 +401,7 @@ class EngineBase(TrainEngine):
 
     def destroy(self) -> None:
         for s in self._senders.values():
-            if hasattr(s, "close"):
-                s.close()
+            s.close()
         self._senders.clear()
         if self._runner is not None:
             self._runner.close()

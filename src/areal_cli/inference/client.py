@@ -561,6 +561,11 @@ class RemoteInferenceEngine(InferenceEngine):
         return self.allow_flattened_bucket and self.backend.SUPPORTS_FLATTENED_BUCKET
 
     @property
+    def broadcast_refusal(self) -> str | None:
+        """Why this backend's servers cannot receive a broadcast at all (vLLM), else None."""
+        return getattr(self.backend, "WEIGHT_BROADCAST_UNSUPPORTED", None)
+
+    @property
     def supports_atomic_update(self) -> bool:
         """Whether the backend pauses and continues generation itself around an update request
         (``pause_generation``/``continue_generation`` fields, hf only). SGLang and vLLM need the

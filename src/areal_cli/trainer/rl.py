@@ -197,13 +197,7 @@ class RLTrainer:
             self.restarts_synced += 1
 
     def client_set_addresses(self, addresses: list[str]) -> None:
-        setter = getattr(self.client, "set_addresses", None)
-        if setter is None:
-            from areal_cli.errors import LaunchError
-
-            raise LaunchError("the inference client cannot change its server list (no set_addresses); "
-                              "a restarted server cannot be used")
-        setter(addresses)
+        self.client.set_addresses(addresses)
         self.rollout.set_addresses(addresses)
 
     def next_batch(self, engine: Any, version: int) -> tuple[dict[str, Any] | None, dict[str, float]]:

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from areal_cli.api.io_struct import ParamSpec, WeightUpdateMeta
+from areal_cli.api.weight_receiver import WeightReceiver
 from areal_cli.errors import WeightSyncError
 from areal_cli.utils.concurrency import LoopRunner
 from areal_cli.weight_sync.common import call_all, peer_names
@@ -58,8 +59,8 @@ class AdapterSender:
         self.group = DistributedSender(runner)  # owns the weight-update group for distributed pushes
         self.last_seconds: dict[str, float] = {}
 
-    def send(self, meta: WeightUpdateMeta, clients: list, tensors: dict[str, Any], peft_config: Any, *,
-             is_src: bool) -> WeightSyncError | None:
+    def send(self, meta: WeightUpdateMeta, clients: list[WeightReceiver], tensors: dict[str, Any],
+             peft_config: Any, *, is_src: bool) -> WeightSyncError | None:
         if not is_src:
             return None
         t0 = time.perf_counter()
@@ -78,7 +79,8 @@ class AdapterSender:
                              float(sum(t.numel() * t.element_size() for t in tensors.values()))}
         return None
 
-    def _disk(self, meta: WeightUpdateMeta, clients: list, tensors: dict[str, Any], peft_config: Any) -> None:
+    def _disk(self, meta: WeightUpdateMeta, clients: list[WeightReceiver], tensors: dict[str, Any],
+              peft_config: Any) -> None:
         from areal_cli.engines.lora import write_adapter_dir
 
         if not meta.path:
@@ -89,13 +91,12 @@ class AdapterSender:
             write_adapter_dir(out, tensors, peft_config)
         except OSError as e:
             raise WeightSyncError(f"weight sync (disk): cannot write the adapter to {out}: {e}") from e
-        self.runner.run(call_all(clients, "load_lora_adapter", SERVED_NAME, out, meta.version,
-                                 timeout=meta.timeout_s))
+        self.runner.run(call_all(clients, lambda c: c.load_lora_adapter(SERVED_NAME, out, meta.version),
+                                 timeout=meta.timeout_s, what="load_lora_adapter"))
 
-    async def _distributed(self, meta: WeightUpdateMeta, clients: list, tensors: dict[str, Any],
+    async def _distributed(self, meta: WeightUpdateMeta, clients: list[WeightReceiver], tensors: dict[str, Any],
                            peft_config: Any) -> None:
-        bad = [peer_names(c) for c in clients if not hasattr(c, "load_lora_adapter_from_distributed")
-               or not getattr(c, "supports_lora_broadcast", False)]
+        bad = [peer_names(c) for c in clients if not c.supports_lora_broadcast]
         if bad:
             raise WeightSyncError(f"weight sync (distributed): server(s) {', '.join(bad)} load adapters "
                                   "from a directory only; use rollout.weight_update=disk with LoRA")
@@ -109,8 +110,9 @@ class AdapterSender:
             tensors = {n: (t.to(wire) if t.is_floating_point() else t) for n, t in tensors.items()}
         specs, buf = flat_pack(tensors)
         config = config_dict(peft_config)
-        request = asyncio.ensure_future(call_all(clients, "load_lora_adapter_from_distributed", meta,
-                                                 SERVED_NAME, config, specs, timeout=meta.timeout_s))
+        request = asyncio.ensure_future(call_all(
+            clients, lambda c: c.load_lora_adapter_from_distributed(meta, SERVED_NAME, config, specs),
+            timeout=meta.timeout_s, what="load_lora_adapter_from_distributed"))
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, self.group._broadcast, [buf], meta)

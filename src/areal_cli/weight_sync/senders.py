@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from areal_cli.api.io_struct import ParamSpec, WeightUpdateMeta
+from areal_cli.api.weight_receiver import WeightReceiver
 from areal_cli.errors import WeightSyncError
 from areal_cli.utils.concurrency import LoopRunner, torch_threads
 from areal_cli.weight_sync.common import call_all, peer_names
@@ -51,10 +52,9 @@ def _drain(it: NamedTensors) -> None:
         pass
 
 
-def _broadcast_refused(clients: list) -> WeightSyncError | None:
+def _broadcast_refused(clients: list[WeightReceiver]) -> WeightSyncError | None:
     """Servers whose backend cannot take a broadcast at all (``WEIGHT_BROADCAST_UNSUPPORTED``: vLLM)."""
-    bad = [(peer_names(c), why) for c in clients
-           if (why := getattr(getattr(c, "backend", None), "WEIGHT_BROADCAST_UNSUPPORTED", None))]
+    bad = [(peer_names(c), why) for c in clients if (why := c.broadcast_refusal)]
     if not bad:
         return None
     names = ", ".join(n for n, _ in bad)
@@ -69,8 +69,8 @@ class DiskSender:
         self.runner = runner
         self.last_seconds: dict[str, float] = {}
 
-    def send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *, is_src: bool,
-             write_dir: Callable[[str, NamedTensors], None]) -> WeightSyncError | None:
+    def send(self, meta: WeightUpdateMeta, clients: list[WeightReceiver], named_tensors: NamedTensors, *,
+             is_src: bool, write_dir: Callable[[str, NamedTensors], None]) -> WeightSyncError | None:
         """``write_dir(path, named_tensors)`` writes the HF dir (weights as they arrive, config, tokenizer) on
         the source rank; the other ranks drive the stream's gathers."""
         if not meta.path:
@@ -98,14 +98,18 @@ class DiskSender:
         self.last_seconds = {"gather": 0.0, "write": t2 - t0, "load": t3 - t2, "total": t3 - t0}
         return None
 
+    def close(self) -> None:
+        """Nothing held between pushes (the distributed sender's group is)."""
+
     @staticmethod
-    async def _push(meta: WeightUpdateMeta, clients: list) -> None:
+    async def _push(meta: WeightUpdateMeta, clients: list[WeightReceiver]) -> None:
         to = meta.timeout_s
-        await call_all(clients, "pause_generation", timeout=to)
+        await call_all(clients, lambda c: c.pause_generation(), timeout=to, what="pause_generation")
         try:
-            await call_all(clients, "update_weights_from_disk", meta, timeout=to)
+            await call_all(clients, lambda c: c.update_weights_from_disk(meta), timeout=to,
+                           what="update_weights_from_disk")
         finally:
-            await call_all(clients, "continue_generation", timeout=to)
+            await call_all(clients, lambda c: c.continue_generation(), timeout=to, what="continue_generation")
 
 
 class _Bucket:
@@ -196,17 +200,17 @@ class DistributedSender:
         return None, make_group(meta.backend, meta.master_address, meta.master_port, meta.world_size, 0,
                                 meta.group_name, meta.timeout_s)
 
-    def _key(self, meta: WeightUpdateMeta, clients: list) -> tuple:
+    def _key(self, meta: WeightUpdateMeta, clients: list[WeightReceiver]) -> tuple:
         # The port only serves the rendezvous: an established group stays valid when a later meta
         # names another free port (the trainer picks a new one per push). The servers' addresses
         # are part of the key: a changed server set needs a new group.
         return (meta.master_address, meta.group_name, meta.world_size, meta.backend,
                 tuple(peer_names(c) for c in clients), None if self.reuse_group else meta.master_port)
 
-    def has_group(self, meta: WeightUpdateMeta, clients: list) -> bool:
+    def has_group(self, meta: WeightUpdateMeta, clients: list[WeightReceiver]) -> bool:
         return self.pg is not None and self._group_key == self._key(meta, clients)
 
-    async def _ensure_group(self, meta: WeightUpdateMeta, clients: list) -> None:
+    async def _ensure_group(self, meta: WeightUpdateMeta, clients: list[WeightReceiver]) -> None:
         key = self._key(meta, clients)
         if self.pg is not None and self._group_key == key:
             return
@@ -220,7 +224,8 @@ class DistributedSender:
             destroy_group(old)
         loop = asyncio.get_running_loop()
         make = loop.run_in_executor(None, self._make_group, meta)
-        join = asyncio.ensure_future(call_all(clients, "init_weights_update_group", meta, timeout=meta.timeout_s))
+        join = asyncio.ensure_future(call_all(clients, lambda c: c.init_weights_update_group(meta),
+                                              timeout=meta.timeout_s, what="init_weights_update_group"))
         # A server that refuses the join request (dead, restarting) can never join: fail now rather
         # than after the group timeout. The abandoned group creation times out in its thread.
         await asyncio.wait({make, join}, timeout=meta.timeout_s, return_when=asyncio.FIRST_EXCEPTION)
@@ -261,8 +266,8 @@ class DistributedSender:
         for t in tensors:
             pg.broadcast([t], opts).wait(timeout)
 
-    async def _send_bucket(self, meta: WeightUpdateMeta, clients: list, bucket: _Bucket, final: bool,
-                           atomic: bool) -> concurrent.futures.Future:
+    async def _send_bucket(self, meta: WeightUpdateMeta, clients: list[WeightReceiver], bucket: _Bucket,
+                           final: bool, atomic: bool) -> concurrent.futures.Future:
         """Request + broadcast of one bucket; returns a future of the request's reply once the
         broadcast is done (the server may still be copying the bucket in). ``atomic``: the request
         asks the servers to pause before applying it, and if ``final`` to continue after."""
@@ -272,8 +277,9 @@ class DistributedSender:
         if atomic:
             kw.update(pause_generation=True, continue_generation=final)
             self._open_pause = self._open_pause or not final
-        http = asyncio.ensure_future(call_all(clients, "update_weights_from_distributed", meta, specs,
-                                              timeout=meta.timeout_s, **kw))
+        http = asyncio.ensure_future(call_all(
+            clients, lambda c: c.update_weights_from_distributed(meta, specs, **kw), timeout=meta.timeout_s,
+            what="update_weights_from_distributed"))
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         bcast = loop.run_in_executor(None, self._broadcast, bucket.wire(), meta)
@@ -310,12 +316,12 @@ class DistributedSender:
         return reply
 
     # -- main -----------------------------------------------------------------------------------
-    def send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *,
+    def send(self, meta: WeightUpdateMeta, clients: list[WeightReceiver], named_tensors: NamedTensors, *,
              is_src: bool) -> WeightSyncError | None:
         with torch_threads(1) if is_src else contextlib.nullcontext():
             return self._send(meta, clients, named_tensors, is_src=is_src)
 
-    def _send(self, meta: WeightUpdateMeta, clients: list, named_tensors: NamedTensors, *,
+    def _send(self, meta: WeightUpdateMeta, clients: list[WeightReceiver], named_tensors: NamedTensors, *,
               is_src: bool) -> WeightSyncError | None:
         import torch
 
@@ -324,9 +330,8 @@ class DistributedSender:
             _drain(named_tensors)  # the other ranks still gather (collectives)
             return refused
         wire = getattr(torch, meta.dtype) if meta.dtype else None
-        flat = bool(clients) and all(getattr(c, "supports_flattened_bucket", False) for c in clients)
-        atomic = self.atomic and bool(clients) and all(getattr(c, "supports_atomic_update", False)
-                                                       for c in clients)
+        flat = bool(clients) and all(c.supports_flattened_bucket for c in clients)
+        atomic = self.atomic and bool(clients) and all(c.supports_atomic_update for c in clients)
         self._open_pause = False
         err: WeightSyncError | None = None
         t0 = time.perf_counter()
@@ -335,10 +340,12 @@ class DistributedSender:
         if is_src:
             try:
                 if not atomic:
-                    self.runner.run(call_all(clients, "pause_generation", timeout=meta.timeout_s))
+                    self.runner.run(call_all(clients, lambda c: c.pause_generation(), timeout=meta.timeout_s,
+                                             what="pause_generation"))
                 tp = time.perf_counter()
-                session = [c for c in clients if hasattr(c, "begin_weight_update")]
-                self.runner.run(call_all(session, "begin_weight_update", timeout=meta.timeout_s))
+                session = list(clients)
+                self.runner.run(call_all(session, lambda c: c.begin_weight_update(), timeout=meta.timeout_s,
+                                         what="begin_weight_update"))
                 if not self.has_group(meta, clients):  # checked here: no hop through the event loop
                     self.runner.run(self._ensure_group(meta, clients))
             except WeightSyncError as e:
@@ -378,14 +385,16 @@ class DistributedSender:
             tc = time.perf_counter()
             if session:  # closed even after a failure: SGLang refuses to open a second one
                 try:
-                    self.runner.run(call_all(session, "end_weight_update", timeout=meta.timeout_s))
+                    self.runner.run(call_all(session, lambda c: c.end_weight_update(), timeout=meta.timeout_s,
+                                             what="end_weight_update"))
                 except WeightSyncError as e:
                     err = err or e
             # Atomic pushes resume in their last request; only a failure after a bucket that paused
             # the servers (and before the one that resumes them) leaves them paused.
             if not atomic or (err is not None and self._open_pause):
                 try:
-                    self.runner.run(call_all(clients, "continue_generation", timeout=meta.timeout_s))
+                    self.runner.run(call_all(clients, lambda c: c.continue_generation(), timeout=meta.timeout_s,
+                                             what="continue_generation"))
                 except WeightSyncError as e:
                     err = err or e
             if err is not None:
