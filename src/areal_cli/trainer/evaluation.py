@@ -151,30 +151,3 @@ def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer:
             executor.resume()
     out["eval/time_s"] = time.perf_counter() - t0
     return out
-
-
-def await_restarted_servers(cfg: Any, run_dir: str, epochs: dict[int, int],
-                            n_servers: int) -> list[dict] | None:
-    """After a failed request: the servers' records once one that the launcher restarted (an epoch
-    other than ``epochs``) is published and all ``n_servers`` are; ``None`` at once when every server
-    answers its health check (the failure was something else), or at the start-up timeout."""
-    from areal_cli.launchers.base import read_servers
-    from areal_cli.trainer import build
-
-    deadline = time.monotonic() + float(cfg.launcher.server_startup_timeout_s)
-
-    def restarted(recs: list[dict]) -> bool:
-        return any(epochs.get(r["index"]) != r["epoch"] for r in recs)
-
-    recs = read_servers(run_dir)
-    # A retracted record means the launcher is restarting that server: wait for it.
-    if not restarted(recs) and len(recs) >= n_servers:
-        client = build.build_client(cfg, [r["address"] for r in recs], recs[0].get("backend", "hf"))
-        if all(asyncio.run(client.check_health()).values()):
-            return None
-    while time.monotonic() < deadline:
-        recs = read_servers(run_dir)
-        if restarted(recs) and len(recs) >= n_servers:
-            return recs
-        time.sleep(0.5)
-    return None

@@ -18,6 +18,7 @@ Order inside one step, and why:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import time
@@ -25,15 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.config.rollout import resolved_weight_update
-from areal_cli.errors import WeightSyncError
 from areal_cli.launchers.base import JobLayout, read_servers, wait_for_servers
 from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
 from areal_cli.trainer.stats import StatsLogger
 from areal_cli.utils.concurrency import StepThreads, torch_threads
-from areal_cli.utils.dist import barrier, broadcast_obj
+from areal_cli.utils.dist import broadcast_obj
 from areal_cli.utils.procs import freeze_heap
-from areal_cli.weight_sync.disk_layout import disk_update_meta, load_meta, prune_pushed
+from areal_cli.weight_sync.fleet import ServerFleet
+from areal_cli.weight_sync.publisher import PushTarget, WeightPublisher
 
 
 def _dist() -> Any:
@@ -90,7 +91,6 @@ class RLTrainer:
     def __init__(self, cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         self.model_path = model_path
-        self.policy_path = model_path  # the RL phase's starting weights (an SFT warm start's export)
         self.rank, self.world = rank, world
         self.total_steps = int(cfg.trainer.total_steps)
         self.stats = StatsLogger(run_dir, cfg.stats, experiment=cfg.experiment_name, trial=cfg.trial_name,
@@ -100,15 +100,15 @@ class RLTrainer:
         self.weight_mode = resolved_weight_update(
             cfg.rollout.weight_update, [sp.backend for sp in layout.servers], build.lora_enabled(cfg),
             shared_gpu=layout.colocated and cfg.cluster.device == "cuda")
-        self.server_epochs: dict[int, int] = {}
-        self.restarts_synced = 0
-        # Bumped whenever a restarted server is brought back: the next distributed push then builds a
-        # new weight-update group under a new name, which every server (the restarted one included) joins.
-        self.weight_group_epoch = 0
-        self.last_push_disk = False
+        self.fleet = ServerFleet(run_dir, len(layout.servers), float(cfg.launcher.server_startup_timeout_s),
+                                 read=read_servers, wait=wait_for_servers,
+                                 connect=functools.partial(build.build_client, cfg))
+        target = PushTarget(world_size=1 + sum(sp.tp for sp in layout.servers),
+                            dtype=cfg.rollout.weight_update_dtype,
+                            backend="nccl" if layout.device == "cuda" else "gloo")
+        self.publisher = WeightPublisher(self.fleet, self.weight_mode, rank=rank, target=target,
+                                         lora=build.lora_enabled(cfg), model_path=model_path)
         self.rollout: Any = None  # RolloutService or RolloutProcess (rank 0)
-        self.client = None  # rank 0's control client: weight updates, health (not generation)
-        self.control = None  # the event loop thread that owns ``client``'s HTTP sessions
         self.critic = None
         self.weight_sync_s = 0.0
         self.elapsed_before = 0.0  # wall time of earlier (resumed) segments
@@ -120,92 +120,22 @@ class RLTrainer:
                                    shared=os.environ.get("AREAL_SERVERS_ON_NODE", "1") == "1") if most else None
 
     # ------------------------------------------------------------------ setup
-    def _servers(self) -> list[dict[str, Any]]:
-        """Every server's record; waits while the launcher is still starting them."""
-        return wait_for_servers(self.run_dir, max(1, len(self.layout.servers)),
-                                float(self.cfg.launcher.server_startup_timeout_s))
-
     def _setup_rollout(self, train_items: list[dict]) -> None:
         from areal_cli.rollout.worker import start_rollout
-        from areal_cli.utils.concurrency import LoopRunner
 
-        recs = self._servers()
-        self.server_epochs = {r["index"]: r["epoch"] for r in recs}
-        backend = recs[0].get("backend", "hf")
+        recs = self.fleet.open_control({sp.index: sp.tp for sp in self.layout.servers})
         addresses = [r["address"] for r in recs]
-        tps = {sp.index: sp.tp for sp in self.layout.servers}
-        self.client = build.build_client(self.cfg, addresses, backend, [tps.get(r["index"], 1) for r in recs])
-        self.control = LoopRunner()
-        self.rollout = start_rollout(self.cfg, addresses, backend, self.model_path, train_items)
-
-    def _run(self, coro: Any, timeout: float | None = None) -> Any:
-        """Run a control coroutine (weight load, health check) on rank 0's control loop."""
-        return self.control.run(coro, timeout)
-
-    def _pending_servers(self) -> list[dict[str, Any]]:
-        """Servers restarted since we last synced them: they hold the base weights."""
-        recs = read_servers(self.run_dir)
-        return [r for r in recs if self.server_epochs.get(r["index"]) != r["epoch"]]
-
-    def _sync_restarted(self, engine: Any, version: int) -> None:
-        """Collective: bring restarted servers to ``version`` from disk, then route to them again.
-
-        The broadcast group of distributed updates lost a member; the next distributed push makes a
-        new group (``weight_group_epoch``) that the restarted server joins like the others.
-        """
-        self.weight_group_epoch += 1
-        if build.lora_enabled(self.cfg):
-            self._sync_restarted_lora(engine, version)
-            return
-        pending = self._pending_servers() if self.rank == 0 else []
-        self._push_saved(engine, version, [build.build_client(self.cfg, [r["address"]], r.get("backend", "hf"))
-                                           for r in pending])
-        if self.rank == 0:
-            for rec in pending:
-                self.server_epochs[rec["index"]] = rec["epoch"]
-                print(f"[areal] server {rec['index']} came back at {rec['address']}; loaded version {version}",
-                      flush=True)
-            recs = read_servers(self.run_dir)
-            self.client_set_addresses([r["address"] for r in recs if r["index"] in self.server_epochs])
-            self.restarts_synced += 1
-
-    def _push_saved(self, engine: Any, version: int, clients: list) -> None:
-        """Collective: write the trainer's weights into the push dir of ``version`` with ``engine.save``;
-        rank 0 then has ``clients`` load it. For pushes outside a sender: at start-up and to a restarted
-        server, which must not join (or wait for) the other servers' weight-update group."""
-        from areal_cli.api.io_struct import SaveLoadMeta
-
-        meta = load_meta(disk_update_meta(self.run_dir, version))
-        engine.save(SaveLoadMeta(path=meta.path, weight_format="hf", tokenizer_path=self.model_path))
-        if self.rank == 0:
-            for client in clients:
-                self._run(client.update_weights_from_disk(meta))
-        barrier()
-
-    def _sync_restarted_lora(self, engine: Any, version: int) -> None:
-        """Under LoRA a restarted server holds the base weights already: it only needs the adapter."""
-        pending = broadcast_obj(self._pending_servers() if self.rank == 0 else None)
-        clients = [build.build_client(self.cfg, [r["address"]], r.get("backend", "hf")) for r in pending]
-        self._push_adapter(engine, version, clients)
-        if self.rank == 0:
-            for rec in pending:
-                self.server_epochs[rec["index"]] = rec["epoch"]
-                print(f"[areal] server {rec['index']} came back at {rec['address']}; loaded adapter version "
-                      f"{version}", flush=True)
-            recs = read_servers(self.run_dir)
-            self.client_set_addresses([r["address"] for r in recs if r["index"] in self.server_epochs])
-            self.restarts_synced += 1
-
-    def client_set_addresses(self, addresses: list[str]) -> None:
-        self.client.set_addresses(addresses)
-        self.rollout.set_addresses(addresses)
+        self.rollout = start_rollout(self.cfg, addresses, recs[0].get("backend", "hf"), self.model_path,
+                                     train_items)
+        self.fleet.listeners.append(self.rollout.set_addresses)
+        self.publisher.before_push = self.rollout.pause
 
     def next_batch(self, engine: Any, version: int) -> tuple[dict[str, Any] | None, dict[str, float]]:
         """Collective wait for the next batch; syncs restarted servers while waiting."""
         while True:
             status, batch, stats = "wait", None, {}
             if self.rank == 0:
-                if self._pending_servers() and len(read_servers(self.run_dir)) >= len(self.layout.servers):
+                if self.fleet.pending() and self.fleet.complete():
                     status = "sync"
                 else:
                     got = self.rollout.next_batch(2.0)
@@ -215,89 +145,7 @@ class RLTrainer:
             if status == "ok":
                 return batch, stats
             if status == "sync":
-                self._sync_restarted(engine, version)
-
-    # ------------------------------------------------------------------ weights
-    def _await_restart(self) -> bool:
-        """Rank 0, after a failed push or evaluation: True once a server the launcher restarted is
-        registered; False at once when every server answers its health check (the failure was
-        something else)."""
-        from areal_cli.trainer.evaluation import await_restarted_servers
-
-        n = len(self.layout.servers)
-        return await_restarted_servers(self.cfg, self.run_dir, self.server_epochs, n) is not None
-
-    def _weight_meta(self, version: int, mode: str) -> Any:
-        from areal_cli.api.io_struct import WeightUpdateMeta
-
-        if mode == "disk":
-            return disk_update_meta(self.run_dir, version)
-        from areal_cli.utils.network import find_free_port
-        from areal_cli.weight_sync.group import trainer_address
-
-        # Every TP rank of every server joins the group (SGLang places them at rank_offset + tp_rank).
-        meta = WeightUpdateMeta(type="distributed", version=version,
-                                master_address=trainer_address(self.client.addresses if self.client else []),
-                                master_port=find_free_port() if self.rank == 0 else 0,
-                                world_size=1 + sum(sp.tp for sp in self.layout.servers),
-                                dtype=self.cfg.rollout.weight_update_dtype,
-                                backend="nccl" if self.layout.device == "cuda" else "gloo")
-        if self.weight_group_epoch:
-            # After a restart: a new name makes the sender build a new group, and the servers that kept
-            # the old one (SGLang keeps groups by name) join it without clashing with the old name.
-            meta = dataclasses.replace(meta, group_name=f"{meta.group_name}_r{self.weight_group_epoch}")
-        return meta
-
-    def _loop(self) -> Any:
-        """The control loop: it owns the control client's HTTP sessions."""
-        return self.control.loop if self.control is not None else None
-
-    def push_initial_weights(self, engine: Any, version: int) -> None:
-        """Load the trainer's current weights into every server at ``version`` (through disk).
-
-        Used at start-up (after an SFT warm start, or on resume), before any rollout runs.
-        ``engine.update_weights`` always advances the version, so the version-0 case goes through
-        the client's ``update_weights_from_disk`` directly.
-        """
-        if build.lora_enabled(self.cfg):
-            self._push_adapter(engine, version, [self.client] if self.rank == 0 else [])
-            return
-        self._push_saved(engine, version, [self.client] if self.rank == 0 else [])
-        if self.rank == 0:
-            self.client.set_version(version)
-        engine.set_version(version)
-
-    def _push_adapter(self, engine: Any, version: int, clients: list) -> None:
-        """Collective, under LoRA: the adapter to ``clients`` (rank 0's) at ``version``, preceded by the
-        SFT warm start's full weights (the adapter's base) when there was one."""
-        meta = disk_update_meta(self.run_dir, version)
-        if self.rank == 0 and self.policy_path != self.model_path:
-            for client in clients:
-                self._run(client.update_weights_from_disk(dataclasses.replace(meta, path=self.policy_path)))
-        engine.push_adapter(meta, clients if self.rank == 0 else [], loop=self._loop())
-
-    def push_weights(self, engine: Any, version: int, *, force_disk: bool = False) -> float:
-        """Push the current weights to every server at ``version``. Returns seconds spent."""
-        t0 = time.perf_counter()
-        mode = "disk" if force_disk else broadcast_obj(self.weight_mode)
-        meta = broadcast_obj(self._weight_meta(version, mode) if self.rank == 0 else None)
-        if self.rollout is not None:
-            self.rollout.pause()
-        try:
-            engine.update_weights(meta, [self.client] if self.rank == 0 and self.client is not None else [],
-                                  loop=self._loop())
-        except WeightSyncError:
-            # A server that died just before or during the push: once the launcher has restarted it,
-            # bring every server to `version` through disk (the broadcast group lost a member).
-            if force_disk or not broadcast_obj(self._await_restart() if self.rank == 0 else None):
-                raise
-            self._sync_restarted(engine, version)
-            return time.perf_counter() - t0 + self.push_weights(engine, version, force_disk=True)
-        engine.set_version(version)
-        self.last_push_disk = mode == "disk"
-        if mode == "disk" and self.rank == 0:
-            prune_pushed(meta.path, keep=1)
-        return time.perf_counter() - t0
+                self.publisher.sync_restarted(engine, version)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tokenizer: Any, test_items: list[dict], step: int, phase: str = "rl",
@@ -305,7 +153,7 @@ class RLTrainer:
         """Collective: held-out evaluation through the servers (rank 0 runs it).
 
         A server that dies meanwhile is handled as in rollouts: once the launcher has restarted it,
-        it is brought to ``engine``'s weights (``_sync_restarted``) and the evaluation goes on where it
+        it is brought to ``engine``'s weights (``WeightPublisher.sync_restarted``) and the evaluation goes on where it
         stopped (completions already scored are kept). Without ``engine`` (the base model's
         evaluation, before any training) the restarted server already serves the evaluated weights.
         """
@@ -321,10 +169,10 @@ class RLTrainer:
         while True:
             status = "ok"
             if self.rank == 0:
-                recs = self._servers()
-                if not self.server_epochs:  # the base evaluation runs before the rollout side exists
-                    self.server_epochs = {r["index"]: r["epoch"] for r in recs}
-                if self._pending_servers():
+                recs = self.fleet.wait()
+                if not self.fleet.epochs:  # the base evaluation runs before the rollout side exists
+                    self.fleet.adopt(recs)
+                if self.fleet.pending():
                     status = "sync"  # restarted since the last sync: it holds the base weights
                 else:
                     try:
@@ -332,7 +180,7 @@ class RLTrainer:
                                                   recs[0].get("backend", "hf"), tokenizer, test_items,
                                                   executor=self.rollout, done=done, base=phase == "base")
                     except InferenceError as e:
-                        if not self._await_restart():
+                        if self.fleet.await_restart() is None:
                             raise
                         print(f"[areal] evaluation at step {step} lost a server ({e}); going on on the "
                               f"restarted server ({len(done)} completions kept)", flush=True)
@@ -341,9 +189,9 @@ class RLTrainer:
                 break
             restarts += 1
             if engine is not None:
-                self._sync_restarted(engine, engine.get_version())
+                self.publisher.sync_restarted(engine, engine.get_version())
             elif self.rank == 0:
-                self.server_epochs = {r["index"]: r["epoch"] for r in read_servers(self.run_dir)}
+                self.fleet.adopt(self.fleet.records())
         if self.rank == 0:
             out["eval/time_s"] = time.perf_counter() - t0
             out["eval/server_restarts"] = float(restarts)
@@ -378,7 +226,7 @@ class RLTrainer:
         random.seed(cfg.seed + self.rank)
         torch.manual_seed(cfg.seed + self.rank)
 
-        self.policy_path = policy_path
+        self.publisher.policy_path = policy_path
         engine = build.build_engine(cfg, self.layout, policy_path)
         ref_engine = build.build_reference(cfg, self.layout, policy_path, engine)
         actor = build.build_actor(cfg, engine, ref_engine)
@@ -405,7 +253,7 @@ class RLTrainer:
         if start_step > 0 or policy_path != self.model_path or build.lora_enabled(cfg):
             # The servers started from the base weights; bring them to the trainer's policy (under
             # LoRA: load the adapter, which every request names, even at step 0).
-            self.push_initial_weights(engine, start_step)
+            self.publisher.push_initial(engine, start_step)
         if self.rollout is not None:
             self.rollout.set_version(start_step)
             self.rollout.resume()
@@ -438,7 +286,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         batch, gen_stats = self.next_batch(engine, step - 1)
         if self.rank == 0:
-            gen_stats["rollout/server_restarts"] = float(self.restarts_synced)
+            gen_stats["rollout/server_restarts"] = float(self.fleet.restarts_synced)
             _log_judge_samples(self.run_dir, step, gen_stats.pop("judge/samples", None))
         t_gen = time.perf_counter() - t0
         local = scatter_batch(batch, self.cfg.algo.batch_size, self.dp_of_rank)
@@ -449,7 +297,7 @@ class RLTrainer:
         with torch_threads(threads):
             train_stats = _ppo_step(actor, self.critic, local)
         t_train = time.perf_counter() - t1
-        sync_s = self.push_weights(engine, step)
+        sync_s = self.publisher.push(engine, step)
         if self.rollout is not None:
             self.rollout.set_version(step)
             self.rollout.resume()
@@ -465,7 +313,7 @@ class RLTrainer:
         rec["perf/train_threads"] = float(threads)
         if self.threads is not None:
             self.threads.observe(t_gen, step_s)
-        rec["weight_sync/disk"] = float(self.last_push_disk)  # 1: this step's push went through disk
+        rec["weight_sync/disk"] = float(self.publisher.last_push_disk)  # 1: this step's push went through disk
         rec["perf/train_tokens_per_s"] = rec.pop("_tokens", 0.0) / max(t_train, 1e-9)
         rec["perf/gen_tokens_per_s"] = rec.pop("_gen_tokens", 0.0) / max(step_s, 1e-9)
         rec["perf/samples_per_s"] = rec.pop("_rows", 0.0) / max(step_s, 1e-9)
@@ -492,9 +340,7 @@ class RLTrainer:
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None
-        if self.control is not None:
-            self.control.close()
-            self.control = None
+        self.fleet.close()
 
     @staticmethod
     def _others(critic_engine: Any | None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ replica on the same slice), so no data has to be scattered.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -21,6 +22,8 @@ from areal_cli.launchers.base import JobLayout
 from areal_cli.rollout.data_stream import PromptStream
 from areal_cli.trainer import build
 from areal_cli.utils.dist import barrier, broadcast_obj
+from areal_cli.weight_sync.fleet import ServerFleet
+from areal_cli.weight_sync.publisher import PushTarget, WeightPublisher
 
 SFT_DIRNAME = "sft_warmup"
 
@@ -132,14 +135,12 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     return str(out_dir)
 
 
-def _evaluate_surviving_restarts(cfg: Any, layout: JobLayout, run_dir: str, tokenizer: Any, items: list[dict],
+def _evaluate_surviving_restarts(cfg: Any, publisher: WeightPublisher, tokenizer: Any, items: list[dict],
                                  recs: list[dict], meta: Any, error: Exception | None) -> dict[str, float]:
     """Rank 0 of ``algo=sft``: evaluate the weights that ``meta`` pushed from disk. A server that dies
     during the push (``error``) or the evaluation is waited for; once the launcher has restarted it,
     every server loads the pushed dir again and the evaluation goes on where it stopped."""
-    import asyncio
-
-    from areal_cli.trainer.evaluation import await_restarted_servers, evaluate_on_servers
+    from areal_cli.trainer.evaluation import evaluate_on_servers
     from areal_cli.weight_sync.disk_layout import load_meta
 
     done: dict = {}  # completions scored so far, kept across a restart
@@ -154,16 +155,15 @@ def _evaluate_surviving_restarts(cfg: Any, layout: JobLayout, run_dir: str, toke
             except InferenceError as e:
                 error = e
         pushed = load_meta(meta)  # the sender wrote this dir before the load that may have failed
-        epochs = {r["index"]: r["epoch"] for r in recs}
-        new = await_restarted_servers(cfg, run_dir, epochs, len(layout.servers))
+        publisher.fleet.adopt(recs)
+        new = publisher.fleet.await_restart()
         if new is None or not Path(pushed.path).is_dir():
             raise error
         print(f"[areal] evaluation at step {meta.version} lost a server ({error}); loading {pushed.path} "
               f"into the restarted server and going on ({len(done)} completions kept)", flush=True)
         recs, error, restarts = new, None, restarts + 1
-        client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"])
         try:
-            asyncio.run(client.update_weights_from_disk(pushed))
+            publisher.reload_from_disk(pushed, recs)
         except InferenceError as e:  # died again: wait for the next restart
             error = e
 
@@ -171,7 +171,7 @@ def _evaluate_surviving_restarts(cfg: Any, layout: JobLayout, run_dir: str, toke
 def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int) -> dict[str, Any]:
     """``algo=sft``: ``trainer.total_steps`` SFT steps with recover states and HF exports; evaluated
     through the inference servers (weights pushed from disk) when the allocation has any."""
-    from areal_cli.launchers.base import wait_for_servers
+    from areal_cli.launchers.base import read_servers, wait_for_servers
     from areal_cli.trainer.checkpoint import CheckpointManager
     from areal_cli.trainer.stats import StatsLogger
 
@@ -196,15 +196,19 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
             print(f"[areal] resuming from step {start} (checkpoint {recover})", flush=True)
     stats.log("event", start, {"event": "start", "resumed_from": start})
     has_servers = bool(layout.servers)
+    # Only disk pushes: the servers idle between evaluations, so no broadcast group is kept for them.
+    fleet = ServerFleet(run_dir, len(layout.servers), cfg.launcher.server_startup_timeout_s,
+                        read=read_servers, wait=wait_for_servers, connect=functools.partial(build.build_client, cfg))
+    publisher = WeightPublisher(fleet, "disk", rank=rank, target=PushTarget(1 + len(layout.servers), None, "gloo"),
+                                lora=False, model_path=model_path)
 
     def evaluate(step: int) -> dict[str, float]:
         if not has_servers or not test_items:
             return {}
         from areal_cli.weight_sync.disk_layout import disk_update_meta, prune_pushed
 
-        recs = wait_for_servers(run_dir, len(layout.servers), cfg.launcher.server_startup_timeout_s) \
-            if rank == 0 else []
-        client = build.build_client(cfg, [r["address"] for r in recs], recs[0]["backend"]) if rank == 0 else None
+        recs = fleet.wait() if rank == 0 else []
+        client = fleet.client_for(recs) if rank == 0 else None
         meta = disk_update_meta(run_dir, step)
         error: Exception | None = None
         try:
@@ -214,7 +218,7 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
         out = {}
         if rank == 0:
             prune_pushed(meta.path, keep=1)  # every server has loaded this step's weights (or will, from it)
-            out = _evaluate_surviving_restarts(cfg, layout, run_dir, tokenizer, test_items, recs, meta, error)
+            out = _evaluate_surviving_restarts(cfg, publisher, tokenizer, test_items, recs, meta, error)
             stats.log("eval", step, {**out, "phase": "sft"})  # an SFT run's evaluations, not an RL phase's
         return broadcast_obj(out)
 
