@@ -202,7 +202,7 @@ def test_explicit_path_when_atomic_is_off(server, models, prompt, sync):
 
 
 def test_renamed_group_replaces_the_old_one(server, models, prompt, sync):
-    """After a server restart the trainer renames the group (``RLTrainer.weight_group_epoch``): a server
+    """After a server restart the trainer renames the group (``ServerFleet.group_epoch``): a server
     that kept the old group joins the new one, the trainer releases the old one, and later pushes
     reuse the new one."""
     from torch.distributed.distributed_c10d import _world
