@@ -13,6 +13,7 @@ ranks through torchrun, and supervises:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -31,12 +32,12 @@ from areal_cli.launchers.base import (
     JobLayout,
     RunStatusWriter,
     ServerSpec,
-    publish_server,
     read_servers,
     record_node_error,
     retract_server,
 )
 from areal_cli.launchers.failures import RankLogWatch, process_failure
+from areal_cli.launchers.supervisor import ServerSupervisor
 from areal_cli.utils.procs import ManagedProcess, describe_exit, handling_stop_signals, tail_file
 
 
@@ -109,8 +110,27 @@ def trainer_argv(layout: JobLayout, config_path: str, node_rank: int, master_add
             "--module", "areal_cli.trainer.entry", "--config", config_path]
 
 
-class NodeRunner:
-    """Runs and supervises one node's processes. See the module docstring."""
+@dataclasses.dataclass
+class LocalServer:
+    """One inference server this node runs: its child process group and where it listens."""
+
+    spec: ServerSpec
+    proc: ManagedProcess
+    address: str
+    epoch: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+
+class NodeRunner(ServerSupervisor):
+    """Runs and supervises one node's processes. See the module docstring; server supervision is
+    :class:`~areal_cli.launchers.supervisor.ServerSupervisor`'s, shared with the Ray launcher."""
 
     def __init__(self, cfg: Any, layout: JobLayout, run_dir: str, *, node_rank: int = 0,
                  model_path: str | None = None, master_addr: str = "127.0.0.1",
@@ -125,8 +145,7 @@ class NodeRunner:
         self.server_host = server_host
         self.config_path = config_path or os.path.join(self.run_dir, "config.yaml")
         self.on_tick, self.poll_s = on_tick, poll_s
-        self.servers: dict[int, ManagedProcess] = {}
-        self.epochs: dict[int, int] = {}
+        self.servers: dict[int, LocalServer] = {}
         self.restarts = 0
         self.trainer: ManagedProcess | None = None
         self.rank_logs: RankLogWatch | None = None
@@ -140,66 +159,62 @@ class NodeRunner:
         self._status_ended = False
 
     # ------------------------------------------------------------------ servers
-    def _start_server(self, spec: ServerSpec) -> tuple[ManagedProcess, str]:
+    def _spawn_server(self, spec: ServerSpec, epoch: int) -> LocalServer:
         from areal_cli.utils.network import find_free_port
 
         port = find_free_port(self.server_host)
         env = base_env(self.layout.device)
         if self.layout.device == "cuda" and spec.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
-        epoch = self.epochs.get(spec.index, -1) + 1
-        self.epochs[spec.index] = epoch
         argv, cmd_env = server_argv(self.cfg, spec, port, self.model_path, self.server_host, self.run_dir)
         env.update(cmd_env)
         env.update({k: str(v) for k, v in self.cfg.launcher.server_env.items()})
         proc = ManagedProcess(name=spec.name, log_path=str(logs_dir(self.run_dir) / f"{spec.name}.log"),
                               argv=argv, env=env).start()
-        self.servers[spec.index] = proc
-        return proc, f"{self.server_host}:{port}"
+        server = LocalServer(spec, proc, f"{self.server_host}:{port}", epoch)
+        self.servers[spec.index] = server
+        return server
 
-    def _wait_ready(self, spec: ServerSpec, proc: ManagedProcess, address: str) -> None:
+    def _server_exit(self, p: LocalServer) -> str | None:
+        return None if p.proc.alive() else describe_exit(p.proc.poll())
+
+    def _server_healthy(self, p: LocalServer) -> bool:
         import httpx
 
-        deadline = time.time() + float(self.cfg.launcher.server_startup_timeout_s)
-        while time.time() < deadline:
-            self._check_signal()
-            self._check_trainer()
-            if not proc.alive():
-                raise self._died(proc, hint=_server_hint(proc.tail(60)))
-            try:
-                if httpx.get(f"http://{address}/health", timeout=2.0).status_code == 200:
-                    publish_server(self.run_dir, spec.index, address, self.epochs[spec.index], proc.pid,
-                                   spec.backend)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise LaunchError(f"{spec.name} did not become ready within "
-                          f"{self.cfg.launcher.server_startup_timeout_s:.0f}s "
-                          f"(launcher.server_startup_timeout_s). Last log lines of {proc.log_path}:\n"
-                          f"{proc.tail(30)}")
+        try:
+            return httpx.get(f"http://{p.address}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
-    def start_servers(self) -> list[tuple[ServerSpec, ManagedProcess, str]]:
-        """Start this node's servers without waiting (the trainer boots meanwhile)."""
-        return [(s, *self._start_server(s)) for s in self.layout.servers_on(self.node_rank)]
+    def _stop_server(self, p: LocalServer) -> None:
+        p.proc.stop(timeout=5)
 
-    def wait_servers(self, started: list[tuple[ServerSpec, ManagedProcess, str]]) -> None:
-        for spec, proc, addr in started:
-            self._wait_ready(spec, proc, addr)
+    def _check_workers(self) -> bool:
+        return self._check_trainer()
 
-    def _restart_server(self, spec: ServerSpec) -> None:
-        old = self.servers[spec.index]
-        retract_server(self.run_dir, spec.index)
-        old.stop(timeout=5)
-        limit = int(self.cfg.launcher.max_server_restarts)
-        if not self.cfg.launcher.restart_dead_servers or self.restarts >= limit:
-            raise self._died(old, hint=f"restarts used: {self.restarts}/{limit} "
+    def _server_failed(self, p: LocalServer, why: str) -> LaunchError:
+        return self._died(p.proc, hint=_server_hint(p.proc.tail(60)))
+
+    def _server_not_ready(self, p: LocalServer) -> LaunchError:
+        return LaunchError(f"{p.name} did not become ready within "
+                           f"{self.cfg.launcher.server_startup_timeout_s:.0f}s "
+                           f"(launcher.server_startup_timeout_s). Last log lines of {p.proc.log_path}:\n"
+                           f"{p.proc.tail(30)}")
+
+    def _out_of_restarts(self, p: LocalServer, why: str, limit: int) -> LaunchError:
+        return self._died(p.proc, hint=f"restarts used: {self.restarts}/{limit} "
                                        "(launcher.max_server_restarts)")
-        self.restarts += 1
-        print(f"[areal] {spec.name} died ({describe_exit(old.poll())}); restarting "
-              f"({self.restarts}/{limit}). Log: {old.log_path}", file=sys.stderr, flush=True)
-        proc, addr = self._start_server(spec)
-        self._wait_ready(spec, proc, addr)
+
+    def _restart_line(self, p: LocalServer, why: str, limit: int) -> str:
+        return f"[areal] {p.name} died ({why}); restarting ({self.restarts}/{limit}). Log: {p.proc.log_path}"
+
+    def start_servers(self) -> list[LocalServer]:
+        """Start this node's servers without waiting (the trainer boots meanwhile)."""
+        return [self._spawn_server(s, 0) for s in self.layout.servers_on(self.node_rank)]
+
+    def wait_servers(self, started: list[LocalServer]) -> None:
+        for server in started:
+            self._wait_ready(server)
 
     def _wait_all_published(self) -> None:
         want = len(self.layout.servers)
@@ -214,12 +229,6 @@ class NodeRunner:
                 raise LaunchError(f"only servers {have} of {want} published their address in "
                                   f"{self.run_dir}/servers; check the other nodes' logs")
             time.sleep(0.25)
-
-    def _supervise_servers(self) -> None:
-        for spec in self.layout.servers_on(self.node_rank):
-            proc = self.servers.get(spec.index)
-            if proc is not None and not proc.alive():
-                self._restart_server(spec)
 
     # ------------------------------------------------------------------ trainer
     def start_trainer(self) -> None:
@@ -263,10 +272,6 @@ class NodeRunner:
         return process_failure("trainer (torchrun)", node_log, self.trainer.tail(80), describe_exit(code))
 
     # ------------------------------------------------------------------ main loop
-    def _check_signal(self) -> None:
-        if self._signal is not None:
-            raise KeyboardInterrupt(signal.Signals(self._signal).name)
-
     def _handle(self, signum: int, _frame: Any) -> None:
         self._signal = signum
 
@@ -369,10 +374,10 @@ class NodeRunner:
         """Trainer first (it may be mid-request), then servers; each as a whole process group."""
         if self.trainer is not None and self.trainer.alive():
             self.trainer.stop(timeout=15)
-        for idx, proc in list(self.servers.items()):
+        for idx, server in list(self.servers.items()):
             retract_server(self.run_dir, idx)
-            if proc.alive():
-                proc.stop(timeout=10)
+            if server.proc.alive():
+                server.proc.stop(timeout=10)
 
     def _died(self, proc: ManagedProcess, hint: str = "") -> LaunchError:
         return process_failure(f"inference server {proc.name}", proc.log_path, proc.tail(80),

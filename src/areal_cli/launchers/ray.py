@@ -46,7 +46,6 @@ from areal_cli.launchers.base import (
     ServerSpec,
     error_from_record,
     error_record,
-    publish_server,
     retract_server,
     write_json_atomic,
 )
@@ -59,6 +58,7 @@ from areal_cli.launchers.ray_placement import (
     placement_groups,
     trainer_rank_node,
 )
+from areal_cli.launchers.supervisor import ServerSupervisor
 from areal_cli.utils.procs import handling_stop_signals
 
 PLACEMENT_FILE = "ray_placement.json"
@@ -316,8 +316,9 @@ class _Proc:
     rank: int | None = None
 
 
-class RayJob:
-    """One run on the cluster: placement groups, actors, supervision, teardown."""
+class RayJob(ServerSupervisor):
+    """One run on the cluster: placement groups, actors, supervision, teardown. Server supervision is
+    :class:`~areal_cli.launchers.supervisor.ServerSupervisor`'s, shared with the per-node runner."""
 
     def __init__(
         self,
@@ -471,33 +472,6 @@ class RayJob:
         self.servers[spec.index] = p
         return p
 
-    def _wait_ready(self, p: _Proc) -> None:
-        from areal_cli.launchers.local import _server_hint
-        from areal_cli.utils.procs import describe_exit
-
-        deadline = time.time() + float(self.cfg.launcher.server_startup_timeout_s)
-        while time.time() < deadline:
-            self._check_signal()
-            self._check_ranks()
-            code = self.ray.get(p.actor.poll.remote(), timeout=60)
-            if code is not None:
-                from areal_cli.launchers.failures import process_failure
-
-                tail = self.ray.get(p.actor.tail.remote(80), timeout=60)
-                raise process_failure(f"inference server {p.name} on {self._node_label(p.where)}",
-                                      f"{self.run_dir}/logs/{p.name}.log", tail, describe_exit(code),
-                                      hint=_server_hint(tail))
-            if self.ray.get(p.actor.healthy.remote(p.address), timeout=60):
-                assert p.spec is not None
-                publish_server(self.run_dir, p.spec.index, p.address, p.epoch, p.pid, p.spec.backend)
-                return
-            time.sleep(0.25)
-        raise LaunchError(
-            f"{p.name} did not become ready within {self.cfg.launcher.server_startup_timeout_s:.0f}s "
-            f"(launcher.server_startup_timeout_s) on {self._node_label(p.where)}; see "
-            f"{self.run_dir}/logs/{p.name}.log"
-        )
-
     def _server_exit(self, p: _Proc) -> str | None:
         """Why the server is gone ('killed by SIGKILL', 'its Ray actor died'), or None while it serves."""
         from areal_cli.utils.procs import describe_exit
@@ -508,33 +482,43 @@ class RayJob:
             return "its Ray actor died"
         return None if code is None else describe_exit(code)
 
-    def _restart_server(self, p: _Proc, why: str) -> None:
-        assert p.spec is not None
-        retract_server(self.run_dir, p.spec.index)
-        self._kill(p)
-        limit = int(self.cfg.launcher.max_server_restarts)
-        if not self.cfg.launcher.restart_dead_servers or self.restarts >= limit:
-            raise LaunchError(
-                f"inference server {p.name} on {self._node_label(p.where)} died ({why}); restarts "
-                f"used: {self.restarts}/{limit} (launcher.max_server_restarts). Log "
-                f"{self.run_dir}/logs/{p.name}.log"
-            )
-        self.restarts += 1
-        print(
-            f"[areal] {p.name} on {self._node_label(p.where)} died ({why}); restarting "
-            f"({self.restarts}/{limit}) as a new Ray actor. Log: {self.run_dir}/logs/{p.name}.log",
-            file=sys.stderr,
-            flush=True,
-        )
-        new = self._spawn_server(p.spec, p.epoch + 1)
-        self._wait_ready(new)
-        self._record()
+    def _server_healthy(self, p: _Proc) -> bool:
+        return bool(self.ray.get(p.actor.healthy.remote(p.address), timeout=60))
 
-    def _supervise_servers(self) -> None:
-        for p in list(self.servers.values()):
-            why = self._server_exit(p)
-            if why is not None:
-                self._restart_server(p, why)
+    def _stop_server(self, p: _Proc) -> None:
+        self._kill(p)
+
+    def _check_workers(self) -> bool:
+        return self._check_ranks()
+
+    def _server_failed(self, p: _Proc, why: str) -> LaunchError:
+        from areal_cli.launchers.failures import process_failure
+        from areal_cli.launchers.local import _server_hint
+
+        tail = self.ray.get(p.actor.tail.remote(80), timeout=60)
+        return process_failure(f"inference server {p.name} on {self._node_label(p.where)}",
+                               f"{self.run_dir}/logs/{p.name}.log", tail, why, hint=_server_hint(tail))
+
+    def _server_not_ready(self, p: _Proc) -> LaunchError:
+        return LaunchError(
+            f"{p.name} did not become ready within {self.cfg.launcher.server_startup_timeout_s:.0f}s "
+            f"(launcher.server_startup_timeout_s) on {self._node_label(p.where)}; see "
+            f"{self.run_dir}/logs/{p.name}.log"
+        )
+
+    def _out_of_restarts(self, p: _Proc, why: str, limit: int) -> LaunchError:
+        return LaunchError(
+            f"inference server {p.name} on {self._node_label(p.where)} died ({why}); restarts "
+            f"used: {self.restarts}/{limit} (launcher.max_server_restarts). Log "
+            f"{self.run_dir}/logs/{p.name}.log"
+        )
+
+    def _restart_line(self, p: _Proc, why: str, limit: int) -> str:
+        return (f"[areal] {p.name} on {self._node_label(p.where)} died ({why}); restarting "
+                f"({self.restarts}/{limit}) as a new Ray actor. Log: {self.run_dir}/logs/{p.name}.log")
+
+    def _after_restart(self) -> None:
+        self._record()
 
     # ------------------------------------------------------------------ trainer
     def _start_trainer(self) -> None:
@@ -626,10 +610,6 @@ class RayJob:
         return done == len(self.ranks)
 
     # ------------------------------------------------------------------ run
-    def _check_signal(self) -> None:
-        if self._signal is not None:
-            raise KeyboardInterrupt(signal.Signals(self._signal).name)
-
     def _handle(self, signum: int, _frame: Any) -> None:
         self._signal = signum
         raise KeyboardInterrupt(signal.Signals(signum).name)
