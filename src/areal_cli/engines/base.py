@@ -36,6 +36,7 @@ from areal_cli.engines import lora as lora_mod
 from areal_cli.engines import packing, sampling_mask
 from areal_cli.errors import ConfigError, WeightSyncError
 from areal_cli.utils import collectives, host_memory
+from areal_cli.weight_sync.outbox import Outbox
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -70,9 +71,7 @@ class EngineBase(TrainEngine):
         self.step = 0
         self._version = 0
         self._meshes = None
-        self._senders: dict[str, Any] = {}
-        self._runner = None
-        self._last_sender = None
+        self._outbox = Outbox()  # the weight-sync senders of this engine (weight_sync/outbox.py)
         self.model_path = ""
         self.pad_token_id = 0
         self.generation_config = None
@@ -357,55 +356,28 @@ class EngineBase(TrainEngine):
         self._sync_weights(meta, engines, loop)
 
     def _sync_weights(self, meta: WeightUpdateMeta, engines: list, loop=None) -> None:
-        from areal_cli.utils.concurrency import LoopRunner
-        from areal_cli.weight_sync.senders import DiskSender, DistributedSender
-
         version = meta.version
         n_servers = sum(len(c.addresses) for c in engines) or len(engines)
         meta = dataclasses.replace(meta, version=version, world_size=meta.world_size or 1 + n_servers)
-        is_src = dist.get_rank() == 0
-        if is_src and self._runner is None:
-            self._runner = LoopRunner(loop)
-        err: WeightSyncError | None = None
-        if self.peft_config is not None:  # the servers keep the base: only the adapter moves
-            from areal_cli.weight_sync.lora import AdapterSender
-
-            sender = self._senders.setdefault("lora", AdapterSender(self._runner))
-            err = sender.send(meta, engines, self.adapter_tensors(), self.peft_config, is_src=is_src)
-        elif meta.type == "disk":
-            sender = self._senders.setdefault("disk", DiskSender(self._runner))
-            err = sender.send(meta, engines, self._named_full_tensors(), is_src=is_src, write_dir=self._write_hf)
-        elif meta.type == "distributed":
-            # NCCL broadcasts from the GPU; gloo from host memory.
-            on_gpu = meta.backend == "nccl" and self.device.type == "cuda"
-            sender = self._senders.setdefault("distributed", DistributedSender(self._runner))
-            sender.device = str(self.device) if on_gpu else "cpu"
-            err = sender.send(meta, engines, self._named_full_tensors(to_cpu=not on_gpu), is_src=is_src)
-        else:
-            raise ConfigError("weight_sync.type", f"unknown type {meta.type!r}", "use disk or distributed")
-        self._last_sender = sender
-        host_memory.release()
-        msg = [str(err) if err is not None else None]
-        if dist.get_world_size() > 1:
-            collectives.broadcast_object_list(msg, src=0)
-        if msg[0] is not None:
-            raise err if err is not None else WeightSyncError(msg[0])
+        adapter = (self.adapter_tensors, self.peft_config) if self.peft_config is not None else None
+        self._outbox.send(meta, engines, loop=loop, write_dir=self._write_hf, adapter=adapter, device=self.device,
+                          full=lambda to_cpu: self._named_full_tensors(to_cpu=to_cpu))
         self._version = version
         for c in engines:
             c.set_version(version)
 
     @property
+    def _senders(self) -> dict[str, Any]:
+        """The senders by kind (``benchmarks/weight_sync.py`` installs its baseline sender here)."""
+        return self._outbox.senders
+
+    @property
     def last_sync_seconds(self) -> dict[str, float]:
         """Phase timings of the last weight sync on rank 0 (for benchmarks and logs)."""
-        return dict(self._last_sender.last_seconds) if self._last_sender is not None else {}
+        return self._outbox.last_seconds
 
     def destroy(self) -> None:
-        for s in self._senders.values():
-            s.close()
-        self._senders.clear()
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        self._outbox.close()
 
 
 def _causal_lm_class(cfg) -> str:
