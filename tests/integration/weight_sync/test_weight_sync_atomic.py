@@ -100,7 +100,8 @@ def _greedy(server, p, n=16) -> list[int]:
 
 
 def test_generation_in_flight_switches_at_one_boundary(server, models, prompt, sync):
-    """One-bucket push while a 200-token generation runs: one request, no pause/continue calls; the
+    """One-bucket push while a 400-token generation runs (400, so that a loaded machine still
+    pushes before it ends): one request, no pause/continue calls; the
     generation is aborted at the switch and resumed on the new weights; versions and logprobs show
     exactly one switch point."""
     sender, client, _ = sync
@@ -122,7 +123,7 @@ def test_generation_in_flight_switches_at_one_boundary(server, models, prompt, s
     t.start()
     eng = RemoteInferenceEngine([server.address], "hf", timeout_s=120, backoff_s=0.05)
     resp = asyncio.run(eng.agenerate(ModelRequest(input_ids=prompt, gconfig=GenerationConfig(
-        temperature=temp, max_new_tokens=200, min_new_tokens=200))))
+        temperature=temp, max_new_tokens=400, min_new_tokens=400))))
     t.join()
     assert errors == [None]
     assert client.calls == ["update:continue_generation,flattened_bucket,pause_generation"]
@@ -130,7 +131,7 @@ def test_generation_in_flight_switches_at_one_boundary(server, models, prompt, s
     assert last["atomic"] == 1.0 and last["buckets"] == 1.0
     assert resp.stop_reason == "length" and resp.n_resumes >= 1
     k = resp.output_versions.index(2)
-    assert 0 < k < 200 and resp.output_versions == [1] * k + [2] * (200 - k)
+    assert 0 < k < 400 and resp.output_versions == [1] * k + [2] * (400 - k)
     lp_a = teacher_forced_logprobs(models[0], prompt, resp.output_tokens, temperature=temp)
     lp_b = teacher_forced_logprobs(models[1], prompt, resp.output_tokens, temperature=temp)
     assert max(abs(a - b) for a, b in zip(resp.output_logprobs, lp_a[:k] + lp_b[k:])) < 1e-4
