@@ -1,6 +1,6 @@
 """Workflow registry: built-in names, plugins, and user workflows by dotted import path.
 
-``workflow.name=rlvr`` / ``multi_turn`` / ``agent`` select the built-ins; a plugin module (named in
+``workflow.name=rlvr`` / ``multi_turn`` / ``agent`` / ``online`` select the built-ins; a plugin module (named in
 ``plugins=[...]``) adds its own with ``@register_workflow("name")``; anything containing a dot is
 imported: ``my_pkg.module.MyWorkflow`` or ``my_pkg.module:MyWorkflow`` (a RolloutWorkflow subclass,
 or a factory callable returning an instance). The trainer builds a workflow from the config with
@@ -36,6 +36,7 @@ WORKFLOWS: Registry = Registry("workflow", "workflow.name", check=_check_workflo
 WORKFLOWS.declare("rlvr", "areal_cli.rollout.workflows.rlvr:RLVRWorkflow")
 WORKFLOWS.declare("multi_turn", "areal_cli.rollout.workflows.multi_turn:MultiTurnWorkflow")
 WORKFLOWS.declare("agent", "areal_cli.rollout.workflows.agent:AgentWorkflow")
+WORKFLOWS.declare("online", "areal_cli.rollout.workflows.online:OnlineAgentWorkflow")
 
 
 def register_workflow(name: str, target: Any = None) -> Any:
