@@ -39,10 +39,10 @@ def read_gateway(args: argparse.Namespace) -> tuple[str, str]:
     url = args.url or os.environ.get("AREAL_GATEWAY_URL")
     if url:
         return url.rstrip("/"), os.environ.get("AREAL_GATEWAY_KEY", "")
-    deadline = time.monotonic() + args.give_up_s
+    deadline = time.monotonic() + args.wait_s
     while not os.path.exists(args.gateway_file):  # the trainer writes it when its rollout starts
         if time.monotonic() > deadline:
-            sys.exit(f"no gateway file at {args.gateway_file} after {args.give_up_s:.0f}s")
+            sys.exit(f"no gateway file at {args.gateway_file} after {args.wait_s:.0f}s")
         time.sleep(0.5)
     with open(args.gateway_file) as f:
         g = json.load(f)
@@ -86,12 +86,12 @@ class Service:
             wait = min(wait * 2, 2.0)
 
     def run_agent(self, s: dict, rng: random.Random) -> float:
-        task = s.get("task") or {}
-        if not (task.get("question") or task.get("prompt")):
+        task = s.get("task") or {}  # the trainer's dataset item: its chat (system prompt included)
+        if not (task.get("messages") or task.get("question")):
             task = own_task(rng)
-        gold = final_number(str(task.get("ground_truth") or task.get("answer", "")).split("####")[-1])
+        gold = final_number(str(task.get("answer", "")).split("####")[-1])
         client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
-        messages = [{"role": "user", "content": task.get("question") or task.get("prompt")}]
+        messages = list(task.get("messages") or [{"role": "user", "content": task["question"]}])
         reward = 0.0
         for turn in range(self.args.turns):
             r = client.chat.completions.create(model="policy", messages=messages,
@@ -108,9 +108,15 @@ class Service:
         if s is None:
             return False
         session_key = {"Authorization": f"Bearer {s['api_key']}"}
-        reward = self.run_agent(s, rng)
-        self.http.post("/rl/set_reward", json={"reward": reward}, headers=session_key).raise_for_status()
-        self.http.post("/rl/end_session", headers=session_key).raise_for_status()
+        try:
+            reward = self.run_agent(s, rng)
+            self.http.post("/rl/set_reward", json={"reward": reward}, headers=session_key).raise_for_status()
+            self.http.post("/rl/end_session", headers=session_key).raise_for_status()
+        except (httpx.HTTPError, openai.APIError) as e:
+            # The gateway went away (the run ended) or dropped the session (idle too long): the trainer
+            # keeps nothing of it, so there is nothing to clean up; go on with the next one.
+            print(f"session {s['session_id']} lost: {type(e).__name__}: {e}", flush=True)
+            return True
         with self.lock:
             self.done += 1
             self.rewards.append(reward)
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="agents running at once")
     p.add_argument("--turns", type=int, default=2, help="answers per session (retries after 'wrong')")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
+    p.add_argument("--wait-s", type=float, default=900.0, help="how long to wait for the gateway file")
     p.add_argument("--give-up-s", type=float, default=60.0, help="exit once the gateway is gone this long")
     args = p.parse_args(argv)
     url, key = read_gateway(args)

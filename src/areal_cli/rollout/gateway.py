@@ -124,7 +124,7 @@ class OnlineGateway(AgentProxy):
         with self._lock:
             s.ended = True
             ticket = self._held.pop(s.id, None)
-            if self.turn_discount is not None:
+            if self.turn_discount is not None and self.export_style == "per_call":  # per_leaf: per token
                 s.client.apply_reward_discount(float(self.turn_discount))
             rows = s.client.export_interactions(self.export_style)
             calls = sum(len(it.output_message.get("tool_calls") or []) for it in s.client.cache)
