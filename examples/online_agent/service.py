@@ -68,6 +68,20 @@ class Service:
         self.claimed = 0  # sessions the workers have taken on (for --sessions)
         self.rewards: list[float] = []
 
+    def follow_gateway(self) -> None:
+        """A resumed run serves a new gateway (another port and key): follow its gateway file."""
+        if self.args.url or os.environ.get("AREAL_GATEWAY_URL"):
+            return
+        try:
+            with open(self.args.gateway_file) as f:
+                g = json.load(f)
+        except (OSError, ValueError):
+            return
+        if g["url"] != self.url:
+            self.url = g["url"]
+            key = {"Authorization": f"Bearer {g['service_key']}"}
+            self.http = httpx.Client(base_url=self.url, headers=key, timeout=600)
+
     def open_session(self) -> dict | None:
         """A session, or None once the gateway has been unreachable for ``--give-up-s``."""
         wait, gone_since = 0.1, None
@@ -82,6 +96,7 @@ class Service:
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > self.args.give_up_s:
                     return None
+                self.follow_gateway()
             time.sleep(wait)  # no capacity (or no gateway) yet: the trainer has to consume first
             wait = min(wait * 2, 2.0)
 

@@ -18,15 +18,16 @@ of the version it was admitted at. So
 
 | endpoint | key | what |
 |---|---|---|
-| ``POST /rl/start_session`` ``{task_id?}`` | service | 429 without capacity; else ``{session_id, api_key, base_url, task}`` |
-| ``GET /rl/gateway`` | service | capacity (open tickets), open sessions and the counters below |
+| ``POST /rl/start_session`` ``{task_id?}`` | service | 429 without capacity; else a session (below) |
+| ``GET /rl/gateway`` | service | capacity (open tickets), open sessions and the ``online/*`` counters |
 | ``POST /v1/chat/completions``, ``GET /v1/models`` | session | as in :mod:`areal_cli.rollout.proxy` |
 | ``POST /rl/set_reward`` ``{interaction_id?, reward}`` | session | no id: the last call |
 | ``POST /rl/end_session`` | session | the session goes to training; ``{session_id, interaction_count}`` |
 
-``grant_capacity`` and ``export`` are the trainer's here: the service calling them would bypass the
-gate or take a session from training, so they answer 403. ``task`` is the trainer's dataset item the
-ticket was granted for: a service that brings its own tasks ignores it.
+A session is ``{session_id, api_key, base_url, task}``: any OpenAI client on ``base_url`` with
+``api_key``; ``task`` is the trainer's dataset item the ticket was granted for (a service that brings
+its own tasks ignores it). ``grant_capacity`` and ``export`` are the trainer's here: the service
+calling them would bypass the gate or take a session from training, so they answer 403.
 """
 
 from __future__ import annotations

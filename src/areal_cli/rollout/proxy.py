@@ -21,7 +21,9 @@ the server's message, never a 500, and the session and its connection stay usabl
 without effect on generation is a 400 naming it (``openai_client.NO_EFFECT_FIELDS``). A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
 endpoint, is 403. A key only ever reaches its own session (the key *is* the session's identity).
 Sessions idle for longer than ``session_timeout_s`` are collected (on every request and by
-:meth:`AgentProxy.collect_idle`); collecting one returns its capacity unit to nobody (it was used).
+:meth:`AgentProxy.collect_idle`), never while a call of theirs is generating; collecting one returns
+its capacity unit to nobody (it was used). The online gateway (``rollout/gateway.py``) is this proxy
+with the trainer's staleness gate granting the sessions and every ended session exported to training.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from hf_server_helpers import start_hf_server
 
 from areal_cli.api.io_struct import WeightUpdateMeta
@@ -119,7 +118,8 @@ def _rows(batch) -> list[tuple[list[str], list[int], float]]:
 def _push(ex, engine, version: int, path: str) -> None:
     ex.pause()
     ex.run_coroutine(engine.pause_generation())
-    ex.run_coroutine(engine.update_weights_from_disk(WeightUpdateMeta(type="disk", version=version, path=path)))
+    meta = WeightUpdateMeta(type="disk", version=version, path=path)
+    ex.run_coroutine(engine.update_weights_from_disk(meta))
     ex.run_coroutine(engine.continue_generation())
     ex.set_version(version)
     ex.resume()
@@ -144,7 +144,8 @@ def test_sessions_train_with_recorded_versions_once_and_capacity_is_gated(server
         assert over.status_code == 429 and "no capacity" in over.json()["error"]["message"]
         # the service cannot grant itself capacity nor take a session from training
         assert svc.http.post("/rl/grant_capacity", json={"n": 5}).status_code == 403
-        assert svc.http.post("/rl/export", json={"session_id": first[0].json()["session_id"]}).status_code == 403
+        taken = first[0].json()["session_id"]
+        assert svc.http.post("/rl/export", json={"session_id": taken}).status_code == 403
         before = {}
         for n, r in enumerate(first):
             ids = svc.run(r.json(), reward=float(n))
@@ -214,7 +215,8 @@ def test_a_service_that_disappears_leaves_no_half_row(server, tok, tmp_path, cap
         #    connection is gone, so the gateway sees the hang-up when the call returns
         hung = svc.open().json()
         ex.run_coroutine(engine.pause_generation())
-        body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 4})
         host, port = srv.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
@@ -231,7 +233,7 @@ def test_a_service_that_disappears_leaves_no_half_row(server, tok, tmp_path, cap
 
         assert batch.meta["interaction_ids"] == [[good]]  # one episode of one row: the ended session
         stats = ex.get_stats()
-        assert stats["rollout/rejected"] == 2 and stats["rollout/accepted"] == 1 and stats["rollout/ready"] == 0
+        assert (stats["rollout/rejected"], stats["rollout/accepted"], stats["rollout/ready"]) == (2, 1, 0)
         with pytest.raises(TimeoutError):  # nothing else, whole or half, is waiting to be trained
             ex.wait(1, timeout=1.0)
         msgs = [r.getMessage() for r in caplog.records]

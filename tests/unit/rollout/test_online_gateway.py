@@ -12,7 +12,6 @@ import openai
 import pytest
 from rollout_fakes import FakeEngine
 
-from areal_cli.api.io_struct import WeightUpdateMeta
 from areal_cli.errors import ConfigError
 from areal_cli.rollout import RolloutExecutor
 from areal_cli.rollout.workflows.online import OnlineAgentWorkflow
@@ -29,7 +28,8 @@ def online(tiny_model_dir, tmp_path):
                              gateway_file=str(tmp_path / "gateway.json"), session_timeout_s=2.0)
     ex = RolloutExecutor(engine, wf, batch_size=1, max_concurrent=8, max_head_offpolicyness=1, pad_token_id=0)
     srv = wf.start(engine)
-    http = httpx.Client(base_url=f"http://{srv.address}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    http = httpx.Client(base_url=f"http://{srv.address}", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=30)
     yield engine, wf, ex, http
     ex.destroy()
     wf.close()
@@ -100,7 +100,8 @@ def test_an_empty_session_trains_nothing_and_frees_its_capacity(online):
     ex.submit({"prompt": "q", "answer": "1"})
     _wait_for(lambda: wf.gateway.counters()["online/capacity"] == 1, "a grant")
     s = http.post("/rl/start_session", json={}).json()
-    assert http.post("/rl/end_session", headers={"Authorization": f"Bearer {s['api_key']}"}).status_code == 200
+    hdr = {"Authorization": f"Bearer {s['api_key']}"}
+    assert http.post("/rl/end_session", headers=hdr).status_code == 200
     _wait_for(lambda: ex.get_stats()["rollout/rejected"] == 1, "the empty episode")
     assert wf.rollout_stats()["online/empty"] == 1
 
@@ -112,3 +113,13 @@ def test_config_errors_name_the_key(tiny_model_dir):
         OnlineAgentWorkflow(tiny_model_dir, session_timeout_s=0)
     with pytest.raises(ConfigError, match="workflow.kwargs.export_style"):
         OnlineAgentWorkflow(tiny_model_dir, export_style="rows")
+
+
+def test_validation_refuses_a_group_before_anything_starts():
+    from areal_cli.cli.common import compose_and_validate
+
+    with pytest.raises(ConfigError, match="rollout.group_size") as e:
+        compose_and_validate(["workflow=online", "algo=reinforce_pp"])  # the default group_size is 8
+    assert e.value.path == "rollout.group_size" and "algo=reinforce_pp" in e.value.hint
+    cfg, _ = compose_and_validate(["workflow=online", "algo=reinforce_pp", "rollout.group_size=1"])
+    assert cfg.workflow.name == "online"

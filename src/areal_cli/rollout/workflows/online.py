@@ -22,6 +22,7 @@ from typing import Any
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
 from areal_cli.rollout.interaction_cache import rows_to_tensors
+from areal_cli.rollout.workflows import check_online_group_size
 from areal_cli.rollout.workflows.common import load_tokenizer, next_group_id, pad_token_id
 
 KEY_ENV = "AREAL_GATEWAY_KEY"
@@ -34,21 +35,16 @@ class OnlineAgentWorkflow(RolloutWorkflow):
                  turn_discount: float | None = None, tool_call_parser: str = "hermes",
                  prompt_mode: str = "continue", default_max_tokens: int = 512,
                  max_total_tokens: int | None = None):
-        if group_size != 1:
-            raise ConfigError("rollout.group_size", f"workflow=online trains each session on its own, "
-                              f"got group_size={group_size}: the service, not the trainer, chooses what a "
-                              "session is about, so there is no group of samples of one prompt",
-                              "set rollout.group_size=1 with an estimator without a group baseline "
-                              "(algo=reinforce_pp, or algo.mean_level=batch algo.std_level=batch)")
+        check_online_group_size(group_size)
         if export_style not in ("per_call", "per_leaf"):
             raise ConfigError("workflow.kwargs.export_style", f"must be 'per_call' or 'per_leaf', got "
                               f"{export_style!r}", "set workflow.kwargs.export_style=per_leaf")
         if isinstance(session_timeout_s, bool) or not isinstance(session_timeout_s, (int, float)) \
                 or session_timeout_s <= 0:
-            raise ConfigError("workflow.kwargs.session_timeout_s", f"must be a positive number of seconds, got "
-                              f"{session_timeout_s!r}", "set workflow.kwargs.session_timeout_s=600")
+            raise ConfigError("workflow.kwargs.session_timeout_s", "must be a positive number of seconds, "
+                              f"got {session_timeout_s!r}", "set workflow.kwargs.session_timeout_s=600")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ConfigError("workflow.kwargs.port", f"must be a port number (0: any free one), got {port!r}",
+            raise ConfigError("workflow.kwargs.port", f"must be a port (0: any free one), got {port!r}",
                               "set workflow.kwargs.port=0")
         self.tokenizer = load_tokenizer(tokenizer)
         self.host, self.port = str(host), int(port)
