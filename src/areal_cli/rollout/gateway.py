@@ -95,12 +95,6 @@ class OnlineGateway(AgentProxy):
             self._tickets.append(t)
         return t.future
 
-    @property
-    def open_tickets(self) -> int:
-        with self._lock:
-            self._prune()
-            return len(self._tickets)
-
     def counters(self) -> dict[str, float]:
         with self._lock:
             s = self.stats
@@ -121,8 +115,10 @@ class OnlineGateway(AgentProxy):
                 pass
 
     # ------------------------------------------------------------------ session ends
-    def _on_end(self, s: _Session) -> dict[str, Any]:
+    def _on_end(self, s: _Session) -> dict[str, Any] | None:
         with self._lock:
+            if s.id not in self._sessions:  # the collector dropped it a moment ago: abandoned, not ended
+                return None
             s.ended = True
             ticket = self._held.pop(s.id, None)
             if self.turn_discount is not None and self.export_style == "per_call":  # per_leaf: per token

@@ -88,9 +88,9 @@ class AgentProxy:
     def _on_collected(self, s: _Session, why: str) -> None:
         """A session dropped unended, for ``why`` (the online gateway releases what it was granted)."""
 
-    def _on_end(self, s: _Session) -> dict[str, Any]:
+    def _on_end(self, s: _Session) -> dict[str, Any] | None:
         """``/rl/end_session``: no more calls; the rows wait for ``/rl/export`` (the gateway exports
-        them at once)."""
+        them at once). None: the session was dropped meanwhile."""
         s.ended = True
         self._end_route(s)
         return {"session_id": s.id, "interaction_count": len(s.client.cache)}
@@ -301,7 +301,10 @@ class AgentProxy:
             s = session(request, live=True)
             if isinstance(s, JSONResponse):
                 return s
-            return self._on_end(s)
+            out = self._on_end(s)
+            if out is None:  # collected by another thread since the key was checked
+                return err(401, f"session {s.id} was dropped before it ended (idle past session_timeout_s)")
+            return out
 
     def _abandon(self, s: _Session, why: str) -> None:
         """Drop ``s`` whole, unended (see :meth:`_on_collected`)."""

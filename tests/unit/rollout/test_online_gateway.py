@@ -25,7 +25,7 @@ def online(tiny_model_dir, tmp_path):
 
     engine = FakeEngine(token_delay=0)
     wf = OnlineAgentWorkflow(AutoTokenizer.from_pretrained(tiny_model_dir), service_key=KEY,
-                             gateway_file=str(tmp_path / "gateway.json"), session_timeout_s=2.0)
+                             gateway_file=str(tmp_path / "gateway.json"), session_timeout_s=3.0)
     ex = RolloutExecutor(engine, wf, batch_size=1, max_concurrent=8, max_head_offpolicyness=1, pad_token_id=0)
     srv = wf.start(engine)
     http = httpx.Client(base_url=f"http://{srv.address}", headers={"Authorization": f"Bearer {KEY}"},
