@@ -76,7 +76,7 @@ def _check_scalars(cfg: ExperimentConfig) -> None:
             raise ConfigError(path, f"unknown value '{v}'",
                               f"{did_you_mean(str(v), choices)}choose one of: {', '.join(choices)}")
     # Names come from the registries (built-ins and plugins); an import path resolves at run time.
-    check_workflow_config(cfg.workflow.name, cfg.workflow.kwargs)
+    check_workflow_config(cfg.workflow.name, cfg.workflow.kwargs, cfg.rollout.group_size)
     check_reward_name(cfg.workflow.reward)
     m = cfg.model
     if m.num_attention_heads % m.num_key_value_heads:

@@ -21,7 +21,9 @@ the server's message, never a 500, and the session and its connection stay usabl
 without effect on generation is a 400 naming it (``openai_client.NO_EFFECT_FIELDS``). A missing or unknown key is 401; an admin key on a session endpoint, or a session key on an admin
 endpoint, is 403. A key only ever reaches its own session (the key *is* the session's identity).
 Sessions idle for longer than ``session_timeout_s`` are collected (on every request and by
-:meth:`AgentProxy.collect_idle`); collecting one returns its capacity unit to nobody (it was used).
+:meth:`AgentProxy.collect_idle`), never while a call of theirs is generating; collecting one returns
+its capacity unit to nobody (it was used). The online gateway (``rollout/gateway.py``) is this proxy
+with the trainer's staleness gate granting the sessions and every ended session exported to training.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class _Session:
     client: ArealOpenAI
     last_used: float = field(default_factory=time.monotonic)
     ended: bool = False
+    busy: int = 0  # calls in flight: a session is never collected while it generates
 
 
 class AgentProxy:
@@ -65,19 +68,37 @@ class AgentProxy:
         self._sessions: dict[str, _Session] = {}  # by session id
         self._by_key: dict[str, str] = {}
         self._count = 0
+        # The routes run on the server's loop; an online gateway also collects idle sessions and takes
+        # grants from other threads, so every change to the sessions happens under this lock.
+        self._lock = threading.RLock()
+        self.drop_on_disconnect = False  # the online gateway drops a session whose agent hung up mid-call
 
     # ------------------------------------------------------------------ state
     def collect_idle(self) -> list[str]:
-        now = time.monotonic()
-        gone = [s for s in self._sessions.values() if now - s.last_used > self.session_timeout_s]
-        for s in gone:
-            self._drop(s)
-        self.collected += len(gone)
+        with self._lock:
+            now = time.monotonic()
+            gone = [s for s in self._sessions.values()
+                    if not s.busy and now - s.last_used > self.session_timeout_s]
+            for s in gone:
+                self._drop(s)
+                self._on_collected(s, f"no request for {self.session_timeout_s:g}s (session_timeout_s)")
+            self.collected += len(gone)
         return [s.id for s in gone]
 
+    def _on_collected(self, s: _Session, why: str) -> None:
+        """A session dropped unended, for ``why`` (the online gateway releases what it was granted)."""
+
+    def _on_end(self, s: _Session) -> dict[str, Any] | None:
+        """``/rl/end_session``: no more calls; the rows wait for ``/rl/export`` (the gateway exports
+        them at once). None: the session was dropped meanwhile."""
+        s.ended = True
+        self._end_route(s)
+        return {"session_id": s.id, "interaction_count": len(s.client.cache)}
+
     def _drop(self, s: _Session) -> None:
-        self._sessions.pop(s.id, None)
-        self._by_key.pop(s.key, None)
+        with self._lock:
+            self._sessions.pop(s.id, None)
+            self._by_key.pop(s.key, None)
         self._end_route(s)
 
     def _end_route(self, s: _Session) -> None:
@@ -120,11 +141,11 @@ class AgentProxy:
             key = key_of(request)
             if is_admin(key):
                 return err(403, "the admin key has no session; use the key start_session returned")
-            sid = self._by_key.get(key or "")
-            if sid is None:
+            with self._lock:
+                s = self._sessions.get(self._by_key.get(key or "", ""))
+            if s is None:
                 return err(401, "missing or unknown session key (it may have ended and been exported, or "
                                 "been collected after idling)")
-            s = self._sessions[sid]
             if live and s.ended:
                 return err(410, f"session {s.id} has ended")
             s.last_used = time.monotonic()
@@ -238,8 +259,17 @@ class AgentProxy:
                 raise BadRequest("extra_body is not a request field; send its keys at the top level")
             extra = {k: b.pop(k) for k in ("chat_template_kwargs",) if k in b}
             b.pop("return_token_ids", None)  # the in-process client always adds the token fields
-            out = await s.client.chat.completions.create(**b, extra_body=extra or None)
-            s.last_used = time.monotonic()
+            s.busy += 1
+            try:
+                out = await s.client.chat.completions.create(**b, extra_body=extra or None)
+            finally:
+                s.busy -= 1
+                s.last_used = time.monotonic()
+            if self.drop_on_disconnect and await request.is_disconnected():
+                # The agent never got this answer, so the recorded conversation is not the one it goes
+                # on with: the whole session is dropped (the gateway's "abandoned"), none of it trained.
+                self._abandon(s, "the agent disconnected during a call")
+                return err(499, f"session {s.id} dropped: the client disconnected during the call")
             if not b.get("stream"):
                 return JSONResponse(out.model_dump(exclude_none=True))
 
@@ -271,10 +301,18 @@ class AgentProxy:
             s = session(request, live=True)
             if isinstance(s, JSONResponse):
                 return s
-            s.ended = True
-            self._end_route(s)
-            return {"session_id": s.id, "interaction_count": len(s.client.cache)}
+            out = self._on_end(s)
+            if out is None:  # collected by another thread since the key was checked
+                return err(401, f"session {s.id} was dropped before it ended (idle past session_timeout_s)")
+            return out
 
+    def _abandon(self, s: _Session, why: str) -> None:
+        """Drop ``s`` whole, unended (see :meth:`_on_collected`)."""
+        with self._lock:
+            if s.id not in self._sessions:
+                return
+            self._drop(s)
+            self._on_collected(s, why)
 
 
 @dataclass

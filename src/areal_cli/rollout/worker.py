@@ -105,6 +105,9 @@ class RolloutService:
         take = getattr(self.reward, "take_stats", None)
         if take is not None:
             stats.update(take())
+        own = getattr(self.episodes.inner, "rollout_stats", None)  # the online gateway's counters
+        if own is not None:
+            stats.update(own())
         return {"data": canonical_order(traj.data, pos), "stats": stats}
 
     def pause(self) -> None:
@@ -135,9 +138,10 @@ class RolloutService:
         """Cancel running episodes and stop the executor (the client's sessions close with its loop),
         then the reward's worker pool, if it has one."""
         self.executor.destroy()
-        close = getattr(self.reward, "close", None)
-        if close is not None:
-            close()
+        for part in (self.episodes.inner, self.reward):  # a served proxy or gateway; a reward pool
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
 
 # ---------------------------------------------------------------------- the process form

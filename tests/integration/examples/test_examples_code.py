@@ -8,7 +8,9 @@ code ran, in numbers the built-in parts cannot produce:
 - custom_reward: a negative mean reward (its length cost);
 - custom_workflow: a negative mean reward (its verdict term) and two generated turns per row;
 - the agent examples (the real Agents SDK, and LangChain in processes of its own behind the real proxy):
-  episodes that called the calculator tool.
+  episodes that called the calculator tool;
+- online_agent: its service.py, a process of its own started beside `areal train`, ended every session
+  the run trained (the gateway's counters), and none was dropped.
 
 The agents run on a tiny model fine-tuned to call the calculator (tests/support/example_tool_model.py),
 because the random one never writes a tool call. The wall time of each run is printed (`-s`).
@@ -127,3 +129,28 @@ def test_langchain_proxy(tmp_path, calculator_model):
     rates = [r["agent/tool_call_rate"] for r in train]
     print(f"[langchain_proxy] tool-call rate per step {rates}, reward {[r['reward/mean'] for r in train]}")
     assert max(rates) > 0, train  # LangChain's processes called the tool through the proxy
+
+
+def test_online_agent(tmp_path, tiny_model_dir):
+    """The trainer and the example's service as two processes, as the README runs them: the service finds
+    the gateway through the run dir and ends sessions until the run is over."""
+    gateway = tmp_path / "fileroot" / "runs" / "smoke" / "t0" / "gateway.json"
+    svc = subprocess.Popen([sys.executable, str(EXAMPLES / "online_agent" / "service.py"), "--gateway-file",
+                            str(gateway), "--workers", "2", "--max-tokens", "8", "--give-up-s", "5"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        records = train_example(tmp_path, "online_agent", tiny_model_dir, **{
+            "rollout.group_size": 1, "workflow.kwargs.default_max_tokens": 16,
+            "workflow.kwargs.max_total_tokens": 400})
+        out, _ = svc.communicate(timeout=120)  # it stops once the gateway has been gone for 5 s
+    finally:
+        if svc.poll() is None:
+            svc.kill()
+    assert svc.returncode == 0, out[-3000:]
+    train = _train(records)
+    ended = [r["online/ended"] for r in train]
+    print(f"[online_agent] sessions ended by step {ended}; service: {out.strip().splitlines()[-1]}")
+    # 2 sessions trained per step, every one of them ended by the service, none abandoned
+    assert ended[-1] >= 4 and all(r["online/abandoned"] == 0 for r in train), train
+    assert int(out.strip().splitlines()[-1].split()[0]) >= ended[-1], out[-3000:]
+    assert not gateway.exists()  # removed when the run's gateway stopped

@@ -38,6 +38,7 @@ EXPECTED = {
                         "workflow.kwargs.command": "python -m lc_agent"},
     "custom_workflow": {"plugins": ["self_verify"], "workflow.name": "self_verify"},
     "custom_reward": {"plugins": ["my_reward"], "workflow.name": "rlvr", "workflow.reward": "concise_math"},
+    "online_agent": {"plugins": [], "workflow.name": "online", "rollout.group_size": 1},
 }
 
 

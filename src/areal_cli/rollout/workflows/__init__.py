@@ -1,8 +1,8 @@
 """Workflow registry: built-in names, plugins, and user workflows by dotted import path.
 
-``workflow.name=rlvr`` / ``multi_turn`` / ``agent`` select the built-ins; a plugin module (named in
-``plugins=[...]``) adds its own with ``@register_workflow("name")``; anything containing a dot is
-imported: ``my_pkg.module.MyWorkflow`` or ``my_pkg.module:MyWorkflow`` (a RolloutWorkflow subclass,
+``workflow.name=rlvr`` / ``multi_turn`` / ``agent`` / ``online`` select the built-ins; a plugin module
+(named in ``plugins=[...]``) adds its own with ``@register_workflow("name")``; anything containing a dot
+is imported: ``my_pkg.module.MyWorkflow`` or ``my_pkg.module:MyWorkflow`` (a RolloutWorkflow subclass,
 or a factory callable returning an instance). The trainer builds a workflow from the config with
 ``trainer/build.py:build_workflow`` (the one place that wires reward, generation config and
 constructor arguments); :func:`build_workflow` here is the constructor call it ends in.
@@ -36,6 +36,7 @@ WORKFLOWS: Registry = Registry("workflow", "workflow.name", check=_check_workflo
 WORKFLOWS.declare("rlvr", "areal_cli.rollout.workflows.rlvr:RLVRWorkflow")
 WORKFLOWS.declare("multi_turn", "areal_cli.rollout.workflows.multi_turn:MultiTurnWorkflow")
 WORKFLOWS.declare("agent", "areal_cli.rollout.workflows.agent:AgentWorkflow")
+WORKFLOWS.declare("online", "areal_cli.rollout.workflows.online:OnlineAgentWorkflow")
 
 
 def register_workflow(name: str, target: Any = None) -> Any:
@@ -55,11 +56,12 @@ def is_import_path(name: str) -> bool:
     return "." in name or ":" in name
 
 
-def check_workflow_config(name: str, kwargs: dict[str, Any]) -> None:
+def check_workflow_config(name: str, kwargs: dict[str, Any], group_size: int | None = None) -> None:
     """Torch-free checks the validator runs: a registered name or an import path whose module and
     attribute exist (read statically, :mod:`areal_cli.utils.static_import`), ``workflow.kwargs`` the
-    constructor takes and none that has its own config key, and the agent workflow's
-    ``workflow.kwargs.agent``. What the source cannot tell is left to the process that builds it."""
+    constructor takes and none that has its own config key, the agent workflow's
+    ``workflow.kwargs.agent`` and the online workflow's group size. What the source cannot tell is left
+    to the process that builds it."""
     from areal_cli.utils.static_import import find_target
 
     kwargs = dict(kwargs or {})
@@ -73,6 +75,19 @@ def check_workflow_config(name: str, kwargs: dict[str, Any]) -> None:
     _check_kwargs(name, found, kwargs)
     if name == "agent":
         _check_agent(kwargs.get("agent"))
+    if name == "online" and group_size is not None:
+        check_online_group_size(group_size)
+
+
+def check_online_group_size(group_size: Any) -> None:
+    """``workflow=online`` trains each session on its own: the service, not the trainer, decides what a
+    session is about, so there is no group of samples of one prompt."""
+    if group_size != 1:
+        raise ConfigError("rollout.group_size", f"workflow=online trains one session per episode, got "
+                          f"group_size={group_size!r}: the agent service decides what each session is "
+                          "about, so there is no group of samples of one prompt",
+                          "set rollout.group_size=1 with an estimator without a group baseline "
+                          "(algo=reinforce_pp, or algo.mean_level=batch algo.std_level=batch)")
 
 
 def _check_kwargs(name: str, found: Any, kwargs: dict[str, Any]) -> None:
@@ -182,5 +197,5 @@ def _param_names(factory: Any) -> list[str]:
         return []
 
 
-__all__ = ["OFFERED", "WORKFLOWS", "available_workflows", "build_workflow", "check_workflow_config",
-           "import_object", "load_workflow", "register_workflow", "resolve_workflow"]
+__all__ = ["OFFERED", "WORKFLOWS", "available_workflows", "build_workflow", "check_online_group_size",
+           "check_workflow_config", "import_object", "load_workflow", "register_workflow", "resolve_workflow"]
