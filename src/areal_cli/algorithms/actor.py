@@ -19,6 +19,7 @@ import torch
 
 from areal_cli.algorithms.advantages import compute_advantages as _estimate
 from areal_cli.algorithms.advantages import longest_turn_len, overlong_penalty
+from areal_cli.algorithms.distill import distill_advantages, mix_advantages
 from areal_cli.algorithms.kl import kl_reward
 from areal_cli.algorithms.losses import ActorLossParams, actor_loss, sft_policy_loss
 from areal_cli.algorithms.normalisation import (
@@ -89,17 +90,22 @@ class PPOActor:
 
     def __init__(self, cfg: AlgoConfig, engine: "TrainEngine", ref_engine: "TrainEngine | None" = None,
                  group_size: int = 1, max_new_tokens: int | None = None,
-                 dp_allreduce: "Reducer | None" = None):
+                 dp_allreduce: "Reducer | None" = None, teacher_engine: "TrainEngine | None" = None):
         """``dp_allreduce(t) -> t`` sums a tensor over data-parallel ranks; pass it when each rank
         holds a shard of the step's batch so batch-level statistics (``mean_level``/``std_level``
-        = batch, REINFORCE++ whitening, ``adv_norm``) are global. Groups must not straddle ranks."""
+        = batch, REINFORCE++ whitening, ``adv_norm``) are global. Groups must not straddle ranks.
+        ``teacher_engine``: the frozen teacher of on-policy distillation (``algo.distill``)."""
         validate_algo_config(cfg)
         if cfg.kl_coef > 0 and ref_engine is None:
             raise ConfigError("algo.kl_coef", f"kl_coef={cfg.kl_coef} needs a reference model",
                               "build a ref engine (the trainer does when kl_coef > 0) or set algo.kl_coef=0")
+        if cfg.distill.enabled and teacher_engine is None:
+            raise ConfigError("algo.distill.teacher_path", "distillation needs a teacher engine",
+                              "build one (the trainer does when algo.distill.teacher_path is set)")
         self.cfg = cfg
         self.engine = engine
         self.ref_engine = ref_engine
+        self.teacher_engine = teacher_engine
         self.group_size = int(group_size)
         self.max_new_tokens = max_new_tokens
         self.dp_allreduce = dp_allreduce
@@ -141,6 +147,8 @@ class PPOActor:
             batch["prox_logp"] = self.compute_logp(batch)
         if c.kl_coef > 0:
             batch["ref_logp"] = self.compute_logp(batch, engine=self.ref_engine)
+        if c.distill.enabled:
+            batch["teacher_logp"] = self.compute_logp(batch, engine=self.teacher_engine)
         rewards, stats = self._shaped_rewards(batch)
         # Per-turn rewards of agent rows (rollout/interaction_cache.py) sit on each turn's last token.
         token_rewards = batch["token_rewards"].float() * mask if "token_rewards" in batch else None
@@ -159,6 +167,8 @@ class PPOActor:
                                  group_ids=batch.get("group_id"))
         if c.adv_norm:
             adv = masked_whiten(adv, mask, reduce=self.dp_allreduce)
+        if c.distill.enabled:
+            adv = self._distill(batch, adv, mask, stats)
         batch["advantages"] = adv
         batch["shaped_rewards"] = rewards
         if returns is not None:
@@ -170,6 +180,22 @@ class PPOActor:
                      response_len=float(mask.sum(-1).mean().item()))
         self.adv_stats = stats
         return batch
+
+    def _distill(self, batch: Batch, task_adv: torch.Tensor, mask: torch.Tensor,
+                 stats: dict[str, float]) -> torch.Tensor:
+        """The teacher's per-token advantage, mixed with the task's (``algo.distill``).
+
+        The student's logp is the trainer's recomputed one when the run recomputes it (decoupled loss,
+        ``recompute_logprob``: teacher and student then come from the same numerics, no inference/trainer
+        mismatch in the difference), else the behaviour logprobs the tokens were sampled with — the policy
+        whose reverse KL the sample estimates, and what Tinker's recipe uses. Both carry no gradient: the
+        advantage is a reward, and the PPO ratio carries the gradient."""
+        d = self.cfg.distill
+        student = batch.get("prox_logp", batch["logprobs"])
+        dadv, dstats = distill_advantages(batch["teacher_logp"], student, mask, d.coef, d.clamp)
+        stats.update(dstats)
+        stats["distill/task_adv_abs_mean"] = float(masked_mean(task_adv.abs(), mask).item())
+        return mix_advantages(task_adv, dadv, mask, d.task_reward_weight)
 
     def loss_params(self) -> ActorLossParams:
         c = self.cfg

@@ -134,6 +134,22 @@ def fetch_hub_model(cfg: Any) -> bool:
     return True
 
 
+def check_teacher(cfg: Any, *, fetch: bool) -> None:
+    """A distillation teacher (``algo.distill.teacher_path``) must read the student's tokens: a mismatched
+    tokenizer is one ConfigError here, before any server starts or run dir is made (the trainer checks
+    again, for launchers whose nodes resolve the paths themselves)."""
+    d = cfg.algo.distill
+    if not d.enabled or cfg.algo.name == "sft":
+        return
+    from areal_cli.models.teacher import check_teacher_tokenizer, resolve_teacher_path
+    from areal_cli.trainer.build import resolve_model_path
+
+    teacher = resolve_teacher_path(d.teacher_path, fetch=fetch)
+    student = resolve_model_path(cfg, fetch=fetch)
+    if os.path.isdir(student) and os.path.isdir(teacher):
+        check_teacher_tokenizer(student, teacher)
+
+
 def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
               overrides: list[str] | None = None, choice: Any | None = None) -> int:
     """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C).
@@ -158,6 +174,7 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
         launcher = get_launcher(cfg.launcher.name)
         launcher.preflight(cfg, layout)  # missing cluster tools fail here, before any preparation
         check_dataset_files(cfg)
+        check_teacher(cfg, fetch=not getattr(launcher, "fetches_model_on_nodes", False))
         check_storage(cfg, run_dir)
     except BaseException:
         choice.release()  # nothing ran: no empty run dir stays behind

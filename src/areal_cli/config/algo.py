@@ -37,6 +37,28 @@ class OptimConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/rewards.md, "Teachers"): a frozen teacher scores the student's sampled
+    tokens and ``coef * (teacher_logp - student_logp)`` on each generated token is its advantage, alone or
+    added to ``task_reward_weight`` times the task's advantage. Off while ``teacher_path`` is empty."""
+
+    # a local HF dir (an `areal export`, save_pretrained) or a hub id; it must share the student's tokenizer
+    teacher_path: str = ""
+    # the teacher's training engine class (a forward-only copy in the trainer process); "" = engine.name
+    engine: str = ""
+    coef: float = ranged(1.0, gt=0.0, le=1e3)
+    # 0 = pure distillation (the task's reward is logged, not trained on); 1 = task advantage + distillation
+    task_reward_weight: float = ranged(0.0, ge=0.0, le=1e3, why="0 trains on the teacher alone")
+    # |teacher_logp - student_logp| per token is clamped to this (a token the teacher finds impossible
+    # would otherwise give an advantage of -inf-like size); 0 disables
+    clamp: float = ranged(KL_CLAMP, ge=0.0, le=1e6, why="0 disables the clamp")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher_path)
+
+
+@dataclass
 class AlgoConfig:
     name: str = "grpo"
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -101,6 +123,8 @@ class AlgoConfig:
     use_critic: bool = False
     value_clip: float = ranged(0.2, gt=0.0, le=1e3, why="PPO uses 0.2")
     critic_lr: float = ranged(5e-6, gt=0.0, le=1.0)
+    # --- on-policy distillation from a teacher model ---
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 def _one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -110,7 +134,7 @@ def _one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def validate_algo_config(cfg: AlgoConfig, prefix: str = "algo") -> None:
     """Raise :class:`ConfigError` for a bad ``algo`` section. Import-light (no torch)."""
-    from areal_cli.algorithms.registry import REGISTRIES
+    from areal_cli.algorithms.registry import POLICY_LOSSES, REGISTRIES
 
     check_ranges(cfg, prefix)  # every numeric knob against the range declared next to it
     p = prefix + "."
@@ -130,6 +154,10 @@ def validate_algo_config(cfg: AlgoConfig, prefix: str = "algo") -> None:
         raise ConfigError(p + "adv_estimator", f"use_critic=true but adv_estimator={cfg.adv_estimator!r} "
                           "ignores values", "set algo.adv_estimator=gae (or another estimator declaring "
                           "needs_values) or algo.use_critic=false")
+    if cfg.distill.enabled and not POLICY_LOSSES.spec(cfg.policy_loss).uses_advantages:
+        raise ConfigError(p + "distill.teacher_path", f"policy_loss={cfg.policy_loss} ignores advantages, so the "
+                          "teacher's per-token advantage would train nothing", "use algo=grpo (or another "
+                          "advantage-based loss), or set algo.distill.teacher_path=''")
     if cfg.prox_logp_method == "loglinear" and not cfg.use_decoupled_loss:
         raise ConfigError(p + "prox_logp_method", "loglinear approximates the proximal policy of the "
                           "decoupled loss, which is off", "set algo.use_decoupled_loss=true")

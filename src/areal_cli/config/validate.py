@@ -28,6 +28,7 @@ from areal_cli.config.launcher import local_multi_node
 from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.packages import check_packages
 from areal_cli.config.ranges import check_ranges
+from areal_cli.config.distill import check_distill, teacher_size_ratio
 from areal_cli.config.recipe import check_model_facts
 from areal_cli.config.rollout import disk_only
 from areal_cli.config.schema import ExperimentConfig
@@ -270,11 +271,13 @@ def _train_memory_at(cfg: ExperimentConfig, facts: ModelFacts, c: Component, dev
     per_mini = max(1, samples // par.dp // cfg.algo.ppo_n_minibatches)
 
     reference = cfg.algo.kl_coef > 0 and facts.lora_rank == 0
+    teacher = teacher_size_ratio(cfg)
 
     def total_gb(k: int) -> float:
         m = train_memory(facts, sharding, par, ffn_tp, cfg.engine.dtype, k * seq, math.ceil(per_mini / k),
                          cfg.engine.gradient_checkpointing, dev_gb)
-        return m.total_gb + sum(companion_states(m, reference=reference, critic=bool(cfg.algo.use_critic)))
+        return m.total_gb + sum(companion_states(m, reference=reference, critic=bool(cfg.algo.use_critic),
+                                                 teacher=teacher))
 
     return total_gb, per_mini
 
@@ -420,6 +423,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     check_dataset(cfg, plan)  # files, columns and knobs of the dataset group (data/checks.py)
     validate_algo_config(cfg.algo)
     validate_group_size(cfg.algo, cfg.rollout.group_size)
+    check_distill(cfg, plan)  # the teacher: its path, engine and tokenizer (config/distill.py)
     if auto_error is not None:
         raise auto_error
     check_packages(cfg, plan)  # last: a config mistake is named before a missing package (config/packages.py)

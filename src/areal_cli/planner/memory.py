@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from areal_cli.allocation.estimate import GiB, ModelFacts, companion_states, dtype_bytes, server_mem_fraction
+from areal_cli.config.distill import teacher_size_ratio
 
 # Parts named in ``binds``, in the words the tables print.
 PART_NAMES = {"weights_gb": "weights", "grads_gb": "gradients", "optim_gb": "optimizer states",
@@ -55,7 +56,8 @@ def _largest(parts: dict[str, float]) -> str:
 def trainer_memory(cfg, part, facts: ModelFacts, base_gb: float,
                    mean_mb_tokens: float | None = None) -> ComponentMemory:
     """One trainer rank of ``part`` (a validated TrainPart): the actor's states from the validator, plus a
-    KL reference's weights (``algo.kl_coef > 0`` without LoRA: a second, frozen engine) and a critic's
+    KL reference's weights (``algo.kl_coef > 0`` without LoRA: a second, frozen engine), a distillation
+    teacher's (``algo.distill``, scaled by its size) and a critic's
     weights, gradients and optimizer states (``algo.use_critic``) in the same process.
 
     The validator sizes activations for a micro-batch of sequences at their length caps (the bound a run
@@ -63,7 +65,7 @@ def trainer_memory(cfg, part, facts: ModelFacts, base_gb: float,
     (activations are linear in tokens) for ``expected_gb``."""
     m = part.memory
     cw, cg, co = companion_states(m, reference=cfg.algo.kl_coef > 0 and facts.lora_rank == 0,
-                                  critic=bool(cfg.algo.use_critic))
+                                  critic=bool(cfg.algo.use_critic), teacher=teacher_size_ratio(cfg))
     weights, grads, optim = m.weights_gb + cw, m.grads_gb + cg, m.optim_gb + co
     parts = {"weights_gb": weights, "grads_gb": grads, "optim_gb": optim, "activations_gb": m.activations_gb}
     states = sum(parts.values())

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from areal_cli.allocation.estimate import ModelFacts, dtype_bytes
+from areal_cli.config.distill import teacher_size_ratio
 from areal_cli.planner.hardware import HardwareProfile
 
 # Per-sample reward cost, seconds: the sandboxed code reward runs a subprocess per sample (in a worker
@@ -205,7 +206,8 @@ class TrainTime:
 def train_passes(cfg) -> tuple[float, float]:
     """(forward-backward passes, forward-only passes) over the step's tokens, in units of the policy model:
     the PPO update (8N with full recompute instead of 6N: the forward runs twice), a logp recompute
-    (decoupled loss or ``recompute_logprob``), the KL reference's forward, a critic's forward and update."""
+    (decoupled loss or ``recompute_logprob``), the KL reference's forward, a distillation teacher's forward (its
+    size over the policy's), a critic's forward and update."""
     a = cfg.algo
     from areal_cli.engines import get_engine_spec
 
@@ -217,6 +219,7 @@ def train_passes(cfg) -> tuple[float, float]:
         fwd += 1
     if a.kl_coef > 0:
         fwd += 1
+    fwd += teacher_size_ratio(cfg)
     if a.use_critic:
         fb, fwd = fb * 2, fwd + 1
     return fb, fwd

@@ -86,15 +86,16 @@ def build_tokenizer(model_path: str) -> Any:
 
 
 def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | None = None,
-                 total_steps: int | None = None, critic: bool = False, lora: bool = True) -> Any:
-    """The training engine named by ``engine.name``, initialised on the plan's parallel strategy.
-    ``lora=False``: all weights train even under ``model.lora`` (the SFT warm start)."""
+                 total_steps: int | None = None, critic: bool = False, lora: bool = True,
+                 engine_name: str | None = None) -> Any:
+    """The training engine named by ``engine.name`` (or ``engine_name``), initialised on the plan's parallel
+    strategy. ``lora=False``: all weights train even under ``model.lora`` (the SFT warm start)."""
     from areal_cli.api.io_struct import ParallelStrategy
 
     from areal_cli.engines import get_engine_cls
 
     t = layout.trainer
-    cls = get_engine_cls(cfg.engine.name)
+    cls = get_engine_cls(engine_name or cfg.engine.name)
     kwargs: dict[str, Any] = {"total_steps": total_steps or cfg.trainer.total_steps, "seed": cfg.seed}
     if critic:
         kwargs["critic"] = True
@@ -134,6 +135,21 @@ def build_reference(cfg: Any, layout: JobLayout, model_path: str, engine: Any) -
 
         return ReferenceView(engine)
     return build_engine(cfg, layout, model_path)
+
+
+def build_teacher(cfg: Any, layout: JobLayout, model_path: str) -> Any | None:
+    """The frozen teacher of on-policy distillation (``algo.distill.teacher_path``): a second forward-only
+    engine in the trainer process, like the KL reference, of the student's engine class unless
+    ``algo.distill.engine`` names another; any size, but the student's tokenizer (checked here too, for
+    launchers whose nodes resolve the paths). Never an adapter: LoRA applies to the student only."""
+    d = cfg.algo.distill
+    if not d.enabled:
+        return None
+    from areal_cli.models.teacher import check_teacher_tokenizer, resolve_teacher_path
+
+    teacher_dir = resolve_teacher_path(d.teacher_path)
+    check_teacher_tokenizer(model_path, teacher_dir)
+    return build_engine(cfg, layout, teacher_dir, lora=False, engine_name=d.engine or None)
 
 
 def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:
@@ -198,14 +214,15 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict]]:
     return train, test
 
 
-def build_actor(cfg: Any, engine: Any, ref_engine: Any | None) -> Any:
+def build_actor(cfg: Any, engine: Any, ref_engine: Any | None, teacher_engine: Any | None = None) -> Any:
     from areal_cli.algorithms.actor import PPOActor
 
     # Each rank holds whole groups of the step's batch, so batch-level statistics (batch mean/std,
     # REINFORCE++ whitening, adv_norm) need a sum over the data-parallel ranks.
     reduce = engine.dp_all_reduce if engine.dp_world_size > 1 else None
     return PPOActor(cfg.algo, engine, ref_engine=ref_engine, group_size=cfg.rollout.group_size,
-                    max_new_tokens=cfg.rollout.gconfig.max_new_tokens, dp_allreduce=reduce)
+                    max_new_tokens=cfg.rollout.gconfig.max_new_tokens, dp_allreduce=reduce,
+                    teacher_engine=teacher_engine)
 
 
 def build_critic(cfg: Any, engine: Any) -> Any:

@@ -229,7 +229,8 @@ class RLTrainer:
         self.publisher.policy_path = policy_path
         engine = build.build_engine(cfg, self.layout, policy_path)
         ref_engine = build.build_reference(cfg, self.layout, policy_path, engine)
-        actor = build.build_actor(cfg, engine, ref_engine)
+        teacher_engine = build.build_teacher(cfg, self.layout, self.model_path)
+        actor = build.build_actor(cfg, engine, ref_engine, teacher_engine)
         self.dp_of_rank = dp_rank_table(engine)
         critic_engine = None
         if cfg.algo.use_critic:
@@ -277,7 +278,7 @@ class RLTrainer:
         self.stats.log("event", self.total_steps, {"event": "end", "hf_export": out})
         self.stats.close()
         engine.destroy()
-        for other in (ref_engine, critic_engine):
+        for other in (ref_engine, teacher_engine, critic_engine):
             if other is not None:
                 other.destroy()
         return {"final_eval": final, "hf_export": out}
