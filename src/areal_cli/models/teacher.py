@@ -23,7 +23,8 @@ def resolve_teacher_path(path: str, *, fetch: bool = True) -> str:
 
     if isinstance(path, str) and path.startswith("builtin:"):
         raise ConfigError(KEY, f"{path} is a freshly initialised model, not a teacher",
-                          "train one first (areal train ...) and point this at its HF export (.../hf/final)")
+                          "train one first (areal train ...) and point this at its HF export "
+                          "(<run dir>/checkpoints/final)")
     p = Path(os.path.expanduser(path))
     if (p / "config.json").is_file():
         return str(p.resolve())
