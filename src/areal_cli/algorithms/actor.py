@@ -165,10 +165,10 @@ class PPOActor:
                                  lam=c.lam, mean_level=c.mean_level, std_level=c.std_level,
                                  std_unbiased=c.std_unbiased, eps=c.adv_std_eps, reduce=self.dp_allreduce,
                                  group_ids=batch.get("group_id"))
+        if c.distill.enabled:  # before adv_norm, which then whitens what is trained on (a baseline for it)
+            adv = self._distill(batch, adv, mask, stats)
         if c.adv_norm:
             adv = masked_whiten(adv, mask, reduce=self.dp_allreduce)
-        if c.distill.enabled:
-            adv = self._distill(batch, adv, mask, stats)
         batch["advantages"] = adv
         batch["shaped_rewards"] = rewards
         if returns is not None:

@@ -91,3 +91,18 @@ def test_distillation_needs_an_advantage_loss():
     with pytest.raises(ConfigError, match="algo.distill.teacher_path.*ignores advantages"):
         validate_algo_config(AlgoConfig(policy_loss="sft", adv_estimator="none",
                                         distill=DistillConfig(teacher_path="/t")))
+
+
+def test_adv_norm_whitens_the_distillation_advantage():
+    # The teacher's advantage is mostly one sign (a student sure of tokens its teacher doubts); adv_norm
+    # whitens what is trained on, which gives it a baseline.
+    from areal_cli.algorithms.normalisation import masked_mean, masked_whiten
+
+    student, teacher = BigramEngine(seed=0), BigramEngine(seed=1)
+    batch = make_batch(student, REWARDS, SEQS)
+    mask = batch["loss_mask"]
+    raw = PPOActor(_distill_cfg(), student, group_size=2, teacher_engine=teacher).compute_advantages(batch)
+    cfg = AlgoConfig(adv_norm=True, distill=DistillConfig(teacher_path="/t"))
+    out = PPOActor(cfg, student, group_size=2, teacher_engine=teacher).compute_advantages(batch)
+    torch.testing.assert_close(out["advantages"], masked_whiten(raw["advantages"], mask))
+    assert abs(masked_mean(out["advantages"], mask).item()) < 1e-5
