@@ -76,3 +76,11 @@ def test_teacher_counts_in_the_memory_estimate(tiny_model_dir, bigger_teacher):
     assert w_on == pytest.approx(w_off + ratio * part_on.memory.weights_gb)
 
     assert train_passes(on)[1] == pytest.approx(train_passes(off)[1] + ratio)
+
+
+def test_teacher_engine_must_be_a_training_engine(tiny_model_dir, bigger_teacher):
+    base = [f"model.path={tiny_model_dir}", "trainer.sft_warmup_steps=0",
+            f"algo.distill.teacher_path={bigger_teacher}"]
+    with pytest.raises(ConfigError, match="algo.distill.engine.*unknown training engine"):
+        validate(load_config([*base, "algo.distill.engine=bogus"]))
+    assert validate(load_config([*base, "algo.distill.engine=fsdp"])).trains
