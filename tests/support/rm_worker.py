@@ -87,7 +87,7 @@ def export(engine, v: dict, res: dict, out_dir: str) -> None:
 
     from areal_cli.algorithms.reward_model import make_pair_batch, sequence_rewards
     from areal_cli.api.io_struct import SaveLoadMeta
-    from areal_cli.checkpoints.reward_export import write_sequence_classification
+    from areal_cli.trainer.reward_export import write_sequence_classification
 
     pairs = make_pairs(0)
     batch = make_pair_batch(pairs[engine.dp_rank::engine.dp_world_size], read_token_id=1, pad_token_id=0)

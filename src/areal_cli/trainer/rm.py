@@ -8,7 +8,7 @@ held-out pairwise accuracy (the share of test pairs whose chosen side scores hig
 ``eval/pairwise_accuracy`` with ``eval/loss`` and ``eval/margin``; it needs no inference server.
 
 Every HF export is a critic dir the engines reload (``value_head.safetensors``) that also loads with
-``transformers.AutoModelForSequenceClassification`` (checkpoints/reward_export.py).
+``transformers.AutoModelForSequenceClassification`` (trainer/reward_export.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def evaluate_pairs(engine: Any, pairs: list[dict], read_id: int) -> dict[str, fl
     rewards = []
     for i in range(n_chunks):
         chunk = mine[i * EVAL_CHUNK:(i + 1) * EVAL_CHUNK]
-        batch = make_pair_batch(chunk or mine[:1], read_id, read_id)
+        batch = make_pair_batch(chunk or mine[:1] or pairs[:1], read_id, read_id)
         r = sequence_rewards(engine.forward(batch, output="values")["values"], batch["attention_mask"])
         if chunk:
             rewards.append(r)
@@ -95,7 +95,7 @@ def run_rm_steps(engine: Any, stream: PromptStream, read_id: int, *, steps: int,
 def run_rm(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int) -> dict[str, Any]:
     """``algo=rm``: ``trainer.total_steps`` Bradley–Terry steps of ``algo.batch_size`` pairs, evaluated on the
     held-out pairs every ``trainer.eval_every`` steps and at the end; exports as ``algo=sft`` does."""
-    from areal_cli.checkpoints.reward_export import write_sequence_classification
+    from areal_cli.trainer.reward_export import write_sequence_classification
     from areal_cli.trainer.checkpoint import CheckpointManager
     from areal_cli.trainer.stats import StatsLogger
     from areal_cli.utils.dist import barrier, broadcast_obj
