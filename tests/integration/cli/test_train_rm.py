@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.timeout(3000), pytest.mark.runs]
 
 # The documented command's knobs (docs/rewards.md) on a fresh fileroot, without the live view.
 RUN = ["algo=rm", "allocation_mode.spec=fsdp:d1", "experiment_name=rm", "trial_name=t0", "stats.live=false",
-       "trainer.sft_warmup_steps=600", "trainer.total_steps=1200", "trainer.eval_every=200",
-       "algo.batch_size=32", "algo.optim.lr=1e-3", "algo.optim.lr_scheduler=cosine"]
+       "trainer.sft_warmup_steps=600", "trainer.total_steps=2000", "trainer.eval_every=500",
+       "algo.batch_size=32", "algo.optim.lr=1e-3", "algo.optim.lr_scheduler=cosine", "dataset.test_size=500"]
 
 
 def test_reward_model_on_the_embedded_task_reaches_90_percent_pairwise(tmp_path):
@@ -29,10 +29,10 @@ def test_reward_model_on_the_embedded_task_reaches_90_percent_pairwise(tmp_path)
     run_dir = tmp_path / "runs" / "rm" / "t0"
     recs = _records(run_dir)
     evals = [r for r in recs if r["kind"] == "eval" and r.get("phase") == "rm"]
-    assert [r["step"] for r in evals] == [0, 200, 400, 600, 800, 1000, 1200]
+    assert [r["step"] for r in evals] == [0, 500, 1000, 1500, 2000]
     assert evals[0]["eval/pairwise_accuracy"] == 0.0  # the zero-initialised head ties every pair
     assert evals[-1]["eval/pairwise_accuracy"] >= 0.9, [r["eval/pairwise_accuracy"] for r in evals]
-    assert [r["step"] for r in recs if r["kind"] == "rm"] == list(range(1, 1201))
+    assert [r["step"] for r in recs if r["kind"] == "rm"] == list(range(1, 2001))
     assert [r["step"] for r in recs if r["kind"] == "sft"] == list(range(1, 601))  # the warm start ran first
 
     import torch
@@ -49,4 +49,4 @@ def test_reward_model_on_the_embedded_task_reaches_90_percent_pairwise(tmp_path)
     with torch.no_grad():
         wins = sum(float(model(torch.tensor([p["chosen_ids"]])).logits[0, 0])
                    > float(model(torch.tensor([p["rejected_ids"]])).logits[0, 0]) for p in pairs)
-    assert wins / len(pairs) == pytest.approx(evals[-1]["eval/pairwise_accuracy"], abs=0.011)
+    assert wins / len(pairs) == pytest.approx(evals[-1]["eval/pairwise_accuracy"], abs=0.005)
