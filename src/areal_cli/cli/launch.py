@@ -238,12 +238,19 @@ def _progress_printer(run_dir: str, total: int, since: float | None = None) -> A
                       f"staleness {r.get('staleness/mean', 0) or 0:.2f} "
                       f"gen {r.get('perf/gen_tokens_per_s', 0):.0f} tok/s "
                       f"sync {r.get('perf/weight_sync_s', 0):.3f}s", file=sys.stderr, flush=True)
+            elif kind == "eval" and r.get("phase") == "rm":
+                print(f"[areal] eval @ step {r['step']} (rm): pairwise accuracy "
+                      f"{r.get('eval/pairwise_accuracy', 0):.1%}", file=sys.stderr, flush=True)
             elif kind == "eval":
                 print(f"[areal] eval @ step {r['step']} ({r.get('phase', 'rl')}): pass@1 "
                       f"{r.get('eval/pass@1', 0):.1%}", file=sys.stderr, flush=True)
             elif kind == "sft" and (r["step"] % 10 == 0 or r["step"] == 1):
                 of = f"/{r['total']}" if r.get("total") else ""
                 print(f"[areal] sft step {r['step']}{of} loss {r.get('sft/loss', 0):.3f}", file=sys.stderr, flush=True)
+            elif kind == "rm" and (r["step"] % 10 == 0 or r["step"] == 1):
+                of = f"/{r['total']}" if r.get("total") else ""
+                print(f"[areal] rm step {r['step']}{of} loss {r.get('rm/loss', 0):.3f} pair accuracy "
+                      f"{r.get('rm/accuracy', 0):.1%}", file=sys.stderr, flush=True)
 
     return tick
 

@@ -196,6 +196,14 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     evals = [r for r in recs if r.get("kind") == "eval"]
     sft = [r for r in recs if r.get("kind") == "sft"]
     out: dict[str, Any] = {"steps": train[-1]["step"] if train else 0, "sft_steps": sft[-1]["step"] if sft else 0}
+    rm = [r for r in recs if r.get("kind") == "rm"]
+    if rm or any(r.get("phase") == "rm" for r in evals):  # algo=rm: its eval is the held-out pairwise accuracy
+        out["rm_steps"] = rm[-1]["step"] if rm else 0
+        evals = [r for r in evals if r.get("phase") == "rm"]
+        if evals:
+            out["pairwise_accuracy_before"] = evals[0].get("eval/pairwise_accuracy")
+            out["pairwise_accuracy_after"] = evals[-1].get("eval/pairwise_accuracy")
+        evals = []
     if evals:
         out["accuracy_before"] = evals[0].get("eval/pass@1")
         out["accuracy_after"] = evals[-1].get("eval/pass@1")
@@ -236,7 +244,7 @@ def format_summary_value(key: str, v: Any) -> str:
     number = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON may hold an accuracy of 1 as int
     if number and key in GAIN_KEYS:
         return f"{v * 100:+.1f} pts"
-    if number and key.startswith(("accuracy", "pass@")):
+    if number and key.startswith(("accuracy", "pass@", "pairwise_accuracy")):
         return f"{v:.1%}"
     if isinstance(v, int):
         return str(v)

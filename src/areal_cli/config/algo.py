@@ -21,6 +21,20 @@ BEHAV_IMP_WEIGHT_LEVELS = ("token", "sequence")
 # The one default of the per-token KL clamp (AlgoConfig, ActorLossParams, algorithms.kl). verl
 # clamps its k3 ("low_var_kl") at ±10 against exp overflow; here the clamp applies to k1, k2 and k3.
 KL_CLAMP = 10.0
+# Algorithms that train without generating: no inference component, no rollouts, no weight pushes.
+TRAIN_ONLY_ALGOS = ("sft", "rm")
+# Engines whose critic path (a value head on the policy's architecture) algo=rm trains.
+CRITIC_ENGINES = ("fsdp", "archon", "deepspeed", "megatron")
+
+
+def generates(name: str) -> bool:
+    """Whether ``algo=<name>`` samples rollouts from inference servers (RL does; SFT and RM do not)."""
+    return name not in TRAIN_ONLY_ALGOS
+
+
+def samples_per_prompt(name: str, group_size: int) -> int:
+    """Sequences one ``algo.batch_size`` unit trains on: a prompt's group, an SFT example, an RM pair's two sides."""
+    return {"sft": 1, "rm": 2}.get(name, group_size)
 
 
 @dataclass

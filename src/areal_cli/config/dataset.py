@@ -18,6 +18,9 @@ class DatasetConfig:
     # a text column (one user turn) or a chat column (a list of {role, content} messages ending in a user turn)
     prompt_field: str = "question"
     answer_field: str = "answer"  # GSM8K-style "... #### 42" answers are parsed
+    # algo=rm: the preference pair's sides, each a text or a chat (data/preferences.py; docs/rewards.md)
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     # local data without test_path: hold out this share of the train file's rows (a fixed, seeded draw)
     test_fraction: float = ranged(0.0, ge=0.0, lt=1.0, why="0 holds nothing out")
     use_chat_template: bool = True

@@ -17,6 +17,8 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from areal_cli.config.algo import generates
+
 if TYPE_CHECKING:  # pragma: no cover
     from areal_cli.config.schema import ExperimentConfig
 
@@ -160,7 +162,7 @@ def toy_value_warnings(cfg: ExperimentConfig, explicit_keys: set[str]) -> list[s
     toy = {
         "experiment_name": cfg.experiment_name == TOY_EXPERIMENT,
         "engine.dtype": cfg.cluster.device == "cuda" and cfg.engine.dtype == "float32",
-        "rollout.gconfig.max_new_tokens": cfg.algo.name != "sft" and cfg.rollout.gconfig.max_new_tokens <= 64,
+        "rollout.gconfig.max_new_tokens": generates(cfg.algo.name) and cfg.rollout.gconfig.max_new_tokens <= 64,
         "rollout.eval_gconfig.max_new_tokens": cfg.rollout.eval_gconfig.max_new_tokens <= 64,
         "trainer.sft_warmup_steps": cfg.trainer.sft_warmup_steps > 0 and cfg.trainer.sft_lr > 1e-4,
         "algo.optim.lr": cfg.algo.optim.lr > lr_cap,

@@ -23,7 +23,13 @@ from areal_cli.allocation.placement import place
 from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
 from areal_cli.allocation.spec import DIM_NAMES, AllocationSpec, Component, Dims, train_backends
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.config.algo import validate_algo_config, validate_group_size
+from areal_cli.config.algo import (
+    CRITIC_ENGINES,
+    generates,
+    samples_per_prompt,
+    validate_algo_config,
+    validate_group_size,
+)
 from areal_cli.config.launcher import local_multi_node
 from areal_cli.config.lora_rules import check_lora
 from areal_cli.config.packages import check_packages
@@ -230,15 +236,44 @@ def _resolved_spec(cfg: ExperimentConfig) -> AllocationSpec:
     if not spec.train:
         raise ConfigError(SPEC_PATH, "the spec has no train component", f"add one, e.g. "
                           f"{spec.text}+{cfg.engine.name}:d1", text=spec.text, column=len(spec.text))
-    if not spec.inference and cfg.algo.name != "sft":
+    if not spec.inference and generates(cfg.algo.name):
         raise ConfigError(SPEC_PATH, f"algo={cfg.algo.name} generates rollouts but the spec has no "
-                          "inference component", "add one, e.g. hf:d1+fsdp:d1 (or use algo=sft)",
+                          "inference component", "add one, e.g. hf:d1+fsdp:d1 (or use algo=sft or algo=rm)",
                           text=spec.text, column=0)
     return spec
 
 
+def _check_reward_model(cfg: ExperimentConfig, spec: AllocationSpec) -> None:
+    """``algo=rm`` trains the engine's critic (a value head) on preference pairs."""
+    if cfg.algo.name != "rm":
+        return
+    for c in spec.train:
+        backend = c.backend or cfg.engine.name
+        if backend not in CRITIC_ENGINES and not _has_critic_path(backend):
+            raise ConfigError("engine", f"algo=rm trains a value head, and the {backend} engine has no critic path",
+                              f"use engine={' or engine='.join(CRITIC_ENGINES)}")
+    if cfg.trainer.sft_warmup_steps > 0 and not cfg.dataset.train_path.startswith("builtin:"):
+        raise ConfigError("trainer.sft_warmup_steps", f"{cfg.trainer.sft_warmup_steps} SFT steps before the reward "
+                          "model need question/answer items, and algo=rm on local preference pairs has none",
+                          "set trainer.sft_warmup_steps=0 (start from model.path, e.g. your SFT model)")
+    if int(cfg.model.lora.rank) > 0:
+        raise ConfigError("model.lora.rank", "algo=rm trains every weight of the reward model (no adapter)",
+                          "set model.lora.rank=0")
+
+
+def _has_critic_path(name: str) -> bool:
+    """A plugin engine (``pkg.module:Class``) built on the shared engine base inherits its critic path
+    (``critic=True``, ``forward(output="values")``). Read from the class's MRO: no torch import here."""
+    from areal_cli.engines import _import_class, is_import_path
+
+    if not is_import_path(name):
+        return False
+    return any(k.__name__ == "EngineBase" and k.__module__ == "areal_cli.engines.base"
+               for k in _import_class(name).__mro__)
+
+
 def _micro_batch(cfg: ExperimentConfig, dp: int, c: Component, auto: bool = False) -> MicroBatch:
-    samples = cfg.algo.batch_size * (1 if cfg.algo.name == "sft" else cfg.rollout.group_size)
+    samples = cfg.algo.batch_size * samples_per_prompt(cfg.algo.name, cfg.rollout.group_size)
     if cfg.algo.batch_size % dp:
         good = dp * max(1, round(cfg.algo.batch_size / dp))
         raise ConfigError("algo.batch_size",
@@ -267,7 +302,7 @@ def _train_memory_at(cfg: ExperimentConfig, facts: ModelFacts, c: Component, dev
     par = c.parallel()
     ffn_tp = c.ffn.t if c.ffn is not None else par.tp
     sharding = get_engine_spec(c.backend or cfg.engine.name).sharding(cfg.engine)
-    samples = cfg.algo.batch_size * (1 if cfg.algo.name == "sft" else cfg.rollout.group_size)
+    samples = cfg.algo.batch_size * samples_per_prompt(cfg.algo.name, cfg.rollout.group_size)
     per_mini = max(1, samples // par.dp // cfg.algo.ppo_n_minibatches)
 
     reference = cfg.algo.kl_coef > 0 and facts.lora_rank == 0
@@ -368,7 +403,8 @@ def validate(cfg: ExperimentConfig) -> Plan:
     _check_scalars(cfg)
     resolve_hardware(cfg)  # cluster.hardware names a profile of the cluster's device kind
     spec = _resolved_spec(cfg)
-    if cfg.workflow.reward == "judge" and cfg.algo.name != "sft":
+    _check_reward_model(cfg, spec)
+    if cfg.workflow.reward == "judge" and generates(cfg.algo.name):
         check_judge_config(cfg.workflow.judge, workflow=cfg.workflow.name,
                            inference_names=[c.name for c in spec.inference])
     checker = _SpecChecker(spec, cfg)
@@ -532,13 +568,13 @@ def _check_attn_impl(cfg: ExperimentConfig, plan: Plan) -> None:
 
 def _check_weight_update(cfg: ExperimentConfig, plan: Plan) -> None:
     if plan.colocated and cfg.cluster.device == "cuda" and cfg.rollout.weight_update == "distributed" \
-            and cfg.algo.name != "sft":
+            and generates(cfg.algo.name):
         raise ConfigError("rollout.weight_update", "distributed pushes join trainer and servers in one NCCL "
                           "group, and this colocated plan puts them on the same GPUs (NCCL refuses two ranks "
                           "of a group on one device)",
                           "set rollout.weight_update=disk or auto, or separate them with '+' in allocation_mode")
     others = sorted({p.backend for p in plan.inferences if disk_only(p.backend)})
-    if others and cfg.rollout.weight_update == "distributed" and cfg.algo.name != "sft":
+    if others and cfg.rollout.weight_update == "distributed" and generates(cfg.algo.name):
         raise ConfigError("rollout.weight_update", f"{', '.join(others)} cannot join the trainer's broadcast "
                           "group: its weight transfer is its own NCCL rendezvous (CUDA only; docs/inference.md)",
                           "set rollout.weight_update=disk or auto (vLLM reloads the pushed checkpoint from a "
@@ -558,6 +594,9 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
                              "emulated here (measured 7x slower than fp32 on an AVX2 EPYC); float32 is faster")
     if cfg.algo.name == "sft" and plan.inferences:
         plan.warnings.append("algo=sft does not generate: the inference component is unused")
+    if cfg.algo.name == "rm" and plan.inferences:
+        plan.warnings.append("algo=rm does not generate (its eval is the held-out pairwise accuracy): the "
+                             "inference component is unused")
     for t in plan.trains:
         if t.split_groups:
             plan.warnings.append(f"'{t.name}': {t.backend}'s rank order {t.rank_order} spaces the ranks of "

@@ -79,7 +79,10 @@ def check_dataset(cfg: Any, plan: Any) -> None:
         if builtin.parse_builtin_path(path) is not None or f"dataset.{key}" in unseen:
             continue
         cols = peek_columns(parse_source(path, f"dataset.{key}"))
-        check_columns(d, cols, path)
+        if getattr(getattr(cfg, "algo", None), "name", None) == "rm":
+            check_pair_columns(d, cols, path)
+        else:
+            check_columns(d, cols, path)
         if key == "train_path":
             splits = cols.splits
     if builtin.parse_builtin_path(d.train_path) is None and d.test_path is None and not d.test_fraction:
@@ -105,6 +108,20 @@ def check_knobs(d: DatasetConfig, plan: Any) -> None:
                 plan.warnings.append(f"dataset.{name}={getattr(d, name)} has no effect: only the built-in task "
                                      "reads it (local data uses every usable row; dataset.eval_size caps the test "
                                      "items)")
+
+
+def check_pair_columns(d: DatasetConfig, cols: Columns, path: str) -> None:
+    """``algo=rm``: ``chosen_field`` and ``rejected_field`` are columns holding text or chats (the rows
+    themselves are checked when read: data/preferences.py)."""
+    for key, want in (("chosen_field", d.chosen_field), ("rejected_field", d.rejected_field)):
+        if want not in cols.names:
+            raise ConfigError(f"dataset.{key}", f"{want!r} is not a column of {path} (columns: "
+                              f"{', '.join(cols.names) or 'none'}; read from {cols.where}); algo=rm reads "
+                              "preference pairs", f"{did_you_mean(want, cols.names)}set dataset.{key} to the column "
+                              f"holding the {key.split('_')[0]} side")
+        if cols.kind(want) not in PROMPT_KINDS:
+            raise ConfigError(f"dataset.{key}", f"column {want!r} of {path} holds {cols.kind(want)} values, not "
+                              "text or a chat", f"set dataset.{key} to the column holding the {key.split('_')[0]} side")
 
 
 def check_columns(d: DatasetConfig, cols: Columns, path: str) -> None:

@@ -113,9 +113,11 @@ class _Planner:
 
     # ------------------------------------------------------------------ pieces
     def server(self):
-        """(GenTime, memory) of one rollout server instance; None without one (SFT)."""
+        """(GenTime, memory) of one rollout server instance; None without one (SFT, RM)."""
         inf, cfg, w = self.inf, self.cfg, self.w
-        if inf is None or cfg.algo.name == "sft":
+        from areal_cli.config.algo import generates
+
+        if inf is None or not generates(cfg.algo.name):
             return None, None
         seq = int(w.prompt_tokens + w.decode_iters)
         admitted = min(cfg.rollout.max_concurrent_rollouts, (w.staleness + 1) * w.prompts) * w.group

@@ -64,7 +64,9 @@ class Workload:
 
 def workload(cfg, prompt_tokens: float | None = None, new_tokens: float | None = None) -> Workload:
     g = cfg.rollout.gconfig
-    algo_g = 1 if cfg.algo.name == "sft" else cfg.rollout.group_size
+    from areal_cli.config.algo import samples_per_prompt
+
+    algo_g = samples_per_prompt(cfg.algo.name, cfg.rollout.group_size)
     return Workload(cfg.algo.batch_size, algo_g,
                     float(prompt_tokens if prompt_tokens is not None else max(1, cfg.dataset.max_prompt_len // 2)),
                     float(new_tokens if new_tokens is not None else g.max_new_tokens),

@@ -4,7 +4,7 @@
 
 Reads the resolved config and ``launch.json`` (layout + model path) that ``areal train`` wrote to
 the run dir, sends this rank's output to ``RUN_DIR/logs/trainer_rank<R>.log``, initialises the
-process group and runs the RL or SFT loop.
+process group and runs the RL, SFT or reward-model loop.
 """
 
 from __future__ import annotations
@@ -84,6 +84,10 @@ def _run(config_path: str, run_dir: str) -> int:
             from areal_cli.trainer.sft import run_sft
 
             result = run_sft(cfg, layout, run_dir, model_path, rank, world)
+        elif cfg.algo.name == "rm":
+            from areal_cli.trainer.rm import run_rm
+
+            result = run_rm(cfg, layout, run_dir, model_path, rank, world)
         else:
             from areal_cli.trainer.rl import RLTrainer
 

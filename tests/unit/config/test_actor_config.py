@@ -13,7 +13,7 @@ from areal_cli.config.algo import AlgoConfig, validate_algo_config
 from areal_cli.errors import ConfigError
 
 PRESET_DIR = Path(areal_cli.__file__).parent / "conf" / "algo"
-PRESETS = ["grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_pp", "gspo", "sft"]
+PRESETS = ["grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_pp", "gspo", "sft", "rm"]
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "algorithms.md"
 
 

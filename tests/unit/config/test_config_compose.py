@@ -41,7 +41,7 @@ def test_groups_and_required_options_exist():
     assert "local_cpu" in opts["allocation_mode"] and "cpu_default" in opts["experiment"]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_pp", "gspo", "sft"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_pp", "gspo", "sft", "rm"])
 def test_every_algo_preset_composes(algo):
     assert load_config([f"algo={algo}"]).algo.name == algo
 
@@ -66,7 +66,7 @@ def test_model_presets_carry_architecture_facts():
     (["rollout.batch_size=4"], "rollout.batch_size: unknown config key 'batch_size' in 'rollout' — fix: did "
                                "you mean 'algo.batch_size'?"),
     (["algo=grop"], "algo: unknown algo option 'grop' — fix: did you mean 'grpo'? options: dapo, drgrpo, "
-                    "grpo, gspo, ppo, reinforce_pp, rloo, sft"),
+                    "grpo, gspo, ppo, reinforce_pp, rloo, rm, sft"),
     (["modle=tiny"], "modle: unknown config key 'modle' — fix: did you mean 'model'?"),
     (["rollout.group_size=abc"], "rollout.group_size: expected an integer, got 'abc' — fix: set "
                                  "rollout.group_size to an integer"),
