@@ -16,7 +16,7 @@ module composes them the way the trainer loop runs a step (``trainer/rl.py:train
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from areal_cli.allocation.estimate import ModelFacts
 from areal_cli.config.rollout import resolved_weight_update
@@ -91,11 +91,13 @@ def _nodes(part) -> set[int]:
     return {n for n, _ in part.placement}
 
 
-def _shared(a: float, b: float, slow: float) -> float:
-    """Wall time of two jobs of ``a`` and ``b`` seconds (each alone) that slow each other by ``slow`` while
-    both run."""
-    lo, hi = sorted((a, b))
-    return lo * slow + (hi - lo)
+def _overlap(a: float, slow_a: float, b: float, slow_b: float) -> tuple[float, float]:
+    """When two jobs of ``a`` and ``b`` seconds (each alone), slowed by ``slow_a`` and ``slow_b`` while both
+    run, finish: the first to finish frees the cores, and the other finishes its work at full speed."""
+    ta, tb = a * slow_a, b * slow_b
+    if ta <= tb:
+        return ta, ta + (b - ta / slow_b)
+    return tb + (a - tb / slow_a), tb
 
 
 class _Planner:
@@ -192,13 +194,18 @@ class _Planner:
         # The episodes' client side (the rollout worker) runs beside the generating servers on the same cores,
         # busy for this fraction of the generation.
         client = min(1.0, self.w.samples * self.w.new_tokens * T.CLIENT_CPU_S_PER_TOKEN / max(gen_s, 1e-9))
+        # While both run, the scheduler gives every runnable thread the same share of the cores: a server
+        # thread runs that much slower, a trainer rank's threads get that share each (its second thread
+        # gains little, so losing it costs little).
         best = None
         for threads in sorted({1, share}):
             train = self.trainer(threads)
-            slow = max(1.0, (servers + client + ranks * threads) / self.cores)
-            wall = _shared(gen_s + reward_s, train.total_s, slow) + sync_s
+            each = min(1.0, self.cores / (servers + client + ranks * threads))
+            slow_train = T.core_speed(threads) / T.core_speed(threads * each)
+            gen_end, train_end = _overlap(gen_s + reward_s, 1 / each, train.total_s, slow_train)
+            wall = max(gen_end, train_end) + sync_s
             if best is None or wall < best[0]:
-                best = (wall, train)
+                best = (wall, replace(train, shared_s=train_end - train.total_s))
         return sync_step, best[0], train_sync, best[1], gen_cpu
 
     def run(self) -> RunPlan:

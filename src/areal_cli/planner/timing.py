@@ -81,6 +81,12 @@ def thread_speedup(threads: int) -> float:
     return 1.0 + CPU_THREAD_GAIN * (max(1, threads) - 1)
 
 
+def core_speed(cores: float) -> float:
+    """Speed of a job given ``cores`` of CPU time at once, against one whole core: a share of one core runs
+    it proportionally slower, extra cores gain ``CPU_THREAD_GAIN`` each (as :func:`thread_speedup`)."""
+    return cores if cores <= 1 else thread_speedup(1) + CPU_THREAD_GAIN * (cores - 1)
+
+
 def flops_rate(hw: HardwareProfile, threads: int = 1) -> float:
     """FLOP/s of one process at peak: a GPU's, or ``threads`` cores' share of a CPU host's."""
     if hw.kind == "cpu":
@@ -192,17 +198,18 @@ class TrainTime:
     optim_s: float  # the memory-bound optimizer update
     flops: float
     n_micro_batches: int
+    shared_s: float = 0.0  # a CPU host: the slowdown from sharing the cores with the servers' generation
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.cp_comm_s + self.dp_comm_s
-                + self.overhead_s + self.optim_s)
+                + self.overhead_s + self.optim_s + self.shared_s)
 
     def parts(self) -> dict[str, float]:
         return {"compute": self.compute_s, "pipeline bubbles": self.bubble_s,
                 "tensor-parallel communication": self.tp_comm_s, "context-parallel communication": self.cp_comm_s,
                 "gradient reduction": self.dp_comm_s, "per-micro-batch overhead": self.overhead_s,
-                "optimizer update": self.optim_s}
+                "optimizer update": self.optim_s, "cores shared with generation": self.shared_s}
 
 
 def train_passes(cfg) -> tuple[float, float]:
@@ -268,7 +275,10 @@ def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threa
     rank_mb_tokens = tokens / (par.dp * cfg.algo.ppo_n_minibatches)
     packed = math.ceil(rank_mb_tokens / max(1, mb.tokens_per_mb))
     n_mb = max(1, min(mb.n_micro_batches, packed))
-    rate = flops_rate(hw, threads) * hw.train_mfu_at(f.hidden, rank_mb_tokens / n_mb)
+    # A calibrated CPU host's rate depends on the micro-batch's working set (caches); the ranks of one node
+    # run at once and share those caches, so their micro-batches count together.
+    per_node = max(1, world // max(1, len({n for n, _ in part.placement})))
+    rate = flops_rate(hw, threads) * hw.train_mfu_at(f.hidden, rank_mb_tokens / n_mb * per_node)
     compute = flops / (world * rate)
     if par.tp > 1:
         compute /= hw.tp_token_eff

@@ -268,3 +268,21 @@ def test_step_flops_count_the_vocabulary_projection_on_loss_positions_only_when_
     assert step_flops(f, 100, 30, 40, 0, 1) == 2 * (body + attn + head) * 100
     # an untied input embedding is a lookup: no FLOPs beyond the tied model's
     assert step_flops(untied, 100, 30, 40, 1, 1) == step_flops(f, 100, 30, 40, 1, 1)
+
+
+def test_an_async_cpu_step_shares_the_cores_between_generation_and_training():
+    """On a shared CPU host, while the server generates, every runnable thread gets the same share of the
+    cores: the trainer's time grows by what that costs it (reported as its own part), a sync step has none."""
+    from areal_cli.planner.model import _overlap
+
+    # generation 1 s, training 3 s alone; while both run, generation at half speed and training at 1/1.2
+    gen_end, train_end = _overlap(1.0, 2.0, 3.0, 1.2)
+    assert gen_end == 2.0 and train_end == pytest.approx(2.0 + 3.0 - 2.0 / 1.2)
+    assert _overlap(3.0, 1.0, 1.0, 2.0) == (pytest.approx(2.0 + 3.0 - 2.0), 2.0)  # training finishes first
+    hw = get_profile("cpu")
+    a = planned("trainer.sft_warmup_steps=0", hw=hw)
+    s = planned("trainer.sft_warmup_steps=0", "rollout=sync", hw=hw)
+    assert a.step.mode == "async" and a.terms["train"]["shared_s"] > 0
+    assert a.step.train_s == pytest.approx(a.terms["train"]["total_s"])
+    assert s.step.mode == "sync" and s.terms["train"]["shared_s"] == 0.0
+    assert a.step.step_s < s.step.step_s  # overlap still pays
