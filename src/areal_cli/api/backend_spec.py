@@ -74,6 +74,8 @@ class EngineSpec:
     full_recompute: Callable[[Any], bool] | None = None
     # its recover state is torch DCP under HF parameter names, so `areal export` can turn it into an HF dir
     dcp_checkpoint: bool = False
+    # trains a value head in the LM head's place (``critic=True``): PPO's critic, algo=rm's reward model
+    critic: bool = False
     package: PackageNeed | None = None  # beyond torch, checked before launch
 
     @property

@@ -23,8 +23,6 @@ BEHAV_IMP_WEIGHT_LEVELS = ("token", "sequence")
 KL_CLAMP = 10.0
 # Algorithms that train without generating: no inference component, no rollouts, no weight pushes.
 TRAIN_ONLY_ALGOS = ("sft", "rm")
-# Engines whose critic path (a value head on the policy's architecture) algo=rm trains.
-CRITIC_ENGINES = ("fsdp", "archon", "deepspeed", "megatron")
 
 
 def generates(name: str) -> bool:

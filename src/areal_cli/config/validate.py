@@ -24,7 +24,6 @@ from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
 from areal_cli.allocation.spec import DIM_NAMES, AllocationSpec, Component, Dims, train_backends
 from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import (
-    CRITIC_ENGINES,
     generates,
     samples_per_prompt,
     validate_algo_config,
@@ -39,7 +38,7 @@ from areal_cli.config.recipe import check_model_facts
 from areal_cli.config.rollout import disk_only
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.checks import check_dataset
-from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, engines_with, get_engine_spec
+from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, engines_with, get_engine_spec, is_import_path
 from areal_cli.errors import ConfigError
 from areal_cli.inference.backends import DEFAULT_BACKEND, backend_spec
 from areal_cli.planner.hardware import gpu_memory_gb, resolve_hardware
@@ -249,9 +248,10 @@ def _check_reward_model(cfg: ExperimentConfig, spec: AllocationSpec) -> None:
         return
     for c in spec.train:
         backend = c.backend or cfg.engine.name
-        if backend not in CRITIC_ENGINES and not _has_critic_path(backend):
+        has = _has_critic_path(backend) if is_import_path(backend) else get_engine_spec(backend).critic
+        if not has:
             raise ConfigError("engine", f"algo=rm trains a value head, and the {backend} engine has no critic path",
-                              f"use engine={' or engine='.join(CRITIC_ENGINES)}")
+                              f"use engine={' or engine='.join(engines_with('critic'))}")
     if cfg.trainer.sft_warmup_steps > 0 and not cfg.dataset.train_path.startswith("builtin:"):
         raise ConfigError("trainer.sft_warmup_steps", f"{cfg.trainer.sft_warmup_steps} SFT steps before the reward "
                           "model need question/answer items, and algo=rm on local preference pairs has none",

@@ -41,12 +41,12 @@ def _deepspeed_sharding(engine_cfg: Any) -> Sharding:
 
 FSDP = EngineSpec("fsdp", "areal_cli.engines.fsdp:FSDPEngine", "dc", lambda _: FULL_SHARD, None,
                   "PyTorch FSDP2 data parallel with Ulysses context parallel",
-                  lora=ALL_DIMS, routing_replay=ALL_DIMS, dcp_checkpoint=True)
+                  lora=ALL_DIMS, routing_replay=ALL_DIMS, dcp_checkpoint=True, critic=True)
 
 # DeepSpeed inherits fsdp's forward, but routing replay is untested with it, so it does not declare it.
 DEEPSPEED = EngineSpec("deepspeed", "areal_cli.engines.deepspeed:DeepSpeedEngine", "dc", _deepspeed_sharding,
                        "deepspeed", "DeepSpeed ZeRO-1/2/3 with Ulysses context parallel (offload on GPU nodes)",
-                       check_config=check_deepspeed_knobs, lora=ALL_DIMS,
+                       check_config=check_deepspeed_knobs, lora=ALL_DIMS, critic=True,
                        package=PackageNeed("deepspeed", "deepspeed",
                                            "DS_BUILD_OPS=0 pip install 'areal-cli[deepspeed]' (or "
                                            "AREAL_EXTRAS=deepspeed bash scripts/install.sh)"))

@@ -65,7 +65,7 @@ SPEC = EngineSpec(
     "megatron-core TP/PP (+ virtual stages)/DP with a distributed optimizer",
     constraint=_constraint, check_layers=_layers, check_config=_knobs,
     routing_replay="dtpce", check_routing_replay=_routing_replay,  # mcore's router-replay seam (.routing)
-    hybrid_moe=True, c_splits_heads=False, flash_shared_prefix=True,
+    hybrid_moe=True, c_splits_heads=False, flash_shared_prefix=True, critic=True,
     full_recompute=lambda e: e.megatron.recompute_granularity == "full",  # "selective": core attention only
     package=PackageNeed("megatron.core", "megatron-core",
                         "pip install 'areal-cli[megatron]' (or AREAL_EXTRAS=megatron bash scripts/install.sh)"))
