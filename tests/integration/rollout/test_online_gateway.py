@@ -29,7 +29,7 @@ from areal_cli.rollout import RolloutExecutor
 from areal_cli.rollout.workflows.online import OnlineAgentWorkflow
 
 # A server of its own and a killed service process: end to end, outside the default suite (the fast
-# form of these guarantees, on the fake engine, is tests/unit/rollout/test_online_gateway.py).
+# form of these guarantees, on the fake engine, is tests/unit/rollout/test_online_gateway_parts.py).
 pytestmark = [pytest.mark.timeout(600), pytest.mark.e2e]
 KEY = "service-secret"
 
