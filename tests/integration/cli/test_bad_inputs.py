@@ -97,7 +97,7 @@ TABLE = [
       "(mkdir -p <tmp>/missing/dir), point at an existing directory (cluster.fileroot=DIR), or pass --create"]),
     (["validate-config", "algo=grop"], 1,
      ["error: algo: unknown algo option 'grop' — fix: did you mean 'grpo'? options: dapo, drgrpo, grpo, gspo, "
-      "ppo, reinforce_pp, rloo, sft"]),
+      "ppo, reinforce_pp, rloo, rm, sft"]),
     (["validate-config", "rollout.group_sze=4"], 1,
      ["error: rollout.group_sze: unknown config key 'group_sze' in 'rollout' — fix: did you mean "
       "'rollout.group_size'?"]),
