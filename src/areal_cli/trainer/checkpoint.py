@@ -127,6 +127,22 @@ class CheckpointManager:
                               "use resume=auto, resume=force or a <run_dir>/recover/step_N dir")
         return p
 
+    def resume_loop(self, resume: str, engine: Any, stream: Any, stats: Any, kind: str, rank: int) -> int:
+        """For a one-engine loop (SFT, reward model): restore the engine, the prompt stream's position and the
+        metrics from the recover state ``resume`` names, log the start event, and return the step to go on
+        from (0 on a fresh run). ``kind``: the loop's per-step metrics kind."""
+        start = 0
+        recover = self.find_recover(resume)
+        if recover is not None:
+            state = self.load_recover(engine, recover)
+            start = int(state["step"])
+            stream.load_state_dict(state["stream"])
+            stats.truncate_after(start, kinds=(kind, "eval"))
+            if rank == 0:
+                print(f"[areal] resuming from step {start} (checkpoint {recover})", flush=True)
+        stats.log("event", start, {"event": "start", "resumed_from": start})
+        return start
+
     def load_recover(self, engine: Any, path: Path, others: dict[str, Any] | None = None) -> dict[str, Any]:
         """Restore the engine and this rank's RNG; returns rank 0's trainer state (on every rank)."""
         import torch

@@ -117,16 +117,7 @@ def run_rm(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int
                         "train pairs — fix: lower algo.batch_size or add pairs")
     engine = build.build_engine(cfg, layout, model_path, critic=True)
     stream = PromptStream(train_pairs, seed=cfg.seed, shuffle=cfg.dataset.shuffle)
-    start = 0
-    recover = ckpt.find_recover(cfg.resume)
-    if recover is not None:
-        state = ckpt.load_recover(engine, recover)
-        start = int(state["step"])
-        stream.load_state_dict(state["stream"])
-        stats.truncate_after(start, kinds=("rm", "eval"))
-        if rank == 0:
-            print(f"[areal] resuming from step {start} (checkpoint {recover})", flush=True)
-    stats.log("event", start, {"event": "start", "resumed_from": start})
+    start = ckpt.resume_loop(cfg.resume, engine, stream, stats, "rm", rank)
     if rank == 0:
         print(f"[areal] reward model: {len(train_pairs)} train pairs, {len(test_pairs)} held-out pairs", flush=True)
 

@@ -185,16 +185,7 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
         test_items = test_items[: cfg.dataset.eval_size]
     engine = build.build_engine(cfg, layout, model_path)
     stream = PromptStream(train_items, seed=cfg.seed, shuffle=cfg.dataset.shuffle)
-    start = 0
-    recover = ckpt.find_recover(cfg.resume)
-    if recover is not None:
-        state = ckpt.load_recover(engine, recover)
-        start = int(state["step"])
-        stream.load_state_dict(state["stream"])
-        stats.truncate_after(start, kinds=("sft", "eval"))
-        if rank == 0:
-            print(f"[areal] resuming from step {start} (checkpoint {recover})", flush=True)
-    stats.log("event", start, {"event": "start", "resumed_from": start})
+    start = ckpt.resume_loop(cfg.resume, engine, stream, stats, "sft", rank)
     has_servers = bool(layout.servers)
     # Only disk pushes: the servers idle between evaluations, so no broadcast group is kept for them.
     fleet = ServerFleet(run_dir, len(layout.servers), cfg.launcher.server_startup_timeout_s,
