@@ -133,12 +133,13 @@ async def _pause_bump_continue(address: str, version: int) -> int:
     pause aborted (0: the request finished first, so the caller tries again). The server always continues:
     a server left paused hangs every later test on it."""
     async with httpx.AsyncClient(timeout=60) as h:
-        for _ in range(2000):
+        before = (await h.get(f"http://{address}/get_load")).json()["stats"]["generated_tokens"]
+        for _ in range(4000):  # a few tokens decoded at the old version (not a fixed sleep: on a fast idle
+            # box 300 tokens take well under 0.1 s, and a sleep let the request finish first)
             load = (await h.get(f"http://{address}/get_load")).json()
-            if load["running"] >= 1:
+            if load["running"] >= 1 and load["stats"]["generated_tokens"] >= before + 4:
                 break
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)  # let it decode a few tokens at the old version
+            await asyncio.sleep(0.002)
         try:
             n = (await h.post(f"http://{address}/pause_generation", json={})).json()["num_aborted"]
             if n:
