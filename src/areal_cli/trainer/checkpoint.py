@@ -162,3 +162,36 @@ class CheckpointManager:
                       and not p.is_symlink())
         for p in done[:-self.keep]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def run_engine_loop(tc: Any, start: int, engine: Any, ckpt: CheckpointManager, stream: Any, stats: Any, rank: int,
+                    run_steps: Any, evaluate: Any, export: Any) -> dict[str, Any]:
+    """The step loop of a one-engine run (SFT, reward model): ``run_steps(first_step, n)`` in chunks that end
+    at every save/recover/eval boundary of ``tc`` (the trainer config), those actions at each, then the
+    final evaluation and export. Returns the run's result and closes stats and engine."""
+    if start == 0:
+        evaluate(0)
+    step = start
+    while step < tc.total_steps:
+        chunk = tc.total_steps - step
+        for boundary in (tc.recover_every, tc.eval_every, tc.save_every):
+            if boundary:
+                chunk = min(chunk, boundary - step % boundary)
+        run_steps(step + 1, chunk)
+        step += chunk
+        engine.set_version(step)
+        if step == tc.total_steps:
+            break
+        if tc.save_every and step % tc.save_every == 0:
+            export(f"step_{step:06d}")
+        if tc.recover_every and step % tc.recover_every == 0:
+            ckpt.save_recover(engine, step, {"step": step, "version": step, "stream": stream.state_dict()}
+                              if rank == 0 else {})
+        if tc.eval_every and step % tc.eval_every == 0:
+            evaluate(step)
+    final = evaluate(tc.total_steps)
+    out = export("final")
+    stats.log("event", tc.total_steps, {"event": "end", "hf_export": out})
+    stats.close()
+    engine.destroy()
+    return {"final_eval": final, "hf_export": out}

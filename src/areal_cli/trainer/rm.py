@@ -96,7 +96,7 @@ def run_rm(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int
     """``algo=rm``: ``trainer.total_steps`` Bradley–Terry steps of ``algo.batch_size`` pairs, evaluated on the
     held-out pairs every ``trainer.eval_every`` steps and at the end; exports as ``algo=sft`` does."""
     from areal_cli.trainer.reward_export import write_sequence_classification
-    from areal_cli.trainer.checkpoint import CheckpointManager
+    from areal_cli.trainer.checkpoint import CheckpointManager, run_engine_loop
     from areal_cli.trainer.stats import StatsLogger
     from areal_cli.utils.dist import barrier, broadcast_obj
 
@@ -138,30 +138,7 @@ def run_rm(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int
         barrier()
         return path
 
-    if start == 0:
-        evaluate(0)
-    step = start
-    while step < tc.total_steps:
-        chunk = tc.total_steps - step
-        for boundary in (tc.recover_every, tc.eval_every, tc.save_every):
-            if boundary:
-                chunk = min(chunk, boundary - step % boundary)
-        run_rm_steps(engine, stream, read_id, steps=chunk, batch_size=cfg.algo.batch_size, stats=stats,
-                     first_step=step + 1, total=tc.total_steps)
-        step += chunk
-        engine.set_version(step)
-        if step == tc.total_steps:
-            break
-        if tc.save_every and step % tc.save_every == 0:
-            export(f"step_{step:06d}")
-        if tc.recover_every and step % tc.recover_every == 0:
-            ckpt.save_recover(engine, step, {"step": step, "version": step, "stream": stream.state_dict()}
-                              if rank == 0 else {})
-        if tc.eval_every and step % tc.eval_every == 0:
-            evaluate(step)
-    final = evaluate(tc.total_steps)
-    out = export("final")
-    stats.log("event", tc.total_steps, {"event": "end", "hf_export": out})
-    stats.close()
-    engine.destroy()
-    return {"final_eval": final, "hf_export": out}
+    return run_engine_loop(tc, start, engine, ckpt, stream, stats, rank,
+                           lambda first, n: run_rm_steps(engine, stream, read_id, steps=n, batch_size=cfg.algo.batch_size,
+                                                        stats=stats, first_step=first, total=tc.total_steps),
+                           evaluate, export)

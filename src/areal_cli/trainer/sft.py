@@ -172,7 +172,7 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
     """``algo=sft``: ``trainer.total_steps`` SFT steps with recover states and HF exports; evaluated
     through the inference servers (weights pushed from disk) when the allocation has any."""
     from areal_cli.launchers.base import read_servers, wait_for_servers
-    from areal_cli.trainer.checkpoint import CheckpointManager
+    from areal_cli.trainer.checkpoint import CheckpointManager, run_engine_loop
     from areal_cli.trainer.stats import StatsLogger
 
     tc = cfg.trainer
@@ -213,31 +213,8 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
             stats.log("eval", step, {**out, "phase": "sft"})  # an SFT run's evaluations, not an RL phase's
         return broadcast_obj(out)
 
-    if start == 0:
-        evaluate(0)
-    step = start
-    while step < tc.total_steps:
-        chunk = tc.total_steps - step
-        for boundary in (tc.recover_every, tc.eval_every, tc.save_every):
-            if boundary:
-                chunk = min(chunk, boundary - step % boundary)
-        run_sft_steps(engine, stream, tokenizer, steps=chunk, batch_size=cfg.algo.batch_size, stats=stats,
-                      use_chat_template=cfg.dataset.use_chat_template,
-                      first_step=step + 1, total=tc.total_steps)
-        step += chunk
-        engine.set_version(step)
-        if step == tc.total_steps:
-            break
-        if tc.save_every and step % tc.save_every == 0:
-            ckpt.export_hf(engine, f"step_{step:06d}")
-        if tc.recover_every and step % tc.recover_every == 0:
-            ckpt.save_recover(engine, step, {"step": step, "version": step, "stream": stream.state_dict()}
-                              if rank == 0 else {})
-        if tc.eval_every and step % tc.eval_every == 0:
-            evaluate(step)
-    final = evaluate(tc.total_steps)
-    out = ckpt.export_hf(engine, "final")
-    stats.log("event", tc.total_steps, {"event": "end", "hf_export": out})
-    stats.close()
-    engine.destroy()
-    return {"final_eval": final, "hf_export": out}
+    return run_engine_loop(tc, start, engine, ckpt, stream, stats, rank,
+                           lambda first, n: run_sft_steps(engine, stream, tokenizer, steps=n, batch_size=cfg.algo.batch_size, stats=stats,
+                                                         use_chat_template=cfg.dataset.use_chat_template,
+                                                         first_step=first, total=tc.total_steps),
+                           evaluate, lambda name: ckpt.export_hf(engine, name))
