@@ -65,7 +65,7 @@ def run(steps: int, lr: float, batch: int, size: str = "11.9M", model_dir: str |
     from transformers import AutoTokenizer
 
     from areal_cli.algorithms.actor import sft_step
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
     from areal_cli.data.datasets import load_split
     from areal_cli.trainer.build import resolve_model_path
     from areal_cli.trainer.sft import make_sft_batch

@@ -147,7 +147,7 @@ def measure(name: str, overrides: list[str], steps: int, skip: int, root: str) -
 
 def predict(overrides: list[str], hardware: str) -> dict:
     from areal_cli.cli.common import compose_and_validate
-    from areal_cli.planner.hardware import get_profile
+    from areal_cli.allocation.hardware import get_profile
     from areal_cli.planner.model import plan_config
 
     from areal_cli.planner.lengths import dataset_prompt_lengths
@@ -216,7 +216,7 @@ def main() -> int:
         raise SystemExit(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     if args.calibrate:
         from areal_cli.planner.calibrate import calibrate
-        from areal_cli.planner.hardware import save_profile
+        from areal_cli.allocation.hardware import save_profile
 
         print("calibrated profile saved to", save_profile(calibrate(name=args.hardware)))
     rows = []

@@ -16,7 +16,7 @@ The planner predicts from ``rollout.gconfig.max_new_tokens`` (every response as 
 responses are not: where a source publishes the mean length, ``main()`` also predicts with
 ``max_new_tokens`` set to that mean (all responses at the mean: no long tail, so this one errs fast).
 
-Hardware: H800 (AReaL) and H20 (verl) are built-in profiles (``planner/hardware.py``) from the figures
+Hardware: H800 (AReaL) and H20 (verl) are built-in profiles (``allocation/hardware.py``) from the figures
 NVIDIA's partners and the trade press quote (no NVIDIA datasheet exists for either): H800 is H100 compute
 and HBM with NVLink cut to 400 GB/s; H20 a Hopper part with 148 TFLOPS dense BF16, 96 GB HBM3 at 4.0 TB/s
 and full 900 GB/s NVLink.
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         list_setups(args.json)
         return 0
 
-    from areal_cli.planner.hardware import get_profile
+    from areal_cli.allocation.hardware import get_profile
 
     rows = []
     for s in setups:

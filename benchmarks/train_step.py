@@ -82,7 +82,7 @@ def _setup(args):
     os.environ["MASTER_PORT"] = str(find_free_port())
     from transformers import AutoTokenizer
 
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
     from areal_cli.data.datasets import load_split
     from areal_cli.trainer.build import resolve_model_path
 

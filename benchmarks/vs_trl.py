@@ -221,7 +221,7 @@ def main() -> None:
         warm = str(run / "sft_warmup" / "hf")
     from transformers import AutoTokenizer
 
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
     from areal_cli.data.datasets import load_split
 
     cfg = load_config([f"dataset.eval_size={args.eval_size}", f"cluster.fileroot={root}", *BIG])

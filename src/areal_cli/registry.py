@@ -20,7 +20,7 @@ from it, and the trainer resolves the implementation from the same entry.
   validates, :func:`load_plugins` exports them in ``AREAL_PLUGINS``, and every process the run starts
   (torchrun ranks, the rollout worker, reward workers: they inherit the environment) imports them
   before its first registry lookup. Trainer ranks also import ``cfg.plugins`` when they read the
-  config (``trainer/config_io.py``), for launchers that do not pass the environment on.
+  config (``config/io.py``), for launchers that do not pass the environment on.
 
 Functions in a registry with ``inputs`` are called with exactly the inputs they name: an input
 outside the registry's set is refused when the function is registered (a typo in a parameter name),

@@ -1,14 +1,15 @@
-"""The package's import graph has no cycle, and the CLI stays torch-free at import time.
+"""The package's folders depend one way, its import graph has no cycle, and the CLI stays torch-free.
 
 The walk is static (``ast``): every ``import``/``from`` statement of every module under
 ``src/areal_cli``, resolved to the package's own modules (``from pkg import name`` is an edge to the
 module ``pkg.name`` when that is a module, else to ``pkg``). Function-level (lazy) imports count as
 well: a lazy import only changes *when* a module is loaded, not that two modules need each other.
-Between folders imports may go both ways (through different modules); docs/architecture.md, "Layout",
-lists what each folder imports, and a test here keeps that table equal to the code. Imports under
-``if TYPE_CHECKING:`` never run and are left out. Parent packages are not added as edges: importing
-``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, but they are already in ``sys.modules``
-when a sibling is loaded from inside them, so that is not a cycle Python trips over.
+Imports under ``if TYPE_CHECKING:`` never run and are left out. Parent packages are not added as
+edges: importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, but they are already in
+``sys.modules`` when a sibling is loaded from inside them, so that is not a cycle Python trips over.
+
+docs/architecture.md, "Layout", lists the folders in their order; a module may import only from its
+own folder, from folders above it in that table, and from ``errors.py`` and ``registry.py``.
 """
 
 from __future__ import annotations
@@ -154,23 +155,75 @@ def folder_imports(src: Path, package: str) -> dict[str, set[str]]:
     return out
 
 
-def test_architecture_layout_table_is_the_import_graph():
-    """docs/architecture.md's folder table names every folder and exactly the folders each imports, and
-    its list of pairs that import each other is complete: a new import across folders updates the doc."""
-    text = ARCHITECTURE.read_text()
+FLOOR = ("errors.py", "registry.py")  # below every folder; registry.py imports errors.py only
+
+
+def layout_table(text: str) -> list[tuple[str, set[str]]]:
+    """docs/architecture.md's "Layout" table: (folder, the folders its "imports" column names), in order."""
     layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\w+)/` \|.*\| ([^|]*) \|$", layout, flags=re.MULTILINE)
-    doc = {name: set(re.findall(r"`([\w.]+)`", cell)) for name, cell in rows}
+    return [(name, set(re.findall(r"`([\w.]+)`", cell))) for name, cell in rows]
+
+
+def upward_imports(src: Path, package: str, order: list[str]) -> list[str]:
+    """Every import that goes up ``order`` (or out of it), as "a.b imports c.d: `x/` is above `y/`"."""
+    rank = {f: i for i, f in enumerate(order)}
+    for i, f in enumerate(FLOOR):
+        rank[f] = -len(FLOOR) + i
+    modules = package_modules(src, package)
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        if len(parts) == 1:
+            return None
+        return parts[1] if (src / package / parts[1]).is_dir() else parts[1] + ".py"
+
+    bad = []
+    for module, targets in sorted(import_graph(src, package).items()):
+        a = folder(module)
+        for target in sorted(targets):
+            b = folder(target)
+            if a is None or b is None or a == b:
+                continue
+            if a not in rank or b not in rank:
+                missing = a if a not in rank else b
+                bad.append(f"{module} imports {target}: `{missing}` has no place in the folder order")
+            elif rank[b] > rank[a]:
+                bad.append(f"{module} imports {target}: `{b}/` is above `{a}/` in the folder order "
+                           f"({modules[module].relative_to(src)})")
+    return bad
+
+
+def test_folders_import_only_downward():
+    """No import goes up the folder order of docs/architecture.md (lazy ones included)."""
+    order = [name for name, _ in layout_table(ARCHITECTURE.read_text())]
+    assert len(order) > 15 and order[0] == "utils" and order[-1] == "cli"
+    bad = upward_imports(SRC, "areal_cli", order)
+    assert not bad, "imports against the folder order:\n" + "\n".join(bad)
+
+
+def test_a_planted_upward_import_fails_with_its_name(tmp_path):
+    """The check itself, on a copy of the package with one lazy import going up: a function in
+    `config/` importing the trainer. The message names both modules and the file."""
+    import shutil
+
+    shutil.copytree(SRC / "areal_cli", tmp_path / "areal_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    victim = tmp_path / "areal_cli" / "config" / "model.py"
+    victim.write_text(victim.read_text() + "\n\ndef _planted():\n    from areal_cli.trainer import rl  # noqa\n")
+    order = [name for name, _ in layout_table(ARCHITECTURE.read_text())]
+    bad = upward_imports(tmp_path, "areal_cli", order)
+    print("\n".join(bad))
+    assert bad == ["areal_cli.config.model imports areal_cli.trainer.rl: `trainer/` is above `config/` in the "
+                   "folder order (areal_cli/config/model.py)"]
+    assert upward_imports(SRC, "areal_cli", order) == []
+
+
+def test_architecture_layout_table_is_the_import_graph():
+    """docs/architecture.md's folder table names every folder and exactly the folders each imports:
+    a new import across folders updates the doc."""
+    doc = dict(layout_table(ARCHITECTURE.read_text()))
     real = {f: deps for f, deps in folder_imports(SRC, "areal_cli").items() if not f.endswith(".py")}
     assert set(real) <= set(doc), f"folders missing from the table: {sorted(set(real) - set(doc))}"
     assert set(doc) - set(real) <= {"conf"}, f"table rows with no such package: {sorted(set(doc) - set(real))}"
     wrong = {f: {"doc": sorted(doc[f]), "code": sorted(real[f])} for f in real if doc[f] != real[f]}
     assert not wrong, f"architecture.md's 'imports' column differs from the code: {wrong}"
-
-    both = {frozenset((a, b)) for a in real for b in real[a] if b in real and a in real[b]}
-    listed = set()
-    for left, rights in re.findall(r"^- `(\w+)/` ↔ (.*?):?$", layout, flags=re.MULTILINE):
-        for right in re.findall(r"`(\w+)/`", rights.split(":", 1)[0]):
-            listed.add(frozenset((left, right)))
-    assert listed == both, {"listed, not in the code": sorted(map(sorted, listed - both)),
-                            "in the code, not listed": sorted(map(sorted, both - listed))}

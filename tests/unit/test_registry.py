@@ -15,7 +15,8 @@ import torch
 from areal_cli.algorithms.advantages import compute_advantages
 from areal_cli.algorithms.losses import ActorLossParams, actor_loss
 from areal_cli.algorithms.registry import ADV_ESTIMATORS, LOSS_AGG, POLICY_LOSSES, register_adv_estimator
-from areal_cli.config.algo import AlgoConfig, validate_algo_config, validate_group_size
+from areal_cli.config.algo import AlgoConfig
+from areal_cli.algorithms.config_checks import validate_algo_config, validate_group_size
 from areal_cli.errors import ConfigError
 from areal_cli.registry import PLUGINS_ENV, RegistrationError, load_plugins
 from areal_cli.rewards.registry import REWARDS
@@ -139,7 +140,7 @@ def test_validate_reads_workflow_and_reward_registries():
     from rollout_fakes import LengthWorkflow
 
     from areal_cli.config.schema import ExperimentConfig
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.validate import validate
     from areal_cli.config.workflow import WorkflowConfig
     from areal_cli.rewards.registry import register_reward
     from areal_cli.rollout.workflows import register_workflow
@@ -161,7 +162,7 @@ def test_an_in_process_reward_is_called_in_process():
     from areal_cli.config.schema import ExperimentConfig
     from areal_cli.config.workflow import WorkflowConfig
     from areal_cli.rewards.registry import register_reward
-    from areal_cli.trainer.build import build_reward_fn
+    from areal_cli.rollout.build import build_reward_fn
 
     def one(prompt, completion, answer, **kw):
         return 1.0

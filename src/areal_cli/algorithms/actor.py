@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from areal_cli.algorithms.advantages import compute_advantages as _estimate
-from areal_cli.algorithms.advantages import longest_turn_len, overlong_penalty
+from areal_cli.algorithms.advantages import (compute_advantages as _estimate, longest_turn_len,
+                                             overlong_penalty)
 from areal_cli.algorithms.distill import distill_advantages, mix_advantages
 from areal_cli.algorithms.kl import kl_reward
 from areal_cli.algorithms.losses import ActorLossParams, actor_loss, sft_policy_loss
@@ -30,7 +30,8 @@ from areal_cli.algorithms.normalisation import (
     masked_whiten,
 )
 from areal_cli.algorithms.registry import ADV_ESTIMATORS, LOSS_AGG
-from areal_cli.config.algo import AlgoConfig, validate_algo_config
+from areal_cli.config.algo import AlgoConfig
+from areal_cli.algorithms.config_checks import validate_algo_config
 from areal_cli.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover

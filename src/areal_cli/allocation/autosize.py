@@ -10,7 +10,7 @@ episode decodes its whole group at once, the prompt cached once), capped by the 
 admitted), and by the servers' own cap where every backend's spec declares one (``max_concurrency``: the built-in
 hf server's 64).
 
-Pure arithmetic, no torch: ``config/validate.py`` calls it once and writes the numbers into the config, so the
+Pure arithmetic, no torch: ``plan/validate.py`` calls it once and writes the numbers into the config, so the
 run's config.yaml and every engine see ints, never ``auto``.
 """
 

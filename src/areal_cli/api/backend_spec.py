@@ -15,7 +15,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class PackageNeed:
-    """A Python package a backend needs, checked before launch (config/packages.py)."""
+    """A Python package a backend needs, checked before launch (plan/packages.py)."""
 
     module: str  # the import name (dotted for a submodule)
     dist: str  # the name pip knows

@@ -35,10 +35,10 @@ def load_eval_config(src: Source, overrides: list[str]) -> Any:
     """The run's saved config with ``overrides`` applied (or the default config for a lone HF dir)."""
     overrides = [_alias(o) for o in overrides]
     if src.run_dir is None:
-        from areal_cli.config.compose import load_config
+        from areal_cli.plan.compose import load_config
 
         return load_config(overrides)
-    from areal_cli.trainer.config_io import load_config_file
+    from areal_cli.config.io import load_config_file
 
     return apply_overrides(load_config_file(src.run_dir / "config.yaml"), overrides)
 
@@ -56,8 +56,8 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from areal_cli.config.compose import split_override
-    from areal_cli.config.groups import GROUPS, find_option, group_options
+    from areal_cli.plan.compose import split_override
+    from areal_cli.plan.groups import GROUPS, find_option, group_options
     from areal_cli.errors import did_you_mean
 
     conf = OmegaConf.structured(cfg)
@@ -119,7 +119,7 @@ class _Server:
     """A server on the checkpoint, started like the run's own (``launchers/local.server_argv``)."""
 
     def __init__(self, cfg: Any, model_dir: str, backend: str, log_dir: str):
-        from areal_cli.launchers.base import ServerSpec
+        from areal_cli.job.layout import ServerSpec
         from areal_cli.launchers.local import base_env, server_argv
         from areal_cli.utils.network import find_free_port
         from areal_cli.utils.procs import ManagedProcess
@@ -195,7 +195,7 @@ def default_output(src: Source) -> Path:
 
 def _evaluate(cfg: Any, src: Source, model_dir: str, server: str | None, backend: str | None, work: str,
               progress: Any) -> dict[str, Any]:
-    from areal_cli.trainer import build
+    from areal_cli.rollout import build
     from areal_cli.trainer.evaluation import evaluate_on_servers
 
     tokenizer = build.build_tokenizer(model_dir)

@@ -23,9 +23,10 @@ from typing import Any
 
 from areal_cli.checkpoints.locate import CheckpointError, Source, engine_name, policy_base
 from areal_cli.errors import ConfigError
+from areal_cli.weight_sync.adapter_files import ADAPTER_CONFIG, ADAPTER_FILE
 
 HF_EXTRA_FILES = ("config.json", "generation_config.json")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_FILE)
 
 
 def _saves_dcp(engine: str) -> bool:
@@ -235,7 +236,8 @@ def _dcp_stream(state_dir: Path, names: list[str], specs: dict[str, Any], dtype:
 
 def export_recover(src: Source, dst: Path, *, merge: bool, to: Path, run: str) -> dict[str, Any]:
     """An HF dir (or an adapter, under LoRA) from a recover state of the fsdp or archon engine."""
-    from areal_cli.engines.lora import is_lora_name, peft_key
+    from areal_cli.engines.lora import is_lora_name
+    from areal_cli.weight_sync.adapter_files import peft_key
     from areal_cli.weight_sync.hf_io import MAX_SHARD_BYTES, stream_hf_dir
 
     engine = engine_name(src.run_dir) or "?"
@@ -253,7 +255,7 @@ def export_recover(src: Source, dst: Path, *, merge: bool, to: Path, run: str) -
     from transformers import AutoConfig
 
     from areal_cli.engines.parallelize import torch_dtype
-    from areal_cli.trainer.config_io import load_config_file
+    from areal_cli.config.io import load_config_file
 
     cfg = load_config_file(src.run_dir / "config.yaml")
     dtype = torch_dtype(cfg.engine.dtype)
@@ -261,7 +263,8 @@ def export_recover(src: Source, dst: Path, *, merge: bool, to: Path, run: str) -
     if lora:  # the state holds the adapter only; the base is the run's policy base
         from safetensors.torch import save_file
 
-        from areal_cli.engines.lora import config_dict, peft_config
+        from areal_cli.engines.lora import peft_config
+        from areal_cli.weight_sync.adapter_files import config_dict
 
         adapter = dst / ".adapter"
         adapter.mkdir()

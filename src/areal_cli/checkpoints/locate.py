@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from areal_cli.errors import ArealError
+from areal_cli.weight_sync.adapter_files import ADAPTER_SUBDIR
 from areal_cli.runs.rundir import LAUNCH_FILE, RunNotFound, is_run_dir, read_config, resolve_run
 
-ADAPTER_SUBDIR = "lora_adapter"  # engines/lora.py's name: an HF export's adapter under LoRA
 
 
 class CheckpointError(ArealError):

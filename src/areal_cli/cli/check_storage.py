@@ -44,7 +44,7 @@ def run(paths: list[str], nodes: int, as_json: bool, hosts: list[str], template:
 
     required = int(required_gb * 1024**3) if required_gb is not None else 0
     if not paths or required_gb is None:
-        from areal_cli.config.compose import load_config
+        from areal_cli.plan.compose import load_config
 
         cfg = load_config(list(overrides))
         paths = paths or [cfg.cluster.fileroot]

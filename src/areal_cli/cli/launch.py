@@ -122,7 +122,7 @@ def fetch_hub_model(cfg: Any) -> bool:
         try:
             ensure_hub_config(path, revision)
         except ArealError:
-            from areal_cli.config.recipe import preset_facts_known
+            from areal_cli.plan.recipe import preset_facts_known
 
             if preset_facts_known(cfg):  # an offline submitter: the named preset's facts plan the run
                 return False
@@ -161,7 +161,7 @@ def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
     from areal_cli.errors import ArealError
     from areal_cli.launchers.base import get_launcher
     from areal_cli.trainer.build import layout_from_plan, resolve_model_path
-    from areal_cli.trainer.config_io import save_config
+    from areal_cli.config.io import save_config
     from areal_cli.trainer.entry import LAUNCH_FILE
 
     t0 = time.time()

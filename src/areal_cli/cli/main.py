@@ -26,7 +26,7 @@ INTERNAL_ERROR_EXIT = 3
 @functools.lru_cache(maxsize=1)
 def groups_epilog() -> str:
     """Plain-text list of config groups and their options (a directory scan, no Hydra)."""
-    from areal_cli.config.groups import group_options
+    from areal_cli.plan.groups import group_options
 
     lines = ["\b", "Config groups (override with group=option, values with key.path=value):"]
     for group, opts in group_options().items():
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, config_dirs = take_config_dirs(args)
         if config_dirs:
-            from areal_cli.config.groups import add_config_dirs
+            from areal_cli.plan.groups import add_config_dirs
 
             add_config_dirs(config_dirs)
         import typer.main

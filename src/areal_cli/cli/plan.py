@@ -32,7 +32,7 @@ class PlanOptions:
 def profile_for(cfg, name: str | None = None):
     """The hardware profile ``plan`` uses: ``--hardware``, else ``cluster.hardware`` where the config has it,
     else ``auto``: ``cpu`` on a CPU cluster and ``h100`` on GPUs."""
-    from areal_cli.planner.hardware import AUTO_PROFILE, get_profile, resolve_hardware
+    from areal_cli.allocation.hardware import AUTO_PROFILE, get_profile, resolve_hardware
 
     if name is None:
         return resolve_hardware(cfg)

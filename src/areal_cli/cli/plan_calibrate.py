@@ -56,7 +56,7 @@ def run_calibrate(name: str | None, save: str | None, quick: bool, json_out: boo
 
     from areal_cli.errors import ConfigError, UsageError
     from areal_cli.planner.calibrate import calibrate
-    from areal_cli.planner.hardware import save_profile
+    from areal_cli.allocation.hardware import save_profile
 
     if name is not None and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or name.endswith(".json")):
         raise UsageError(f"--name {name!r}: a profile name is letters, digits, '_', '-' and '.' (it names a file; "

@@ -260,7 +260,7 @@ def settle_run(cfg: Any, *, claim: bool = True, check: bool = True) -> RunChoice
 def resume_command(overrides: list[str], trial_name: str) -> str:
     """``areal train <overrides> trial_name=<name> resume=auto``: the user's overrides in their order,
     with their own ``trial_name``/``resume`` replaced, and the ``--config-dir`` dirs they composed with."""
-    from areal_cli.config.groups import user_config_dirs
+    from areal_cli.plan.groups import user_config_dirs
 
     keep = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].strip() not in ("trial_name", "resume")]
     dirs = [a for d in user_config_dirs() for a in ("--config-dir", str(d))]

@@ -103,7 +103,7 @@ def _refuse_all_invalid(m) -> None:
 
 def _slurm_params(m) -> dict:
     """submitit parameters from the sweep's composed launcher.slurm section."""
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
 
     s = load_config(m.fixed).launcher.slurm
     params = {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": s.cpus_per_task, "mem_gb": s.mem_gb,

@@ -21,7 +21,7 @@ def launch(cfg, plan, overrides: list[str] | None = None, choice=None) -> int:
 def print_job_config(overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
-    from areal_cli.config.compose import compose_dictconfig
+    from areal_cli.plan.compose import compose_dictconfig
 
     print(OmegaConf.to_yaml(compose_dictconfig(overrides), resolve=True), end="")
 

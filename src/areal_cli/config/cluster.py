@@ -14,7 +14,7 @@ class ClusterConfig:
     device: str = "cpu"  # cpu | cuda
     # What one device can do, for the memory estimate and `areal plan`: a built-in profile (h100 h200 a100 b200
     # l40s cpu), one saved by `areal plan --calibrate`, or a path to a profile .json; auto = cpu on
-    # cluster.device=cpu, else h100 (planner/hardware.py).
+    # cluster.device=cpu, else h100 (allocation/hardware.py).
     hardware: str = "auto"
     # None = the hardware profile's memory; a value here wins (a GPU variant the profile does not describe).
     gpu_memory_gb: float | None = ranged(None, gt=0.0, le=1e5, why="the GPU's memory in GB")

@@ -8,7 +8,7 @@ A numeric field is declared with :func:`ranged` instead of a bare default::
 
 and :func:`check_ranges` walks a config (any group's dataclass, nested groups included) and raises
 a :class:`ConfigError` naming the dotted path, the value and the range for the first value outside
-its range. ``areal validate-config`` (``config.validate.validate``) calls it before any other rule,
+its range. ``areal validate-config`` (``plan.validate.validate``) calls it before any other rule,
 and ``validate_algo_config`` calls it on the ``algo`` group, so a bad number is reported as out of
 range rather than as whatever later rule it happens to break. ``None`` is always allowed for an
 ``Optional`` field (it means "unset"); NaN and infinities are never in range. Import-light (no torch).

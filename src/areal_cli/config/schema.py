@@ -1,7 +1,7 @@
 """The top-level experiment config: one field per config group.
 
 Group modules (algo.py, engine.py, ...) define each group's dataclass; this module composes them.
-``areal_cli.config.compose`` registers these in Hydra's ConfigStore and turns overrides into a
+``areal_cli.plan.compose`` registers these in Hydra's ConfigStore and turns overrides into a
 typed :class:`ExperimentConfig`.
 """
 

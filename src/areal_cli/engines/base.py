@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch, TrainEngine
 from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
-from areal_cli.engines import lora as lora_mod
-from areal_cli.engines import packing, sampling_mask
+from areal_cli.engines import lora as lora_mod, packing, sampling_mask
 from areal_cli.errors import ConfigError, WeightSyncError
 from areal_cli.utils import collectives, host_memory
+from areal_cli.weight_sync.adapter_files import ADAPTER_SUBDIR, write_adapter_dir
 from areal_cli.weight_sync.outbox import Outbox
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -310,7 +310,7 @@ class EngineBase(TrainEngine):
 
                 copy_tokenizer(meta.tokenizer_path, meta.path)
             if adapter:  # beside the merged model: the adapter alone, in peft's layout
-                lora_mod.write_adapter_dir(Path(meta.path) / lora_mod.ADAPTER_SUBDIR, adapter, self.peft_config)
+                write_adapter_dir(Path(meta.path) / ADAPTER_SUBDIR, adapter, self.peft_config)
         host_memory.release()  # the gathered tensors' heap pages
         collectives.barrier()
 

@@ -26,10 +26,9 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import SaveLoadMeta
-from areal_cli.engines import lora as lora_mod
-from areal_cli.engines import materialize, packing, precision, sampling_mask, step_stats, ulysses
-from areal_cli.engines import parallelize as par
-from areal_cli.engines import routing_replay as r3
+from areal_cli.engines import (lora as lora_mod, materialize, packing, parallelize as par, precision,
+                               routing_replay as r3, sampling_mask, step_stats, ulysses)
+from areal_cli.weight_sync.adapter_files import ADAPTER_NAME
 from areal_cli.engines.attn_impl import FLASH
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase, init_value_head
 from areal_cli.errors import ConfigError
@@ -61,7 +60,7 @@ class HFModelEngine(EngineBase):
             self._attach_value_head(model, model_path, dtype)
         elif lora_mod.enabled(self.lora_cfg):
             self.peft_config = lora_mod.inject(model, self.lora_cfg)
-            materialize.materialise_lora(model, lora_mod.ADAPTER_NAME, self.peft_config.init_lora_weights)
+            materialize.materialise_lora(model, ADAPTER_NAME, self.peft_config.init_lora_weights)
         precision.fp32_head(model.lm_head)
         self._host_state = materialize.host_state(model)
         return model, dtype

@@ -26,16 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import ArealError, LaunchError
-from areal_cli.launchers.base import (
-    MODEL_PATH_ENV,
-    STATUS_FILE,
-    JobLayout,
-    RunStatusWriter,
-    ServerSpec,
-    read_servers,
-    record_node_error,
-    retract_server,
-)
+from areal_cli.job.address_book import read_servers, retract_server
+from areal_cli.job.status import STATUS_FILE, RunStatusWriter, record_node_error
+from areal_cli.job.layout import MODEL_PATH_ENV, JobLayout, ServerSpec
 from areal_cli.launchers.failures import RankLogWatch, process_failure
 from areal_cli.launchers.supervisor import ServerSupervisor
 from areal_cli.utils.procs import ManagedProcess, describe_exit, handling_stop_signals, tail_file

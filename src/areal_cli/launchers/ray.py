@@ -38,17 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import LaunchError, StorageError
-from areal_cli.launchers.base import (
-    MODEL_PATH_ENV,
-    SERVER_KEY_ENV,
-    JobLayout,
-    RunStatusWriter,
-    ServerSpec,
-    error_from_record,
-    error_record,
-    retract_server,
-    write_json_atomic,
-)
+from areal_cli.job.address_book import retract_server
+from areal_cli.job.status import RunStatusWriter, error_from_record, error_record
+from areal_cli.job.layout import MODEL_PATH_ENV, SERVER_KEY_ENV, JobLayout, ServerSpec, write_json_atomic
 from areal_cli.launchers.ray_placement import (
     GroupSpec,
     RayNode,
@@ -125,7 +117,7 @@ class ProcessHost:
         import ray
 
         from areal_cli.launchers.local import base_env, server_argv
-        from areal_cli.trainer.config_io import load_config_file
+        from areal_cli.config.io import load_config_file
         from areal_cli.utils.network import find_free_port
 
         cfg = load_config_file(config_path)

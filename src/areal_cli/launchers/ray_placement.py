@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from areal_cli.errors import LaunchError
-from areal_cli.launchers.base import JobLayout
+from areal_cli.job.layout import JobLayout
 
 NODE_ID_LABEL = "ray.io/node-id"
 

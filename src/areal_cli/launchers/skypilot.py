@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import LaunchError
-from areal_cli.launchers.base import JobLayout
+from areal_cli.job.layout import JobLayout
 
 LAUNCH_DIR = "~/.areal_launch"  # where config.yaml / launch.json land on every node
 DEFAULT_MASTER_PORT = 29500
@@ -63,7 +63,7 @@ def accelerators_for(cfg: Any, layout: JobLayout) -> str | None:
         return str(sp.accelerators)
     if layout.device != "cuda":
         return None
-    from areal_cli.planner.hardware import gpu_memory_gb
+    from areal_cli.allocation.hardware import gpu_memory_gb
 
     n = int(cfg.cluster.n_gpus_per_node)
     named = _SKY_GPU.get(str(cfg.cluster.hardware).strip().lower())
@@ -294,7 +294,7 @@ def node_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-ip", default="")
     a = ap.parse_args(argv)
     from areal_cli.launchers.local import run_node
-    from areal_cli.trainer.config_io import load_config_file
+    from areal_cli.config.io import load_config_file
 
     launch_dir = Path(os.path.expanduser(a.launch_dir))
     run_dir = Path(os.path.expanduser(a.run_dir))

@@ -7,7 +7,7 @@
 - Torch rendezvous: MASTER_ADDR is the first host of ``SLURM_JOB_NODELIST`` (``scontrol show
   hostnames``, through submitit's JobEnvironment); node 0 picks a free port and writes it to
   ``<run_dir>/slurm/rendezvous/<job>.<restart>.json``; other nodes wait for that file. It is the
-  mechanism the server addresses use (the run dir's address book, :mod:`areal_cli.launchers.base`):
+  mechanism the server addresses use (the run dir's address book, :mod:`areal_cli.job.address_book`):
   the run dir is on the shared fileroot, which the storage check verifies every node sees.
 - The submission environment propagates (sbatch exports it: ``HF_TOKEN``, ``HF_HOME``, ``HF_ENDPOINT``);
   ``launcher.trainer_env`` / ``server_env`` are applied by the node runner. submitit's logs go to
@@ -32,15 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import LaunchError, StorageError
-from areal_cli.launchers.base import (
-    NODE_ERRORS,
-    TERMINAL_STATES,
-    JobLayout,
-    RunStatusWriter,
-    read_node_error,
-    read_status_file,
-    write_json_atomic,
-)
+from areal_cli.job.status import (NODE_ERRORS, TERMINAL_STATES, RunStatusWriter, read_node_error,
+                                  read_status_file)
+from areal_cli.job.layout import JobLayout, write_json_atomic
 
 SUBMITIT_DIR = "slurm"
 JOB_FILE = "slurm_job.json"
@@ -158,7 +152,7 @@ class SlurmNodeJob(_load_submitit_checkpointable()):
         import submitit
 
         from areal_cli.launchers.local import run_node
-        from areal_cli.trainer.config_io import load_config_file
+        from areal_cli.config.io import load_config_file
 
         env = submitit.JobEnvironment()
         node_rank, n_nodes = int(env.node), int(env.num_nodes)
@@ -239,7 +233,7 @@ def _switch_to_resume(cfg: Any, config_path: str, run_dir: str) -> None:
     """
     import shutil
 
-    from areal_cli.trainer.config_io import save_config
+    from areal_cli.config.io import save_config
 
     if cfg.resume not in ("auto", "force"):  # the name stays: config.yaml holds the one the CLI chose
         cfg.resume = "auto"

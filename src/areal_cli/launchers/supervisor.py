@@ -19,7 +19,8 @@ import time
 from typing import Any, Protocol
 
 from areal_cli.errors import LaunchError
-from areal_cli.launchers.base import ServerSpec, publish_server, retract_server
+from areal_cli.job.address_book import publish_server, retract_server
+from areal_cli.job.layout import ServerSpec
 
 
 class SupervisedServer(Protocol):

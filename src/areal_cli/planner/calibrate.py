@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from areal_cli.planner.hardware import PROFILES, HardwareProfile
+from areal_cli.allocation.hardware import PROFILES, HardwareProfile
 
 GIB = 1024 ** 3
 Progress = Callable[[int, int, str], None]  # (index of the measurement starting, how many, what it is)

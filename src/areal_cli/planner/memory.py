@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from areal_cli.allocation.estimate import GiB, ModelFacts, companion_states, dtype_bytes, server_mem_fraction
-from areal_cli.config.distill import teacher_size_ratio
+from areal_cli.plan.distill import teacher_size_ratio
 
 # Parts named in ``binds``, in the words the tables print.
 PART_NAMES = {"weights_gb": "weights", "grads_gb": "gradients", "optim_gb": "optimizer states",

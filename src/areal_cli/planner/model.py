@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from areal_cli.allocation.estimate import ModelFacts
-from areal_cli.config.rollout import resolved_weight_update
+from areal_cli.inference.push_mode import resolved_weight_update
 from areal_cli.planner import timing as T
-from areal_cli.planner.hardware import HardwareProfile
+from areal_cli.allocation.hardware import HardwareProfile
 from areal_cli.planner.memory import ComponentMemory, server_memory, trainer_memory
 
 
@@ -301,7 +301,7 @@ class _Planner:
 
 def plan_config(cfg, plan, profile: HardwareProfile, *, prompt_tokens: float | None = None,
                 new_tokens: float | None = None, max_prompt_tokens: int | None = None) -> RunPlan:
-    """The cost model of ``cfg`` as validated into ``plan`` (``config.validate.validate(cfg)``) on ``profile``.
+    """The cost model of ``cfg`` as validated into ``plan`` (``plan.validate.validate(cfg)``) on ``profile``.
     ``prompt_tokens``/``new_tokens``: mean lengths when known (default: half of ``dataset.max_prompt_len``
     and all of ``rollout.gconfig.max_new_tokens``); ``max_prompt_tokens``: the longest prompt (default: the
     cap). ``planner.lengths.dataset_prompt_lengths`` reads both from the run's dataset."""

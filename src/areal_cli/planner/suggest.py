@@ -2,7 +2,7 @@
 each, that maximises predicted samples/s within memory.
 
 Candidates keep the config's backends and use every device of the cluster. Each one is written as a spec
-string and run through the real validator (``config.validate.validate``), so a candidate is only ever
+string and run through the real validator (``plan.validate.validate``), so a candidate is only ever
 one ``areal train allocation_mode=...`` would accept; a few cheap checks first (t a power of two within a
 node, dividing the heads; p dividing the layers; d dividing the batch) skip the ones it would refuse.
 """
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from areal_cli.errors import ArealError
-from areal_cli.planner.hardware import HardwareProfile
+from areal_cli.allocation.hardware import HardwareProfile
 from areal_cli.planner.model import RunPlan, plan_config
 
 
@@ -114,7 +114,7 @@ def _candidate(rp: RunPlan) -> Candidate:
 
 def suggest(cfg, plan, profile: HardwareProfile, *, top: int = 8, **plan_kw) -> Suggestion:
     """The best split found, the current one, and the gain. ``plan_kw`` goes to :func:`plan_config`."""
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.validate import validate
 
     t0 = time.perf_counter()
     current = _candidate(plan_config(cfg, plan, profile, **plan_kw))

@@ -5,7 +5,7 @@ follow what the trainer loop measures (``trainer/rl.py:train_step``): ``perf/gen
 the step's batch, ``perf/train_s`` everything ``_ppo_step`` does (logp recompute, reference and critic
 forwards, the PPO minibatch updates), ``perf/weight_sync_s`` the push of the new weights to every server.
 
-Rates come from a :class:`~areal_cli.planner.hardware.HardwareProfile`. On a GPU every device runs its own
+Rates come from a :class:`~areal_cli.allocation.hardware.HardwareProfile`. On a GPU every device runs its own
 work. On a CPU host (``shared_compute``) the profile's rates are the whole host's over ``cores``: a server
 runs one intra-op thread (the local launcher's ``OMP_NUM_THREADS=1``), a trainer rank its share of the
 cores in a sync step and one thread in an async step that waits for generation (``StepThreads``), and
@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 
 from areal_cli.allocation.estimate import ModelFacts, dtype_bytes
-from areal_cli.config.distill import teacher_size_ratio
-from areal_cli.planner.hardware import HardwareProfile
+from areal_cli.plan.distill import teacher_size_ratio
+from areal_cli.allocation.hardware import HardwareProfile
 
 # Per-sample reward cost, seconds: the sandboxed code reward runs a subprocess per sample (in a worker
 # pool); math-verify parses both answers. Built-in numeric/exact rewards are string compares.

@@ -35,7 +35,7 @@ REWARDS.declare("exact", "areal_cli.rewards.builtin:exact_reward", in_process=Tr
 REWARDS.declare("math", "areal_cli.rewards.math_reward:math_reward")
 REWARDS.declare("code", "areal_cli.rewards.code:code_reward")
 # An LLM judge (rewards/judge.py): built by the trainer from workflow.judge and the servers it calls
-# (trainer/build.py:build_reward_fn), never called as a plain function. In process: its calls are
+# (rollout/build.py:build_reward_fn), never called as a plain function. In process: its calls are
 # async HTTP on the rollout's event loop, each bounded by workflow.judge.timeout_s.
 REWARDS.declare("judge", "areal_cli.rewards.judge:JudgeReward", in_process=True)
 JUDGE = "judge"
@@ -63,13 +63,13 @@ def reward_runs_in_process(name: str) -> bool:
 
 def get_reward_fn(name: str, config_path: str = "workflow.reward") -> RewardFn:
     """``fn(prompt: str, completion: str, answer: str, **kw) -> float`` for ``name`` (not ``judge``, which
-    needs its servers: ``trainer/build.py:build_reward_fn``).
+    needs its servers: ``rollout/build.py:build_reward_fn``).
 
     A user function is named ``pkg.module.fn`` or ``pkg.module:fn`` (or registered by a plugin).
     """
     if name == JUDGE:
         raise ConfigError(config_path, "reward=judge calls an inference server and is built by the trainer "
-                          "from workflow.judge", "build it with areal_cli.trainer.build.build_reward_fn(cfg, "
+                          "from workflow.judge", "build it with areal_cli.rollout.build.build_reward_fn(cfg, "
                           "addresses) or use a rule reward here")
     if not is_import_path(name):
         return REWARDS.entry(name, config_path).load()

@@ -72,11 +72,11 @@ class RolloutService:
                  train_items: list[dict]):
         from areal_cli.rollout.data_stream import PromptStream
         from areal_cli.rollout.episodes import EpisodeRunner
-        from areal_cli.trainer import build
+        from areal_cli.rollout import build
 
         tokenizer = build.build_tokenizer(model_path)
         self.client = build.build_client(cfg, addresses, backend)
-        from areal_cli.config.validate import keep_sampling_mask_active
+        from areal_cli.config.rollout import keep_sampling_mask_active
 
         gconfig = build.build_gconfig(cfg.rollout.gconfig, tokenizer,
                                       keep_sampling_mask=keep_sampling_mask_active(cfg),

@@ -2,7 +2,7 @@
 
 What a run dir holds and who writes it:
 
-- ``status.json`` (launchers, :class:`~areal_cli.launchers.base.RunStatusWriter`): ``running`` with a
+- ``status.json`` (launchers, :class:`~areal_cli.job.status.RunStatusWriter`): ``running`` with a
   heartbeat, then ``done`` / ``failed`` (with the failure's first line) / ``interrupted``;
 - ``metrics.jsonl`` (trainer rank 0, :mod:`areal_cli.trainer.stats`): one record per step, evaluation
   and event;
@@ -25,13 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import ArealError
-from areal_cli.launchers.base import (
-    HEARTBEAT_S,
-    NODE_ERRORS,
-    STATUS_FILE,
-    read_servers,
-    read_status_file,
-)
+from areal_cli.job.address_book import read_servers
+from areal_cli.job.status import HEARTBEAT_S, NODE_ERRORS, STATUS_FILE, read_status_file
 from areal_cli.trainer.stats import METRICS_FILE
 
 RUNS_DIR = "runs"
@@ -441,7 +436,7 @@ def log_error(path: Path) -> str | None:
 
 
 def _node_error(run_dir: Path) -> str | None:
-    from areal_cli.launchers.base import read_node_error
+    from areal_cli.job.status import read_node_error
 
     if not (run_dir / NODE_ERRORS).is_dir():
         return None

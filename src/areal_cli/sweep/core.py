@@ -17,8 +17,8 @@ def check_trial(fixed: list[str], overrides: list[str], name: str, tid: str) -> 
 
     Returns ``(reason, run_dir, n_processes)``; ``reason`` is empty when the trial is valid.
     """
-    from areal_cli.config.compose import explain_range, load_config, prepare
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.compose import explain_range, load_config, prepare
+    from areal_cli.plan.validate import validate
     from areal_cli.errors import ConfigError
 
     prep = None
@@ -51,7 +51,7 @@ def new_manifest(overrides: list[str], *, sweep_dir: str | None, metric: str, mo
                          "--n-trials N")
     name = f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     if sweep_dir is None:
-        from areal_cli.config.compose import load_config
+        from areal_cli.plan.compose import load_config
 
         fileroot = os.path.expanduser(load_config(spec.fixed).cluster.fileroot)
         sweep_dir = os.path.join(fileroot, "sweeps", name)

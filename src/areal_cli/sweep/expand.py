@@ -24,7 +24,7 @@ class SweepSpec:
 
 def group_options(group: str) -> list[str]:
     """Options of a config group over the config search path (no Hydra init needed)."""
-    from areal_cli.config.groups import group_options as all_options
+    from areal_cli.plan.groups import group_options as all_options
 
     return all_options().get(group, [])
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import ConfigError, DataError
-from areal_cli.launchers.base import SERVER_KEY_ENV, JobLayout, ServerSpec, TrainerSpec
+from areal_cli.rollout.build import lora_enabled
+from areal_cli.job.layout import JobLayout, ServerSpec, TrainerSpec
 
 
 # ---------------------------------------------------------------- CLI-process side (no torch)
@@ -26,7 +27,8 @@ def resolve_model_path(cfg: Any, *, fetch: bool = True) -> str:
     """
     path = cfg.model.path
     if isinstance(path, str) and path.startswith("builtin:"):
-        from areal_cli.data.builtin_model import BUILTIN_SPECS, ensure_builtin_model, overrides_from_model_config
+        from areal_cli.data.builtin_model import (BUILTIN_SPECS, ensure_builtin_model,
+                                                  overrides_from_model_config)
 
         spec = path.split(":", 1)[1] or "tiny"
         if spec not in BUILTIN_SPECS:
@@ -46,13 +48,13 @@ def resolve_model_path(cfg: Any, *, fetch: bool = True) -> str:
 
 
 def layout_from_plan(cfg: Any, plan: Any | None) -> JobLayout:
-    """Flatten the validated plan (``config.validate.validate``) into a :class:`JobLayout`.
+    """Flatten the validated plan (``plan.validate.validate``) into a :class:`JobLayout`.
 
     Each inference part becomes ``dp`` servers on consecutive ``tp×pp`` device blocks of its
     placement; the train part becomes one torchrun job over the nodes of its placement.
     """
     if plan is None:
-        from areal_cli.config.validate import validate
+        from areal_cli.plan.validate import validate
 
         plan = validate(cfg)
     servers: list[ServerSpec] = []
@@ -79,11 +81,6 @@ def layout_from_plan(cfg: Any, plan: Any | None) -> JobLayout:
 
 # ---------------------------------------------------------------- trainer side
 
-def build_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
-
 
 def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | None = None,
                  total_steps: int | None = None, critic: bool = False, lora: bool = True,
@@ -99,30 +96,11 @@ def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | N
     kwargs: dict[str, Any] = {"total_steps": total_steps or cfg.trainer.total_steps, "seed": cfg.seed}
     if critic:
         kwargs["critic"] = True
-    elif lora and lora_enabled(cfg):  # only engines with LoRA get it (validated: config/lora_rules.py)
+    elif lora and lora_enabled(cfg):  # only engines with LoRA get it (validated: plan/lora_rules.py)
         kwargs["lora"] = cfg.model.lora
     engine = cls(cfg.engine, optim if optim is not None else cfg.algo.optim, **kwargs)
     engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, etp=t.etp), model_path)
     return engine
-
-
-def build_client(cfg: Any, addresses: list[str], backend: str, tp_sizes: list[int] | int = 1, *,
-                 adapter: bool = True) -> Any:
-    """``tp_sizes``: each server's TP size (every TP rank joins the weight-update group). Under LoRA the
-    client names the served adapter in every request; ``adapter=False``: the servers' base weights."""
-    from areal_cli.inference.client import RemoteInferenceEngine
-    from areal_cli.weight_sync.lora import SERVED_NAME
-
-    return RemoteInferenceEngine(addresses, backend=backend, timeout_s=cfg.rollout.request_timeout_s,
-                                 retries=cfg.rollout.request_retries, routing=cfg.rollout.routing,
-                                 tp_sizes=tp_sizes, api_key=os.environ.get(SERVER_KEY_ENV) or None,
-                                 lora_name=SERVED_NAME if adapter and lora_enabled(cfg) else None)
-
-
-def lora_enabled(cfg: Any) -> bool:
-    """``model.lora.rank > 0``: the policy trains an adapter and the servers serve it by name."""
-    lora = getattr(getattr(cfg, "model", None), "lora", None)
-    return lora is not None and int(lora.rank) > 0
 
 
 def build_reference(cfg: Any, layout: JobLayout, model_path: str, engine: Any) -> Any | None:
@@ -150,55 +128,6 @@ def build_teacher(cfg: Any, layout: JobLayout, model_path: str) -> Any | None:
     teacher_dir = resolve_teacher_path(d.teacher_path)
     check_teacher_tokenizer(model_path, teacher_dir)
     return build_engine(cfg, layout, teacher_dir, lora=False, engine_name=d.engine or None)
-
-
-def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:
-    from areal_cli.api.io_struct import GenerationConfig
-
-    g = GenerationConfig(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                         max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens,
-                         stop=list(settings.stop), greedy=settings.greedy,
-                         stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-    return g.new(**override) if override else g
-
-
-def build_reward_fn(cfg: Any, addresses: list[str] | None = None) -> Any:
-    """Rewards declared ``in_process`` (the cheap built-ins) run in-process; others (math-verify,
-    code, user functions) in the time-bounded process pool, so a hanging or crashing reward cannot
-    take the trainer down. A bad name fails here, before any worker is spawned.
-
-    ``judge``: an LLM judge (rewards/judge.py) calling ``addresses`` (the run's inference servers,
-    ``workflow.judge.server=rollout``) or ``workflow.judge.base_url``."""
-    from areal_cli.rewards.registry import JUDGE, get_reward_fn, reward_runs_in_process
-    from areal_cli.rewards.runner import AsyncRewardRunner
-
-    w = cfg.workflow
-    if w.reward == JUDGE:
-        from areal_cli.rewards.judge import JudgeReward
-
-        return JudgeReward(w.judge, addresses, api_key=os.environ.get(SERVER_KEY_ENV) or None)
-    fn = get_reward_fn(w.reward)
-    if reward_runs_in_process(w.reward):
-        return fn
-    return AsyncRewardRunner(w.reward, max_workers=w.reward_workers, timeout_s=w.reward_timeout_s)
-
-
-def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any | None = None, reward_fn: Any | None = None,
-                   addresses: list[str] | None = None) -> Any:
-    """The one place a workflow is wired from the config: ``workflow.name`` (built-in, plugin or
-    import path) with the reward (:func:`build_reward_fn`), the generation config
-    (:func:`build_gconfig`: stops on the tokenizer's EOS) and ``workflow.*`` / ``rollout.group_size``;
-    the caller owns closing a reward pool it did not pass in."""
-    from areal_cli.rollout.workflows import build_workflow as _build
-    from areal_cli.rollout.workflows import check_workflow_config
-
-    w = cfg.workflow
-    check_workflow_config(w.name, dict(w.kwargs))
-    if gconfig is None:
-        gconfig = build_gconfig(cfg.rollout.gconfig, tokenizer)
-    return _build(w.name, reward_fn=reward_fn if reward_fn is not None else build_reward_fn(cfg, addresses),
-                  gconfig=gconfig, tokenizer=tokenizer, group_size=cfg.rollout.group_size,
-                  max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback, **dict(w.kwargs))
 
 
 def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict]]:
@@ -229,17 +158,3 @@ def build_critic(cfg: Any, engine: Any) -> Any:
     from areal_cli.algorithms.critic import PPOCritic
 
     return PPOCritic(cfg.algo, engine)
-
-
-def build_executor(cfg: Any, client: Any, workflow: Any, batch_size: int) -> Any:
-    from areal_cli.rollout.executor import RolloutExecutor
-    from areal_cli.rollout.filters import has_reward_variance
-
-    return RolloutExecutor(client, workflow, batch_size=batch_size,
-                           max_concurrent=cfg.rollout.max_concurrent_rollouts,
-                           max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                           queue_size=cfg.rollout.queue_size,
-                           # DAPO dynamic sampling: all-equal-reward groups are rejected (free capacity)
-                           should_accept=has_reward_variance if cfg.algo.dynamic_sampling else None,
-                           reject_patience=cfg.algo.dynamic_sampling_patience * batch_size
-                           if cfg.algo.dynamic_sampling else 0)

@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(config_path: str, run_dir: str) -> int:
     import torch
 
-    from areal_cli.launchers.base import MODEL_PATH_ENV, JobLayout
+    from areal_cli.job.layout import MODEL_PATH_ENV, JobLayout
     from areal_cli.models.hub import ensure_local_model
-    from areal_cli.trainer.config_io import load_config_file
+    from areal_cli.config.io import load_config_file
     from areal_cli.utils.dist import destroy_distributed, init_distributed
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

@@ -36,7 +36,7 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
     from areal_cli.api.io_struct import ModelRequest
     from areal_cli.rewards.outcome import correctness, is_dropped
     from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
-    from areal_cli.trainer import build
+    from areal_cli.rollout import build
 
     client = build.build_client(cfg, addresses, backend, adapter=not base)
     greedy = with_eos_stop(build.build_gconfig(cfg.rollout.eval_gconfig, tokenizer, greedy=True), tokenizer)
@@ -117,7 +117,7 @@ def _episode_evaluator(cfg: Any, tokenizer: Any) -> Any:
 
     if not hasattr(resolve_workflow(cfg.workflow.name), "eval_episode"):
         return None
-    from areal_cli.trainer import build
+    from areal_cli.rollout import build
 
     gconfig = build.build_gconfig(cfg.rollout.eval_gconfig, tokenizer, greedy=True)
     return build.build_workflow(cfg, tokenizer, gconfig, reward_fn=lambda *a: 0.0)
@@ -134,7 +134,7 @@ def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer:
 
     ``done``: scored completions of an earlier, interrupted call on the same items and weights
     (filled in as completions are scored); they are not generated again."""
-    from areal_cli.trainer import build
+    from areal_cli.rollout import build
 
     if not items:
         return {}

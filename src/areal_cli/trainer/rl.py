@@ -25,8 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_cli.config.rollout import resolved_weight_update
-from areal_cli.launchers.base import JobLayout, read_servers, wait_for_servers
+from areal_cli.inference.push_mode import resolved_weight_update
+from areal_cli.job.address_book import read_servers, wait_for_servers
+from areal_cli.job.layout import JobLayout
+from areal_cli.rollout import build as rollout_build
 from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
 from areal_cli.trainer.stats import StatsLogger
@@ -98,16 +100,16 @@ class RLTrainer:
         self.ckpt = CheckpointManager(run_dir, rank=rank, keep=cfg.trainer.keep_checkpoints,
                                       tokenizer_path=model_path)
         self.weight_mode = resolved_weight_update(
-            cfg.rollout.weight_update, [sp.backend for sp in layout.servers], build.lora_enabled(cfg),
+            cfg.rollout.weight_update, [sp.backend for sp in layout.servers], rollout_build.lora_enabled(cfg),
             shared_gpu=layout.colocated and cfg.cluster.device == "cuda")
         self.fleet = ServerFleet(run_dir, len(layout.servers), float(cfg.launcher.server_startup_timeout_s),
                                  read=read_servers, wait=wait_for_servers,
-                                 connect=functools.partial(build.build_client, cfg))
+                                 connect=functools.partial(rollout_build.build_client, cfg))
         target = PushTarget(world_size=1 + sum(sp.tp for sp in layout.servers),
                             dtype=cfg.rollout.weight_update_dtype,
                             backend="nccl" if layout.device == "cuda" else "gloo")
         self.publisher = WeightPublisher(self.fleet, self.weight_mode, rank=rank, target=target,
-                                         lora=build.lora_enabled(cfg), model_path=model_path)
+                                         lora=rollout_build.lora_enabled(cfg), model_path=model_path)
         self.rollout: Any = None  # RolloutService or RolloutProcess (rank 0)
         self.critic = None
         self.weight_sync_s = 0.0
@@ -203,7 +205,7 @@ class RLTrainer:
         import torch
 
         cfg = self.cfg
-        tokenizer = build.build_tokenizer(self.model_path)
+        tokenizer = rollout_build.build_tokenizer(self.model_path)
         train_items, test_items = build.build_datasets(cfg, tokenizer)
         if cfg.dataset.eval_size:
             test_items = test_items[: cfg.dataset.eval_size]
@@ -251,7 +253,7 @@ class RLTrainer:
             self._setup_rollout(train_items)
             if state is not None:
                 self.rollout.load_state_dict({"stream": state["stream"], "executor": state["executor"]})
-        if start_step > 0 or policy_path != self.model_path or build.lora_enabled(cfg):
+        if start_step > 0 or policy_path != self.model_path or rollout_build.lora_enabled(cfg):
             # The servers started from the base weights; bring them to the trainer's policy (under
             # LoRA: load the adapter, which every request names, even at step 0).
             self.publisher.push_initial(engine, start_step)

@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 from areal_cli.errors import DataError
-from areal_cli.launchers.base import JobLayout
+from areal_cli.job.layout import JobLayout
 from areal_cli.rollout.data_stream import PromptStream
+from areal_cli.rollout import build as rollout_build
 from areal_cli.trainer import build
 
 EVAL_CHUNK = 64  # pairs per evaluation forward
@@ -104,7 +105,7 @@ def run_rm(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int
     stats = StatsLogger(run_dir, cfg.stats, experiment=cfg.experiment_name, trial=cfg.trial_name,
                         enabled=rank == 0)
     ckpt = CheckpointManager(run_dir, rank=rank, keep=tc.keep_checkpoints, tokenizer_path=model_path)
-    tokenizer = build.build_tokenizer(model_path)
+    tokenizer = rollout_build.build_tokenizer(model_path)
     read_id = read_token_id(tokenizer)
     train_pairs, test_pairs = build_pair_splits(cfg, tokenizer)
     if tc.sft_warmup_steps > 0:  # InstructGPT's recipe: the reward model starts from the SFT policy

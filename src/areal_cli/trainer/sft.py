@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.errors import DataError, InferenceError, WeightSyncError
-from areal_cli.launchers.base import JobLayout
+from areal_cli.job.layout import JobLayout
 from areal_cli.rollout.data_stream import PromptStream
+from areal_cli.rollout import build as rollout_build
 from areal_cli.trainer import build
 from areal_cli.utils.dist import barrier, broadcast_obj
 from areal_cli.weight_sync.fleet import ServerFleet
@@ -171,7 +172,7 @@ def _evaluate_surviving_restarts(cfg: Any, publisher: WeightPublisher, tokenizer
 def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int) -> dict[str, Any]:
     """``algo=sft``: ``trainer.total_steps`` SFT steps with recover states and HF exports; evaluated
     through the inference servers (weights pushed from disk) when the allocation has any."""
-    from areal_cli.launchers.base import read_servers, wait_for_servers
+    from areal_cli.job.address_book import read_servers, wait_for_servers
     from areal_cli.trainer.checkpoint import CheckpointManager, run_engine_loop
     from areal_cli.trainer.stats import StatsLogger
 
@@ -179,7 +180,7 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
     stats = StatsLogger(run_dir, cfg.stats, experiment=cfg.experiment_name, trial=cfg.trial_name,
                         enabled=rank == 0)
     ckpt = CheckpointManager(run_dir, rank=rank, keep=tc.keep_checkpoints, tokenizer_path=model_path)
-    tokenizer = build.build_tokenizer(model_path)
+    tokenizer = rollout_build.build_tokenizer(model_path)
     train_items, test_items = build.build_datasets(cfg, tokenizer)
     if cfg.dataset.eval_size:
         test_items = test_items[: cfg.dataset.eval_size]
@@ -189,7 +190,7 @@ def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: in
     has_servers = bool(layout.servers)
     # Only disk pushes: the servers idle between evaluations, so no broadcast group is kept for them.
     fleet = ServerFleet(run_dir, len(layout.servers), cfg.launcher.server_startup_timeout_s,
-                        read=read_servers, wait=wait_for_servers, connect=functools.partial(build.build_client, cfg))
+                        read=read_servers, wait=wait_for_servers, connect=functools.partial(rollout_build.build_client, cfg))
     publisher = WeightPublisher(fleet, "disk", rank=rank, target=PushTarget(1 + len(layout.servers), None, "gloo"),
                                 lora=False, model_path=model_path)
 

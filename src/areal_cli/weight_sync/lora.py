@@ -12,7 +12,7 @@ of version ``v``:
 - distributed (``hf`` only): the full-weight path's group (joined once, reused; the same
   :class:`~areal_cli.weight_sync.senders.DistributedSender` owns it), then one
   ``/load_lora_adapter_from_distributed`` request per server while the adapter goes out as one
-  flattened uint8 broadcast (the layout of :func:`areal_cli.inference.server.weights.flat_layout`).
+  flattened uint8 broadcast (the layout of :func:`areal_cli.weight_sync.wire.flat_layout`).
 
 Versions advance exactly as with full weights (``/model_info``'s ``weight_version``).
 """
@@ -38,7 +38,7 @@ def flat_pack(tensors: dict[str, Any]) -> tuple[list[ParamSpec], Any]:
     """The tensors' bytes in one uint8 buffer, each at the receiver's offset for its dtype."""
     import torch
 
-    from areal_cli.inference.server.weights import flat_layout
+    from areal_cli.weight_sync.wire import flat_layout
 
     names = list(tensors)
     specs = [ParamSpec(n, str(tensors[n].dtype).replace("torch.", ""), list(tensors[n].shape)) for n in names]
@@ -81,7 +81,7 @@ class AdapterSender:
 
     def _disk(self, meta: WeightUpdateMeta, clients: list[WeightReceiver], tensors: dict[str, Any],
               peft_config: Any) -> None:
-        from areal_cli.engines.lora import write_adapter_dir
+        from areal_cli.weight_sync.adapter_files import write_adapter_dir
 
         if not meta.path:
             raise WeightSyncError("weight sync (disk): WeightUpdateMeta.path is empty — set the directory "
@@ -103,7 +103,7 @@ class AdapterSender:
         await self.group._ensure_group(meta, clients)
         import torch
 
-        from areal_cli.engines.lora import config_dict
+        from areal_cli.weight_sync.adapter_files import config_dict
 
         wire = getattr(torch, meta.dtype) if meta.dtype else None  # as full pushes: the wire dtype
         if wire is not None:

@@ -1,7 +1,7 @@
 """The trainer's side of weight delivery: which push, with which metadata, to which servers.
 
 :class:`WeightPublisher` owns the protocol around the engine's senders: the push mode (``disk`` or
-``distributed``, chosen once per run by ``config.rollout.resolved_weight_update``), the
+``distributed``, chosen once per run by ``inference.push_mode.resolved_weight_update``), the
 ``WeightUpdateMeta`` of each push, the first push of a run (through disk, at an exact version), the
 adapter pushes under LoRA, and what happens when a server dies: once the launcher has restarted it
 (:class:`~areal_cli.weight_sync.fleet.ServerFleet`), the restarted server is brought to the current

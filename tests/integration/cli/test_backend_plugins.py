@@ -163,8 +163,8 @@ def in_process_plugin(plugin_dir, monkeypatch):
 def test_the_estimator_reads_the_plugin_specs(in_process_plugin):
     """In process: the KV budget follows the plugin server's memory fraction, the train memory its engine's
     sharding (FULL_SHARD, like fsdp: the same estimate as fsdp on the same dims)."""
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.validate import validate as validate_cfg
+    from areal_cli.plan.compose import load_config
+    from areal_cli.plan.validate import validate as validate_cfg
 
     common = ["cluster=gpu_1x8", "model=qwen2_5_1_5b", "algo.batch_size=8"]
     mine = validate_cfg(load_config(common + [PLUGIN, "engine.name=ringfsdp",

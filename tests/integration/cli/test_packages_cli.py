@@ -82,7 +82,7 @@ def test_a_gpu_cluster_plan_made_here_passes_with_a_warning(tmp_path):
 
 def test_installed_packages_pass_through_the_cli(tmp_path):
     """Nothing hidden: the engines this machine has validate (megatron/deepspeed where installed)."""
-    from areal_cli.config.packages import findable
+    from areal_cli.plan.packages import findable
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
     engines = ["fsdp"] + [e for e, m in (("megatron", "megatron.core"), ("deepspeed", "deepspeed")) if findable(m)]

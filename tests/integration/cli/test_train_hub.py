@@ -123,9 +123,9 @@ def test_train_local_downloads_then_trains_from_the_snapshot(tmp_path, hub):
 def test_node_entry_fetches_on_the_node_then_runs_its_processes(tmp_path, hub):
     """launch.json as `areal train launcher=skypilot` writes it (the hub id and the commit it pinned), then
     the node command SkyPilot runs on each node."""
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
     from areal_cli.trainer.build import layout_from_plan
-    from areal_cli.trainer.config_io import save_config
+    from areal_cli.config.io import save_config
 
     hub.clear()
     cfg = load_config(

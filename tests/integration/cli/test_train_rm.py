@@ -45,7 +45,7 @@ def _export_ranks_like_the_last_eval(run_dir, evals: list[dict]) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from areal_cli.data.preferences import load_pairs
-    from areal_cli.trainer.config_io import load_config_file
+    from areal_cli.config.io import load_config_file
 
     cfg = load_config_file(str(run_dir / "config.yaml"))
     final = run_dir / "checkpoints" / "final"

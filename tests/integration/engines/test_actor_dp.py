@@ -30,7 +30,7 @@ def full_batch() -> dict[str, torch.Tensor]:
 
 def advantages(model_dir: str, dp: int, rank: int) -> dict[str, list]:
     from areal_cli.api.io_struct import ParallelStrategy
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
     from areal_cli.engines import get_engine_cls
     from areal_cli.trainer import build
 

@@ -158,8 +158,8 @@ def test_areal_train_tiny_moe_archon_d2e2_learns(tmp_path):
 def test_validate_config_accepts_archon_e_for_the_tiny_moe_and_refuses_it_for_dense():
     """model=tiny_moe validates at archon d2e2 (e adds no devices) with the experts' memory sharded over d×c in
     all; e on a dense model, or e not dividing d×c, is a typed error naming allocation_mode."""
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.compose import load_config
+    from areal_cli.plan.validate import validate
     from areal_cli.errors import ConfigError
 
     base = ["engine=archon", "cluster.n_gpus_per_node=3"]

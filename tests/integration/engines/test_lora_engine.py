@@ -110,7 +110,7 @@ def test_merged_export_loads_in_transformers_and_peft(runs, tiny_model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from areal_cli.engines.lora import ADAPTER_SUBDIR
+    from areal_cli.weight_sync.adapter_files import ADAPTER_SUBDIR
 
     export = runs["_dir"] / "export"
     assert not any(".lora_" in k or "base_layer" in k for k in _keys(export)), "not a plain HF model"

@@ -101,8 +101,8 @@ def test_experts_round_trip_bit_exact(runs, moe_model, name):
 
 def test_hybrid_spec_reaches_the_engine_as_expert_tensor_parallel_size(moe_model):
     """`megatron:(attn:d2t2|ffn:d2t1e2)` validates against the MoE model and carries etp=1 to the trainer."""
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.compose import load_config
+    from areal_cli.plan.validate import validate
 
     plan = validate(load_config([f"model.path={moe_model}", "engine=megatron", "cluster.n_gpus_per_node=5",
                                  "allocation_mode=hf:d1+megatron:(attn:d2t2|ffn:d2t1e2)"]))

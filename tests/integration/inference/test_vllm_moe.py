@@ -135,10 +135,10 @@ def test_vllm_cpu_serves_tiny_moe_and_takes_pushes_of_its_experts(moe_models, tm
 def test_validate_config_takes_vllm_with_an_moe_model_on_cpu():
     """vLLM + model=tiny_moe on cluster.device=cpu validates: its disk pushes go through the worker extension
     (an earlier release refused the combination)."""
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.compose import load_config
+    from areal_cli.plan.validate import validate
 
-    # launcher=slurm: a plan for a cluster's nodes, so it validates where vllm is absent (config/packages.py)
+    # launcher=slurm: a plan for a cluster's nodes, so it validates where vllm is absent (plan/packages.py)
     plan = validate(load_config(["model=tiny_moe", "allocation_mode=vllm:d1+fsdp:d2", "cluster.n_gpus_per_node=3",
                                  "launcher=slurm"]))
     assert [p.backend for p in plan.inferences] == ["vllm"]

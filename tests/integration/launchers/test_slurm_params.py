@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from areal_cli.config.compose import load_config
+from areal_cli.plan.compose import load_config
 from areal_cli.launchers.slurm import SlurmNodeJob, render_sbatch, slurm_parameters, srun_args_for
 from areal_cli.trainer.build import layout_from_plan
 

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from areal_cli.cli.plan_calibrate import run_calibrate
-from areal_cli.config.compose import load_config
-from areal_cli.planner.hardware import PROFILES, get_profile, resolve_hardware
+from areal_cli.plan.compose import load_config
+from areal_cli.allocation.hardware import PROFILES, get_profile, resolve_hardware
 
 pytestmark = pytest.mark.slow
 

@@ -201,7 +201,7 @@ def test_multi_turn_with_the_reward_pool_on_a_real_server(servers, tokenizer):
     from areal_cli.config.workflow import WorkflowConfig
     from areal_cli.inference.client import RemoteInferenceEngine
     from areal_cli.rewards.runner import AsyncRewardRunner
-    from areal_cli.trainer.build import build_workflow
+    from areal_cli.rollout.build import build_workflow
 
     # "numeric" runs in-process in the trainer; the pool is what this test exercises, so pass it in.
     cfg = ExperimentConfig(workflow=WorkflowConfig(name="multi_turn", reward="numeric", reward_workers=1,

@@ -31,7 +31,7 @@ HERE = str(SUPPORT)
 
 
 def _cfg(root: str, *overrides: str):
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
 
     return load_config([f"cluster.fileroot={root}", "dataset.train_size=64", "dataset.test_size=8", "dataset.max_prompt_len=512",
                         "algo.batch_size=4", "rollout.group_size=2", "rollout.gconfig.max_new_tokens=8",
@@ -39,9 +39,10 @@ def _cfg(root: str, *overrides: str):
 
 
 def _items(cfg, model_dir: str) -> list[dict]:
+    from areal_cli.rollout import build as rollout_build
     from areal_cli.trainer import build
 
-    train, _ = build.build_datasets(cfg, build.build_tokenizer(model_dir))
+    train, _ = build.build_datasets(cfg, rollout_build.build_tokenizer(model_dir))
     return train
 
 

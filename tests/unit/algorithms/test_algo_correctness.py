@@ -54,8 +54,8 @@ def test_equal_rewards_07_regression():
 
 import pytest  # noqa: E402
 
-from areal_cli.config.compose import load_config  # noqa: E402
-from areal_cli.config.validate import validate  # noqa: E402
+from areal_cli.plan.compose import load_config  # noqa: E402
+from areal_cli.plan.validate import validate  # noqa: E402
 from areal_cli.errors import ConfigError  # noqa: E402
 
 

@@ -8,7 +8,8 @@ from test_actor import REWARDS, SEQS, BigramEngine, make_batch
 
 from areal_cli.algorithms.actor import PPOActor
 from areal_cli.algorithms.distill import distill_advantages, mix_advantages
-from areal_cli.config.algo import AlgoConfig, DistillConfig, validate_algo_config
+from areal_cli.config.algo import AlgoConfig, DistillConfig
+from areal_cli.algorithms.config_checks import validate_algo_config
 from areal_cli.errors import ConfigError
 
 

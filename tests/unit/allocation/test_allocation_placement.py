@@ -6,8 +6,8 @@ import pytest
 
 from areal_cli.allocation import parse_allocation
 from areal_cli.allocation.placement import place
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
 
 

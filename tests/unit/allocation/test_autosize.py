@@ -11,8 +11,8 @@ import pytest
 
 from areal_cli.allocation import autosize
 from areal_cli.allocation.estimate import companion_states
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import _train_memory_at, validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import _train_memory_at, validate
 from areal_cli.errors import ConfigError
 
 H100_7B = ["model=qwen2_5_7b", "cluster=gpu_1x8", "allocation_mode=gpu8_sglang_fsdp", "engine.max_tokens_per_mb=auto"]

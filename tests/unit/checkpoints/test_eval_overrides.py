@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from areal_cli.checkpoints.evaluate import _alias, apply_overrides
-from areal_cli.config.compose import load_config
+from areal_cli.plan.compose import load_config
 from areal_cli.errors import ConfigError
 
 

@@ -60,7 +60,7 @@ def test_calibrate_takes_no_overrides(capsys):
 def test_calibrated_profile_is_used_by_name(capsys, tmp_path):
     from dataclasses import replace
 
-    from areal_cli.planner.hardware import PROFILES, save_profile
+    from areal_cli.allocation.hardware import PROFILES, save_profile
 
     save_profile(replace(PROFILES["cpu"], name="mybox", matmul_tflops=PROFILES["cpu"].matmul_tflops * 10))
     assert main(["plan", "--json", "cluster.hardware=mybox"]) == 0

@@ -20,9 +20,9 @@ from areal_cli.cli.resume import (
     resume_command,
     settle_run,
 )
-from areal_cli.config.compose import load_config
+from areal_cli.plan.compose import load_config
 from areal_cli.errors import ConfigError
-from areal_cli.trainer.config_io import save_config
+from areal_cli.config.io import save_config
 
 
 def _cfg(root, *extra):

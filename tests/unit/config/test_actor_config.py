@@ -9,7 +9,8 @@ import yaml
 from omegaconf import OmegaConf
 
 import areal_cli
-from areal_cli.config.algo import AlgoConfig, validate_algo_config
+from areal_cli.config.algo import AlgoConfig
+from areal_cli.algorithms.config_checks import validate_algo_config
 from areal_cli.errors import ConfigError
 
 PRESET_DIR = Path(areal_cli.__file__).parent / "conf" / "algo"

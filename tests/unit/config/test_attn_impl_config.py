@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.engines import attn_impl
 from areal_cli.errors import ConfigError
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from areal_cli.config.compose import compose_dictconfig, group_options, load_config
+from areal_cli.plan.compose import compose_dictconfig, group_options, load_config
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.config.validate import validate
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_cli.config.compose import CONF_DIR, group_options, load_config, prepare
-from areal_cli.config.fastcompose import fast_compose, parse_value
+from areal_cli.plan.compose import CONF_DIR, group_options, load_config, prepare
+from areal_cli.plan.fastcompose import fast_compose, parse_value
 from areal_cli.errors import ConfigError
 
 
@@ -146,7 +146,7 @@ def test_a_missing_option_file_or_bad_yaml_falls_back(tmp_path):
 def test_a_bug_in_the_fast_path_is_not_swallowed(monkeypatch):
     """A wrong type or a missing key inside the composer is a bug: it raises, it does not quietly
     take the Hydra path."""
-    from areal_cli.config import fastcompose
+    from areal_cli.plan import fastcompose
 
     def broken(*_a, **_k):
         raise KeyError("a bug")

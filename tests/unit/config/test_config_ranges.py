@@ -8,10 +8,10 @@ import typing
 
 import pytest
 
-from areal_cli.config.compose import load_config
+from areal_cli.plan.compose import load_config
 from areal_cli.config.ranges import Range, field_range, numeric_fields
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.config.validate import validate
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
 
 FIELDS = numeric_fields(ExperimentConfig)

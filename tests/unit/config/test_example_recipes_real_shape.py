@@ -17,8 +17,8 @@ from example_readme import areal_commands, first_command
 
 from areal_cli.allocation.estimate import ModelFacts
 from areal_cli.cli.common import compose_and_validate
-from areal_cli.config.packages import ENGINE_NEEDS, findable
-from areal_cli.planner.hardware import resolve_hardware
+from areal_cli.plan.packages import ENGINE_NEEDS, findable
+from areal_cli.allocation.hardware import resolve_hardware
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "examples"
@@ -146,7 +146,7 @@ def test_every_command_in_a_recipe_readme_composes(folder):
     cmds = areal_commands(EXAMPLES / folder / "README.md")
     assert len(cmds) >= 2, "a recipe README shows its command and the CPU smoke override"
     recipe = BY_FOLDER[folder]
-    # a CPU try runs here, so it needs the engine's package in this Python (config/packages.py)
+    # a CPU try runs here, so it needs the engine's package in this Python (plan/packages.py)
     need = ENGINE_NEEDS.get(recipe.engine)
     lacking = need is not None and not findable(need.module)
     for cmd in cmds:
@@ -190,7 +190,7 @@ def test_every_example_folder_has_a_readme_command_that_composes(folder, monkeyp
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     monkeypatch.setattr(sys, "path", list(sys.path))
     if cmd.config_dirs:
-        from areal_cli.config.groups import add_config_dirs
+        from areal_cli.plan.groups import add_config_dirs
 
         add_config_dirs(cmd.config_dirs)
     cfg, plan = compose_and_validate(cmd.overrides)

@@ -17,11 +17,11 @@ import typing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_cli.config.compose import group_options, load_config
-from areal_cli.config.fastcompose import _info
+from areal_cli.plan.compose import group_options, load_config
+from areal_cli.plan.fastcompose import _info
 from areal_cli.config.paths import all_paths
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.config.validate import validate
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""The pre-launch package check (config/packages.py) inside ``validate()``: a plan that runs here without its
+"""The pre-launch package check (plan/packages.py) inside ``validate()``: a plan that runs here without its
 engine's or backend's package is refused in one line naming the config path, this Python and the extra; a plan
 for a cluster only warns; installed packages pass. Packages are hidden the way an absent one looks
 (tests/support/hide_packages.py), so the check itself runs unchanged."""
@@ -10,9 +10,9 @@ import sys
 import pytest
 from hide_packages import install
 
-from areal_cli.config import packages
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan import packages
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
 
 

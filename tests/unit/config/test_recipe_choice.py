@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from areal_cli.cli.common import compose_and_validate
-from areal_cli.config.compose import load_config, prepare
-from areal_cli.config.fastcompose import fast_compose
-from areal_cli.config.groups import CONFIG_DIR_ENV, add_config_dirs, group_options, search_path
+from areal_cli.plan.compose import load_config, prepare
+from areal_cli.plan.fastcompose import fast_compose
+from areal_cli.plan.groups import CONFIG_DIR_ENV, add_config_dirs, group_options, search_path
 from areal_cli.errors import ConfigError
 
 FOOTGUN = ["model=qwen2_5_7b", "cluster=gpu_1x8", "allocation_mode=gpu8_sglang_fsdp"]

@@ -98,7 +98,7 @@ def test_overrides_from_model_config_match_default_spec():
 def test_every_builtin_model_is_an_option_of_the_model_group(name):
     """``model=<name>`` reaches each built-in spec with that spec's facts (validation and the memory
     estimate read the group's facts, so a spec without its preset would be checked as another model)."""
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
 
     cfg = load_config([f"model={name}"])
     spec = BUILTIN_SPECS[name]

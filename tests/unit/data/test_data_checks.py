@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
 
 SRC = Path(__file__).resolve().parents[3] / "src"
@@ -137,8 +137,8 @@ def test_validate_reads_parquet_and_saved_dirs_without_datasets_or_torch(tmp_pat
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
     code = ("import sys\n"
-            "from areal_cli.config.compose import load_config\n"
-            "from areal_cli.config.validate import validate\n"
+            "from areal_cli.plan.compose import load_config\n"
+            "from areal_cli.plan.validate import validate\n"
             f"validate(load_config(['dataset.train_path={tmp_path / 'd.parquet'}', "
             f"'dataset.test_path={tmp_path / 'dd'}:train']))\n"
             "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.engines import get_engine_spec
 from areal_cli.errors import ConfigError
 
@@ -39,7 +39,7 @@ def test_zero3_with_offload_and_ulysses_validates():
 def test_spec_names_the_engine_and_the_cli_stays_light():
     spec = get_engine_spec("deepspeed")
     assert spec.trainable and spec.target == "areal_cli.engines.deepspeed:DeepSpeedEngine" and spec.dims == "dc"
-    code = ("import sys; from areal_cli.config.compose import load_config; from areal_cli.config.validate import "
+    code = ("import sys; from areal_cli.plan.compose import load_config; from areal_cli.plan.validate import "
             "validate; validate(load_config(['engine=deepspeed', 'allocation_mode=hf:d1+deepspeed:d2', "
             "'cluster.n_gpus_per_node=3'])); print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

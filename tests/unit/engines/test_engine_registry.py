@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.engines import ENGINE_SPECS, get_engine_cls, get_engine_spec
 from areal_cli.errors import ConfigError
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.engines import precision
 from areal_cli.errors import ConfigError
 

@@ -184,8 +184,8 @@ def test_wire_format_and_row_plumbing():
 
 
 def test_config_refuses_what_cannot_replay(tmp_path):
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.compose import load_config
+    from areal_cli.plan.validate import validate
     from areal_cli.errors import ConfigError
 
     moe = ["model.num_experts=4", "model.num_experts_per_tok=2", "rollout.routing_replay=true"]

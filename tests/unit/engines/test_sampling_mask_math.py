@@ -122,8 +122,9 @@ def test_ties_at_the_cut_are_all_kept():
 def test_config_option_is_validated():
     import pytest
 
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.validate import keep_sampling_mask_active, validate
+    from areal_cli.plan.compose import load_config
+    from areal_cli.plan.validate import validate
+    from areal_cli.config.rollout import keep_sampling_mask_active
     from areal_cli.errors import ConfigError
 
     on = ["rollout.keep_sampling_mask=true", "rollout.gconfig.top_p=0.9"]

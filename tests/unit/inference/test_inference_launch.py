@@ -54,7 +54,7 @@ def test_sglang_cmd_pp_health_and_extra_flags():
 
 def test_launcher_server_args_reach_every_server(tmp_path):
     from areal_cli.config.schema import ExperimentConfig
-    from areal_cli.launchers.base import ServerSpec
+    from areal_cli.job.layout import ServerSpec
     from areal_cli.launchers.local import server_argv
 
     cfg = ExperimentConfig()
@@ -71,7 +71,7 @@ def test_the_hf_prefix_cache_is_off_for_single_turn_runs_and_the_users_flag_wins
 
     from areal_cli.config.schema import ExperimentConfig
     from areal_cli.inference.hf_server import build_parser
-    from areal_cli.launchers.base import ServerSpec
+    from areal_cli.job.layout import ServerSpec
     from areal_cli.launchers.local import server_argv
 
     def budget(workflow: str, user: list[str]) -> int:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_cli.config.compose import load_config
+from areal_cli.plan.compose import load_config
 from areal_cli.config.model import LORA_PRESETS, lora_target_modules
-from areal_cli.config.validate import validate
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
 
 

@@ -55,9 +55,9 @@ def test_auto_weight_update_picks_disk_for_vllm_and_explicit_distributed_is_refu
     """The default ``rollout.weight_update=auto`` pushes through disk wherever a vLLM server takes part
     (full weights) or a vLLM/SGLang server takes a LoRA adapter, else over the broadcast group; an
     explicit ``distributed`` with vLLM is refused by validate-config, naming the path and the fix."""
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.rollout import resolved_weight_update
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.compose import load_config
+    from areal_cli.inference.push_mode import resolved_weight_update
+    from areal_cli.plan.validate import validate
     from areal_cli.errors import ConfigError
 
     assert resolved_weight_update("auto", ["hf", "hf"]) == "distributed"
@@ -84,9 +84,9 @@ def test_auto_weight_update_picks_disk_for_vllm_and_explicit_distributed_is_refu
 def test_colocated_on_cuda_pushes_through_disk():
     """A colocated plan on CUDA shares GPUs between trainer and servers; NCCL refuses two ranks of one group
     on one device, so ``auto`` resolves to disk there and an explicit ``distributed`` is refused."""
-    from areal_cli.config.compose import load_config
-    from areal_cli.config.rollout import resolved_weight_update
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.compose import load_config
+    from areal_cli.inference.push_mode import resolved_weight_update
+    from areal_cli.plan.validate import validate
     from areal_cli.errors import ConfigError
 
     assert resolved_weight_update("auto", ["hf"], shared_gpu=True) == "disk"

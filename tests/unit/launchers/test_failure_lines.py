@@ -75,7 +75,7 @@ def test_the_rank_log_watch_reads_only_this_launch(tmp_path):
 
 def test_a_nodes_failure_reaches_the_slurm_submitter_as_the_same_lines(tmp_path):
     """The node runner keeps its failure in the run dir; the SLURM submitter rebuilds it from there."""
-    from areal_cli.launchers.base import read_node_error, record_node_error
+    from areal_cli.job.status import read_node_error, record_node_error
 
     err = process_failure("trainer rank 3", "/r/logs/trainer_rank3.log", f"{RANK_CRASH_PREFIX}RuntimeError: x\n",
                           "exit code 1")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from areal_cli.config.compose import load_config as compose
+from areal_cli.plan.compose import load_config as compose
 from areal_cli.errors import LaunchError
 from areal_cli.launchers.ray_placement import (
     NODE_ID_LABEL,

@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from areal_cli.config.compose import load_config
+from areal_cli.plan.compose import load_config
 from areal_cli.errors import LaunchError
-from areal_cli.launchers.base import JobLayout
+from areal_cli.job.layout import JobLayout
 from areal_cli.launchers.skypilot import (
     SkyPilotLauncher,
     build_task_config,

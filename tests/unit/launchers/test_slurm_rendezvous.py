@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from areal_cli.errors import LaunchError
-from areal_cli.launchers.base import write_json_atomic
+from areal_cli.job.layout import write_json_atomic
 from areal_cli.launchers.slurm import rendezvous_path, wait_rendezvous
 
 
@@ -28,7 +28,7 @@ def test_a_node_waits_for_node_0_in_another_process(tmp_path):
     path = rendezvous_path(str(tmp_path), "7", "0")
     writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from areal_cli.launchers.base import write_json_atomic
+        from areal_cli.job.layout import write_json_atomic
         time.sleep(0.5)
         write_json_atomic({str(path)!r}, {{"addr": "127.0.0.1", "port": 12345}})
     """)])

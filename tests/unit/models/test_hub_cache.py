@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.config.compose import load_config
+from areal_cli.plan.compose import load_config
 from areal_cli.errors import ConfigError, LaunchError, StorageError
-from areal_cli.launchers.base import error_from_record, error_record, read_node_error, record_node_error
+from areal_cli.job.status import error_from_record, error_record, read_node_error, record_node_error
 from areal_cli.models.hub import (
     cached_commit,
     cached_config,
@@ -119,7 +119,7 @@ def test_a_config_json_alone_is_enough_for_the_facts_not_for_the_weights(tmp_pat
     assert cached_config("org/m", cache_dir=cache) == str(snap) and cached_snapshot("org/m", cache_dir=cache) is None
     m = load_config(["model.path=org/m", "experiment=cpu_default"]).model
     assert (m.name, m.num_hidden_layers) == ("m", 3)
-    from areal_cli.config.validate import validate
+    from areal_cli.plan.validate import validate
 
     validate(load_config(["model.path=org/m", "experiment=cpu_default"]))  # the facts are known: no refusal
     with pytest.raises(ConfigError) as e:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
 from areal_cli.models.teacher import check_teacher_tokenizer, resolve_teacher_path
 
@@ -57,7 +57,7 @@ def test_teacher_path_must_be_a_model(tmp_path):
 
 
 def test_teacher_counts_in_the_memory_estimate(tiny_model_dir, bigger_teacher):
-    from areal_cli.config.distill import teacher_size_ratio
+    from areal_cli.plan.distill import teacher_size_ratio
 
     base = [f"model.path={tiny_model_dir}", "trainer.sft_warmup_steps=0", "algo.kl_coef=0"]
     off = load_config(base)

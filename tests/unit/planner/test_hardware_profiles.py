@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.errors import ConfigError
-from areal_cli.planner.hardware import (
+from areal_cli.allocation.hardware import (
     PROFILES,
     HardwareProfile,
     get_profile,

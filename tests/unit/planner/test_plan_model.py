@@ -9,7 +9,7 @@ import json
 import pytest
 
 from areal_cli.cli.common import compose_and_validate
-from areal_cli.planner.hardware import get_profile
+from areal_cli.allocation.hardware import get_profile
 from areal_cli.planner.model import plan_config
 
 EXAMPLE = ["algo=grpo", "engine=megatron", "allocation_mode=sglang.d4+megatron.d2t2p2", "cluster=gpu_2x8",

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from areal_cli.cli.common import compose_and_validate
-from areal_cli.config.validate import validate
-from areal_cli.planner.hardware import get_profile
+from areal_cli.plan.validate import validate
+from areal_cli.allocation.hardware import get_profile
 from areal_cli.planner.model import plan_config
 from areal_cli.planner.suggest import candidate_specs, suggest
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from areal_cli.config.compose import load_config
-from areal_cli.config.validate import validate
+from areal_cli.plan.compose import load_config
+from areal_cli.plan.validate import validate
 from areal_cli.config.workflow import JudgeConfig
 from areal_cli.errors import ConfigError
 from areal_cli.rewards.judge_prompt import (

@@ -116,8 +116,9 @@ def test_no_hard_coded_correctness_threshold_left():
 
 
 def test_evaluation_uses_the_reward_functions_correctness(fake_engine, tok, monkeypatch):
-    from areal_cli.config.compose import load_config
-    from areal_cli.trainer import build, evaluation
+    from areal_cli.plan.compose import load_config
+    from areal_cli.rollout import build
+    from areal_cli.trainer import evaluation
 
     cfg = load_config(["rollout.gconfig.max_new_tokens=4", "rollout.eval_gconfig.max_new_tokens=4",
                        "trainer.eval_n_samples=2"])

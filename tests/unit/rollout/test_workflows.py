@@ -245,7 +245,7 @@ def test_build_workflow_from_config(tok):
     from areal_cli.config.rollout import GenerationSettings, RolloutConfig
     from areal_cli.config.schema import ExperimentConfig
     from areal_cli.config.workflow import WorkflowConfig
-    from areal_cli.trainer.build import build_workflow
+    from areal_cli.rollout.build import build_workflow
 
     rcfg = RolloutConfig(group_size=3, gconfig=GenerationSettings(temperature=0.7, max_new_tokens=9))
     wcfg = WorkflowConfig(name="multi_turn", max_turns=4, turn_discount=0.5, feedback="Nope.",
@@ -266,7 +266,7 @@ def test_build_workflow_from_config(tok):
 def test_build_reward_fn_rejects_unknown_reward_before_spawning():
     from areal_cli.config.schema import ExperimentConfig
     from areal_cli.config.workflow import WorkflowConfig
-    from areal_cli.trainer.build import build_reward_fn
+    from areal_cli.rollout.build import build_reward_fn
 
     with pytest.raises(ConfigError) as ei:
         build_reward_fn(ExperimentConfig(workflow=WorkflowConfig(reward="no_such_reward")))

@@ -1,5 +1,5 @@
 """The run-dir reader (runs/rundir.py) on run dirs written the way launchers and the trainer write them,
-and the status writer (launchers/base.py RunStatusWriter) with its real heartbeat thread."""
+and the status writer (job/status.py RunStatusWriter) with its real heartbeat thread."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.launchers.base import RunStatusWriter, publish_server, read_status_file, write_json_atomic
+from areal_cli.job.address_book import publish_server
+from areal_cli.job.status import RunStatusWriter, read_status_file
+from areal_cli.job.layout import write_json_atomic
 from areal_cli.runs import rundir
 from areal_cli.trainer.stats import StatsLogger
 

@@ -39,8 +39,9 @@ def tok(tiny_model_dir):
 
 
 def test_interrupted_evaluation_keeps_what_it_scored(tok, monkeypatch):
-    from areal_cli.config.compose import load_config
-    from areal_cli.trainer import build, evaluation
+    from areal_cli.plan.compose import load_config
+    from areal_cli.rollout import build
+    from areal_cli.trainer import evaluation
 
     cfg = load_config(["rollout.gconfig.max_new_tokens=6", "rollout.eval_gconfig.max_new_tokens=6",
                        "trainer.eval_n_samples=3"])

@@ -9,14 +9,8 @@ import time
 
 import pytest
 
-from areal_cli.launchers.base import (
-    JobLayout,
-    ServerSpec,
-    TrainerSpec,
-    publish_server,
-    read_servers,
-    retract_server,
-)
+from areal_cli.job.address_book import publish_server, read_servers, retract_server
+from areal_cli.job.layout import JobLayout, ServerSpec, TrainerSpec
 from areal_cli.rollout.data_stream import PromptStream
 from areal_cli.utils.procs import ManagedProcess, describe_exit, tail_file
 
@@ -104,7 +98,7 @@ def test_layout_json_roundtrip(tmp_path):
 
 
 def test_layout_from_plan_default_and_dp2():
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
     from areal_cli.trainer.build import layout_from_plan
 
     lay = layout_from_plan(load_config([]), None)
@@ -160,9 +154,9 @@ def test_summary_separates_the_warm_start_and_smooths_the_reward(tmp_path):
 
 
 def test_config_roundtrip(tmp_path):
-    from areal_cli.config.compose import load_config
+    from areal_cli.plan.compose import load_config
     from areal_cli.errors import ConfigError
-    from areal_cli.trainer.config_io import load_config_file, save_config
+    from areal_cli.config.io import load_config_file, save_config
 
     cfg = load_config(["trainer.total_steps=3", "rollout.group_size=2"])
     back = load_config_file(save_config(cfg, tmp_path / "c.yaml"))

@@ -1,11 +1,11 @@
-"""ServerFleet and WeightPublisher on a real run dir's address book (launchers/base.py) and a real
+"""ServerFleet and WeightPublisher on a real run dir's address book (job/address_book.py) and a real
 inference client: a restarted server (a new epoch) is pending until the trainer has synced it, is then
 routed to again, and the next broadcast push names a new weight-update group."""
 
 from __future__ import annotations
 
 from areal_cli.inference.client import RemoteInferenceEngine
-from areal_cli.launchers.base import publish_server, read_servers, retract_server, wait_for_servers
+from areal_cli.job.address_book import publish_server, read_servers, retract_server, wait_for_servers
 from areal_cli.weight_sync.fleet import ServerFleet
 from areal_cli.weight_sync.publisher import PushTarget, WeightPublisher
 

@@ -14,7 +14,7 @@ from areal_cli.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal_cli.errors import InferenceError
 from areal_cli.inference.backends import hf, sglang
 from areal_cli.inference.client import RemoteInferenceEngine
-from areal_cli.inference.server.weights import WeightUpdateRejected, flat_layout
+from areal_cli.weight_sync.wire import WeightUpdateRejected, flat_layout
 from areal_cli.weight_sync.senders import DistributedSender, _Bucket
 
 META = WeightUpdateMeta(type="distributed", version=3, group_name="g")

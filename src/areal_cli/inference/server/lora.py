@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from areal_cli.inference.server.weights import WeightUpdateRejected, check_allowed
+from areal_cli.weight_sync.adapter_files import ADAPTER_CONFIG, ADAPTER_FILE
 
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
 MAX_ADAPTERS = 8
 

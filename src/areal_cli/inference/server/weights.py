@@ -21,29 +21,11 @@ from pathlib import Path
 
 import torch
 
-
-class WeightUpdateRejected(ValueError):
-    """The update does not match the model; nothing was applied."""
+from areal_cli.weight_sync.wire import WeightUpdateRejected, flat_layout, parse_dtype
 
 
 class ReceiveFailed(RuntimeError):
     """The broadcast of a weight bucket failed; the model is untouched."""
-
-
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    key = str(name).replace("torch.", "")
-    if key not in _DTYPES:
-        raise WeightUpdateRejected(f"unknown dtype {name!r}; expected one of {sorted(set(_DTYPES))}")
-    return _DTYPES[key]
 
 
 _PARAMS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
@@ -191,24 +173,6 @@ def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tupl
         slots.append((d, off, n))
         totals[d] = off + n
     return slots, totals
-
-
-def flat_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[torch.dtype, int, int]], int]:
-    """SGLang's ``load_format="flattened_bucket"`` wire layout: one uint8 buffer with the tensors'
-    bytes concatenated in request order; ``[(dtype, byte offset, numel)]`` and the total bytes.
-    Like SGLang's receiver, refuses a tensor whose offset is not a multiple of its dtype's size."""
-    slots, off = [], 0
-    for dt, shp in zip(dtypes, shapes):
-        d = parse_dtype(dt)
-        n = 1
-        for x in shp:
-            n *= int(x)
-        if off % d.itemsize:
-            raise WeightUpdateRejected(f"flattened_bucket: a {dt} tensor at byte offset {off} is not aligned to "
-                                       f"{d.itemsize} bytes")
-        slots.append((d, off, n))
-        off += n * d.itemsize
-    return slots, off
 
 
 @dataclass

@@ -4,7 +4,7 @@
 (named in ``plugins=[...]``) adds its own with ``@register_workflow("name")``; anything containing a dot
 is imported: ``my_pkg.module.MyWorkflow`` or ``my_pkg.module:MyWorkflow`` (a RolloutWorkflow subclass,
 or a factory callable returning an instance). The trainer builds a workflow from the config with
-``trainer/build.py:build_workflow`` (the one place that wires reward, generation config and
+``rollout/build.py:build_workflow`` (the one place that wires reward, generation config and
 constructor arguments); :func:`build_workflow` here is the constructor call it ends in.
 """
 
@@ -176,7 +176,7 @@ def build_workflow(name_or_path: str, *, reward_fn: Any, gconfig: Any, tokenizer
                    feedback: str = "Your answer is wrong. Try again.", **user_kwargs: Any) -> RolloutWorkflow:
     """Construct a workflow from trainer-level pieces (:data:`OFFERED`): its constructor gets
     ``user_kwargs`` plus whichever pieces it names (all of them if it takes ``**kwargs``).
-    Built-ins and plugins alike; ``trainer/build.py:build_workflow`` makes the pieces from the config."""
+    Built-ins and plugins alike; ``rollout/build.py:build_workflow`` makes the pieces from the config."""
     offered = {"reward_fn": reward_fn, "gconfig": gconfig, "tokenizer": tokenizer, "group_size": group_size,
                "max_turns": max_turns, "turn_discount": turn_discount, "feedback": feedback}
     factory = resolve_workflow(name_or_path)

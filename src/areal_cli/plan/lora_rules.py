@@ -6,7 +6,7 @@ from typing import Any
 
 from areal_cli.allocation.spec import DIM_NAMES
 from areal_cli.config.model import lora_target_modules
-from areal_cli.config.rollout import disk_only
+from areal_cli.inference.push_mode import disk_only
 from areal_cli.engines import engines_with, get_engine_spec
 from areal_cli.errors import ConfigError
 from areal_cli.inference.backends import backend_names, backend_spec

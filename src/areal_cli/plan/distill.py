@@ -22,7 +22,7 @@ def teacher_size_ratio(cfg: Any) -> float:
     if not distill_on(cfg):
         return 0.0
     from areal_cli.allocation.estimate import ModelFacts
-    from areal_cli.config.recipe import _local_model_params
+    from areal_cli.plan.recipe import _local_model_params
 
     teacher = _local_model_params(cfg.algo.distill.teacher_path)
     student = ModelFacts.from_config(cfg.model).total_params()

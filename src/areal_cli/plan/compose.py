@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_cli.config.groups import (
+from areal_cli.plan.groups import (
     CONF_DIR,
     GROUPS,
     find_option,
@@ -187,7 +187,7 @@ def _load_plugin_overrides(overrides: list[str]) -> None:
 def _choose_recipe(prep: Prepared) -> None:
     """``model.path=<hub id>`` of a preset picks that preset (its facts, offline); then, with no experiment
     named, the toy keeps the primary config's cpu_default and a real model gets real_model."""
-    from areal_cli.config.recipe import choose_experiment, preset_for_path, recipe_note
+    from areal_cli.plan.recipe import choose_experiment, preset_for_path, recipe_note
 
     values = {}
     for ov in prep.hydra_overrides:
@@ -252,7 +252,7 @@ def _map_hydra_error(exc: BaseException) -> ConfigError:
 def _traced(hydra_overrides: list[str]) -> tuple[ExperimentConfig, dict[str, str]] | None:
     """The composed config and where each value that is not the schema default was set
     (``{"trainer.total_steps": "experiment=real_model"}``), or None when only Hydra composes these overrides."""
-    from areal_cli.config.fastcompose import fast_compose
+    from areal_cli.plan.fastcompose import fast_compose
 
     trace: dict[str, str] = {}
     cfg = fast_compose(hydra_overrides, search_path(), trace)
@@ -346,14 +346,14 @@ def register_schemas() -> None:
 def load_config(overrides: list[str] | None = None, prepared: Prepared | None = None) -> ExperimentConfig:
     """Compose, type-check and return the typed config. Raises ConfigError on any user mistake.
 
-    The common case goes through :mod:`areal_cli.config.fastcompose` (same result as Hydra,
+    The common case goes through :mod:`areal_cli.plan.fastcompose` (same result as Hydra,
     without importing it); everything else through Hydra's compose API. ``AREAL_COMPOSE=hydra``
     forces Hydra.
     """
     prep = prepared or prepare(list(overrides or []))
     cfg = None
     if os.environ.get("AREAL_COMPOSE", "fast") != "hydra":
-        from areal_cli.config.fastcompose import fast_compose
+        from areal_cli.plan.fastcompose import fast_compose
 
         cfg = fast_compose(prep.hydra_overrides, search_path())
         if cfg is not None:

@@ -23,25 +23,23 @@ from areal_cli.allocation.placement import place
 from areal_cli.allocation.plan import InferencePart, MicroBatch, Plan, TrainPart
 from areal_cli.allocation.spec import DIM_NAMES, AllocationSpec, Component, Dims, train_backends
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.config.algo import (
-    generates,
-    samples_per_prompt,
-    validate_algo_config,
-    validate_group_size,
-)
+from areal_cli.config.algo import generates, samples_per_prompt
+from areal_cli.algorithms.config_checks import validate_algo_config, validate_group_size
 from areal_cli.config.launcher import local_multi_node
-from areal_cli.config.lora_rules import check_lora
-from areal_cli.config.packages import check_packages
+from areal_cli.plan.lora_rules import check_lora
+from areal_cli.plan.packages import check_packages
 from areal_cli.config.ranges import check_ranges
-from areal_cli.config.distill import check_distill, teacher_size_ratio
-from areal_cli.config.recipe import check_model_facts
-from areal_cli.config.rollout import disk_only
+from areal_cli.config.rollout import keep_sampling_mask_active
+from areal_cli.plan.distill import check_distill, teacher_size_ratio
+from areal_cli.plan.recipe import check_model_facts
+from areal_cli.inference.push_mode import disk_only
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.checks import check_dataset
-from areal_cli.engines import ENGINE_SPECS, attn_impl, engine_dims, engines_with, get_engine_spec, is_import_path
+from areal_cli.engines import (ENGINE_SPECS, attn_impl, engine_dims, engines_with, get_engine_spec,
+                               is_import_path)
 from areal_cli.errors import ConfigError
 from areal_cli.inference.backends import DEFAULT_BACKEND, backend_spec
-from areal_cli.planner.hardware import gpu_memory_gb, resolve_hardware
+from areal_cli.allocation.hardware import gpu_memory_gb, resolve_hardware
 from areal_cli.registry import load_plugins
 from areal_cli.rewards.judge_prompt import check_judge_config
 from areal_cli.rewards.registry import check_reward_name
@@ -399,7 +397,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     load_plugins(cfg.plugins)  # first: plugins add the names the rules below accept
     check_ranges(cfg)  # every numeric knob of every group, against the range declared next to it
     _check_engine_sections(cfg)
-    check_model_facts(cfg)  # before any rule reads the architecture (config/recipe.py)
+    check_model_facts(cfg)  # before any rule reads the architecture (plan/recipe.py)
     _check_scalars(cfg)
     resolve_hardware(cfg)  # cluster.hardware names a profile of the cluster's device kind
     spec = _resolved_spec(cfg)
@@ -459,10 +457,10 @@ def validate(cfg: ExperimentConfig) -> Plan:
     check_dataset(cfg, plan)  # files, columns and knobs of the dataset group (data/checks.py)
     validate_algo_config(cfg.algo)
     validate_group_size(cfg.algo, cfg.rollout.group_size)
-    check_distill(cfg, plan)  # the teacher: its path, engine and tokenizer (config/distill.py)
+    check_distill(cfg, plan)  # the teacher: its path, engine and tokenizer (plan/distill.py)
     if auto_error is not None:
         raise auto_error
-    check_packages(cfg, plan)  # last: a config mistake is named before a missing package (config/packages.py)
+    check_packages(cfg, plan)  # last: a config mistake is named before a missing package (plan/packages.py)
     return plan
 
 
@@ -488,12 +486,6 @@ def _memory_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
                 "queue; raise t or d")
     if plan.colocated:
         plan.warnings.append("colocated components share devices: generation pauses while training runs")
-
-
-def keep_sampling_mask_active(cfg: ExperimentConfig) -> bool:
-    """Whether the rollout records the mask: asked for, and the sampler truncates at all."""
-    g = cfg.rollout.gconfig
-    return bool(cfg.rollout.keep_sampling_mask) and not g.greedy and (g.top_p < 1.0 or g.top_k > 0)
 
 
 def _check_keep_sampling_mask(cfg: ExperimentConfig, plan: Plan) -> None:
@@ -609,7 +601,7 @@ def gpu_presets() -> list[tuple[str, int, int]]:
     """``(option, n_nodes, n_gpus_per_node)`` of every cluster option with ``device: cuda``, smallest first."""
     import yaml
 
-    from areal_cli.config.groups import find_option, group_options
+    from areal_cli.plan.groups import find_option, group_options
 
     out = []
     for opt in group_options().get("cluster", []):

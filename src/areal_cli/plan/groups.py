@@ -68,7 +68,7 @@ def search_path() -> list[Path]:
 
 def primary_default(group: str) -> str | None:
     """The option the packaged ``config.yaml`` picks for ``group``."""
-    from areal_cli.config.fastcompose import _load_yaml
+    from areal_cli.plan.fastcompose import _load_yaml
 
     _, data = _load_yaml(CONF_DIR / "config.yaml")  # memoised per file
     for entry in (data or {}).get("defaults", []):

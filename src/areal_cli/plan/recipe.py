@@ -28,8 +28,8 @@ REAL_MODEL_PARAMS = 100_000_000
 
 
 def _model_path_of_option(option: str) -> str:
-    from areal_cli.config.fastcompose import Unsupported, _load_yaml
-    from areal_cli.config.groups import find_option
+    from areal_cli.plan.fastcompose import Unsupported, _load_yaml
+    from areal_cli.plan.groups import find_option
 
     f = find_option("model", option)
     if f is None:  # an unknown option is refused by the group check with its did-you-mean
@@ -73,7 +73,7 @@ def _local_model_params(path: str) -> int | None:
 
 def preset_for_path(path: str) -> str | None:
     """The model preset whose ``path`` is this hub id (``Qwen/Qwen2.5-7B-Instruct`` → ``qwen2_5_7b``), or None."""
-    from areal_cli.config.groups import group_options
+    from areal_cli.plan.groups import group_options
 
     want = path.strip().strip("'\"").lower()
     for option in group_options()["model"]:

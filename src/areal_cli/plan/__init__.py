@@ -1,0 +1,1 @@
+"""Composition and validation: Hydra overrides into an ``ExperimentConfig``, checked into a ``Plan``."""
