@@ -34,8 +34,11 @@ if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     if spec.get("batch") == "skewed":
         fsdp_worker.make_batch = skewed_batch
-    fsdp_worker.main()
-    if spec.get("trainer_exit"):  # as trainer/entry.py ends every run
-        from areal_cli.utils.dist import destroy_distributed
+    from areal_cli.utils.dist import destroy_distributed, exit_after
 
-        destroy_distributed()
+    def run() -> None:
+        fsdp_worker.main()
+        if spec.get("trainer_exit"):  # as trainer/entry.py ends every run
+            destroy_distributed()
+
+    exit_after(run)

@@ -301,4 +301,6 @@ def launch(spec: dict, world_size: int, timeout: float = 300.0, expect_kill: boo
 
 
 if __name__ == "__main__":
-    main()
+    from areal_cli.utils.dist import exit_after
+
+    exit_after(main)

@@ -414,4 +414,6 @@ def main() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    from areal_cli.utils.dist import exit_after
+
+    exit_after(main)

@@ -100,4 +100,6 @@ def _run(config_path: str, run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from areal_cli.utils.dist import exit_after
+
+    exit_after(main)
