@@ -18,8 +18,13 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_cli.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from areal_cli.config.cluster import ClusterConfig
+    from areal_cli.config.schema import ExperimentConfig
 
 
 @dataclass(frozen=True)
@@ -222,7 +227,7 @@ def hardware_name(cluster) -> str:
     return AUTO_PROFILE.get(str(cluster.device), "h100") if name.lower() == "auto" else name
 
 
-def resolve_hardware(cfg) -> HardwareProfile:
+def resolve_hardware(cfg: ExperimentConfig | ClusterConfig) -> HardwareProfile:
     """The profile of one device of ``cfg``'s cluster (``cfg``: the experiment config or its ``cluster``):
     ``cluster.hardware`` looked up by :func:`get_profile`, with ``cluster.gpu_memory_gb`` replacing a GPU
     profile's memory when set. A GPU profile on ``cluster.device=cpu`` (or the reverse) is a ConfigError."""
@@ -240,7 +245,7 @@ def resolve_hardware(cfg) -> HardwareProfile:
     return p
 
 
-def gpu_memory_gb(cfg) -> float:
+def gpu_memory_gb(cfg: ExperimentConfig | ClusterConfig) -> float:
     """``cluster.gpu_memory_gb`` when set, else the hardware profile's memory (the GPU's; a CPU profile's is the
     host's RAM, which ``allocation.estimate.device_memory_gb`` measures itself on CPU)."""
     cluster = getattr(cfg, "cluster", cfg)

@@ -22,10 +22,13 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.checkpoints.locate import CheckpointError, Source
 from areal_cli.errors import ConfigError, InferenceError
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 ALIASES = {"eval_gconfig.": "rollout.eval_gconfig."}
 SWAPPABLE_GROUPS = ("dataset", "workflow")  # groups whose option an evaluation may replace
@@ -50,7 +53,7 @@ def _alias(o: str) -> str:
     return o
 
 
-def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+def apply_overrides(cfg: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
     """``key.path=value`` onto a typed config; ``group=option`` for :data:`SWAPPABLE_GROUPS` replaces that
     section by the option's file (on the schema's defaults, as composing it would)."""
     from omegaconf import OmegaConf
@@ -118,7 +121,7 @@ def detect_backend(address: str) -> str:
 class _Server:
     """A server on the checkpoint, started like the run's own (``launchers/local.server_argv``)."""
 
-    def __init__(self, cfg: Any, model_dir: str, backend: str, log_dir: str):
+    def __init__(self, cfg: ExperimentConfig, model_dir: str, backend: str, log_dir: str):
         from areal_cli.job.layout import ServerSpec
         from areal_cli.launchers.local import base_env, server_argv
         from areal_cli.utils.network import find_free_port
@@ -143,7 +146,7 @@ class _Server:
         self.proc.stop(timeout=10)
 
 
-def eval_items(cfg: Any, tokenizer: Any) -> list[dict]:
+def eval_items(cfg: ExperimentConfig, tokenizer: Any) -> list[dict]:
     from areal_cli.data.datasets import load_split
 
     split = load_split(cfg.dataset, tokenizer, "test", seed=cfg.seed)
@@ -193,8 +196,8 @@ def default_output(src: Source) -> Path:
     return Path.cwd() / f"areal_eval_{src.shown.name}-{stamp}.json"
 
 
-def _evaluate(cfg: Any, src: Source, model_dir: str, server: str | None, backend: str | None, work: str,
-              progress: Any) -> dict[str, Any]:
+def _evaluate(cfg: ExperimentConfig, src: Source, model_dir: str, server: str | None, backend: str | None,
+              work: str, progress: Any) -> dict[str, Any]:
     from areal_cli.rollout import build
     from areal_cli.trainer.evaluation import evaluate_on_servers
 

@@ -17,10 +17,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ConfigError, StorageError
 from areal_cli.storage import run_storage_check
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 # Files a fresh (resume=none) run replaces; anything else in the run dir is left alone.
 RUN_STATE = ("metrics.jsonl", "status.json", "servers", "recover", "checkpoints", "sft_warmup",
@@ -41,7 +44,7 @@ def check_run_dir_writable(run_dir: str) -> None:
                            "— fix: set cluster.fileroot to a writable directory") from e
 
 
-def check_storage(cfg: Any, run_dir: str) -> None:
+def check_storage(cfg: ExperimentConfig, run_dir: str) -> None:
     """The run dir must be writable; then the shared-storage probe, unless ``skip_storage_check``."""
     check_run_dir_writable(run_dir)
     if cfg.skip_storage_check:
@@ -49,7 +52,7 @@ def check_storage(cfg: Any, run_dir: str) -> None:
     run_storage_check(cfg, run_dir)
 
 
-def check_dataset_files(cfg: Any) -> None:
+def check_dataset_files(cfg: ExperimentConfig) -> None:
     """A missing local dataset file is an error before anything launches; a remote launcher reads the data
     on its nodes, so a path this machine cannot see is left to them (validate-config warned about it)."""
     from areal_cli.data.checks import check_dataset_paths
@@ -57,7 +60,7 @@ def check_dataset_files(cfg: Any) -> None:
     check_dataset_paths(cfg.dataset, remote=cfg.launcher.name if cfg.launcher.name != "local" else None)
 
 
-def prepare_run_dir(cfg: Any, run_dir: str) -> None:
+def prepare_run_dir(cfg: ExperimentConfig, run_dir: str) -> None:
     from areal_cli.cli.resume import AUTO_RESUME
 
     p = Path(run_dir)
@@ -82,7 +85,7 @@ def prepare_run_dir(cfg: Any, run_dir: str) -> None:
     p.mkdir(parents=True, exist_ok=True)
 
 
-def check_engine_available(cfg: Any) -> None:
+def check_engine_available(cfg: ExperimentConfig) -> None:
     """Refuse, before anything starts, a training backend this release can plan but not run."""
     from areal_cli.engines import get_engine_spec, trainable_engines
 
@@ -92,7 +95,7 @@ def check_engine_available(cfg: Any) -> None:
                           f"train with engine={' or engine='.join(trainable_engines())}")
 
 
-def fetches_on_nodes(cfg: Any) -> bool:
+def fetches_on_nodes(cfg: ExperimentConfig) -> bool:
     """Whether ``launcher.name``'s nodes fetch a hub model themselves (slurm, ray, skypilot: one download per
     node into its HF cache) rather than this process (local, and any launcher that does not say so)."""
     from areal_cli.launchers.base import get_launcher
@@ -100,7 +103,7 @@ def fetches_on_nodes(cfg: Any) -> bool:
     return bool(getattr(get_launcher(cfg.launcher.name), "fetches_model_on_nodes", False))
 
 
-def fetch_hub_model(cfg: Any) -> bool:
+def fetch_hub_model(cfg: ExperimentConfig) -> bool:
     """Download a hub ``model.path`` now when this process is the one that fetches it and it is not cached;
     when the launcher's nodes fetch it, download its config.json alone (kilobytes), so the plan is checked
     against the real architecture. True when it downloaded (validation then re-reads the facts)."""
@@ -134,7 +137,7 @@ def fetch_hub_model(cfg: Any) -> bool:
     return True
 
 
-def check_teacher(cfg: Any, *, fetch: bool) -> None:
+def check_teacher(cfg: ExperimentConfig, *, fetch: bool) -> None:
     """A distillation teacher (``algo.distill.teacher_path``) must read the student's tokens: a mismatched
     tokenizer is one ConfigError here, before any server starts or run dir is made (the trainer checks
     again, for launchers whose nodes resolve the paths themselves)."""
@@ -150,7 +153,7 @@ def check_teacher(cfg: Any, *, fetch: bool) -> None:
         check_teacher_tokenizer(student, teacher)
 
 
-def run_train(cfg: Any, plan: Any | None = None, *, live: bool | None = None,
+def run_train(cfg: ExperimentConfig, plan: Any | None = None, *, live: bool | None = None,
               overrides: list[str] | None = None, choice: Any | None = None) -> int:
     """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C).
 

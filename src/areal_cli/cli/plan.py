@@ -7,8 +7,12 @@ new option is one field, one ``typer.Option`` and one branch in :func:`run`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import typer  # at module level: typer resolves the `typer.Context` annotation from module globals
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 HELP = ("Predict the composed config's run before spending GPU hours: memory per component and what binds "
         "first, the time of one RL step (generation, rewards, training, weight sync; sync and async), "
@@ -29,7 +33,7 @@ class PlanOptions:
     caps: bool = False  # lengths from the caps, not from a sample of the dataset
 
 
-def profile_for(cfg, name: str | None = None):
+def profile_for(cfg: ExperimentConfig, name: str | None = None):
     """The hardware profile ``plan`` uses: ``--hardware``, else ``cluster.hardware`` where the config has it,
     else ``auto``: ``cpu`` on a CPU cluster and ``h100`` on GPUs."""
     from areal_cli.allocation.hardware import AUTO_PROFILE, get_profile, resolve_hardware

@@ -20,9 +20,12 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 AUTO_RESUME = ("auto", "force")  # continue the run dir's latest recover state; force skips the check
 NAME_FORMAT = "%Y%m%d-%H%M%S"
@@ -89,7 +92,7 @@ class RunChoice:
 
 # ---------------------------------------------------------------- names
 
-def experiment_dir(cfg: Any) -> Path:
+def experiment_dir(cfg: ExperimentConfig) -> Path:
     return Path(os.path.expanduser(cfg.cluster.fileroot)) / "runs" / cfg.experiment_name
 
 
@@ -206,7 +209,7 @@ def _show(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "…"
 
 
-def check_resume(cfg: Any, run_dir: Path, step: int) -> list[tuple[str, Any, Any]]:
+def check_resume(cfg: ExperimentConfig, run_dir: Path, step: int) -> list[tuple[str, Any, Any]]:
     """The changes against the run dir's saved config; raises for one the checkpoint depends on
     (unless ``resume=force``). Returns every change (the caller lists them)."""
     saved = run_dir / "config.yaml"
@@ -224,7 +227,7 @@ def check_resume(cfg: Any, run_dir: Path, step: int) -> list[tuple[str, Any, Any
     return changes
 
 
-def settle_run(cfg: Any, *, claim: bool = True, check: bool = True) -> RunChoice:
+def settle_run(cfg: ExperimentConfig, *, claim: bool = True, check: bool = True) -> RunChoice:
     """Name the run (``cfg.trial_name`` is set on return) and check its resume. ``claim``: create a new
     run's dir (not for a dry run); ``check``: refuse a resume whose overrides changed what the
     checkpoint depends on (unless ``resume=force``)."""

@@ -6,11 +6,16 @@ summarise); this module only composes, validates and hands over.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
+
 HELP = ("Compose and validate the config, then launch inference servers and trainers. "
         "--dry-run stops after printing the plan; --cfg job prints the composed config.")
 
 
-def launch(cfg, plan, overrides: list[str] | None = None, choice=None) -> int:
+def launch(cfg: ExperimentConfig, plan, overrides: list[str] | None = None, choice=None) -> int:
     """Hand the validated config and plan to the launcher; returns the exit code."""
     from areal_cli.cli.launch import run_train
 
@@ -26,7 +31,7 @@ def print_job_config(overrides: list[str]) -> None:
     print(OmegaConf.to_yaml(compose_dictconfig(overrides), resolve=True), end="")
 
 
-def show_dry_run(cfg, plan, as_json: bool) -> None:
+def show_dry_run(cfg: ExperimentConfig, plan, as_json: bool) -> None:
     """The plan, plus what the launcher would submit (sbatch script, SkyPilot task YAML).
 
     The submission text goes to stdout alone so it can be redirected into a file; the plan table and

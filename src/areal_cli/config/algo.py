@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from areal_cli.config.ranges import ranged
 
+# The closed value sets of string fields, written once: algorithms/config_checks.py and the field comments
+# refer to them. Plain str fields, not Literal: OmegaConf 2.3's structured configs reject Literal annotations.
 NORM_LEVELS = ("group", "batch", "none")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 BEHAV_IMP_WEIGHT_MODES = ("truncate", "mask")
@@ -79,8 +81,8 @@ class AlgoConfig:
     # --- advantages ---
     # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | gae | none | a registered plugin
     adv_estimator: str = "grpo"
-    mean_level: str = "group"  # group | batch | none
-    std_level: str = "group"  # group | batch | none
+    mean_level: str = "group"  # one of NORM_LEVELS
+    std_level: str = "group"  # one of NORM_LEVELS
     std_unbiased: bool = True  # Bessel-corrected std (verl/TRL use torch.std, which is unbiased)
     adv_std_eps: float = ranged(1e-6, gt=0.0, le=1.0)  # (r - mean) / (std + eps)
     gamma: float = ranged(1.0, ge=0.0, le=1.0)
@@ -102,7 +104,7 @@ class AlgoConfig:
     # the constant rollout.gconfig.max_new_tokens, Dr.GRPO)
     loss_agg: str = "token-mean"
     use_decoupled_loss: bool = False  # AReaL decoupled PPO (proximal policy)
-    prox_logp_method: str = "recompute"  # recompute | loglinear
+    prox_logp_method: str = "recompute"  # one of PROX_LOGP_METHODS
     # Recompute logp with the trainer before the update even without the decoupled loss; the PPO
     # ratio then uses the recomputed logp, and a set behav_imp_weight_cap corrects the
     # inference/trainer mismatch (truncated importance sampling).
@@ -110,8 +112,8 @@ class AlgoConfig:
     # behaviour IS correction cap; None disables the cap
     behav_imp_weight_cap: float | None = ranged(None, gt=0.0, le=1e6,
                                                 why="AReaL uses 5.0; null disables the cap")
-    behav_imp_weight_mode: str = "truncate"  # truncate | mask
-    behav_imp_weight_level: str = "token"  # token | sequence
+    behav_imp_weight_mode: str = "truncate"  # one of BEHAV_IMP_WEIGHT_MODES
+    behav_imp_weight_level: str = "token"  # one of BEHAV_IMP_WEIGHT_LEVELS
     entropy_coef: float = ranged(0.0, ge=-1.0, le=1.0)
     temperature: float = ranged(1.0, ge=1e-5, le=100.0)  # must match rollout.gconfig.temperature (validated)
     # --- KL to a reference model ---

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 
 from areal_cli.config.ranges import ranged
 
+# The closed value sets of this group's string fields, written once: validation and the engines refer to
+# them. Plain str fields, not Literal: OmegaConf 2.3's structured configs reject Literal annotations.
+DTYPES = ("float32", "bfloat16")
+GRAD_REDUCE_MODES = ("per_micro_batch", "last_micro_batch")
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+
 
 @dataclass
 class DeepSpeedConfig:
@@ -45,7 +51,7 @@ class MegatronConfig:
     # Shard the activations outside tensor-parallel matmuls (norms, residuals) over the t ranks (t > 1).
     sequence_parallel: bool = True
     # With engine.gradient_checkpointing: "selective" recomputes core attention, "full" whole layers.
-    recompute_granularity: str = "selective"  # selective | full
+    recompute_granularity: str = "selective"  # one of RECOMPUTE_GRANULARITIES
     # Interleaved 1F1B: model chunks per pipeline rank (p > 1; p × virtual_stages divides the layers).
     virtual_stages: int = ranged(1, ge=1)
     # Shard optimizer state (and fp32 master weights) over the d ranks: mcore's distributed optimizer.
@@ -57,7 +63,7 @@ class MegatronConfig:
 @dataclass
 class EngineConfig:
     name: str = "fsdp"  # a registered backend (fsdp | archon | megatron | deepspeed) or pkg.module:Class
-    # compute dtype: float32 | bfloat16. A trained model keeps fp32 master weights, gradients and optimizer
+    # compute dtype, one of DTYPES. A trained model keeps fp32 master weights, gradients and optimizer
     # state under bfloat16 on every engine; the LM head's logits stay fp32 (engines/precision.py)
     dtype: str = "float32"
     gradient_checkpointing: bool = False
@@ -72,7 +78,7 @@ class EngineConfig:
     shared_prefix: bool = True
     # FSDP2 (fsdp, archon): reduce-scatter gradients after every micro-batch (each rank keeps only its shard
     # of the accumulated gradient) or only after the last (unsharded gradients held until then)
-    grad_reduce: str = "per_micro_batch"  # per_micro_batch | last_micro_batch
+    grad_reduce: str = "per_micro_batch"  # one of GRAD_REDUCE_MODES
     attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2 (CUDA with flash_attn; docs/training.md)
     archon: ArchonConfig = field(default_factory=ArchonConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from areal_cli.errors import ConfigError
 
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
-def save_config(cfg: Any, path: str | os.PathLike) -> str:
+
+def save_config(cfg: ExperimentConfig, path: str | os.PathLike) -> str:
     """Write ``cfg`` (an ExperimentConfig) as YAML, atomically."""
     from omegaconf import OmegaConf
 
@@ -21,7 +24,7 @@ def save_config(cfg: Any, path: str | os.PathLike) -> str:
     return str(p)
 
 
-def load_config_file(path: str | os.PathLike) -> Any:
+def load_config_file(path: str | os.PathLike) -> ExperimentConfig:
     """Read a YAML written by :func:`save_config` back into a typed ExperimentConfig."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException

@@ -10,6 +10,12 @@ from areal_cli.config.ranges import ranged
 if TYPE_CHECKING:
     from areal_cli.config.schema import ExperimentConfig
 
+# The closed value sets of this group's string fields, written once: validation (plan/validate.py) and the
+# field comments refer to them. Plain str fields, not Literal: OmegaConf 2.3's structured configs reject
+# Literal annotations.
+ROUTINGS = ("least_loaded", "round_robin")
+WEIGHT_UPDATES = ("auto", "distributed", "disk")
+
 
 @dataclass
 class GenerationSettings:
@@ -34,8 +40,8 @@ class RolloutConfig:
     queue_size: int | None = ranged(None, ge=1, why="null sizes it at 4 x the batch")  # bounded result queue
     request_timeout_s: float = ranged(300.0, gt=0.0)
     request_retries: int = ranged(3, ge=0)
-    routing: str = "least_loaded"  # least_loaded | round_robin
-    # auto | distributed | disk. auto: a broadcast from the trainer (distributed), except through disk where a
+    routing: str = "least_loaded"  # one of ROUTINGS
+    # one of WEIGHT_UPDATES. auto: a broadcast from the trainer (distributed), except through disk where a
     # vLLM server takes part (its weight transfer is its own NCCL rendezvous, docs/inference.md) or where
     # a LoRA adapter goes to a vLLM/SGLang server (they load adapters from a directory only).
     weight_update: str = "auto"

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 @functools.lru_cache(maxsize=1)
@@ -20,14 +23,14 @@ def has_cuda_driver() -> bool:
     return os.path.exists("/proc/driver/nvidia/version")
 
 
-def runs_here(cfg: Any) -> bool:
+def runs_here(cfg: ExperimentConfig) -> bool:
     """True when this machine is where the plan's processes would start."""
     if cfg.launcher.name != "local":
         return False
     return cfg.cluster.device != "cuda" or has_cuda_driver()
 
 
-def where_it_runs(cfg: Any) -> str:
+def where_it_runs(cfg: ExperimentConfig) -> str:
     """Words for the warning: where the plan's processes run instead of here."""
     if cfg.launcher.name != "local":
         return f"launcher={cfg.launcher.name} runs it on the cluster's nodes"

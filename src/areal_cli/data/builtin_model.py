@@ -20,9 +20,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.model import ModelConfig
 
 # 2: the chat template renders tools, tool calls and tool turns (plain chats render as before)
 BUILD_VERSION = 2
@@ -158,7 +161,7 @@ def _build(out: Path, s: BuiltinModelSpec) -> None:
         make_tiny_model(out, tokenizer_dir=out, seed=s.seed, intermediate_size=s.intermediate_size, **common)
 
 
-def overrides_from_model_config(model_cfg: Any) -> dict[str, Any]:
+def overrides_from_model_config(model_cfg: ModelConfig) -> dict[str, Any]:
     """Spec fields from the ``model`` config group, so ``model.hidden_size=256`` with
     ``model.path=builtin:tiny`` builds (and caches separately) a 256-wide built-in model.
 

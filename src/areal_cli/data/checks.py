@@ -23,6 +23,7 @@ from areal_cli.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:  # pragma: no cover
     from areal_cli.config.dataset import DatasetConfig
+    from areal_cli.config.schema import ExperimentConfig
 
 PROMPT_KINDS = ("text", "chat", "unknown")
 ANSWER_KINDS = ("text", "number", "unknown")
@@ -62,7 +63,7 @@ def check_dataset_paths(cfg: DatasetConfig, remote: str | None = None) -> list[S
     return unseen
 
 
-def check_dataset(cfg: Any, plan: Any) -> None:
+def check_dataset(cfg: ExperimentConfig, plan: Any) -> None:
     """The validate rule: knobs agree, files exist (or are remote), and their columns hold the fields."""
     from areal_cli.config.where import runs_here, where_it_runs
 

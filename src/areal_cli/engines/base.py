@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,11 @@ from areal_cli.errors import ConfigError, WeightSyncError
 from areal_cli.utils import collectives, host_memory
 from areal_cli.weight_sync.adapter_files import ADAPTER_SUBDIR, write_adapter_dir
 from areal_cli.weight_sync.outbox import Outbox
+
+if TYPE_CHECKING:
+    from areal_cli.config.algo import OptimConfig
+    from areal_cli.config.engine import EngineConfig
+    from areal_cli.config.model import LoRAConfig
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -55,8 +60,8 @@ def init_value_head(head: Any) -> None:
 
 
 class EngineBase(TrainEngine):
-    def __init__(self, engine_cfg, optim_cfg=None, *, total_steps: int = 1, seed: int = 0,
-                 critic: bool = False, lora: Any = None):
+    def __init__(self, engine_cfg: EngineConfig, optim_cfg: OptimConfig | None = None, *,
+                 total_steps: int = 1, seed: int = 0, critic: bool = False, lora: LoRAConfig | None = None):
         """``lora``: ``model.lora`` (rank > 0 trains a peft adapter on the frozen model; engines/lora.py)."""
         self.cfg = engine_cfg
         self.lora_cfg = lora

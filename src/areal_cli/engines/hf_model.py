@@ -29,13 +29,12 @@ from areal_cli.api.io_struct import SaveLoadMeta
 from areal_cli.engines import (lora as lora_mod, materialize, packing, parallelize as par, precision,
                                routing_replay as r3, sampling_mask, step_stats, ulysses)
 from areal_cli.weight_sync.adapter_files import ADAPTER_NAME
+from areal_cli.config.engine import GRAD_REDUCE_MODES
 from areal_cli.engines.attn_impl import FLASH
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase, init_value_head
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives, host_memory
 from areal_cli.utils.optim import foreach_ok
-
-GRAD_REDUCE = ("per_micro_batch", "last_micro_batch")
 
 
 class HFModelEngine(EngineBase):
@@ -47,9 +46,9 @@ class HFModelEngine(EngineBase):
         Ulysses-aware attention registered, the head in fp32 (:mod:`.precision`; ``self.precision`` is set).
         Returns ``(model, parameter dtype)``; nothing of the checkpoint is read
         yet. Parameters that are not in the checkpoint get their initial values here, on the host."""
-        if self.cfg.grad_reduce not in GRAD_REDUCE:
+        if self.cfg.grad_reduce not in GRAD_REDUCE_MODES:
             raise ConfigError("engine.grad_reduce", f"unknown mode {self.cfg.grad_reduce!r}",
-                              f"use one of: {', '.join(GRAD_REDUCE)}")
+                              f"use one of: {', '.join(GRAD_REDUCE_MODES)}")
         cfg = self._read_model_meta(model_path)
         attn = ulysses.register(self.cfg.attn_impl, self.device)
         self.precision = precision.resolve(self.cfg.dtype, trainable=self.optim_cfg is not None)

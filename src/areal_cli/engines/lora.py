@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from areal_cli.weight_sync.adapter_files import ADAPTER_NAME
 
+if TYPE_CHECKING:
+    from areal_cli.config.model import LoRAConfig
 
-def enabled(lora_cfg: Any) -> bool:
+
+def enabled(lora_cfg: LoRAConfig | None) -> bool:
     return lora_cfg is not None and int(getattr(lora_cfg, "rank", 0)) > 0
 
 
@@ -37,7 +40,7 @@ def is_lora_name(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def peft_config(lora_cfg: Any, model_config: Any):
+def peft_config(lora_cfg: LoRAConfig, model_config: Any):
     """peft's ``LoraConfig`` for ``model.lora`` on a model of ``model_config``'s family."""
     from peft import LoraConfig
 
@@ -51,7 +54,7 @@ def peft_config(lora_cfg: Any, model_config: Any):
                       target_modules=list(targets), bias="none", task_type="CAUSAL_LM")
 
 
-def inject(model: torch.nn.Module, lora_cfg: Any):
+def inject(model: torch.nn.Module, lora_cfg: LoRAConfig):
     """Inject the adapter into ``model`` in place and freeze everything else. Returns the peft config."""
     from peft import inject_adapter_in_model
 

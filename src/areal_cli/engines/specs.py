@@ -4,17 +4,20 @@ specs live in their own packages (``engines/megatron/__init__.py``, ``engines/ar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from areal_cli.api.backend_spec import FULL_SHARD, EngineSpec, PackageNeed, Sharding
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.engine import EngineConfig
 
 # What the engines built on HF modules (fsdp, archon, deepspeed) replay: the hook on the HF router their
 # MoE blocks call (engines/routing_replay.py).
 ALL_DIMS = "dtpce"
 
 
-def fsdp2_grad_reduce_only(engine_cfg: Any, name: str, why: str) -> None:
+def fsdp2_grad_reduce_only(engine_cfg: EngineConfig, name: str, why: str) -> None:
     """``engine.grad_reduce`` picks FSDP2's reduce-scatter schedule: another backend refuses a non-default value."""
     mode = getattr(engine_cfg, "grad_reduce", "per_micro_batch")
     if mode != "per_micro_batch":
@@ -22,7 +25,7 @@ def fsdp2_grad_reduce_only(engine_cfg: Any, name: str, why: str) -> None:
                           f"leave engine.grad_reduce=per_micro_batch with engine={name}")
 
 
-def check_deepspeed_knobs(engine_cfg: Any) -> None:
+def check_deepspeed_knobs(engine_cfg: EngineConfig) -> None:
     """The ``engine.deepspeed`` knobs that depend on each other."""
     fsdp2_grad_reduce_only(engine_cfg, "deepspeed", "DeepSpeed reduces at its own accumulation boundary")
     z = engine_cfg.deepspeed
@@ -34,7 +37,7 @@ def check_deepspeed_knobs(engine_cfg: Any) -> None:
                           "set engine.deepspeed.zero_stage to 1, 2 or 3, or drop offload_optimizer")
 
 
-def _deepspeed_sharding(engine_cfg: Any) -> Sharding:
+def _deepspeed_sharding(engine_cfg: EngineConfig) -> Sharding:
     z = int(getattr(getattr(engine_cfg, "deepspeed", None), "zero_stage", 3))
     return Sharding(weights=z >= 3, grads=z >= 2, optimizer=z >= 1, gathers_layers=z >= 3)
 

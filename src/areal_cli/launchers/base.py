@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from areal_cli.job.layout import JobLayout
 from areal_cli.registry import Registry
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 @runtime_checkable
@@ -30,15 +33,15 @@ class Launcher(Protocol):
 
     name: str
 
-    def preflight(self, cfg: Any, layout: JobLayout) -> None:
+    def preflight(self, cfg: ExperimentConfig, layout: JobLayout) -> None:
         """Raise :class:`areal_cli.errors.LaunchError` if this machine cannot launch the plan at all
         (missing cluster tools, too many nodes). Runs before the model and run dir are prepared."""
 
-    def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any] | None:
+    def dry_run(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> dict[str, Any] | None:
         """What a launch would submit (a script, a task file), for ``areal train --dry-run``; None
         when it submits nothing beyond the plan. Needs no cluster software."""
 
-    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+    def launch(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
                model_revision: str | None = None, on_tick: Callable[[], None] | None = None) -> int:
         """Every launcher takes the same arguments: ``model_path`` the model dir this machine resolved (a hub
         model fetched here), ``model_revision`` the pinned hub revision for launchers whose nodes fetch it

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ArealError, LaunchError
 from areal_cli.job.address_book import read_servers, retract_server
@@ -32,6 +32,9 @@ from areal_cli.job.layout import MODEL_PATH_ENV, JobLayout, ServerSpec
 from areal_cli.launchers.failures import RankLogWatch, process_failure
 from areal_cli.launchers.supervisor import ServerSupervisor
 from areal_cli.utils.procs import ManagedProcess, describe_exit, handling_stop_signals, tail_file
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 def logs_dir(run_dir: str | os.PathLike) -> Path:
@@ -68,7 +71,7 @@ def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool,
             "GOMP_SPINCOUNT": "20000" if sft_warm_start else "0"}
 
 
-def server_argv(cfg: Any, spec: ServerSpec, port: int, model_path: str, host: str,
+def server_argv(cfg: ExperimentConfig, spec: ServerSpec, port: int, model_path: str, host: str,
                 run_dir: str) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` of one inference server (hf / vllm / sglang)."""
     from areal_cli.inference import launch as inf_launch
@@ -125,7 +128,7 @@ class NodeRunner(ServerSupervisor):
     """Runs and supervises one node's processes. See the module docstring; server supervision is
     :class:`~areal_cli.launchers.supervisor.ServerSupervisor`'s, shared with the Ray launcher."""
 
-    def __init__(self, cfg: Any, layout: JobLayout, run_dir: str, *, node_rank: int = 0,
+    def __init__(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str, *, node_rank: int = 0,
                  model_path: str | None = None, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, server_host: str = "127.0.0.1",
                  config_path: str | None = None, on_tick: Callable[[], None] | None = None,
@@ -428,16 +431,16 @@ class LocalLauncher:
 
     name = "local"
 
-    def preflight(self, cfg: Any, layout: JobLayout) -> None:
+    def preflight(self, cfg: ExperimentConfig, layout: JobLayout) -> None:
         if layout.n_nodes != 1:
             from areal_cli.config.launcher import local_multi_node
 
             raise LaunchError(" — fix: ".join(local_multi_node(layout.n_nodes)))
 
-    def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> None:
+    def dry_run(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> None:
         return None
 
-    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+    def launch(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
                model_revision: str | None = None, on_tick: Callable[[], None] | None = None) -> int:
         # model_revision: unused; this machine is the only node and model_path is what it resolved
         self.preflight(cfg, layout)
@@ -445,7 +448,7 @@ class LocalLauncher:
         return runner.run()
 
 
-def run_node(cfg: Any, layout: JobLayout, run_dir: str, node_rank: int, *, master_addr: str,
+def run_node(cfg: ExperimentConfig, layout: JobLayout, run_dir: str, node_rank: int, *, master_addr: str,
              master_port: int, model_path: str | None = None, server_host: str = "127.0.0.1",
              model_revision: str | None = None) -> int:
     """Run node ``node_rank``'s share of ``layout`` and supervise it (for SLURM/SkyPilot launchers).

@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import LaunchError, StorageError
 from areal_cli.job.address_book import retract_server
@@ -52,6 +52,9 @@ from areal_cli.launchers.ray_placement import (
 )
 from areal_cli.launchers.supervisor import ServerSupervisor
 from areal_cli.utils.procs import handling_stop_signals
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 PLACEMENT_FILE = "ray_placement.json"
 
@@ -157,7 +160,7 @@ class ProcessHost:
 # ---------------------------------------------------------------- the driver
 
 
-def connect(cfg: Any) -> Any:
+def connect(cfg: ExperimentConfig) -> Any:
     """``ray.init`` for ``launcher.ray``; a :class:`LaunchError` when no cluster answers."""
     ray = _import_ray()
     rc = cfg.launcher.ray
@@ -201,7 +204,7 @@ def _probe_gcs(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"nothing answers at {target}: {e.strerror or e}") from None
 
 
-def cluster_nodes(cfg: Any) -> list[RayNode]:
+def cluster_nodes(cfg: ExperimentConfig) -> list[RayNode]:
     ray = _import_ray()
     return nodes_from_ray(ray.nodes(), dict(cfg.launcher.ray.node_labels))
 
@@ -251,7 +254,8 @@ def _fetch_on_node(model_path: str, revision: str, hub_env: dict[str, str]) -> d
 
 
 def ray_storage_check(
-    cfg: Any, nodes: list[RayNode], *, timeout_s: float = 20.0, throughput_bytes: int = 8 * 1024 * 1024
+    cfg: ExperimentConfig, nodes: list[RayNode], *, timeout_s: float = 20.0,
+    throughput_bytes: int = 8 * 1024 * 1024
 ) -> Any:
     """Cross-node storage check of ``cluster.fileroot``: one probe task per Ray node; the report."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -314,7 +318,7 @@ class RayJob(ServerSupervisor):
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: ExperimentConfig,
         layout: JobLayout,
         run_dir: str,
         assignment: dict[int, RayNode],
@@ -688,7 +692,7 @@ class RayLauncher:
         self.assignment: dict[int, RayNode] | None = None
         self.nodes: list[RayNode] = []
 
-    def preflight(self, cfg: Any, layout: JobLayout) -> None:
+    def preflight(self, cfg: ExperimentConfig, layout: JobLayout) -> None:
         if layout.colocated:
             raise LaunchError(
                 "launcher=ray places inference and training on separate devices ('+' in "
@@ -708,7 +712,7 @@ class RayLauncher:
             ray.shutdown()
             raise
 
-    def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
+    def dry_run(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> dict[str, Any]:
         groups = [g.to_dict() for g in placement_groups(layout, float(cfg.launcher.ray.cpus_per_gpu))]
         return {
             "placement_groups": groups,
@@ -721,7 +725,7 @@ class RayLauncher:
 
     def launch(
         self,
-        cfg: Any,
+        cfg: ExperimentConfig,
         layout: JobLayout,
         run_dir: str,
         *,

@@ -32,10 +32,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import LaunchError
 from areal_cli.job.layout import JobLayout
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 LAUNCH_DIR = "~/.areal_launch"  # where config.yaml / launch.json land on every node
 DEFAULT_MASTER_PORT = 29500
@@ -56,7 +59,7 @@ CLOUD_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-def accelerators_for(cfg: Any, layout: JobLayout) -> str | None:
+def accelerators_for(cfg: ExperimentConfig, layout: JobLayout) -> str | None:
     """``launcher.skypilot.accelerators`` or a GPU type/count derived from the plan; None on CPU."""
     sp = cfg.launcher.skypilot
     if sp.accelerators:
@@ -80,11 +83,11 @@ def accelerators_for(cfg: Any, layout: JobLayout) -> str | None:
 _SKY_GPU = {"h100": "H100", "h200": "H200", "a100": "A100-80GB", "b200": "B200", "l40s": "L40S"}
 
 
-def _remote_run_dir(cfg: Any) -> str:
+def _remote_run_dir(cfg: ExperimentConfig) -> str:
     return "/".join([str(cfg.cluster.fileroot).rstrip("/"), "runs", cfg.experiment_name, cfg.trial_name])
 
 
-def run_script(cfg: Any) -> str:
+def run_script(cfg: ExperimentConfig) -> str:
     """The per-node command: rendezvous from SkyPilot's env, then this node's share of the plan."""
     run_dir = _remote_run_dir(cfg)
     return "\n".join([
@@ -99,7 +102,7 @@ def run_script(cfg: Any) -> str:
     ])
 
 
-def build_task_config(cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
+def build_task_config(cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> dict[str, Any]:
     """The SkyPilot task as a YAML-ready dict (the schema ``sky.Task.from_yaml`` reads)."""
     sp = cfg.launcher.skypilot
     resources: dict[str, Any] = {}
@@ -213,14 +216,14 @@ def missing_credentials(cloud: str | None) -> list[str]:
     return out
 
 
-def write_task(cfg: Any, layout: JobLayout, run_dir: str) -> str:
+def write_task(cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> str:
     path = os.path.join(run_dir, "skypilot_task.yaml")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     Path(path).write_text(task_yaml(build_task_config(cfg, layout, run_dir)))
     return path
 
 
-def dry_run(cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
+def dry_run(cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> dict[str, Any]:
     """The task YAML for ``areal train launcher=skypilot --dry-run``.
 
     Checked with SkyPilot's own parser when SkyPilot is installed; without it the YAML is still
@@ -248,17 +251,17 @@ class SkyPilotLauncher:
     name = "skypilot"
     fetches_model_on_nodes = True  # node_main → run_node fetches a hub model into each node's HF cache
 
-    def preflight(self, cfg: Any, layout: JobLayout) -> None:
+    def preflight(self, cfg: ExperimentConfig, layout: JobLayout) -> None:
         if sky_python() is None:
             raise LaunchError("launcher=skypilot needs SkyPilot, which is not installed — fix: "
                               "`python -m venv ~/.cache/areal/skypilot-venv && ~/.cache/areal/skypilot-venv/bin/pip "
                               "install skypilot` (or set AREAL_SKYPILOT_PYTHON); `areal train launcher=skypilot "
                               "--dry-run` prints the task YAML without it")
 
-    def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
+    def dry_run(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> dict[str, Any]:
         return dry_run(cfg, layout, run_dir)
 
-    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+    def launch(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
                model_revision: str | None = None, on_tick: Callable[[], None] | None = None) -> int:
         # the cloud's nodes fetch the model and report nothing to tick on: the three are unused
         path = write_task(cfg, layout, run_dir)

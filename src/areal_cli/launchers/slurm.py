@@ -29,18 +29,21 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import LaunchError, StorageError
 from areal_cli.job.status import (NODE_ERRORS, TERMINAL_STATES, RunStatusWriter, read_node_error,
                                   read_status_file)
 from areal_cli.job.layout import JobLayout, write_json_atomic
 
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
+
 SUBMITIT_DIR = "slurm"
 JOB_FILE = "slurm_job.json"
 
 
-def slurm_parameters(cfg: Any, layout: JobLayout) -> dict[str, Any]:
+def slurm_parameters(cfg: ExperimentConfig, layout: JobLayout) -> dict[str, Any]:
     """``executor.update_parameters`` kwargs for this plan (AutoExecutor names)."""
     s = cfg.launcher.slurm
     params: dict[str, Any] = {
@@ -72,7 +75,7 @@ def slurm_parameters(cfg: Any, layout: JobLayout) -> dict[str, Any]:
     return params
 
 
-def srun_args_for(cfg: Any) -> list[str]:
+def srun_args_for(cfg: ExperimentConfig) -> list[str]:
     """srun flags that put a pre-launch probe step on the same partition/account."""
     s = cfg.launcher.slurm
     out = []
@@ -86,7 +89,7 @@ def srun_args_for(cfg: Any) -> list[str]:
     return out
 
 
-def make_executor(cfg: Any, layout: JobLayout, run_dir: str, *, render_only: bool = False):
+def make_executor(cfg: ExperimentConfig, layout: JobLayout, run_dir: str, *, render_only: bool = False):
     """A submitit SlurmExecutor with the plan's parameters.
 
     ``render_only`` builds one that can write its sbatch script but not submit: submitit refuses to
@@ -120,13 +123,13 @@ def _render_only_executor():
     return RenderOnlySlurmExecutor
 
 
-def render_sbatch(cfg: Any, layout: JobLayout, run_dir: str) -> str:
+def render_sbatch(cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> str:
     """The sbatch script a submission of this plan writes (``run_dir`` is not created)."""
     ex = make_executor(cfg, layout, run_dir, render_only=True)
     return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
-def dry_run(cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
+def dry_run(cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> dict[str, Any]:
     """What ``areal train launcher=slurm --dry-run`` shows: submitit's parameters and the sbatch script."""
     missing = missing_slurm_tools()
     return {"parameters": slurm_parameters(cfg, layout), "sbatch": render_sbatch(cfg, layout, run_dir),
@@ -225,7 +228,7 @@ def _reachable_address() -> str:
         return local_ip()
 
 
-def _switch_to_resume(cfg: Any, config_path: str, run_dir: str) -> None:
+def _switch_to_resume(cfg: ExperimentConfig, config_path: str, run_dir: str) -> None:
     """Rewrite the run's config with resume=auto and drop the dead attempt's live state.
 
     Its server records and status file describe processes that no longer exist; left in place they
@@ -265,13 +268,13 @@ class SlurmLauncher:
     name = "slurm"
     fetches_model_on_nodes = True  # each node fetches a hub model into its HF cache (NodeRunner.fetch_model)
 
-    def preflight(self, cfg: Any, layout: JobLayout) -> None:
+    def preflight(self, cfg: ExperimentConfig, layout: JobLayout) -> None:
         _require_slurm()
 
-    def dry_run(self, cfg: Any, layout: JobLayout, run_dir: str) -> dict[str, Any]:
+    def dry_run(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str) -> dict[str, Any]:
         return dry_run(cfg, layout, run_dir)
 
-    def launch(self, cfg: Any, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
+    def launch(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str, *, model_path: str | None = None,
                on_tick: Callable[[], None] | None = None, poll_s: float = 2.0,
                model_revision: str = "") -> int:
         _require_slurm()
@@ -338,7 +341,7 @@ class SlurmLauncher:
                               f"see {run_dir}/logs")
         return 0
 
-    def _cross_node_storage_check(self, cfg: Any) -> None:
+    def _cross_node_storage_check(self, cfg: ExperimentConfig) -> None:
         from areal_cli.storage import estimate_run_bytes, run_storage_check, storage_paths_for
 
         rep = run_storage_check(storage_paths_for(cfg), int(cfg.cluster.n_nodes), use_srun=True,

@@ -16,11 +16,14 @@ import abc
 import signal
 import sys
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_cli.errors import LaunchError
 from areal_cli.job.address_book import publish_server, retract_server
 from areal_cli.job.layout import ServerSpec
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 class SupervisedServer(Protocol):
@@ -37,7 +40,7 @@ class ServerSupervisor(abc.ABC):
     """Start, publish and restart inference servers. Subclasses set ``cfg``, ``run_dir``, ``servers``
     (index -> the server's record), ``restarts`` and ``_signal`` (the stop signal received, if any)."""
 
-    cfg: Any
+    cfg: ExperimentConfig
     run_dir: str
     servers: dict[int, Any]
     restarts: int

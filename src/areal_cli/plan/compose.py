@@ -13,7 +13,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.plan.groups import (
     CONF_DIR,
@@ -28,6 +28,9 @@ from areal_cli.config.model import HF_FACTS
 from areal_cli.config.paths import describe_type, resolve_path
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 ALLOC_KEYS = ("allocation_mode", "allocation_mode.spec")
 
@@ -313,7 +316,7 @@ def compose_dictconfig(overrides: list[str] | None = None, prepared: Prepared | 
     return cfg
 
 
-def _check_engine_after_compose(cfg: Any, prep: Prepared) -> None:
+def _check_engine_after_compose(cfg: ExperimentConfig, prep: Prepared) -> None:
     from areal_cli.allocation.parser import parse_allocation
 
     spec = parse_allocation(str(cfg.allocation_mode.spec))

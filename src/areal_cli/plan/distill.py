@@ -5,18 +5,21 @@ time estimates. Torch-free."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 KEY = "algo.distill"
 
 
-def distill_on(cfg: Any) -> bool:
+def distill_on(cfg: ExperimentConfig) -> bool:
     return cfg.algo.distill.enabled and cfg.algo.name != "sft"
 
 
-def teacher_size_ratio(cfg: Any) -> float:
+def teacher_size_ratio(cfg: ExperimentConfig) -> float:
     """The teacher's parameters over the student's, from the teacher's config.json (1.0 when it cannot be
     read: a hub id not fetched yet is assumed the student's size); 0.0 without a teacher."""
     if not distill_on(cfg):
@@ -29,7 +32,7 @@ def teacher_size_ratio(cfg: Any) -> float:
     return teacher / student if teacher and student else 1.0
 
 
-def check_distill(cfg: Any, plan: Any) -> None:
+def check_distill(cfg: ExperimentConfig, plan: Any) -> None:
     """One ConfigError per mistake: a ``builtin:`` or missing teacher, an engine that is not a training engine
     or cannot take the trainer's layout, a teacher whose tokenizer differs from the student's (checked here
     when both are already on disk; ``areal train`` checks again once the student is resolved)."""
@@ -60,7 +63,7 @@ def check_distill(cfg: Any, plan: Any) -> None:
         check_teacher_tokenizer(student, teacher)
 
 
-def _student_dir(cfg: Any) -> str | None:
+def _student_dir(cfg: ExperimentConfig) -> str | None:
     """The student's model dir when it is already on disk (a local dir, a built built-in model), else None:
     validation builds and downloads nothing."""
     path = cfg.model.path

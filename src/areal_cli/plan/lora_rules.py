@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.allocation.spec import DIM_NAMES
 from areal_cli.config.model import lora_target_modules
@@ -11,8 +11,11 @@ from areal_cli.engines import engines_with, get_engine_spec
 from areal_cli.errors import ConfigError
 from areal_cli.inference.backends import backend_names, backend_spec
 
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
-def check_lora(cfg: Any, plan: Any) -> None:
+
+def check_lora(cfg: ExperimentConfig, plan: Any) -> None:
     lora = cfg.model.lora
     if int(lora.rank) <= 0:
         return

@@ -41,9 +41,12 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 INSTALL_SH = "bash scripts/install.sh"
 
@@ -152,7 +155,7 @@ def findable_in(python: str, module: str) -> bool:
         return False
 
 
-def runs_here(cfg: Any) -> bool:
+def runs_here(cfg: ExperimentConfig) -> bool:
     """Every process of the plan starts from this Python: config/where.py's rule (local launcher, a device this
     machine has), on one node: a multi-node plan's other hosts have environments of their own."""
     from areal_cli.config.where import runs_here as launches_here
@@ -167,7 +170,7 @@ def _skypilot_present() -> bool:
     return findable("sky") or (os.path.isfile(cand) and os.access(cand, os.X_OK))
 
 
-def missing(cfg: Any, backends: list[str]) -> list[tuple[Need, str]]:
+def missing(cfg: ExperimentConfig, backends: list[str]) -> list[tuple[Need, str]]:
     """``(need, the interpreter it is missing from)`` for each package the config selects and this machine
     lacks; ``backends`` are the inference backends of the plan."""
     out: list[tuple[Need, str]] = []
@@ -193,14 +196,14 @@ def missing(cfg: Any, backends: list[str]) -> list[tuple[Need, str]]:
     return out
 
 
-def _reason(cfg: Any, need: Need, python: str) -> str:
+def _reason(cfg: ExperimentConfig, need: Need, python: str) -> str:
     what = {"engine.name": f"engine={cfg.engine.name}", "launcher.name": f"launcher={cfg.launcher.name}"}
     who = what.get(need.path, f"the {need.dist} inference backend")
     where = "this Python" if python == sys.executable else "the interpreter that runs it"
     return f"{who} needs {need.dist}, which is not installed in {where} ({python})"
 
 
-def check_packages(cfg: Any, plan: Any) -> None:
+def check_packages(cfg: ExperimentConfig, plan: Any) -> None:
     """Refuse (ConfigError) a plan that runs here without its packages; warn when it runs elsewhere."""
     lacking = missing(cfg, [p.backend for p in plan.inferences])
     if not lacking:

@@ -29,7 +29,9 @@ from areal_cli.config.launcher import local_multi_node
 from areal_cli.plan.lora_rules import check_lora
 from areal_cli.plan.packages import check_packages
 from areal_cli.config.ranges import check_ranges
-from areal_cli.config.rollout import keep_sampling_mask_active
+from areal_cli.config.cluster import DEVICES
+from areal_cli.config.engine import DTYPES
+from areal_cli.config.rollout import ROUTINGS, WEIGHT_UPDATES, keep_sampling_mask_active
 from areal_cli.plan.distill import check_distill, teacher_size_ratio
 from areal_cli.plan.recipe import check_model_facts
 from areal_cli.inference.push_mode import disk_only
@@ -46,12 +48,12 @@ from areal_cli.rewards.registry import check_reward_name
 from areal_cli.rollout.workflows import check_workflow_config
 
 CHOICES = {
-    "cluster.device": ("cpu", "cuda"),
-    "engine.dtype": ("float32", "bfloat16"),
+    "cluster.device": DEVICES,
+    "engine.dtype": DTYPES,
     "engine.attn_impl": attn_impl.ATTN_IMPLS,
     "launcher.name": lambda: _launcher_names(),  # the registry's, plugins' included
-    "rollout.weight_update": ("auto", "distributed", "disk"),
-    "rollout.routing": ("least_loaded", "round_robin"),
+    "rollout.weight_update": WEIGHT_UPDATES,
+    "rollout.routing": ROUTINGS,
 }
 
 

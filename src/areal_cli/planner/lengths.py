@@ -16,6 +16,10 @@ import os
 import random
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ def _load(path: str, **kw):
     return PreTrainedTokenizerFast.from_pretrained(path, **kw)
 
 
-def _tokenizer(cfg):
+def _tokenizer(cfg: ExperimentConfig):
     """The run's tokenizer if it can be had without a download or a side effect (else an exception)."""
     path = cfg.model.path
     if isinstance(path, str) and path.startswith("builtin:"):
@@ -67,7 +71,8 @@ def _tokenizer(cfg):
     return _load(os.path.expanduser(path))
 
 
-def dataset_prompt_lengths(cfg, sample: int = SAMPLE_ROWS, seed: int = 0) -> PromptLengths | None:
+def dataset_prompt_lengths(cfg: ExperimentConfig, sample: int = SAMPLE_ROWS,
+                           seed: int = 0) -> PromptLengths | None:
     """Mean and longest prompt of up to ``sample`` training rows, or None (with the reason logged at debug
     level) when the data or the tokenizer is not on this machine. Never raises for missing inputs: the
     planner then falls back to the caps and says so."""

@@ -12,9 +12,13 @@ be compared with a measured peak RSS.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from areal_cli.allocation.estimate import GiB, ModelFacts, companion_states, dtype_bytes, server_mem_fraction
 from areal_cli.plan.distill import teacher_size_ratio
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 # Parts named in ``binds``, in the words the tables print.
 PART_NAMES = {"weights_gb": "weights", "grads_gb": "gradients", "optim_gb": "optimizer states",
@@ -53,7 +57,7 @@ def _largest(parts: dict[str, float]) -> str:
     return f"{PART_NAMES[key]} ({parts[key] / total:.0%} of the estimate)"
 
 
-def trainer_memory(cfg, part, facts: ModelFacts, base_gb: float,
+def trainer_memory(cfg: ExperimentConfig, part, facts: ModelFacts, base_gb: float,
                    mean_mb_tokens: float | None = None) -> ComponentMemory:
     """One trainer rank of ``part`` (a validated TrainPart): the actor's states from the validator, plus a
     KL reference's weights (``algo.kl_coef > 0`` without LoRA: a second, frozen engine), a distillation
@@ -102,7 +106,7 @@ def _slab_len(max_seq: int) -> int:
 _PREFIX_CACHE_MIB, _PREFIX_CACHE_MAX_TOKENS = 512, 1 << 16
 
 
-def prefix_cache_budget(cfg) -> int:
+def prefix_cache_budget(cfg: ExperimentConfig) -> int:
     """Tokens the hf server's prefix cache may hold in this run: what the launcher passes
     (``inference/launch.py:prefix_cache_tokens``), or the user's own ``--prefix-cache-tokens`` in
     ``launcher.server_args`` (the last one wins, as on the command line); -1 is auto."""
@@ -125,7 +129,7 @@ def prefix_cache_budget(cfg) -> int:
     return value
 
 
-def hf_server_extras(cfg, facts: ModelFacts, push_mode: str | None,
+def hf_server_extras(cfg: ExperimentConfig, facts: ModelFacts, push_mode: str | None,
                      cached_tokens: float = 0.0) -> tuple[float, float, float]:
     """Bytes the built-in server holds beyond the HF model and its KV, on CPU: the fast decode path's fused,
     pre-transposed copy of every layer's projections (a dense model on CPU: inference/server/engine.py
@@ -149,7 +153,7 @@ def hf_server_extras(cfg, facts: ModelFacts, push_mode: str | None,
     return float(fused), float(staging), float(cache)
 
 
-def server_memory(cfg, part, facts: ModelFacts, concurrency: int, seq_tokens: int,
+def server_memory(cfg: ExperimentConfig, part, facts: ModelFacts, concurrency: int, seq_tokens: int,
                   base_gb: float, *, max_seq_tokens: int | None = None,
                   push_mode: str | None = None, cached_tokens: float = 0.0) -> ComponentMemory:
     """One device of a server instance of ``part`` (a validated InferencePart) running ``concurrency``

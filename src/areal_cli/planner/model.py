@@ -17,12 +17,16 @@ module composes them the way the trainer loop runs a step (``trainer/rl.py:train
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from areal_cli.allocation.estimate import ModelFacts
 from areal_cli.inference.push_mode import resolved_weight_update
 from areal_cli.planner import timing as T
 from areal_cli.allocation.hardware import HardwareProfile
 from areal_cli.planner.memory import ComponentMemory, server_memory, trainer_memory
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 @dataclass
@@ -101,8 +105,8 @@ def _overlap(a: float, slow_a: float, b: float, slow_b: float) -> tuple[float, f
 
 
 class _Planner:
-    def __init__(self, cfg, plan, hw: HardwareProfile, prompt_tokens: float | None, new_tokens: float | None,
-                 max_prompt_tokens: int | None = None):
+    def __init__(self, cfg: ExperimentConfig, plan, hw: HardwareProfile, prompt_tokens: float | None,
+                 new_tokens: float | None, max_prompt_tokens: int | None = None):
         self.cfg, self.plan, self.hw = cfg, plan, hw
         self.f = ModelFacts.from_config(cfg.model)
         self.w = T.workload(cfg, prompt_tokens, new_tokens)
@@ -299,7 +303,7 @@ class _Planner:
         return f"{lead}: {big} takes {phases[big] / s.step_s:.0%} of the step, bound by {why}"
 
 
-def plan_config(cfg, plan, profile: HardwareProfile, *, prompt_tokens: float | None = None,
+def plan_config(cfg: ExperimentConfig, plan, profile: HardwareProfile, *, prompt_tokens: float | None = None,
                 new_tokens: float | None = None, max_prompt_tokens: int | None = None) -> RunPlan:
     """The cost model of ``cfg`` as validated into ``plan`` (``plan.validate.validate(cfg)``) on ``profile``.
     ``prompt_tokens``/``new_tokens``: mean lengths when known (default: half of ``dataset.max_prompt_len``

@@ -12,10 +12,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from areal_cli.errors import ArealError
 from areal_cli.allocation.hardware import HardwareProfile
 from areal_cli.planner.model import RunPlan, plan_config
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 @dataclass
@@ -63,7 +67,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_specs(cfg, plan) -> list[str]:
+def candidate_specs(cfg: ExperimentConfig, plan) -> list[str]:
     """Every disaggregated ``<server>:d·t·+<engine>:d·t·p·`` split of the cluster's devices that passes the
     cheap checks, the current spec first."""
     from areal_cli.allocation.parser import backend_dims
@@ -104,7 +108,7 @@ def candidate_specs(cfg, plan) -> list[str]:
     return uniq
 
 
-def _with_spec(cfg, spec: str):
+def _with_spec(cfg: ExperimentConfig, spec: str) -> ExperimentConfig:
     return dataclasses.replace(cfg, allocation_mode=dataclasses.replace(cfg.allocation_mode, spec=spec))
 
 
@@ -112,7 +116,7 @@ def _candidate(rp: RunPlan) -> Candidate:
     return Candidate(rp.spec, rp.samples_per_s, rp.step.step_s, rp.fits, rp.bottleneck)
 
 
-def suggest(cfg, plan, profile: HardwareProfile, *, top: int = 8, **plan_kw) -> Suggestion:
+def suggest(cfg: ExperimentConfig, plan, profile: HardwareProfile, *, top: int = 8, **plan_kw) -> Suggestion:
     """The best split found, the current one, and the gain. ``plan_kw`` goes to :func:`plan_config`."""
     from areal_cli.plan.validate import validate
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from areal_cli.allocation.estimate import ModelFacts, dtype_bytes
 from areal_cli.plan.distill import teacher_size_ratio
 from areal_cli.allocation.hardware import HardwareProfile
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 # Per-sample reward cost, seconds: the sandboxed code reward runs a subprocess per sample (in a worker
 # pool); math-verify parses both answers. Built-in numeric/exact rewards are string compares.
@@ -62,7 +66,8 @@ class Workload:
         return self.prompt_tokens + self.new_tokens
 
 
-def workload(cfg, prompt_tokens: float | None = None, new_tokens: float | None = None) -> Workload:
+def workload(cfg: ExperimentConfig, prompt_tokens: float | None = None,
+             new_tokens: float | None = None) -> Workload:
     g = cfg.rollout.gconfig
     from areal_cli.config.algo import samples_per_prompt
 
@@ -181,7 +186,7 @@ def generation_time(f: ModelFacts, hw: HardwareProfile, w: Workload, backend: st
     return GenTime(prefill_s, decode_s, waves * hw.request_s, iter_s, int(conc), bound)
 
 
-def reward_time(cfg, w: Workload) -> float:
+def reward_time(cfg: ExperimentConfig, w: Workload) -> float:
     per = REWARD_S.get(str(cfg.workflow.reward), 0.0)
     return w.samples * per / REWARD_WORKERS
 
@@ -212,7 +217,7 @@ class TrainTime:
                 "optimizer update": self.optim_s, "cores shared with generation": self.shared_s}
 
 
-def train_passes(cfg) -> tuple[float, float]:
+def train_passes(cfg: ExperimentConfig) -> tuple[float, float]:
     """(forward-backward passes, forward-only passes) over the step's tokens, in units of the policy model:
     the PPO update (8N with full recompute instead of 6N: the forward runs twice), a logp recompute
     (decoupled loss or ``recompute_logprob``), the KL reference's forward, a distillation teacher's forward (its
@@ -251,7 +256,7 @@ def step_flops(f: ModelFacts, tokens: float, loss_tokens: float, seq_tokens: flo
     return 6 * fb * ((body + attn) * tokens + head * loss_tokens) + 2 * fwd * (body + attn + head) * tokens
 
 
-def train_time(cfg, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threads: int,
+def train_time(cfg: ExperimentConfig, part, f: ModelFacts, hw: HardwareProfile, w: Workload, threads: int,
                inter_node: bool) -> TrainTime:
     """Seconds of ``perf/train_s`` on the trainer ``part`` (a validated TrainPart).
 
@@ -341,7 +346,8 @@ class SyncTime:
         return self.gather_s + self.transfer_s + self.reload_s + self.overhead_s
 
 
-def sync_time(cfg, plan, f: ModelFacts, hw: HardwareProfile, mode: str, cross_node: bool) -> SyncTime:
+def sync_time(cfg: ExperimentConfig, plan, f: ModelFacts, hw: HardwareProfile, mode: str,
+              cross_node: bool) -> SyncTime:
     """``perf/weight_sync_s``: the model's bytes from the trainer to every server, then loaded there.
 
     distributed: one broadcast from trainer rank 0 (a pipelined broadcast costs ~bytes/bandwidth whatever

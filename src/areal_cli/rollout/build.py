@@ -5,9 +5,12 @@ trainer's evaluation and ``areal eval`` build through these, so a workflow is wi
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.job.layout import SERVER_KEY_ENV
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 def build_tokenizer(model_path: str) -> Any:
@@ -16,7 +19,7 @@ def build_tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def build_client(cfg: Any, addresses: list[str], backend: str, tp_sizes: list[int] | int = 1, *,
+def build_client(cfg: ExperimentConfig, addresses: list[str], backend: str, tp_sizes: list[int] | int = 1, *,
                  adapter: bool = True) -> Any:
     """``tp_sizes``: each server's TP size (every TP rank joins the weight-update group). Under LoRA the
     client names the served adapter in every request; ``adapter=False``: the servers' base weights."""
@@ -29,7 +32,7 @@ def build_client(cfg: Any, addresses: list[str], backend: str, tp_sizes: list[in
                                  lora_name=SERVED_NAME if adapter and lora_enabled(cfg) else None)
 
 
-def lora_enabled(cfg: Any) -> bool:
+def lora_enabled(cfg: ExperimentConfig) -> bool:
     """``model.lora.rank > 0``: the policy trains an adapter and the servers serve it by name."""
     lora = getattr(getattr(cfg, "model", None), "lora", None)
     return lora is not None and int(lora.rank) > 0
@@ -45,7 +48,7 @@ def build_gconfig(settings: Any, tokenizer: Any, **override: Any) -> Any:
     return g.new(**override) if override else g
 
 
-def build_reward_fn(cfg: Any, addresses: list[str] | None = None) -> Any:
+def build_reward_fn(cfg: ExperimentConfig, addresses: list[str] | None = None) -> Any:
     """Rewards declared ``in_process`` (the cheap built-ins) run in-process; others (math-verify,
     code, user functions) in the time-bounded process pool, so a hanging or crashing reward cannot
     take the trainer down. A bad name fails here, before any worker is spawned.
@@ -66,8 +69,8 @@ def build_reward_fn(cfg: Any, addresses: list[str] | None = None) -> Any:
     return AsyncRewardRunner(w.reward, max_workers=w.reward_workers, timeout_s=w.reward_timeout_s)
 
 
-def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any | None = None, reward_fn: Any | None = None,
-                   addresses: list[str] | None = None) -> Any:
+def build_workflow(cfg: ExperimentConfig, tokenizer: Any, gconfig: Any | None = None,
+                   reward_fn: Any | None = None, addresses: list[str] | None = None) -> Any:
     """The one place a workflow is wired from the config: ``workflow.name`` (built-in, plugin or
     import path) with the reward (:func:`build_reward_fn`), the generation config
     (:func:`build_gconfig`: stops on the tokenizer's EOS) and ``workflow.*`` / ``rollout.group_size``;
@@ -83,7 +86,7 @@ def build_workflow(cfg: Any, tokenizer: Any, gconfig: Any | None = None, reward_
                   max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback, **dict(w.kwargs))
 
 
-def build_executor(cfg: Any, client: Any, workflow: Any, batch_size: int) -> Any:
+def build_executor(cfg: ExperimentConfig, client: Any, workflow: Any, batch_size: int) -> Any:
     from areal_cli.rollout.executor import RolloutExecutor
     from areal_cli.rollout.filters import has_reward_variance
 

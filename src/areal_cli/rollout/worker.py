@@ -23,9 +23,12 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ArealError
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 def episode_slices(batch: dict[str, Any], n: int) -> list[tuple[int, int]]:
@@ -68,7 +71,7 @@ def canonical_order(batch: dict[str, Any], positions: list[Any]) -> dict[str, An
 class RolloutService:
     """Owns the generation client, the workflow (seeded, retried), the executor and the prompt stream."""
 
-    def __init__(self, cfg: Any, addresses: list[str], backend: str, model_path: str,
+    def __init__(self, cfg: ExperimentConfig, addresses: list[str], backend: str, model_path: str,
                  train_items: list[dict]):
         from areal_cli.rollout.data_stream import PromptStream
         from areal_cli.rollout.episodes import EpisodeRunner
@@ -220,7 +223,7 @@ def _worker_main(conn: Any, parent_pid: int, args: tuple) -> None:
 class RolloutProcess:
     """Trainer-side handle of a :class:`RolloutService` running in a spawned worker process."""
 
-    def __init__(self, cfg: Any, addresses: list[str], backend: str, model_path: str,
+    def __init__(self, cfg: ExperimentConfig, addresses: list[str], backend: str, model_path: str,
                  train_items: list[dict], *, startup_timeout_s: float = 300.0):
         import multiprocessing as mp
         import multiprocessing.util  # noqa: F401 - Finalize
@@ -313,7 +316,7 @@ def _shutdown(conn: Any, proc: Any, timeout: float = 10.0) -> None:
         proc.join(5)
 
 
-def start_rollout(cfg: Any, addresses: list[str], backend: str, model_path: str,
+def start_rollout(cfg: ExperimentConfig, addresses: list[str], backend: str, model_path: str,
                   train_items: list[dict]) -> "RolloutService | RolloutProcess":
     """The rollout side for trainer rank 0, in a worker process or in this one (``rollout.process``)."""
     if cfg.rollout.process:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.storage.crossnode import DEFAULT_TEMPLATE, NodeSpec, evaluate, run_srun, run_templates
 from areal_cli.storage.path_checks import run_local_checks
 from areal_cli.storage.report import WARN, CheckResult, StorageReport
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 DEFAULT_THROUGHPUT_BYTES = 32 * 1024 * 1024
 
@@ -72,12 +75,12 @@ def run_storage_check(paths: Sequence[str], nodes: int = 1, *, hosts: Sequence[s
     return report
 
 
-def storage_paths_for(cfg: Any) -> list[str]:
+def storage_paths_for(cfg: ExperimentConfig) -> list[str]:
     """The paths a run writes to: the fileroot (run dirs, checkpoints, name records)."""
     return [os.path.expanduser(cfg.cluster.fileroot)]
 
 
-def check_before_launch(cfg: Any, *, srun_args: Sequence[str] = (), use_srun: bool | None = None,
+def check_before_launch(cfg: ExperimentConfig, *, srun_args: Sequence[str] = (), use_srun: bool | None = None,
                         node_specs: Sequence[NodeSpec] | None = None,
                         throughput_bytes: int = 8 * 1024 * 1024, console: Any = None) -> StorageReport:
     """The launch-time check; raises :class:`StorageError` listing the failures unless skipped."""

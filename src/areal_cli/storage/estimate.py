@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from areal_cli.config.model import ModelConfig
+    from areal_cli.config.schema import ExperimentConfig
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -27,7 +31,7 @@ def param_count(m: Any) -> int:
     return embed + int(m.num_hidden_layers) * per_layer + h + lm_head
 
 
-def estimate_checkpoint_bytes(model_cfg: Any, keep: int, *, dtype: str = "float32",
+def estimate_checkpoint_bytes(model_cfg: ModelConfig, keep: int, *, dtype: str = "float32",
                               with_optimizer: bool = True) -> int:
     """Bytes that ``keep`` retained checkpoints occupy.
 
@@ -43,7 +47,7 @@ def estimate_checkpoint_bytes(model_cfg: Any, keep: int, *, dtype: str = "float3
     return per_ckpt * (max(1, int(keep)) + 1)
 
 
-def estimate_run_bytes(cfg: Any) -> int:
+def estimate_run_bytes(cfg: ExperimentConfig) -> int:
     """Peak bytes a configured experiment writes (checkpoints dominate; logs are noise)."""
     keep = int(getattr(cfg.trainer, "keep_checkpoints", 2))
     with_opt = int(getattr(cfg.trainer, "recover_every", 0)) > 0

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ConfigError, DataError
 from areal_cli.rollout.build import lora_enabled
 from areal_cli.job.layout import JobLayout, ServerSpec, TrainerSpec
 
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
+
 
 # ---------------------------------------------------------------- CLI-process side (no torch)
 
-def resolve_model_path(cfg: Any, *, fetch: bool = True) -> str:
+def resolve_model_path(cfg: ExperimentConfig, *, fetch: bool = True) -> str:
     """``builtin:<spec>`` → the cached built-in model dir (built on first use); a hub id → its snapshot in the
     HF cache (downloaded first; ``fetch=False``: the id itself, for launchers whose nodes fetch it); else a
     local HF dir.
@@ -47,7 +50,7 @@ def resolve_model_path(cfg: Any, *, fetch: bool = True) -> str:
     return str(p.resolve())
 
 
-def layout_from_plan(cfg: Any, plan: Any | None) -> JobLayout:
+def layout_from_plan(cfg: ExperimentConfig, plan: Any | None) -> JobLayout:
     """Flatten the validated plan (``plan.validate.validate``) into a :class:`JobLayout`.
 
     Each inference part becomes ``dp`` servers on consecutive ``tp×pp`` device blocks of its
@@ -82,7 +85,7 @@ def layout_from_plan(cfg: Any, plan: Any | None) -> JobLayout:
 # ---------------------------------------------------------------- trainer side
 
 
-def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | None = None,
+def build_engine(cfg: ExperimentConfig, layout: JobLayout, model_path: str, *, optim: Any | None = None,
                  total_steps: int | None = None, critic: bool = False, lora: bool = True,
                  engine_name: str | None = None) -> Any:
     """The training engine named by ``engine.name`` (or ``engine_name``), initialised on the plan's parallel
@@ -103,7 +106,7 @@ def build_engine(cfg: Any, layout: JobLayout, model_path: str, *, optim: Any | N
     return engine
 
 
-def build_reference(cfg: Any, layout: JobLayout, model_path: str, engine: Any) -> Any | None:
+def build_reference(cfg: ExperimentConfig, layout: JobLayout, model_path: str, engine: Any) -> Any | None:
     """The KL reference (``algo.kl_coef > 0``): under LoRA the policy's own model with the adapter
     disabled (no second copy of the weights), else a second engine on the initial weights."""
     if cfg.algo.kl_coef <= 0:
@@ -115,7 +118,7 @@ def build_reference(cfg: Any, layout: JobLayout, model_path: str, engine: Any) -
     return build_engine(cfg, layout, model_path)
 
 
-def build_teacher(cfg: Any, layout: JobLayout, model_path: str) -> Any | None:
+def build_teacher(cfg: ExperimentConfig, layout: JobLayout, model_path: str) -> Any | None:
     """The frozen teacher of on-policy distillation (``algo.distill.teacher_path``): a second forward-only
     engine in the trainer process, like the KL reference, of the student's engine class unless
     ``algo.distill.engine`` names another; any size, but the student's tokenizer (checked here too, for
@@ -130,7 +133,7 @@ def build_teacher(cfg: Any, layout: JobLayout, model_path: str) -> Any | None:
     return build_engine(cfg, layout, teacher_dir, lora=False, engine_name=d.engine or None)
 
 
-def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict]]:
+def build_datasets(cfg: ExperimentConfig, tokenizer: Any) -> tuple[list[dict], list[dict]]:
     """(train items, test items) per the ``dataset`` group (``areal_cli.data.datasets.load_split``);
     the test list is empty when a local dataset has no ``test_path``."""
     from areal_cli.data.datasets import load_split
@@ -143,7 +146,8 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict]]:
     return train, test
 
 
-def build_actor(cfg: Any, engine: Any, ref_engine: Any | None, teacher_engine: Any | None = None) -> Any:
+def build_actor(cfg: ExperimentConfig, engine: Any, ref_engine: Any | None,
+                teacher_engine: Any | None = None) -> Any:
     from areal_cli.algorithms.actor import PPOActor
 
     # Each rank holds whole groups of the step's batch, so batch-level statistics (batch mean/std,
@@ -154,7 +158,7 @@ def build_actor(cfg: Any, engine: Any, ref_engine: Any | None, teacher_engine: A
                     teacher_engine=teacher_engine)
 
 
-def build_critic(cfg: Any, engine: Any) -> Any:
+def build_critic(cfg: ExperimentConfig, engine: Any) -> Any:
     from areal_cli.algorithms.critic import PPOCritic
 
     return PPOCritic(cfg.algo, engine)

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
-async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
-                      reward_fn: Any, concurrency: int, done: dict, base: bool = False,
+async def _eval_async(cfg: ExperimentConfig, addresses: list[str], backend: str, tokenizer: Any,
+                      items: list[dict], reward_fn: Any, concurrency: int, done: dict, base: bool = False,
                       samples: dict | None = None, on_scored: Any = None) -> dict[str, float]:
     from areal_cli.api.io_struct import ModelRequest
     from areal_cli.rewards.outcome import correctness, is_dropped
@@ -111,7 +114,7 @@ async def _eval_async(cfg: Any, addresses: list[str], backend: str, tokenizer: A
     return out
 
 
-def _episode_evaluator(cfg: Any, tokenizer: Any) -> Any:
+def _episode_evaluator(cfg: ExperimentConfig, tokenizer: Any) -> Any:
     """The run's workflow when it evaluates whole episodes itself (``eval_episode``), else None."""
     from areal_cli.rollout.workflows import resolve_workflow
 
@@ -123,8 +126,8 @@ def _episode_evaluator(cfg: Any, tokenizer: Any) -> Any:
     return build.build_workflow(cfg, tokenizer, gconfig, reward_fn=lambda *a: 0.0)
 
 
-def evaluate_on_servers(cfg: Any, addresses: list[str], backend: str, tokenizer: Any, items: list[dict],
-                        *, executor: Any | None = None, reward_fn: Any | None = None,
+def evaluate_on_servers(cfg: ExperimentConfig, addresses: list[str], backend: str, tokenizer: Any,
+                        items: list[dict], *, executor: Any | None = None, reward_fn: Any | None = None,
                         concurrency: int = 64, done: dict | None = None, base: bool = False,
                         samples: dict | None = None, on_scored: Any = None) -> dict[str, float]:
     """Greedy pass@1 (and pass@n) of the servers' current weights on ``items``; ``base``: without the

@@ -23,7 +23,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.inference.push_mode import resolved_weight_update
 from areal_cli.job.address_book import read_servers, wait_for_servers
@@ -37,6 +37,9 @@ from areal_cli.utils.dist import broadcast_obj
 from areal_cli.utils.procs import freeze_heap
 from areal_cli.weight_sync.fleet import ServerFleet
 from areal_cli.weight_sync.publisher import PushTarget, WeightPublisher
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 
 def _dist() -> Any:
@@ -90,7 +93,8 @@ def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, dp_of_rank: lis
 class RLTrainer:
     """One trainer rank of an RL run. ``run()`` is collective over all ranks."""
 
-    def __init__(self, cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int):
+    def __init__(self, cfg: ExperimentConfig, layout: JobLayout, run_dir: str, model_path: str, rank: int,
+                 world: int):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         self.model_path = model_path
         self.rank, self.world = rank, world

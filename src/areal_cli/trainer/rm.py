@@ -14,13 +14,16 @@ Every HF export is a critic dir the engines reload (``value_head.safetensors``) 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import DataError
 from areal_cli.job.layout import JobLayout
 from areal_cli.rollout.data_stream import PromptStream
 from areal_cli.rollout import build as rollout_build
 from areal_cli.trainer import build
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 EVAL_CHUNK = 64  # pairs per evaluation forward
 
@@ -32,7 +35,7 @@ def read_token_id(tokenizer: Any) -> int:
     return int(tid if tid is not None else 0)
 
 
-def build_pair_splits(cfg: Any, tokenizer: Any) -> tuple[list[dict], list[dict]]:
+def build_pair_splits(cfg: ExperimentConfig, tokenizer: Any) -> tuple[list[dict], list[dict]]:
     """(train pairs, held-out pairs) per the ``dataset`` group (data/preferences.py)."""
     import logging
 
@@ -93,7 +96,8 @@ def run_rm_steps(engine: Any, stream: PromptStream, read_id: int, *, steps: int,
     return last
 
 
-def run_rm(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int) -> dict[str, Any]:
+def run_rm(cfg: ExperimentConfig, layout: JobLayout, run_dir: str, model_path: str, rank: int,
+           world: int) -> dict[str, Any]:
     """``algo=rm``: ``trainer.total_steps`` Bradley–Terry steps of ``algo.batch_size`` pairs, evaluated on the
     held-out pairs every ``trainer.eval_every`` steps and at the end; exports as ``algo=sft`` does."""
     from areal_cli.trainer.reward_export import write_sequence_classification

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import DataError, InferenceError, WeightSyncError
 from areal_cli.job.layout import JobLayout
@@ -25,6 +25,9 @@ from areal_cli.trainer import build
 from areal_cli.utils.dist import barrier, broadcast_obj
 from areal_cli.weight_sync.fleet import ServerFleet
 from areal_cli.weight_sync.publisher import PushTarget, WeightPublisher
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 SFT_DIRNAME = "sft_warmup"
 
@@ -92,7 +95,7 @@ def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: i
     return last
 
 
-def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, tokenizer: Any,
+def sft_warm_start(cfg: ExperimentConfig, layout: JobLayout, run_dir: str, model_path: str, tokenizer: Any,
                    train_items: list[dict], rank: int, world: int, stats: Any) -> str:
     """Run ``trainer.sft_warmup_steps`` of SFT and export HF weights; the RL phase starts from them.
 
@@ -136,8 +139,9 @@ def sft_warm_start(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, t
     return str(out_dir)
 
 
-def _evaluate_surviving_restarts(cfg: Any, publisher: WeightPublisher, tokenizer: Any, items: list[dict],
-                                 recs: list[dict], meta: Any, error: Exception | None) -> dict[str, float]:
+def _evaluate_surviving_restarts(cfg: ExperimentConfig, publisher: WeightPublisher, tokenizer: Any,
+                                 items: list[dict], recs: list[dict], meta: Any,
+                                 error: Exception | None) -> dict[str, float]:
     """Rank 0 of ``algo=sft``: evaluate the weights that ``meta`` pushed from disk. A server that dies
     during the push (``error``) or the evaluation is waited for; once the launcher has restarted it,
     every server loads the pushed dir again and the evaluation goes on where it stopped."""
@@ -169,7 +173,8 @@ def _evaluate_surviving_restarts(cfg: Any, publisher: WeightPublisher, tokenizer
             error = e
 
 
-def run_sft(cfg: Any, layout: JobLayout, run_dir: str, model_path: str, rank: int, world: int) -> dict[str, Any]:
+def run_sft(cfg: ExperimentConfig, layout: JobLayout, run_dir: str, model_path: str, rank: int,
+            world: int) -> dict[str, Any]:
     """``algo=sft``: ``trainer.total_steps`` SFT steps with recover states and HF exports; evaluated
     through the inference servers (weights pushed from disk) when the allocation has any."""
     from areal_cli.job.address_book import read_servers, wait_for_servers

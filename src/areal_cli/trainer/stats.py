@@ -13,9 +13,12 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.trainer import StatsConfig
 
 METRICS_FILE = "metrics.jsonl"
 # Record fields that are bookkeeping, not curves: never sent to tensorboard or wandb. ``total`` is the
@@ -34,8 +37,8 @@ def _clean(v: Any) -> Any:
 class StatsLogger:
     """Writes metrics on the logging rank; a no-op elsewhere."""
 
-    def __init__(self, run_dir: str, stats_cfg: Any, *, experiment: str = "areal", trial: str = "default",
-                 config: dict | None = None, enabled: bool = True):
+    def __init__(self, run_dir: str, stats_cfg: StatsConfig, *, experiment: str = "areal",
+                 trial: str = "default", config: dict | None = None, enabled: bool = True):
         self.run_dir = run_dir
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
@@ -96,7 +99,8 @@ class StatsLogger:
             self._wandb = None
 
 
-def _init_wandb(run_dir: str, stats_cfg: Any, experiment: str, trial: str, config: dict | None) -> Any:
+def _init_wandb(run_dir: str, stats_cfg: StatsConfig, experiment: str, trial: str,
+                config: dict | None) -> Any:
     try:
         import wandb
     except ImportError as e:

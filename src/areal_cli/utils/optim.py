@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.algo import OptimConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -42,7 +46,7 @@ def foreach_ok(tensors) -> bool:
     return True
 
 
-def build_optimizer(params, optim_cfg, total_steps: int):
+def build_optimizer(params, optim_cfg: OptimConfig, total_steps: int):
     """AdamW + LambdaLR from an :class:`~areal_cli.config.algo.OptimConfig`."""
     import torch
 

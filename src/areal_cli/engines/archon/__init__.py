@@ -14,10 +14,13 @@ Modules (import them directly; none imports torch at package import time):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.backend_spec import EngineSpec, Sharding
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.engine import EngineConfig
 
 # Pipeline schedules the engine runs (pipeline.py maps each onto torch's class).
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
@@ -25,7 +28,7 @@ SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 SHARDING = Sharding(weights=True, grads=True, optimizer=True, gathers_layers=True, experts_share_dc=True)
 
 
-def _layers(engine_cfg: Any, dims: Any, n_layers: int) -> None:
+def _layers(engine_cfg: EngineConfig, dims: Any, n_layers: int) -> None:
     """Archon cuts layers into p × virtual stages, evenly (remainder allowed) or as configured."""
     a = engine_cfg.archon
     if a.pp_schedule not in SCHEDULES:

@@ -9,10 +9,13 @@ pays for (or depends on) megatron-core. :data:`SPEC` is the engine's torch-free 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.backend_spec import EngineSpec, PackageNeed, Sharding
 from areal_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_cli.config.engine import EngineConfig
 
 # Said by the validator (which must not import torch) and by the engine.
 FULL_RECOMPUTE = ("routing replay does not run with engine.megatron.recompute_granularity=full (mcore "
@@ -26,7 +29,7 @@ def check_virtual_stages(virtual_stages: int, p: int) -> None:
                           "parallelism", "set p > 1 in allocation_mode, or engine.megatron.virtual_stages=1")
 
 
-def _layers(engine_cfg: Any, dims: Any, n_layers: int) -> None:
+def _layers(engine_cfg: EngineConfig, dims: Any, n_layers: int) -> None:
     """mcore splits layers evenly over p × virtual stages (the validator checks that p divides them)."""
     v = int(engine_cfg.megatron.virtual_stages)
     check_virtual_stages(v, dims.p)
@@ -42,19 +45,19 @@ def _constraint(dims: Any) -> str | None:
     return None
 
 
-def _knobs(engine_cfg: Any) -> None:
+def _knobs(engine_cfg: EngineConfig) -> None:
     from areal_cli.engines.specs import fsdp2_grad_reduce_only
 
     fsdp2_grad_reduce_only(engine_cfg, "megatron", "mcore's DDP reduces its gradient buffers once per step")
 
 
-def _routing_replay(engine_cfg: Any) -> None:
+def _routing_replay(engine_cfg: EngineConfig) -> None:
     if engine_cfg.gradient_checkpointing and engine_cfg.megatron.recompute_granularity == "full":
         raise ConfigError("rollout.routing_replay", FULL_RECOMPUTE, "set engine.megatron.recompute_granularity="
                           "selective or rollout.routing_replay=false")
 
 
-def _sharding(engine_cfg: Any) -> Sharding:
+def _sharding(engine_cfg: EngineConfig) -> Sharding:
     optimizer = bool(getattr(getattr(engine_cfg, "megatron", None), "use_distributed_optimizer", True))
     return Sharding(weights=False, grads=False, optimizer=optimizer, gathers_layers=False)
 

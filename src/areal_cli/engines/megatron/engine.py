@@ -41,6 +41,7 @@ from areal_cli.engines import attn_impl, packing, precision, sampling_mask, step
 from areal_cli.engines import parallelize as par
 from areal_cli.engines.megatron import SPEC, check_virtual_stages, masters
 from areal_cli.engines import routing_replay as r3
+from areal_cli.config.engine import RECOMPUTE_GRANULARITIES
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase, init_value_head
 from areal_cli.errors import ConfigError
 from areal_cli.utils import collectives, host_memory
@@ -249,7 +250,7 @@ class MegatronEngine(EngineBase):
         if not self.cfg.gradient_checkpointing:
             return
         g = self.cfg.megatron.recompute_granularity
-        if g not in ("selective", "full"):
+        if g not in RECOMPUTE_GRANULARITIES:
             raise ConfigError("engine.megatron.recompute_granularity", f"unknown granularity {g!r}",
                               "use selective (core attention) or full (whole layers)")
         config.recompute_granularity = g

@@ -28,7 +28,7 @@ import asyncio
 import inspect
 import logging
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
@@ -37,6 +37,9 @@ from areal_cli.rollout.openai_client import ArealOpenAI
 from areal_cli.rewards.outcome import correctness
 from areal_cli.rollout.workflows.common import (check_group_and_reward, load_tokenizer, next_group_id,
                                                pad_token_id)
+
+if TYPE_CHECKING:
+    from areal_cli.config.schema import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +114,7 @@ class AgentWorkflow(RolloutWorkflow):
         return rows
 
     @staticmethod
-    def sft_items(cfg: Any, tokenizer: Any, items: list[dict]) -> list[dict]:
+    def sft_items(cfg: ExperimentConfig, tokenizer: Any, items: list[dict]) -> list[dict]:
         """SFT warm-start examples: the agent's ``sft_example(item, tokenizer)`` when it has one."""
         agent = resolve_agent(dict(cfg.workflow.kwargs or {}).get("agent"))
         example = getattr(agent, "sft_example", None)
