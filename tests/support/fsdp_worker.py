@@ -150,7 +150,7 @@ def run_critic(v: dict, model_dir: str, out_dir: str) -> None:
     export = str(Path(out_dir) / f"{v['name']}_hf")
     critic.save(SaveLoadMeta(path=export, weight_format="hf"))
     again = cls(EngineConfig(), None, seed=123, critic=True)
-    again.initialize(parallel, export)
+    again.initialize(parallel, export, peers=(critic,))  # megatron: both engines on one parallel state
     values2 = again.forward(b if head else None, output="values")["values"]
     if dist.get_rank() == 0:
         torch.save({"stats": stats, "values": values, "values_reloaded": values2, "batch": b,

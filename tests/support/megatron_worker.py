@@ -261,7 +261,6 @@ def _train_step(model_dir: str, setup: str) -> None:
     finally:
         from megatron.core import parallel_state as mpu
 
-        me._LIVE.clear()
         if mpu.model_parallel_is_initialized():
             mpu.destroy_model_parallel()
 

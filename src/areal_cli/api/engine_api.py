@@ -50,7 +50,11 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
-        """Load the model from a local HF dir and apply the parallel strategy."""
+        """Load the model from a local HF dir and apply the parallel strategy.
+
+        ``peers``: the engines already initialised in this process that this one lives beside (a policy for
+        its reference, critic or teacher); an engine whose backend keeps process-global state (megatron-core's
+        parallel state) shares it with theirs instead of creating it. Other engines ignore it."""
 
     @abc.abstractmethod
     def train_batch(self, batch: Batch | None, loss_fn: LossFn, loss_weight_fn: LossWeightFn,

@@ -87,9 +87,10 @@ def layout_from_plan(cfg: ExperimentConfig, plan: Any | None) -> JobLayout:
 
 def build_engine(cfg: ExperimentConfig, layout: JobLayout, model_path: str, *, optim: Any | None = None,
                  total_steps: int | None = None, critic: bool = False, lora: bool = True,
-                 engine_name: str | None = None) -> Any:
+                 engine_name: str | None = None, peers: tuple = ()) -> Any:
     """The training engine named by ``engine.name`` (or ``engine_name``), initialised on the plan's parallel
-    strategy. ``lora=False``: all weights train even under ``model.lora`` (the SFT warm start)."""
+    strategy. ``lora=False``: all weights train even under ``model.lora`` (the SFT warm start). ``peers``: the
+    engines of this process it lives beside (``TrainEngine.initialize``)."""
     from areal_cli.api.io_struct import ParallelStrategy
 
     from areal_cli.engines import get_engine_cls
@@ -102,7 +103,8 @@ def build_engine(cfg: ExperimentConfig, layout: JobLayout, model_path: str, *, o
     elif lora and lora_enabled(cfg):  # only engines with LoRA get it (validated: plan/lora_rules.py)
         kwargs["lora"] = cfg.model.lora
     engine = cls(cfg.engine, optim if optim is not None else cfg.algo.optim, **kwargs)
-    engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, etp=t.etp), model_path)
+    engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, etp=t.etp), model_path,
+                      peers=peers)
     return engine
 
 
@@ -115,10 +117,11 @@ def build_reference(cfg: ExperimentConfig, layout: JobLayout, model_path: str, e
         from areal_cli.engines.lora import ReferenceView
 
         return ReferenceView(engine)
-    return build_engine(cfg, layout, model_path)
+    return build_engine(cfg, layout, model_path, peers=(engine,))
 
 
-def build_teacher(cfg: ExperimentConfig, layout: JobLayout, model_path: str) -> Any | None:
+def build_teacher(cfg: ExperimentConfig, layout: JobLayout, model_path: str,
+                  peers: tuple = ()) -> Any | None:
     """The frozen teacher of on-policy distillation (``algo.distill.teacher_path``): a second forward-only
     engine in the trainer process, like the KL reference, of the student's engine class unless
     ``algo.distill.engine`` names another; any size, but the student's tokenizer (checked here too, for
@@ -130,7 +133,7 @@ def build_teacher(cfg: ExperimentConfig, layout: JobLayout, model_path: str) -> 
 
     teacher_dir = resolve_teacher_path(d.teacher_path)
     check_teacher_tokenizer(model_path, teacher_dir)
-    return build_engine(cfg, layout, teacher_dir, lora=False, engine_name=d.engine or None)
+    return build_engine(cfg, layout, teacher_dir, lora=False, engine_name=d.engine or None, peers=peers)
 
 
 def build_datasets(cfg: ExperimentConfig, tokenizer: Any) -> tuple[list[dict], list[dict]]:

@@ -40,6 +40,7 @@ from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import attn_impl, packing, precision, sampling_mask, step_stats
 from areal_cli.engines import parallelize as par
 from areal_cli.engines.megatron import SPEC, check_virtual_stages, masters
+from areal_cli.engines.megatron.parallel_state import ParallelState
 from areal_cli.engines import routing_replay as r3
 from areal_cli.config.engine import RECOMPUTE_GRANULARITIES
 from areal_cli.engines.base import VALUE_HEAD_FILE, EngineBase, init_value_head
@@ -52,7 +53,6 @@ from areal_cli.utils.dist import send_to_rank0
 # written once by the position's first rank, not once per data-parallel replica
 CKPT_FILE = "megatron_rank{rank}.pt"
 MODEL_FILE = "megatron_model_pp{pp}_tp{tp}_ep{ep}_etp{etp}.pt"
-_LIVE: list["MegatronEngine"] = []  # engines sharing mcore's process-global parallel state
 
 
 class _Coord(NamedTuple):
@@ -123,7 +123,7 @@ class MegatronEngine(EngineBase):
         hf_config = self._read_hf_config(model_path)
         self.mc_arch = arch = mm.hf_arch(hf_config)
         mm.check_layout(arch, tp, pp, vpp, ep, etp)
-        self._init_parallel_state(tp, pp, vpp, ep, etp)
+        self._init_parallel_state(tp, pp, vpp, ep, etp, kwargs.get("peers", ()))
         self.sequence_parallel = bool(mc.sequence_parallel) and tp > 1
         # bf16 compute: mcore's bf16 mode, fp32 master weights in the optimizer (engines/precision.py)
         mixed = dtype == torch.bfloat16
@@ -218,33 +218,13 @@ class MegatronEngine(EngineBase):
                             ep_group=mpu.get_expert_model_parallel_group(),
                             etp_group=mpu.get_expert_tensor_parallel_group())
 
-    def _init_parallel_state(self, tp: int, pp: int, vpp: int, ep: int = 1, etp: int | None = None) -> None:
-        """mcore's process groups are process-global: the first engine creates them, later engines of the
-        same process (a reference model, a critic) must ask for the same layout."""
-        from megatron.core import parallel_state as mpu
-
-        if mpu.model_parallel_is_initialized():
-            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
-                    mpu.get_expert_model_parallel_world_size())
-            if have != (tp, pp, ep):
-                raise ConfigError("allocation_mode.spec", f"this process already runs megatron at t{have[0]}p"
-                                  f"{have[1]}e{have[2]}; another engine asks for t{tp}p{pp}e{ep}",
-                                  "give every megatron engine of one trainer the same t, p and e")
-            self.tp_rank = mpu.get_tensor_model_parallel_rank()
-            _LIVE.append(self)
-            return
-        if dist.get_world_size() % (tp * pp):
-            raise ConfigError("allocation_mode.spec", f"t{tp} × p{pp} does not divide the "
-                              f"{dist.get_world_size()} trainer processes", "make d × t × p the world size")
-        # The order the plan prints and placement read (api/parallel_dims.py RANK_ORDERS; set by e, p only):
-        # tp fastest, pp before dp so a replica's t·p ranks share a node; pp-last when experts meet stages.
-        order = ParallelStrategy(tp=tp, pp=pp, ep=ep).dims("megatron").rank_order
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                      virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                      order=order)
-        self.tp_rank = mpu.get_tensor_model_parallel_rank()
-        _LIVE.append(self)
+    def _init_parallel_state(self, tp: int, pp: int, vpp: int, ep: int = 1, etp: int | None = None,
+                             peers: Any = ()) -> None:
+        """mcore's process groups are process-global: the first engine creates them (a new
+        :class:`ParallelState`), later engines of the same process (a reference model, a critic) are given
+        their ``peers``, join the peers' state and must ask for the same layout."""
+        self.parallel_state = ParallelState.of(peers) or ParallelState()
+        self.tp_rank = self.parallel_state.join(self, tp, pp, vpp, ep, etp)
 
     def _recompute(self, config: Any) -> None:
         if not self.cfg.gradient_checkpointing:
@@ -757,9 +737,6 @@ class MegatronEngine(EngineBase):
         """The last megatron engine of the process takes mcore's parallel state with it, so a later engine
         may run another layout."""
         super().destroy()
-        if self in _LIVE:
-            _LIVE.remove(self)
-            if not _LIVE:
-                from megatron.core import parallel_state as mpu
-
-                mpu.destroy_model_parallel()
+        state = getattr(self, "parallel_state", None)
+        if state is not None:
+            state.leave(self)
