@@ -49,6 +49,11 @@ class TrainerSpec:
     def node_ranks(self) -> list[int]:
         return list(range(self.first_node, self.first_node + self.nnodes))
 
+    def node_of(self, rank: int) -> int:
+        """The node trainer rank ``rank`` runs on: every launcher fills a node's ``nproc_per_node`` ranks in
+        order (torchrun's static ``--node-rank``, Ray's placement)."""
+        return self.first_node + rank // max(1, self.nproc_per_node)
+
 
 @dataclass
 class JobLayout:

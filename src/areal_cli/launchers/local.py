@@ -51,11 +51,10 @@ def base_env(device: str) -> dict[str, str]:
     return env
 
 
-def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool,
-                     servers_here: bool = True) -> dict[str, str]:
-    """On CPU, each trainer rank's share of the node's cores for its RL steps (see StepThreads; the rest
-    of the process keeps ``OMP_NUM_THREADS``), whether inference servers share the node, and how long an
-    idle OpenMP worker spins before it sleeps.
+def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool) -> dict[str, str]:
+    """On CPU, when each trainer rank's share of the node's cores is more than one thread (the trainer
+    derives that share itself, trainer/rl.py:step_threads): how long an idle OpenMP worker spins before it
+    sleeps, which libgomp reads once at start-up.
 
     libgomp's default (300k spins) has a worker whose peer lost its core to a busy server burn that
     core: an async step took 12 s instead of 1.2. Sleeping at once (0 spins) is best for RL steps, but
@@ -67,8 +66,7 @@ def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool,
     n = cores_per_rank(nproc_per_node) if device == "cpu" else 1
     if n <= 1:
         return {}
-    return {"AREAL_TRAIN_THREADS": str(n), "AREAL_SERVERS_ON_NODE": "1" if servers_here else "0",
-            "GOMP_SPINCOUNT": "20000" if sft_warm_start else "0"}
+    return {"GOMP_SPINCOUNT": "20000" if sft_warm_start else "0"}
 
 
 def server_argv(cfg: ExperimentConfig, spec: ServerSpec, port: int, model_path: str, host: str,
@@ -234,11 +232,9 @@ class NodeRunner(ServerSupervisor):
         if self.master_port is None:
             self.master_port = find_free_port()
         env = base_env(self.layout.device)
-        env.update({"AREAL_RUN_DIR": self.run_dir, "AREAL_NODE_RANK": str(self.node_rank),
-                    MODEL_PATH_ENV: self.model_path})
+        env[MODEL_PATH_ENV] = self.model_path
         env.update(train_thread_env(self.layout.device, t.nproc_per_node,
-                                    int(self.cfg.trainer.sft_warmup_steps) > 0,
-                                    servers_here=bool(self.layout.servers_on(self.node_rank))))
+                                    int(self.cfg.trainer.sft_warmup_steps) > 0))
         env.update({k: str(v) for k, v in self.cfg.launcher.trainer_env.items()})
         self.rank_logs = RankLogWatch(logs_dir(self.run_dir))
         self.trainer = ManagedProcess(

@@ -48,7 +48,6 @@ from areal_cli.launchers.ray_placement import (
     describe_assignment,
     nodes_from_ray,
     placement_groups,
-    trainer_rank_node,
 )
 from areal_cli.launchers.supervisor import ServerSupervisor
 from areal_cli.utils.procs import handling_stop_signals
@@ -545,8 +544,6 @@ class RayJob(ServerSupervisor):
             env = base_env(self.layout.device)
             env.update(
                 {
-                    "AREAL_RUN_DIR": self.run_dir,
-                    "AREAL_NODE_RANK": str(trainer_rank_node(self.layout, r)),
                     "RANK": str(r),
                     "WORLD_SIZE": str(world),
                     "LOCAL_RANK": str(local.index(r)),

@@ -107,8 +107,7 @@ class GroupSpec:
 
 
 def trainer_rank_node(layout: JobLayout, rank: int) -> int:
-    t = layout.trainer
-    return t.first_node + rank // max(1, t.nproc_per_node)
+    return layout.trainer.node_of(rank)
 
 
 def placement_groups(layout: JobLayout, cpus_per_gpu: float = 1.0) -> list[GroupSpec]:

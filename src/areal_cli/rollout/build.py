@@ -70,11 +70,12 @@ def build_reward_fn(cfg: ExperimentConfig, addresses: list[str] | None = None) -
 
 
 def build_workflow(cfg: ExperimentConfig, tokenizer: Any, gconfig: Any | None = None,
-                   reward_fn: Any | None = None, addresses: list[str] | None = None) -> Any:
+                   reward_fn: Any | None = None, addresses: list[str] | None = None,
+                   run_dir: str | None = None) -> Any:
     """The one place a workflow is wired from the config: ``workflow.name`` (built-in, plugin or
     import path) with the reward (:func:`build_reward_fn`), the generation config
-    (:func:`build_gconfig`: stops on the tokenizer's EOS) and ``workflow.*`` / ``rollout.group_size``;
-    the caller owns closing a reward pool it did not pass in."""
+    (:func:`build_gconfig`: stops on the tokenizer's EOS), ``workflow.*`` / ``rollout.group_size`` and the
+    run's ``run_dir``; the caller owns closing a reward pool it did not pass in."""
     from areal_cli.rollout.workflows import build_workflow as _build, check_workflow_config
 
     w = cfg.workflow
@@ -83,7 +84,8 @@ def build_workflow(cfg: ExperimentConfig, tokenizer: Any, gconfig: Any | None = 
         gconfig = build_gconfig(cfg.rollout.gconfig, tokenizer)
     return _build(w.name, reward_fn=reward_fn if reward_fn is not None else build_reward_fn(cfg, addresses),
                   gconfig=gconfig, tokenizer=tokenizer, group_size=cfg.rollout.group_size,
-                  max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback, **dict(w.kwargs))
+                  max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback, run_dir=run_dir,
+                  **dict(w.kwargs))
 
 
 def build_executor(cfg: ExperimentConfig, client: Any, workflow: Any, batch_size: int) -> Any:

@@ -72,7 +72,7 @@ class RolloutService:
     """Owns the generation client, the workflow (seeded, retried), the executor and the prompt stream."""
 
     def __init__(self, cfg: ExperimentConfig, addresses: list[str], backend: str, model_path: str,
-                 train_items: list[dict]):
+                 train_items: list[dict], run_dir: str | None = None):
         from areal_cli.rollout.data_stream import PromptStream
         from areal_cli.rollout.episodes import EpisodeRunner
         from areal_cli.rollout import build
@@ -86,7 +86,8 @@ class RolloutService:
                                       return_routed_experts=bool(cfg.rollout.routing_replay))
         # Kept: a reward with per-step counters (the LLM judge's take_stats) reports them with each batch.
         self.reward = build.build_reward_fn(cfg, addresses)
-        self.episodes = EpisodeRunner(build.build_workflow(cfg, tokenizer, gconfig, reward_fn=self.reward),
+        self.episodes = EpisodeRunner(build.build_workflow(cfg, tokenizer, gconfig, reward_fn=self.reward,
+                                                           run_dir=run_dir),
                                       retry_window_s=float(cfg.launcher.server_startup_timeout_s) + 60,
                                       seed=cfg.seed)
         self.executor = build.build_executor(cfg, self.client, self.episodes, cfg.algo.batch_size)
@@ -224,7 +225,7 @@ class RolloutProcess:
     """Trainer-side handle of a :class:`RolloutService` running in a spawned worker process."""
 
     def __init__(self, cfg: ExperimentConfig, addresses: list[str], backend: str, model_path: str,
-                 train_items: list[dict], *, startup_timeout_s: float = 300.0):
+                 train_items: list[dict], run_dir: str | None = None, *, startup_timeout_s: float = 300.0):
         import multiprocessing as mp
         import multiprocessing.util  # noqa: F401 - Finalize
 
@@ -232,7 +233,8 @@ class RolloutProcess:
         self._conn, child = ctx.Pipe()
         # Not a daemon: the worker may start a reward process pool, and daemons cannot have children.
         self._proc = ctx.Process(target=_worker_main, name="areal-rollout", daemon=False,
-                                 args=(child, os.getpid(), (cfg, addresses, backend, model_path, train_items)))
+                                 args=(child, os.getpid(),
+                                       (cfg, addresses, backend, model_path, train_items, run_dir)))
         self._proc.start()
         child.close()
         self._closed = False
@@ -317,9 +319,9 @@ def _shutdown(conn: Any, proc: Any, timeout: float = 10.0) -> None:
 
 
 def start_rollout(cfg: ExperimentConfig, addresses: list[str], backend: str, model_path: str,
-                  train_items: list[dict]) -> "RolloutService | RolloutProcess":
+                  train_items: list[dict], run_dir: str | None = None) -> "RolloutService | RolloutProcess":
     """The rollout side for trainer rank 0, in a worker process or in this one (``rollout.process``)."""
     if cfg.rollout.process:
-        return RolloutProcess(cfg, addresses, backend, model_path, train_items,
+        return RolloutProcess(cfg, addresses, backend, model_path, train_items, run_dir,
                               startup_timeout_s=float(cfg.launcher.server_startup_timeout_s))
-    return RolloutService(cfg, addresses, backend, model_path, train_items)
+    return RolloutService(cfg, addresses, backend, model_path, train_items, run_dir)

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="RUN_DIR/config.yaml written by `areal train`")
     ap.add_argument("--no-redirect", action="store_true", help="keep output on the terminal")
     args = ap.parse_args(argv)
-    run_dir = os.environ.get("AREAL_RUN_DIR") or str(Path(args.config).resolve().parent)
+    run_dir = str(Path(args.config).resolve().parent)  # every launcher starts ranks on RUN_DIR/config.yaml
     rank = int(os.environ.get("RANK", "0"))
     if not args.no_redirect:
         _redirect_output(run_dir, rank)

@@ -32,7 +32,7 @@ from areal_cli.rollout import build as rollout_build
 from areal_cli.trainer import build
 from areal_cli.trainer.checkpoint import CheckpointManager
 from areal_cli.trainer.stats import StatsLogger
-from areal_cli.utils.concurrency import StepThreads, torch_threads
+from areal_cli.utils.concurrency import StepThreads, cores_per_rank, torch_threads
 from areal_cli.utils.dist import broadcast_obj
 from areal_cli.utils.procs import freeze_heap
 from areal_cli.weight_sync.fleet import ServerFleet
@@ -90,6 +90,25 @@ def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, dp_of_rank: lis
     return collectives.scatter_object_list([None], parts, src=0)[0]
 
 
+def step_threads(cfg: Any, layout: JobLayout, rank: int) -> StepThreads | None:
+    """CPU: the RL step's threads follow the bottleneck (StepThreads) on this rank's share of its node's
+    cores, shared with the inference servers when the layout puts servers on the rank's node. The node
+    runner (local, SLURM, SkyPilot) hands its node's cores to its processes; Ray's actors hold the CPUs Ray
+    granted them, so they keep the process's thread count. ``launcher.trainer_env.AREAL_TRAIN_THREADS=N``
+    (a user's knob) sets the share under any launcher (1: one thread). CUDA: None, the count stays as set."""
+    if cfg.cluster.device != "cpu":
+        return None
+    most = os.environ.get("AREAL_TRAIN_THREADS")
+    if most is None:
+        if cfg.launcher.name == "ray":
+            return None
+        most = cores_per_rank(layout.trainer.nproc_per_node)
+        if most <= 1:
+            return None
+    return StepThreads(int(most), sync=int(cfg.rollout.max_head_offpolicyness) == 0,
+                       shared=bool(layout.servers_on(layout.trainer.node_of(rank))))
+
+
 class RLTrainer:
     """One trainer rank of an RL run. ``run()`` is collective over all ranks."""
 
@@ -119,11 +138,7 @@ class RLTrainer:
         self.weight_sync_s = 0.0
         self.elapsed_before = 0.0  # wall time of earlier (resumed) segments
         self.t_start = time.time()
-        # CPU, under the node runner: the step's threads follow the bottleneck. Elsewhere (CUDA, Ray's
-        # actors) the process's own thread count stays as it was set.
-        most = os.environ.get("AREAL_TRAIN_THREADS") if cfg.cluster.device == "cpu" else None
-        self.threads = StepThreads(int(most), sync=int(cfg.rollout.max_head_offpolicyness) == 0,
-                                   shared=os.environ.get("AREAL_SERVERS_ON_NODE", "1") == "1") if most else None
+        self.threads = step_threads(cfg, layout, rank)
 
     # ------------------------------------------------------------------ setup
     def _setup_rollout(self, train_items: list[dict]) -> None:
@@ -132,7 +147,7 @@ class RLTrainer:
         recs = self.fleet.open_control({sp.index: sp.tp for sp in self.layout.servers})
         addresses = [r["address"] for r in recs]
         self.rollout = start_rollout(self.cfg, addresses, recs[0].get("backend", "hf"), self.model_path,
-                                     train_items)
+                                     train_items, self.run_dir)
         self.fleet.listeners.append(self.rollout.set_addresses)
         self.publisher.before_push = self.rollout.pause
 
@@ -235,13 +250,14 @@ class RLTrainer:
         self.publisher.policy_path = policy_path
         engine = build.build_engine(cfg, self.layout, policy_path)
         ref_engine = build.build_reference(cfg, self.layout, policy_path, engine)
-        teacher_engine = build.build_teacher(cfg, self.layout, self.model_path)
+        teacher_engine = build.build_teacher(cfg, self.layout, self.model_path, peers=(engine, ref_engine))
         actor = build.build_actor(cfg, engine, ref_engine, teacher_engine)
         self.dp_of_rank = dp_rank_table(engine)
         critic_engine = None
         if cfg.algo.use_critic:
             optim = dataclasses.replace(cfg.algo.optim, lr=cfg.algo.critic_lr)
-            critic_engine = build.build_engine(cfg, self.layout, policy_path, optim=optim, critic=True)
+            critic_engine = build.build_engine(cfg, self.layout, policy_path, optim=optim, critic=True,
+                                               peers=(engine, ref_engine, teacher_engine))
             self.critic = build.build_critic(cfg, critic_engine)
         start_step = 0
         if recover is not None:

@@ -74,8 +74,8 @@ def cores_per_rank(local_world: int) -> int:
 class StepThreads:
     """Intra-op threads of a CPU trainer's RL step, on cores it shares with the inference servers.
 
-    ``most`` is the rank's share of the node's cores (the node runner passes it as
-    ``AREAL_TRAIN_THREADS``; without it the trainer keeps the process's thread count). A sync step
+    ``most`` is the rank's share of the node's cores (trainer/rl.py:step_threads derives it from the
+    layout; without one the trainer keeps the process's thread count). A sync step
     (``max_head_offpolicyness=0``) trains while the servers idle, so it takes all of them. An async step
     does too when its batch was already waiting (the servers are ahead and idle for the rest of the
     step), and stays on one thread after a step that waited for its batch: generation is then the

@@ -111,8 +111,9 @@ def test_running_run_then_ctrl_c(finished_run, fileroot, tiny_model_dir):
 PLUGIN = textwrap.dedent('''
     """Dies in the trainer ranks alone, the way a dataset mistake found while reading the data does."""
     import os
+    import sys
 
-    if os.environ.get("RANK") is not None and os.environ.get("AREAL_RUN_DIR"):
+    if os.environ.get("RANK") is not None and sys.argv[0].endswith(os.path.join("trainer", "entry.py")):
         from areal_cli.errors import DataError
 
         raise DataError("dataset.train_path: rows 9-16 have no 'question' column — fix: set "

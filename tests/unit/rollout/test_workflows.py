@@ -290,3 +290,21 @@ def test_the_user_workflow_example_in_the_docs_runs(fake_engine, tok, tmp_path, 
     traj = run(wf.arun_episode(fake_engine(token_delay=0), {"prompt": "hi"}))
     assert len(traj) == 1 and traj.data["rewards"].tolist() == [1.0]
     assert int(traj.data["loss_mask"].sum()) == 3
+
+
+def test_the_online_workflow_gets_the_run_dir_from_the_trainers_wiring(tok, tmp_path):
+    """``run_dir`` is an offered piece, not an environment variable: the online workflow built by the
+    trainer's wiring writes its gateway file into the run dir it was handed, and refuses it as a kwarg."""
+    from areal_cli.config.rollout import RolloutConfig
+    from areal_cli.config.schema import ExperimentConfig
+    from areal_cli.config.workflow import WorkflowConfig
+    from areal_cli.rollout.build import build_workflow
+
+    cfg = ExperimentConfig(workflow=WorkflowConfig(name="online"), rollout=RolloutConfig(group_size=1))
+    wf = build_workflow(cfg, tok, reward_fn=exact_reward, run_dir=str(tmp_path))
+    assert wf.gateway_file == str(tmp_path / "gateway.json")
+    assert build_workflow(cfg, tok, reward_fn=exact_reward).gateway_file is None
+    bad = ExperimentConfig(workflow=WorkflowConfig(name="online", kwargs={"run_dir": "/x"}),
+                           rollout=RolloutConfig(group_size=1))
+    with pytest.raises(ConfigError, match="own config keys"):
+        build_workflow(bad, tok, reward_fn=exact_reward)

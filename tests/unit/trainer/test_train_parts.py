@@ -242,12 +242,33 @@ def test_cpu_trainer_gets_its_share_of_the_cores_and_a_spin_for_its_phases():
     cores = len(os.sched_getaffinity(0))
     for warm, spin in ((True, "20000"), (False, "0")):
         env = train_thread_env("cpu", 1, sft_warm_start=warm)
-        assert env == ({"AREAL_TRAIN_THREADS": str(cores), "AREAL_SERVERS_ON_NODE": "1",
-                        "GOMP_SPINCOUNT": spin} if cores > 1 else {})
-    if cores > 1:
-        assert train_thread_env("cpu", 1, sft_warm_start=False, servers_here=False)["AREAL_SERVERS_ON_NODE"] == "0"
+        assert env == ({"GOMP_SPINCOUNT": spin} if cores > 1 else {})
     assert cores_per_rank(cores) == 1 and cores_per_rank(2 * cores) == 1
     assert train_thread_env("cuda", 1, sft_warm_start=False) == {}
+
+
+def test_a_trainer_rank_derives_its_step_threads_from_the_layout(monkeypatch):
+    """No launcher-to-trainer variable: the share of the cores and whether servers share the rank's node
+    come from the layout (rank // nproc_per_node is the node) and this process's cores."""
+    from areal_cli.config.schema import ExperimentConfig
+    from areal_cli.trainer.rl import step_threads
+
+    monkeypatch.delenv("AREAL_TRAIN_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    cfg = ExperimentConfig()
+    cfg.cluster.device, cfg.rollout.max_head_offpolicyness = "cpu", 2  # async: a shared node's steps adapt
+    # two trainer nodes of 2 ranks each, the one server on node 1
+    layout = JobLayout(n_nodes=3, device="cpu", servers=[ServerSpec(index=0, node=1)],
+                       trainer=TrainerSpec(dp=4, nnodes=2, nproc_per_node=2, first_node=1))
+    got = [step_threads(cfg, layout, r) for r in range(4)]
+    assert [t.most for t in got] == [4, 4, 4, 4]
+    assert [t.always for t in got] == [False, False, True, True]  # ranks 2-3 on node 2: no server there
+    cfg.launcher.name = "ray"  # Ray's actors keep the CPUs Ray granted them
+    assert step_threads(cfg, layout, 0) is None
+    monkeypatch.setenv("AREAL_TRAIN_THREADS", "1")  # the user's knob, under any launcher
+    assert step_threads(cfg, layout, 0).n == 1
+    cfg.cluster.device = "cuda"
+    assert step_threads(cfg, layout, 0) is None
 
 
 def test_a_process_that_forgets_the_group_still_destroys_it_at_exit():

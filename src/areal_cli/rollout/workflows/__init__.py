@@ -18,10 +18,12 @@ from areal_cli.api.workflow_api import RolloutWorkflow
 from areal_cli.errors import ConfigError
 from areal_cli.registry import RegistrationError, Registry, _describe
 
-# The trainer-level pieces a workflow constructor may name; each comes from its own config key
-# (so they are refused in workflow.kwargs). A constructor gets the ones it names (all of them
-# with **kwargs), plus workflow.kwargs.
-OFFERED = ("reward_fn", "gconfig", "tokenizer", "group_size", "max_turns", "turn_discount", "feedback")
+# The trainer-level pieces a workflow constructor may name; each comes from its own config key or, for
+# ``run_dir``, from the run itself (so they are refused in workflow.kwargs). A constructor gets the ones it
+# names (all but ``run_dir`` with **kwargs: one that forwards them to a built-in would not expect it), plus
+# workflow.kwargs.
+OFFERED = ("reward_fn", "gconfig", "tokenizer", "group_size", "max_turns", "turn_discount", "feedback",
+           "run_dir")
 
 
 def _check_workflow(name: str, obj: Any, spec: Any) -> None:
@@ -69,7 +71,8 @@ def check_workflow_config(name: str, kwargs: dict[str, Any], group_size: int | N
     if clash:
         raise ConfigError("workflow.kwargs", f"{clash} are set by their own config keys, not workflow.kwargs",
                           "use workflow.max_turns / workflow.turn_discount / workflow.feedback / "
-                          "rollout.group_size / rollout.gconfig / workflow.reward instead")
+                          "rollout.group_size / rollout.gconfig / workflow.reward instead (run_dir is the "
+                          "run's own)")
     target = name if is_import_path(name) else WORKFLOWS.entry(name, "workflow.name").target
     found = find_target(target, "workflow.name") if isinstance(target, str) else target
     _check_kwargs(name, found, kwargs)
@@ -173,19 +176,22 @@ def load_workflow(name_or_path: str, **kwargs: Any) -> RolloutWorkflow:
 
 def build_workflow(name_or_path: str, *, reward_fn: Any, gconfig: Any, tokenizer: Any, group_size: int,
                    max_turns: int = 2, turn_discount: float = 0.9,
-                   feedback: str = "Your answer is wrong. Try again.", **user_kwargs: Any) -> RolloutWorkflow:
+                   feedback: str = "Your answer is wrong. Try again.", run_dir: str | None = None,
+                   **user_kwargs: Any) -> RolloutWorkflow:
     """Construct a workflow from trainer-level pieces (:data:`OFFERED`): its constructor gets
     ``user_kwargs`` plus whichever pieces it names (all of them if it takes ``**kwargs``).
-    Built-ins and plugins alike; ``rollout/build.py:build_workflow`` makes the pieces from the config."""
+    Built-ins and plugins alike; ``rollout/build.py:build_workflow`` makes the pieces from the config.
+    ``run_dir``: the run's directory (None outside a run, e.g. a workflow built for a test)."""
     offered = {"reward_fn": reward_fn, "gconfig": gconfig, "tokenizer": tokenizer, "group_size": group_size,
-               "max_turns": max_turns, "turn_discount": turn_discount, "feedback": feedback}
+               "max_turns": max_turns, "turn_discount": turn_discount, "feedback": feedback,
+               "run_dir": run_dir}
     factory = resolve_workflow(name_or_path)
     try:
         params = inspect.signature(factory).parameters
     except ValueError:
         params = {}
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
+    kwargs = {k: v for k, v in offered.items() if (takes_all and k != "run_dir") or k in params}
     kwargs.update(user_kwargs)
     return load_workflow(name_or_path, **kwargs)
 

@@ -2,9 +2,10 @@
 
 The rollout process serves an :class:`~areal_cli.rollout.gateway.OnlineGateway` (a long-lived proxy) at
 ``http://<host>:<port>`` and writes where, with the service's key, to ``gateway_file`` (default:
-``<run dir>/gateway.json``). The service opens sessions there (``POST /rl/start_session``), runs its
-agents against each session's ``base_url`` / ``api_key`` with any OpenAI client, sets rewards and ends
-them, at its own pace; see ``examples/online_agent/`` and docs/agents.md.
+``<run dir>/gateway.json``, the ``run_dir`` the trainer hands a workflow that names it). The service opens
+sessions there (``POST /rl/start_session``), runs its agents against each session's ``base_url`` /
+``api_key`` with any OpenAI client, sets rewards and ends them, at its own pace; see
+``examples/online_agent/`` and docs/agents.md.
 
 Each episode the executor admits (through the staleness gate) grants the gateway one session and
 waits for it to end; the ended session's rows are the episode's trajectory. A session the service
@@ -34,7 +35,7 @@ class OnlineAgentWorkflow(RolloutWorkflow):
                  session_timeout_s: float = 600.0, export_style: str = "per_leaf",
                  turn_discount: float | None = None, tool_call_parser: str = "hermes",
                  prompt_mode: str = "continue", default_max_tokens: int = 512,
-                 max_total_tokens: int | None = None):
+                 max_total_tokens: int | None = None, run_dir: str | None = None):
         check_online_group_size(group_size)
         if export_style not in ("per_call", "per_leaf"):
             raise ConfigError("workflow.kwargs.export_style", f"must be 'per_call' or 'per_leaf', got "
@@ -48,7 +49,6 @@ class OnlineAgentWorkflow(RolloutWorkflow):
                               "set workflow.kwargs.port=0")
         self.tokenizer = load_tokenizer(tokenizer)
         self.host, self.port = str(host), int(port)
-        run_dir = os.environ.get("AREAL_RUN_DIR")
         if gateway_file is None and run_dir:
             from areal_cli.rollout.gateway import GATEWAY_FILE
 
