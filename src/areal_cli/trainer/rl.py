@@ -90,7 +90,7 @@ def scatter_batch(batch: dict[str, Any] | None, n_episodes: int, dp_of_rank: lis
     return collectives.scatter_object_list([None], parts, src=0)[0]
 
 
-def step_threads(cfg: Any, layout: JobLayout, rank: int) -> StepThreads | None:
+def step_threads(cfg: ExperimentConfig, layout: JobLayout, rank: int) -> StepThreads | None:
     """CPU: the RL step's threads follow the bottleneck (StepThreads) on this rank's share of its node's
     cores, shared with the inference servers when the layout puts servers on the rank's node. The node
     runner (local, SLURM, SkyPilot) hands its node's cores to its processes; Ray's actors hold the CPUs Ray
