@@ -166,9 +166,14 @@ def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: ar
               "trainer.keep_checkpoints=1000"]
     spp = args.batch * args.group
     rows = {}
-    for name, k in (("areal async (k=2)", 2), ("areal sync (k=0)", 0)):
+    runs = [("areal async (k=2)", 2, []), ("areal sync (k=0)", 0, [])]
+    for i, v in enumerate(getattr(args, "variant", None) or []):
+        name, _, overrides = v.partition(":")
+        runs.insert(1 + i, (f"areal async {name}", 2, [o for o in overrides.split(",") if o]))
+    for i, (name, k, extra) in enumerate(runs):
         print(f"[bench] {tag}: {name}", flush=True)
-        run = areal_train(root, f"{tag}_k{k}", [*common, f"rollout.max_head_offpolicyness={k}"])
+        run = areal_train(root, f"{tag}_k{k}" + (f"_v{i}" if extra else ""),
+                          [*common, f"rollout.max_head_offpolicyness={k}", *extra])
         rows[name] = areal_figures(run, spp)
     print(f"[bench] {tag}: TRL GRPOTrainer", flush=True)
     targs = argparse.Namespace(**{**vars(args), "steps": steps, "ckpt_every": ckpt_every})
@@ -212,6 +217,11 @@ def main() -> None:
                          "TRL bf16=True); generation stays fp32 in areal's server")
     ap.add_argument("--areal-args", nargs="*", default=[],
                     help="extra overrides for both areal runs, e.g. algo.loss_agg=token-mean")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDE[,OVERRIDE...]",
+                    help="one more areal async (k=2) row with these overrides, e.g. "
+                         "'(plain PPO):algo.use_decoupled_loss=false'")
+    ap.add_argument("--seed-row", choices=("tiny", "big"), default="tiny",
+                    help="the row a --seeds study runs: the warm-started tiny model, or the realistic row's model")
     args = ap.parse_args()
     root = args.fileroot or tempfile.mkdtemp(prefix="areal_bench_")
     warm = args.warm
@@ -229,6 +239,8 @@ def main() -> None:
     train_items, _ = load_split(cfg.dataset, tok, "train", seed=cfg.seed)
     test_items = load_split(cfg.dataset, tok, "test", seed=cfg.seed)[0][: args.eval_size]
     if args.seeds:
+        if args.seed_row == "big":
+            warm, args = big_warm_start(root, args)
         return seed_study(root, warm, args, train_items, test_items, cfg.seed)
     # Rounds interleave the three systems, so a drift in the machine's speed hits all of them alike;
     # throughput ratios and time to target are reported per round and as medians.
@@ -294,16 +306,8 @@ def realistic_row(root: str, args: argparse.Namespace, train_items: list[dict], 
     new tokens, the three systems side by side in ``--big-rounds`` interleaved rounds."""
     from areal_cli.models.tiny import model_param_count
 
-    warm = args.big_warm
-    if warm is None:
-        print(f"[bench] warm start of the big model: {args.big_warm_steps} SFT steps", flush=True)
-        run = areal_train(root, "big_warm", [*BIG, "trainer.total_steps=0", "trainer.eval_every=0",
-                                             "dataset.eval_size=8", f"trainer.sft_warmup_steps={args.big_warm_steps}",
-                                             f"trainer.sft_lr={args.big_sft_lr}"])
-        warm = str(run / "sft_warmup" / "hf")
+    warm, bargs = big_warm_start(root, args)
     n = model_param_count(warm) / 1e6
-    bargs = argparse.Namespace(**{**vars(args), "max_new_tokens": args.big_new_tokens, "steps": args.big_steps,
-                                  "ckpt_every": args.big_ckpt_every, "target": args.big_target, "lr": args.big_lr})
     print(f"\n[bench] realistic row: {n:.1f}M params, warm-started, {args.big_new_tokens} new tokens, "
           f"{args.big_steps} steps at lr {args.big_lr}, {args.big_rounds} rounds", flush=True)
     rounds = [compare(root, f"big_r{i}", [f"model.path={warm}"], warm, bargs, args.big_steps, args.big_ckpt_every,
@@ -314,6 +318,21 @@ def realistic_row(root: str, args: argparse.Namespace, train_items: list[dict], 
         print_rounds(rounds)
 
 
+def big_warm_start(root: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """The realistic row's warm-started model (``--big-warm`` or ``--big-warm-steps`` SFT steps) and the
+    arguments its runs take (its new tokens, steps, checkpoint interval, target and learning rate)."""
+    warm = args.big_warm
+    if warm is None:
+        print(f"[bench] warm start of the big model: {args.big_warm_steps} SFT steps", flush=True)
+        run = areal_train(root, "big_warm", [*BIG, "trainer.total_steps=0", "trainer.eval_every=0",
+                                             "dataset.eval_size=8", f"trainer.sft_warmup_steps={args.big_warm_steps}",
+                                             f"trainer.sft_lr={args.big_sft_lr}"])
+        warm = str(run / "sft_warmup" / "hf")
+    bargs = argparse.Namespace(**{**vars(args), "max_new_tokens": args.big_new_tokens, "steps": args.big_steps,
+                                  "ckpt_every": args.big_ckpt_every, "target": args.big_target, "lr": args.big_lr})
+    return warm, bargs
+
+
 def seed_study(root: str, warm: str, args: argparse.Namespace, train_items: list[dict],
                test_items: list[dict], data_seed: int) -> None:
     """Each seed: the three systems from the same warm start and the same data (areal's rows fixed by
@@ -322,6 +341,7 @@ def seed_study(root: str, warm: str, args: argparse.Namespace, train_items: list
     import statistics
 
     curves: dict[str, dict[int, list[float]]] = {}
+    costs: dict[str, list[tuple[float, float]]] = {}  # per seed: trainer seconds per step, samples/s
     for s in args.seeds:
         extra = [*args.areal_args, f"seed={s}", f"dataset.seed={data_seed}"]
         sargs = argparse.Namespace(**{**vars(args), "trl_seed": s, "areal_args": extra})
@@ -332,6 +352,7 @@ def seed_study(root: str, warm: str, args: argparse.Namespace, train_items: list
         for name, r in rows.items():
             for step, (_, path) in r["checkpoints"].items():
                 curves.setdefault(name, {}).setdefault(step, []).append(acc[path])
+            costs.setdefault(name, []).append((r["train_s_per_step"], r["samples_per_s"]))
         print(f"[bench] seed {s}: " + "; ".join(
             f"{n}: " + " ".join(f"{st}:{acc[p]:.0%}" for st, (_, p) in sorted(r["checkpoints"].items()))
             for n, r in rows.items()), flush=True)
@@ -343,6 +364,9 @@ def seed_study(root: str, warm: str, args: argparse.Namespace, train_items: list
     for name, c in curves.items():
         cells = [f"{statistics.mean(c[st]):.1%} [{min(c[st]):.0%}-{max(c[st]):.0%}]" for st in steps]
         print(f"{name:24s} " + " ".join(f"{x:>18s}" for x in cells))
+    print(f"\n{'system':24s} {'train s/step (median)':>22s} {'samples/s (median)':>19s}")
+    for name, c in costs.items():
+        print(f"{name:24s} {statistics.median(x for x, _ in c):22.3f} {statistics.median(y for _, y in c):19.2f}")
     print(json.dumps({"warm": base, "seeds": args.seeds, "areal_args": args.areal_args,
                       "curves": {n: {str(k): v for k, v in c.items()} for n, c in curves.items()}}))
 

@@ -103,14 +103,18 @@ class AlgoConfig:
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (token sum over
     # the constant rollout.gconfig.max_new_tokens, Dr.GRPO)
     loss_agg: str = "token-mean"
-    use_decoupled_loss: bool = False  # AReaL decoupled PPO (proximal policy)
+    # AReaL's decoupled PPO: the ratio against a proximal policy, stale samples reweighted by pi_prox/pi_behav
+    # (capped at behav_imp_weight_cap). null: on exactly when samples can be stale (an RL algorithm with
+    # rollout.max_head_offpolicyness > 0), as AReaL's async recipes run; validation resolves it (plan/validate.py)
+    use_decoupled_loss: bool | None = None
     prox_logp_method: str = "recompute"  # one of PROX_LOGP_METHODS
     # Recompute logp with the trainer before the update even without the decoupled loss; the PPO
     # ratio then uses the recomputed logp, and a set behav_imp_weight_cap corrects the
     # inference/trainer mismatch (truncated importance sampling).
     recompute_logprob: bool = False
-    # behaviour IS correction cap; None disables the cap
-    behav_imp_weight_cap: float | None = ranged(None, gt=0.0, le=1e6,
+    # behaviour IS correction cap (AReaL's async recipes: 5.0); None disables the cap. Applies under the
+    # decoupled loss, or with recompute_logprob
+    behav_imp_weight_cap: float | None = ranged(5.0, gt=0.0, le=1e6,
                                                 why="AReaL uses 5.0; null disables the cap")
     behav_imp_weight_mode: str = "truncate"  # one of BEHAV_IMP_WEIGHT_MODES
     behav_imp_weight_level: str = "token"  # one of BEHAV_IMP_WEIGHT_LEVELS

@@ -420,6 +420,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     plan = Plan(spec="", inferences=[], trains=[], colocated=spec.colocated, n_nodes=n_nodes,
                 n_devices_per_node=per_node, device=cfg.cluster.device)
     plan.auto, auto_error = _resolve_auto(cfg, spec, facts, dev_gb, seq)
+    _resolve_decoupled_loss(cfg, plan)
     mb_auto = any(a.path == "engine.max_tokens_per_mb" for a in plan.auto)
     plan.notes.extend(f"{a.path}=auto chose {a.value} (bound by {a.bound}: {a.detail})" for a in plan.auto)
     plan.warnings.extend(f"{a.path}=auto: even one sequence leaves less than {1 - autosize.MEMORY_MARGIN:.0%} of "
@@ -464,6 +465,22 @@ def validate(cfg: ExperimentConfig) -> Plan:
         raise auto_error
     check_packages(cfg, plan)  # last: a config mistake is named before a missing package (plan/packages.py)
     return plan
+
+
+def _resolve_decoupled_loss(cfg: ExperimentConfig, plan: Plan) -> None:
+    """``algo.use_decoupled_loss=null`` becomes true exactly when an RL run's samples can be stale: a plain PPO
+    ratio against a sample's behaviour logprobs then mixes policy versions (AReaL, arXiv:2505.24298: staleness
+    4 without the decoupled objective loses 19 AIME points); a synchronous run needs no proximal policy."""
+    if cfg.algo.use_decoupled_loss is not None:
+        return
+    k = cfg.rollout.max_head_offpolicyness
+    on = generates(cfg.algo.name) and k > 0
+    cfg.algo.use_decoupled_loss = on
+    if on:
+        plan.notes.append(f"algo.use_decoupled_loss=null chose true: rollout.max_head_offpolicyness={k} lets "
+                          f"samples be up to {k} versions stale (the ratio is taken against a proximal policy, "
+                          f"{cfg.algo.prox_logp_method}; behaviour weights capped at "
+                          f"{cfg.algo.behav_imp_weight_cap})")
 
 
 def _memory_warnings(cfg: ExperimentConfig, plan: Plan) -> None:

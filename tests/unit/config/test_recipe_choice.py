@@ -42,8 +42,10 @@ def test_the_toy_keeps_cpu_default_and_no_note():
     cfg, plan = compose_and_validate([])
     assert cfg.experiment_name == "cpu_default"
     assert cfg.trainer.sft_warmup_steps == 600 and cfg.engine.dtype == "float32"
-    # no recipe note; only what engine.max_tokens_per_mb=auto chose
-    assert [n for n in plan.notes if not n.startswith("engine.max_tokens_per_mb=auto chose")] == []
+    # no recipe note; only what the auto/null knobs chose (the micro-batch size, the decoupled objective)
+    auto = ("engine.max_tokens_per_mb=auto chose", "algo.use_decoupled_loss=null chose true")
+    assert [n for n in plan.notes if not n.startswith(auto)] == []
+    assert cfg.algo.use_decoupled_loss is True  # the default is async (rollout.max_head_offpolicyness=2)
 
 
 @pytest.mark.parametrize("path,real", [("builtin:tiny", False), ("/models/Qwen2.5-7B-Instruct", True),
