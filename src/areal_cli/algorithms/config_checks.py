@@ -41,9 +41,6 @@ def validate_algo_config(cfg: AlgoConfig, prefix: str = "algo") -> None:
         raise ConfigError(p + "distill.teacher_path", f"policy_loss={cfg.policy_loss} ignores advantages, so the "
                           "teacher's per-token advantage would train nothing", "use algo=grpo (or another "
                           "advantage-based loss), or set algo.distill.teacher_path=''")
-    if cfg.prox_logp_method == "loglinear" and not cfg.use_decoupled_loss:
-        raise ConfigError(p + "prox_logp_method", "loglinear approximates the proximal policy of the "
-                          "decoupled loss, which is off", "set algo.use_decoupled_loss=true")
 
 
 def validate_group_size(cfg: AlgoConfig, group_size: int, path: str = "rollout.group_size") -> None:

@@ -107,7 +107,10 @@ class AlgoConfig:
     # (capped at behav_imp_weight_cap). null: on exactly when samples can be stale (an RL algorithm with
     # rollout.max_head_offpolicyness > 0), as AReaL's async recipes run; validation resolves it (plan/validate.py)
     use_decoupled_loss: bool | None = None
-    prox_logp_method: str = "recompute"  # one of PROX_LOGP_METHODS
+    # how the decoupled loss gets its proximal policy (one of PROX_LOGP_METHODS): loglinear interpolates it from
+    # the behaviour logprobs by each token's version, free; recompute runs a forward pass of the current weights
+    # before the update (+24% train time per step on the 11.9M row, no better per step: benchmarks/results/vs_trl.md)
+    prox_logp_method: str = "loglinear"
     # Recompute logp with the trainer before the update even without the decoupled loss; the PPO
     # ratio then uses the recomputed logp, and a set behav_imp_weight_cap corrects the
     # inference/trainer mismatch (truncated importance sampling).

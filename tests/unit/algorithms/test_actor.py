@@ -177,7 +177,8 @@ def test_recompute_and_loglinear_prox():
     eng = BigramEngine()
     batch = make_batch(eng, REWARDS, SEQS)
     batch["logprobs"] = batch["logprobs"] - 0.1 * batch["loss_mask"]  # a stale behaviour policy
-    out = PPOActor(AlgoConfig(use_decoupled_loss=True), eng, group_size=2).compute_advantages(batch)
+    out = PPOActor(AlgoConfig(use_decoupled_loss=True, prox_logp_method="recompute"), eng,
+                   group_size=2).compute_advantages(batch)
     torch.testing.assert_close(out["prox_logp"], eng.forward(batch)["logprobs"] * batch["loss_mask"])
     out = PPOActor(AlgoConfig(use_decoupled_loss=True, prox_logp_method="loglinear"), eng,
                    group_size=2).compute_advantages(batch)
@@ -252,7 +253,7 @@ def test_actor_does_not_mutate_input_batch():
     eng = BigramEngine()
     batch = make_batch(eng, REWARDS, SEQS)
     snapshot = copy.deepcopy(batch)
-    PPOActor(AlgoConfig(use_decoupled_loss=True), eng, group_size=2).compute_advantages(batch)
+    PPOActor(AlgoConfig(use_decoupled_loss=True, prox_logp_method="recompute"), eng, group_size=2).compute_advantages(batch)
     assert batch.keys() == snapshot.keys()
     for k in batch:
         assert torch.equal(batch[k], snapshot[k])

@@ -73,7 +73,6 @@ def test_docs_describe_every_preset_knob():
     ({"eps_clip": 0.0}, "algo.eps_clip"),
     ({"adv_estimator": "gae"}, "algo.use_critic"),
     ({"use_critic": True}, "algo.adv_estimator"),
-    ({"prox_logp_method": "loglinear"}, "algo.prox_logp_method"),
     ({"behav_imp_weight_mode": "clip"}, "algo.behav_imp_weight_mode"),
     ({"overlong_buffer_ratio": 1.5}, "algo.overlong_buffer_ratio"),
     ({"lam": 1.5}, "algo.lam"),
