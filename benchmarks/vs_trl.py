@@ -167,7 +167,7 @@ def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: ar
     spp = args.batch * args.group
     rows = {}
     runs = [("areal async (k=2)", 2, []), ("areal sync (k=0)", 0, [])]
-    for i, v in enumerate(getattr(args, "variant", None) or []):
+    for i, v in enumerate(args.variant):
         name, _, overrides = v.partition(":")
         runs.insert(1 + i, (f"areal async {name}", 2, [o for o in overrides.split(",") if o]))
     for i, (name, k, extra) in enumerate(runs):

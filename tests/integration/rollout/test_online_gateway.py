@@ -11,22 +11,25 @@ its own) opens, rewards and ends them, and the executor hands out the ended sess
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
+import polling
 from hf_server_helpers import start_hf_server
 
 from areal_cli.api.io_struct import WeightUpdateMeta
 from areal_cli.rollout import RolloutExecutor
 from areal_cli.rollout.workflows.online import OnlineAgentWorkflow
+
+wait_for = functools.partial(polling.wait_for, timeout=120.0)  # a real server under a loaded CI box
 
 # A server of its own and a killed service process: end to end, outside the default suite (the fast
 # form of these guarantees, on the fake engine, is tests/unit/rollout/test_online_gateway_parts.py).
@@ -64,13 +67,6 @@ def _teardown(engine, wf, ex):
     ex.run_coroutine(engine.close())
     ex.destroy()
     wf.close()
-
-
-def _wait_for(cond, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class ServiceSide:
@@ -137,7 +133,7 @@ def test_sessions_train_with_recorded_versions_once_and_capacity_is_gated(server
         for i in range(6):
             ex.submit({"prompt": f"What is {i} plus 3?", "answer": str(i + 3), "id": i})
         # k=1, batch 2: the gate admits (k + 1) x 2 = 4 episodes at v0, so 4 sessions may open
-        _wait_for(lambda: wf.gateway.counters()["online/capacity"] == 4, "4 grants")
+        wait_for(lambda: wf.gateway.counters()["online/capacity"] == 4, "4 grants")
         first = [svc.open() for _ in range(4)]
         assert [r.status_code for r in first] == [200] * 4
         over = svc.open()
@@ -155,7 +151,7 @@ def test_sessions_train_with_recorded_versions_once_and_capacity_is_gated(server
         _push(ex, engine, v0 + 1, tiny_model_dir_b)
         batches.append(ex.wait(2, timeout=120))
         # consuming opened the gate again: two more sessions, generated at the new version
-        _wait_for(lambda: wf.gateway.counters()["online/capacity"] == 2, "2 grants after the update")
+        wait_for(lambda: wf.gateway.counters()["online/capacity"] == 2, "2 grants after the update")
         after = {}
         for r in [svc.open() for _ in range(2)]:
             assert r.status_code == 200
@@ -199,7 +195,7 @@ def test_a_service_that_disappears_leaves_no_half_row(server, tok, tmp_path, cap
     try:
         for i in range(3):
             ex.submit({"prompt": f"What is {i} plus 1?", "answer": str(i + 1), "id": i})
-        _wait_for(lambda: wf.gateway.counters()["online/capacity"] == 3, "3 grants")
+        wait_for(lambda: wf.gateway.counters()["online/capacity"] == 3, "3 grants")
         svc = ServiceSide(url)
 
         # 1. a service process killed mid-session: one call made, never ended
@@ -222,14 +218,14 @@ def test_a_service_that_disappears_leaves_no_half_row(server, tok, tmp_path, cap
             sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
                           f"Authorization: Bearer {hung['api_key']}\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
-            _wait_for(lambda: wf.gateway._sessions[hung["session_id"]].busy == 1, "the held call")
+            wait_for(lambda: wf.gateway._sessions[hung["session_id"]].busy == 1, "the held call")
         ex.run_coroutine(engine.continue_generation())
 
         # 3. a session ended properly
         good = svc.run(svc.open().json(), reward=1.0)
         batch = ex.wait(1, timeout=120)
-        _wait_for(lambda: wf.gateway.counters()["online/abandoned"] == 2, "both dropped")
-        _wait_for(lambda: ex.get_stats()["rollout/running"] == 0, "the dropped episodes to finish")
+        wait_for(lambda: wf.gateway.counters()["online/abandoned"] == 2, "both dropped")
+        wait_for(lambda: ex.get_stats()["rollout/running"] == 0, "the dropped episodes to finish")
 
         assert batch.meta["interaction_ids"] == [[good]]  # one episode of one row: the ended session
         stats = ex.get_stats()
@@ -244,7 +240,7 @@ def test_a_service_that_disappears_leaves_no_half_row(server, tok, tmp_path, cap
         # the capacity of the dropped sessions came back: the gate admits two more episodes
         for i in range(2):
             ex.submit({"prompt": "What is 1 plus 1?", "answer": "2", "id": 10 + i})
-        _wait_for(lambda: wf.gateway.counters()["online/capacity"] == 2, "2 more grants")
+        wait_for(lambda: wf.gateway.counters()["online/capacity"] == 2, "2 more grants")
     finally:
         _teardown(engine, wf, ex)
     assert not os.path.exists(tmp_path / "gateway.json")  # removed with the gateway

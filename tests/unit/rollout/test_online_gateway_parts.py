@@ -5,11 +5,11 @@ tests/integration/rollout/test_online_gateway.py (``-m e2e``)."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import openai
 import pytest
+from polling import wait_for
 from rollout_fakes import FakeEngine
 
 from areal_cli.errors import ConfigError
@@ -35,13 +35,6 @@ def online(tiny_model_dir, tmp_path):
     wf.close()
 
 
-def _wait_for(cond, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def _call(s: dict) -> tuple[str, list[int]]:
     c = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
     r = c.chat.completions.create(model="p", messages=[{"role": "user", "content": s["task"]["prompt"]}],
@@ -60,7 +53,7 @@ def test_gate_versions_once_and_abandoned_sessions(online):
     engine, wf, ex, http = online
     for i in range(4):
         ex.submit({"prompt": f"q{i}", "answer": "1", "id": i})
-    _wait_for(lambda: wf.gateway.counters()["online/capacity"] == 2, "(k + 1) x batch = 2 grants")
+    wait_for(lambda: wf.gateway.counters()["online/capacity"] == 2, "(k + 1) x batch = 2 grants")
     a, b = http.post("/rl/start_session", json={}).json(), http.post("/rl/start_session", json={}).json()
     r = http.post("/rl/start_session", json={})
     assert r.status_code == 429 and "staleness gate" in r.json()["error"]["message"]
@@ -72,12 +65,12 @@ def test_gate_versions_once_and_abandoned_sessions(online):
     _end(http, a, 1.0)
     _call(b)  # b is abandoned after its call: no end, no request for session_timeout_s
     first = ex.wait(1, timeout=30)
-    _wait_for(lambda: wf.gateway.counters()["online/abandoned"] == 1, "b to be dropped")
+    wait_for(lambda: wf.gateway.counters()["online/abandoned"] == 1, "b to be dropped")
     assert first.meta["interaction_ids"] == [[[a_id]]] and float(first.data["rewards"][0]) == 1.0
 
     engine.version = 1  # a weight update: the next sessions generate at version 1
     ex.set_version(1)
-    _wait_for(lambda: wf.gateway.counters()["online/capacity"] == 2, "capacity back after consume + drop")
+    wait_for(lambda: wf.gateway.counters()["online/capacity"] == 2, "capacity back after consume + drop")
     c = http.post("/rl/start_session", json={}).json()
     c_id, c_versions = _call(c)
     _end(http, c, 0.5)
@@ -98,11 +91,11 @@ def test_gate_versions_once_and_abandoned_sessions(online):
 def test_an_empty_session_trains_nothing_and_frees_its_capacity(online):
     _, wf, ex, http = online
     ex.submit({"prompt": "q", "answer": "1"})
-    _wait_for(lambda: wf.gateway.counters()["online/capacity"] == 1, "a grant")
+    wait_for(lambda: wf.gateway.counters()["online/capacity"] == 1, "a grant")
     s = http.post("/rl/start_session", json={}).json()
     hdr = {"Authorization": f"Bearer {s['api_key']}"}
     assert http.post("/rl/end_session", headers=hdr).status_code == 200
-    _wait_for(lambda: ex.get_stats()["rollout/rejected"] == 1, "the empty episode")
+    wait_for(lambda: ex.get_stats()["rollout/rejected"] == 1, "the empty episode")
     assert wf.rollout_stats()["online/empty"] == 1
 
 
