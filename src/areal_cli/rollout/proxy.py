@@ -8,7 +8,7 @@ and uses any OpenAI client unchanged.
 | endpoint | key | what |
 |---|---|---|
 | ``POST /rl/grant_capacity`` ``{n=1}`` | admin | allow ``n`` more sessions (the staleness gate) |
-| ``POST /rl/start_session`` ``{task_id?}`` | admin | 429 without capacity; else ``{session_id, api_key}`` |
+| ``POST /rl/start_session`` ``{task_id?, greedy?}`` | admin | 429 without capacity; else ``{session_id, api_key}`` |
 | ``POST /v1/chat/completions``, ``GET /v1/models`` | session | the in-process client's (SSE: ``stream``) |
 | ``POST /rl/set_reward`` ``{interaction_id?, reward}`` | session | no id: the last call; 400 empty/unknown |
 | ``POST /rl/end_session`` | session | no more calls; 410 if already ended |
@@ -94,6 +94,15 @@ class AgentProxy:
         s.ended = True
         self._end_route(s)
         return {"session_id": s.id, "interaction_count": len(s.client.cache)}
+
+    def take(self, session_id: str) -> ArealOpenAI | None:
+        """Remove an ended session without exporting it (an evaluation's): its client, with the calls and
+        rewards it recorded; None when there is no such session."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is not None:
+                self._drop(s)
+        return None if s is None else s.client
 
     def _drop(self, s: _Session) -> None:
         with self._lock:
@@ -204,6 +213,9 @@ class AgentProxy:
             if (r := admin(request)) is not None:
                 return r
             b = await body(request)
+            greedy = b.get("greedy", False)
+            if not isinstance(greedy, bool):
+                raise BadRequest(f"greedy must be true or false, got {greedy!r}")
             if self.capacity <= 0:
                 return err(429, "no capacity: the trainer has not granted another episode yet "
                                 "(staleness gate)")
@@ -211,7 +223,8 @@ class AgentProxy:
             self._count += 1
             sid = f"{b.get('task_id', 'session')}-{self._count}"
             key = secrets.token_urlsafe(32)
-            client = ArealOpenAI(self.engine, self.tokenizer, **self.client_kwargs)
+            # greedy: an evaluation session, every call decoded greedily whatever the agent asks for
+            client = ArealOpenAI(self.engine, self.tokenizer, force_greedy=greedy, **self.client_kwargs)
             self._sessions[sid] = _Session(sid, key, client)
             self._by_key[key] = sid
             return {"session_id": sid, "api_key": key}

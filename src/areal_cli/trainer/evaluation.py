@@ -106,6 +106,8 @@ async def _eval_async(cfg: ExperimentConfig, addresses: list[str], backend: str,
                 out[f"eval/pass@{n}"] = sum(any(r) for r in judged) / len(judged)
                 out[f"eval/mean@{n}"] = sum(sum(r) for r in judged) / sum(len(r) for r in judged)
     finally:
+        if workflow is not None and hasattr(workflow, "close"):  # e.g. the proxy workflow's proxy
+            workflow.close()
         close = getattr(client, "aclose", None) or getattr(client, "close", None)
         if close is not None:
             res = close()

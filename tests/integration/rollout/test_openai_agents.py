@@ -646,3 +646,113 @@ def test_proxy_workflow_runs_an_external_agent(tool_server, tok, monkeypatch):
             bad.close()
     finally:
         wf.close()
+
+
+async def _lc_add_agent(base_url, api_key, data):
+    """The add-tool agent in LangChain, in process but over HTTP through the proxy (the proxy workflow's
+    ``agent`` contract): reward 1 for an answer after the tool's result, 0.5 for a call only."""
+    from langchain_openai import ChatOpenAI
+
+    async with httpx.AsyncClient(timeout=120) as http:  # LangChain's shared one is bound to its first loop
+        llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, temperature=data.get("temperature", 0),
+                         max_tokens=80, max_retries=0, http_async_client=http).bind_tools([ADD_TOOL])
+        return await _lc_add_loop(llm, data)
+
+
+async def _lc_add_loop(llm, data):
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+
+    msgs = [SystemMessage(SYSTEM), HumanMessage(f"What is {data['a']} plus {data['b']}?")]
+    ai = await llm.ainvoke(msgs)
+    if not ai.tool_calls:
+        return 0.0
+    msgs.append(ai)
+    for call in ai.tool_calls:
+        msgs.append(ToolMessage(str(add(**call["args"])), tool_call_id=call["id"]))
+    final = await llm.ainvoke(msgs)
+    return 1.0 if str(final.content).startswith("The answer is") else 0.5
+
+
+def test_proxy_workflow_runs_an_in_process_agent_and_evaluates_it(proxy, tool_server, tok):
+    """``agent=`` instead of a command: no process per episode, the same proxy sessions; evaluation runs
+    the agent in a greedy session whatever temperature it asks for, and trains nothing."""
+    import os
+    import sys
+
+    pytest.importorskip("langchain_openai")
+    from areal_cli.errors import ConfigError
+    from areal_cli.rollout.workflows.agent_proxy import ProxyAgentWorkflow
+
+    # a greedy session decodes greedily although the call asks for temperature 1.0
+    assert _admin(proxy, "/rl/grant_capacity").status_code == 200
+    assert _admin(proxy, "/rl/start_session", greedy="yes").status_code == 400
+    s = _admin(proxy, "/rl/start_session", greedy=True).json()
+    msgs = question(5, 3)
+    sampled = httpx.post(f"{proxy.base_url}/chat/completions", timeout=60, headers={
+        "Authorization": f"Bearer {s['api_key']}"}, json={"model": "p", "messages": msgs, "tools": [ADD_TOOL],
+                                                          "max_tokens": 40, "temperature": 1.0}).json()
+    ids = sampled["choices"][0]["token_ids"]
+    assert ids == _generate(tool_server, sampled["prompt_token_ids"], len(ids))
+
+    with pytest.raises(ConfigError, match="either"):
+        ProxyAgentWorkflow("python a.py", tok, agent=_lc_add_agent)
+    wf = ProxyAgentWorkflow(tokenizer=tok, group_size=2, agent=_lc_add_agent)
+    try:
+        traj = asyncio.run(wf.arun_episode(_engine(tool_server), {"id": "q1", "a": 3, "b": 4}))
+        assert wf.failed == 0 and len(traj) == 2 and len(set(traj.data["group_id"].tolist())) == 1
+        assert traj.data["agent_tool_calls"].tolist() == [1, 1]  # the tool model calls add once
+        assert (traj.data["loss_mask"].float().diff(dim=1).abs().sum(1) >= 3).all()  # two trained turns
+        res = asyncio.run(wf.eval_episode(_engine(tool_server), {"id": "e1", "a": 3, "b": 4, "temperature": 1.0}))
+        assert res == {"success": True, "reward": 1.0, "tool_calls": 1}
+        assert not wf.server.proxy._sessions  # the evaluation's session was taken, not left to export
+    finally:
+        wf.close()
+    # a command is evaluated the same way, from the reward it posted
+    here = str(SUPPORT)
+    env_path = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"], old = env_path, os.environ.get("PYTHONPATH")
+    cmd = ProxyAgentWorkflow([sys.executable, os.path.join(here, "proxy_agent_script.py")], tok,
+                             success_threshold=0.75)
+    try:
+        res = asyncio.run(cmd.eval_episode(_engine(tool_server), {"id": "e2", "a": 3, "b": 4}))
+        assert res["tool_calls"] == 1 and res["reward"] in (0.5, 1.0), res
+        assert res["success"] == (res["reward"] >= 0.75)
+    finally:
+        cmd.close()
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def _calculator_item() -> dict:
+    """A built-in ``arith_easy`` item whose warm-start example offers the tool (``sft_mix=(4, 1, 3)``)."""
+    import zlib
+
+    from areal_cli.data.builtin import generate_split
+
+    for row in generate_split("arith_easy", "train", 64):
+        if zlib.crc32(row["question"].encode()) % 8 >= 4:
+            return {"id": row["id"], "question": row["question"], "answer": row["ground_truth"],
+                    "solution": row["answer"]}
+    raise AssertionError("no item with the tool offered")
+
+
+def test_framework_calculators_prompt_as_their_warm_start(proxy, tool_server, tok):
+    """experiment=agent_calculator_agents_sdk / _langchain: the first call each framework sends is, token for
+    token, the prompt its warm start trains on (the tool in the framework's own schema)."""
+    pytest.importorskip("agents")
+    pytest.importorskip("langchain_openai")
+    from areal_cli.rollout.openai_client import ArealOpenAI
+    from areal_cli.rollout.workflows.calculator_frameworks import langchain_shaped_agent, sdk_shaped_agent
+
+    item = _calculator_item()
+    client = ArealOpenAI(_engine(tool_server), tok)
+    asyncio.run(sdk_shaped_agent(client, item))
+    sdk_prompt = list(client.cache)[0].input_ids
+    assert sdk_prompt == sdk_shaped_agent.sft_example(item, tok)["prompt_ids"]
+    sid, key = _session(proxy, "calc")
+    asyncio.run(langchain_shaped_agent(proxy.base_url, key, item))
+    lc_prompt = list(proxy.proxy.take(sid).cache)[0].input_ids
+    assert lc_prompt == langchain_shaped_agent.sft_example(item, tok)["prompt_ids"]
+    assert lc_prompt != sdk_prompt  # the two frameworks send the tool in different schemas

@@ -122,6 +122,10 @@ def test_import_targets_are_checked_without_running_them(tmp_path, monkeypatch):
     assert e.path == "workflow.kwargs.agent" and "not an async function" in e.reason
     e = err("workflow.name=agent", "+workflow.kwargs.agent=my_user_code:my_agnet")
     assert "did you mean 'my_agent'?" in e.hint
+    # the proxy workflow's in-process agent is checked the same way
+    check("workflow.name=agent_proxy", "+workflow.kwargs.agent=my_user_code:my_agent")
+    e = err("workflow.name=agent_proxy", "+workflow.kwargs.agent=my_user_code:sync_agent")
+    assert e.path == "workflow.kwargs.agent" and "not an async function" in e.reason
     e = err("workflow.name=my_user_code:NoSuchWorkflow")
     assert e.path == "workflow.name"
     e = err("+workflow.kwargs.use_chat_templat=false")  # rlvr's constructor, read from its source

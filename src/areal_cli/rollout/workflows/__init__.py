@@ -1,6 +1,6 @@
 """Workflow registry: built-in names, plugins, and user workflows by dotted import path.
 
-``workflow.name=rlvr`` / ``multi_turn`` / ``agent`` / ``online`` select the built-ins; a plugin module
+``workflow.name=rlvr`` / ``multi_turn`` / ``agent`` / ``agent_proxy`` / ``online`` select the built-ins; a plugin module
 (named in ``plugins=[...]``) adds its own with ``@register_workflow("name")``; anything containing a dot
 is imported: ``my_pkg.module.MyWorkflow`` or ``my_pkg.module:MyWorkflow`` (a RolloutWorkflow subclass,
 or a factory callable returning an instance). The trainer builds a workflow from the config with
@@ -39,6 +39,7 @@ WORKFLOWS.declare("rlvr", "areal_cli.rollout.workflows.rlvr:RLVRWorkflow")
 WORKFLOWS.declare("multi_turn", "areal_cli.rollout.workflows.multi_turn:MultiTurnWorkflow")
 WORKFLOWS.declare("agent", "areal_cli.rollout.workflows.agent:AgentWorkflow")
 WORKFLOWS.declare("online", "areal_cli.rollout.workflows.online:OnlineAgentWorkflow")
+WORKFLOWS.declare("agent_proxy", "areal_cli.rollout.workflows.agent_proxy:ProxyAgentWorkflow")
 
 
 def register_workflow(name: str, target: Any = None) -> Any:
@@ -78,6 +79,8 @@ def check_workflow_config(name: str, kwargs: dict[str, Any], group_size: int | N
     _check_kwargs(name, found, kwargs)
     if name == "agent":
         _check_agent(kwargs.get("agent"))
+    elif target == WORKFLOWS.entry("agent_proxy", "workflow.name").target and "agent" in kwargs:
+        _check_agent(kwargs["agent"])
     if name == "online" and group_size is not None:
         check_online_group_size(group_size)
 

@@ -13,6 +13,17 @@ on a thread of the rollout process) and runs the command with
 The agent sets its rewards with ``POST /rl/set_reward``; the workflow ends the session when the
 command exits (if the agent did not) and exports it. A command that exits non-zero or runs past
 ``timeout_s`` is a failed episode: counted, and dropped or raised per ``on_error``.
+
+``workflow.kwargs.agent=my_pkg.mod:my_agent`` instead of a command runs the agent in this process, still
+over HTTP through the proxy: ``async def my_agent(base_url, api_key, data) -> reward`` gets the
+proxy's ``/v1`` and the session key (for ``ChatOpenAI(base_url=..., api_key=...)`` and any other
+client that takes them) and returns its reward as the agent workflow's agents do (a number for the
+last call, ``None`` when it posted its rewards itself). No process per episode: frameworks that are
+slow to import (LangChain) pay once.
+
+Evaluation (``eval_episode``) runs the agent (or the command) once per held-out item in a greedy
+session: an item succeeds when the episode's reward reaches ``success_threshold`` (or, for a reward
+that states its correctness, when it is correct).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import httpx
 
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
+from areal_cli.rewards.outcome import correctness
 from areal_cli.rollout.interaction_cache import rows_to_tensors
 from areal_cli.rollout.workflows.common import (check_group_and_reward, load_tokenizer, next_group_id,
                                                pad_token_id)
@@ -36,17 +48,26 @@ log = logging.getLogger(__name__)
 
 
 class ProxyAgentWorkflow(RolloutWorkflow):
-    def __init__(self, command: str | list[str], tokenizer: Any, group_size: int = 1, *,
-                 export_style: str = "per_leaf", turn_discount: float | None = None, on_error: str = "drop",
-                 timeout_s: float = 600.0, session_timeout_s: float = 3600.0, **client_kwargs: Any):
-        if not command:
-            raise ConfigError("workflow.kwargs.command", "no agent command given",
-                              "set workflow.kwargs.command='python my_agent.py'")
+    def __init__(self, command: str | list[str] | None = None, tokenizer: Any = None, group_size: int = 1, *,
+                 agent: Any = None, export_style: str = "per_leaf", turn_discount: float | None = None,
+                 on_error: str = "drop", timeout_s: float = 600.0, session_timeout_s: float = 3600.0,
+                 success_threshold: float = 1.0, **client_kwargs: Any):
+        if bool(command) == (agent is not None):
+            raise ConfigError("workflow.kwargs.command", "the proxy workflow runs either an agent command or "
+                              f"an in-process agent, got {'both' if command else 'neither'}",
+                              "set workflow.kwargs.command='python my_agent.py' or "
+                              "workflow.kwargs.agent=my_pkg.mod:my_agent (async (base_url, api_key, data))")
         if on_error not in ("drop", "raise"):
             raise ConfigError("workflow.kwargs.on_error", f"must be 'drop' or 'raise', got {on_error!r}",
                               "set workflow.kwargs.on_error=drop")
+        if agent is not None:
+            from areal_cli.rollout.workflows.agent import resolve_agent
+
+            agent = resolve_agent(agent)
         check_group_and_reward(group_size, lambda: None)
-        self.argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+        self.agent = agent
+        self.argv = ([] if not command else shlex.split(command) if isinstance(command, str)
+                     else [str(a) for a in command])
         self.tokenizer = load_tokenizer(tokenizer)
         self.group_size = group_size
         self.export_style = export_style
@@ -54,11 +75,22 @@ class ProxyAgentWorkflow(RolloutWorkflow):
         self.on_error = on_error
         self.timeout_s = float(timeout_s)
         self.session_timeout_s = session_timeout_s
+        self.success_threshold = float(success_threshold)
         known = ("tool_call_parser", "prompt_mode", "default_max_tokens", "max_total_tokens")
         self.client_kwargs = {k: v for k, v in client_kwargs.items() if k in known}
         self.pad_id = pad_token_id(self.tokenizer)
         self.server: Any = None
         self.failed = 0
+
+    @staticmethod
+    def sft_items(cfg: Any, tokenizer: Any, items: list[dict]) -> list[dict]:
+        """SFT warm-start examples: the in-process agent's ``sft_example(item, tokenizer)`` when it has one."""
+        agent = dict(cfg.workflow.kwargs or {}).get("agent")
+        if agent is None:
+            return items
+        from areal_cli.rollout.workflows.agent import AgentWorkflow
+
+        return AgentWorkflow.sft_items(cfg, tokenizer, items)
 
     def _ensure_proxy(self, engine: Any) -> Any:
         if self.server is None:
@@ -70,11 +102,30 @@ class ProxyAgentWorkflow(RolloutWorkflow):
                                                  session_timeout_s=self.session_timeout_s, **self.client_kwargs))
         return self.server
 
-    async def _episode(self, http: httpx.AsyncClient, root: str, admin: dict, data: dict) -> list[dict]:
+    async def _session(self, http: httpx.AsyncClient, root: str, admin: dict, data: dict,
+                       greedy: bool = False) -> tuple[dict, Any]:
+        """Start a session, run the episode's agent in it and end it: ``(session, reward)``; the reward is
+        what an in-process agent returned (None for a command: it posts its own)."""
         (await http.post(f"{root}/rl/grant_capacity", json={"n": 1}, headers=admin)).raise_for_status()
-        s = (await http.post(f"{root}/rl/start_session", json={"task_id": str(data.get("id", "task"))},
-                             headers=admin)).json()
-        env = {**os.environ, "OPENAI_BASE_URL": f"{root}/v1", "OPENAI_API_KEY": s["api_key"],
+        r = await http.post(f"{root}/rl/start_session", headers=admin,
+                            json={"task_id": str(data.get("id", "task")), "greedy": greedy})
+        r.raise_for_status()
+        s = r.json()
+        session_auth = {"Authorization": f"Bearer {s['api_key']}"}
+        try:
+            if self.agent is not None:
+                reward = await asyncio.wait_for(self.agent(f"{root}/v1", s["api_key"], data), self.timeout_s)
+                if reward is not None:
+                    (await http.post(f"{root}/rl/set_reward", json={"reward": float(reward)},
+                                     headers=session_auth)).raise_for_status()
+                return s, reward
+            await self._run_command(root, s["api_key"], data)
+            return s, None
+        finally:
+            await http.post(f"{root}/rl/end_session", headers=session_auth)
+
+    async def _run_command(self, root: str, api_key: str, data: dict) -> None:
+        env = {**os.environ, "OPENAI_BASE_URL": f"{root}/v1", "OPENAI_API_KEY": api_key,
                "AREAL_PROXY_URL": root, "AREAL_TASK": json.dumps(data, default=str)}
         proc = await asyncio.create_subprocess_exec(*self.argv, env=env, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.STDOUT)
@@ -84,17 +135,38 @@ class ProxyAgentWorkflow(RolloutWorkflow):
             proc.kill()
             await proc.wait()
             raise RuntimeError(f"agent command {self.argv} ran past {self.timeout_s:.0f}s") from None
-        finally:
-            await http.post(f"{root}/rl/end_session", headers={"Authorization": f"Bearer {s['api_key']}"})
         if proc.returncode != 0:
             raise RuntimeError(f"agent command {self.argv} exited {proc.returncode}: "
                                f"{out.decode(errors='replace')[-2000:]}")
+
+    async def _episode(self, http: httpx.AsyncClient, root: str, admin: dict, data: dict) -> list[dict]:
+        s, reward = await self._session(http, root, admin, data)
         body = {"session_id": s["session_id"], "style": self.export_style}
         if self.turn_discount is not None:
             body["turn_discount"] = self.turn_discount
         r = await http.post(f"{root}/rl/export", json=body, headers=admin)
         r.raise_for_status()
-        return r.json()["rows"]
+        rows = r.json()["rows"]
+        if reward is not None:  # the episode's outcome on each of its rows, as the agent workflow does
+            for row in rows:
+                row["correct"] = correctness(reward)
+        return rows
+
+    async def eval_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any]:
+        """One greedy episode of the agent (or the command): ``{success, reward, tool_calls}``; the
+        reward is the agent's, or the sum of the rewards the command posted."""
+        server = self._ensure_proxy(engine)
+        root = f"http://{server.address}"
+        admin = {"Authorization": f"Bearer {server.proxy.admin_key}"}
+        async with httpx.AsyncClient(timeout=self.timeout_s + 60) as http:
+            s, reward = await self._session(http, root, admin, data, greedy=True)
+        client = server.proxy.take(s["session_id"])  # nothing of an evaluation is trained
+        calls = sum(len(it.output_message.get("tool_calls") or []) for it in client.cache) if client else 0
+        if reward is None:
+            reward = sum(it.reward or 0.0 for it in client.cache) if client else 0.0
+        ok = correctness(reward)
+        success = float(reward) >= self.success_threshold if ok is None else ok
+        return {"success": success, "reward": float(reward), "tool_calls": calls}
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Trajectory | None:
         server = self._ensure_proxy(engine)

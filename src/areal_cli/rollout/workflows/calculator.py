@@ -41,6 +41,14 @@ def calculate(expression: Any) -> str:
     return str(x + y if op == "+" else x - y if op == "-" else x * y)
 
 
+def expression_of(arguments: Any) -> Any:
+    """The ``expression`` argument of a call's JSON arguments (None when they are not a JSON object)."""
+    try:
+        return json.loads(arguments).get("expression") if isinstance(arguments, str) else arguments.get("expression")
+    except (ValueError, AttributeError):
+        return None
+
+
 def final_number(text: str | None) -> str | None:
     found = _NUMBER.findall(text or "")
     return found[-1] if found else None
@@ -64,28 +72,34 @@ class CalculatorAgent:
         self.max_tokens = max_tokens
         self.temperature = temperature
 
+    # the tool as the agent offers it, and as the warm start renders it (sft_example): an agent written
+    # with a framework that sends another schema for the same tool overrides it (calculator_frameworks.py)
+    tool: dict = CALCULATOR
+
     async def __call__(self, client: Any, data: dict) -> Reward:
         msgs = _messages(data)
         used_tool = False
         first_expr = None
         for _ in range(self.max_turns):
-            r = await client.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR],
+            r = await client.chat.completions.create(model="policy", messages=msgs, tools=[self.tool],
                                                      max_tokens=self.max_tokens, temperature=self.temperature)
             m = r.choices[0].message
             if not m.tool_calls:
-                # a data item's "answer" is the reference number (data/datasets.py build_items)
-                ok = used_tool and final_number(m.content) == str(data["answer"]).strip()
-                return Reward(1.0 if ok else self._partial(first_expr, data), ok)
+                return self.outcome(used_tool, m.content, first_expr, data)
             used_tool = True
             msgs.append(m.model_dump(exclude_none=True))
             for call in m.tool_calls:
-                try:
-                    expr = json.loads(call.function.arguments).get("expression")
-                except (ValueError, AttributeError):
-                    expr = None
+                expr = expression_of(call.function.arguments)
                 first_expr = expr if first_expr is None else first_expr
                 msgs.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expr)})
-        return Reward(self._partial(first_expr, data), False)  # never answered
+        return self.outcome(used_tool, None, first_expr, data)  # never answered
+
+    def outcome(self, used_tool: bool, answer: str | None, first_expr: Any, data: dict) -> Reward:
+        """The episode's reward: success (1) when the tool was called and ``answer`` (the final reply's
+        text; None: the episode never answered) ends in the right number, else :meth:`_partial`."""
+        # a data item's "answer" is the reference number (data/datasets.py build_items)
+        ok = used_tool and answer is not None and final_number(answer) == str(data["answer"]).strip()
+        return Reward(1.0 if ok else self._partial(first_expr, data), ok)
 
     def _partial(self, expr: Any, data: dict) -> float:
         """A failed episode's shaped reward: ``operand_credit`` for each operand of the first call's
@@ -116,7 +130,7 @@ class CalculatorAgent:
         plain, call, _head = self.sft_mix
         bucket = zlib.crc32(item["question"].encode()) % sum(self.sft_mix)
         msgs = _messages(item)
-        tools = None if bucket < plain else [CALCULATOR]
+        tools = None if bucket < plain else [self.tool]
         prompt = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = list(tokenizer.encode(prompt, add_special_tokens=False))
         if bucket < plain:
@@ -131,7 +145,7 @@ class CalculatorAgent:
         full = msgs + [{"role": "assistant", "content": None, "tool_calls": [tool_call]},
                        {"role": "tool", "tool_call_id": "call_0", "content": result},
                        {"role": "assistant", "content": f"The answer is {result}."}]
-        text = tokenizer.apply_chat_template(full, tools=[CALCULATOR], tokenize=False)
+        text = tokenizer.apply_chat_template(full, tools=[self.tool], tokenize=False)
         eos = tokenizer.eos_token or ""
         target = text[len(prompt):].rstrip()
         if eos and target.endswith(eos):  # make_sft_batch appends the end-of-turn token itself
