@@ -41,6 +41,7 @@ import aiohttp
 
 from areal_cli.api.inference_api import InferenceEngine
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
+from areal_cli.config.rollout import ROUTINGS
 from areal_cli.errors import InferenceError
 from areal_cli.inference.backends import get_backend
 from areal_cli.inference.backends.base import HttpCall, Segment
@@ -145,8 +146,8 @@ class RemoteInferenceEngine(InferenceEngine):
                  tp_sizes: list[int] | int = 1, lora_name: str | None = None):
         """``tp_sizes``: tensor-parallel size of each server (one int: all the same). Every TP rank of
         an SGLang server joins the weight-update group, so it sets the group's ranks and size."""
-        if routing not in ("least_loaded", "round_robin"):
-            raise InferenceError(f"routing must be least_loaded or round_robin, got {routing!r}")
+        if routing not in ROUTINGS:
+            raise InferenceError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         if not addresses:
             raise InferenceError("RemoteInferenceEngine needs at least one server address")
         self.backend_name = backend

@@ -108,7 +108,7 @@ def _init_wandb(run_dir: str, stats_cfg: StatsConfig, experiment: str, trial: st
                           "pip install 'areal-cli[wandb]' or set stats.wandb=false") from e
     mode = stats_cfg.wandb_mode
     if mode not in ("offline", "online", "disabled"):
-        raise ConfigError("stats.wandb_mode", f"unknown mode {mode!r}", "use offline or online")
+        raise ConfigError("stats.wandb_mode", f"unknown mode {mode!r}", "use offline, online or disabled")
     return wandb.init(project=stats_cfg.wandb_project, name=f"{experiment}/{trial}", dir=run_dir,
                       mode=mode, config=config or {}, resume="allow", id=f"{experiment}-{trial}")
 

@@ -1,7 +1,9 @@
 """The built-in agentic task learns: `areal train experiment=agent_calculator` (slow).
 
 `pytest -m slow tests/integration/rollout/test_agent_calculator.py`. The agent is ordinary openai.AsyncOpenAI
-code (areal_cli.rollout.workflows.calculator:CalculatorAgent) run through the in-process client; the
+code (areal_cli.rollout.workflows.calculator:CalculatorAgent) run through the in-process client, the same
+agent written for the OpenAI Agents SDK (in process) and for LangChain (through the proxy over HTTP,
+rollout/workflows/calculator_frameworks.py); the
 held-out success (one greedy episode per item, evaluated through the agent workflow) must rise by at
 least 20 points during the RL phase, i.e. over the SFT warm start (the gain is GRPO's, not the warm
 start's), and the tool-call rate must rise, in evaluation and in training. docs/agents.md records the
@@ -30,12 +32,21 @@ def _records(run_dir, kind):
     return out
 
 
-def test_agent_calculator_learns(tmp_path):
+# the same task, reward and warm start, with the agent written as plain openai code, as an OpenAI Agents
+# SDK agent (in process) and as a LangChain agent (through the proxy over HTTP)
+FRAMEWORKS = {"agent_calculator": None, "agent_calculator_agents_sdk": "agents",
+              "agent_calculator_langchain": "langchain_openai"}
+
+
+@pytest.mark.parametrize("experiment", list(FRAMEWORKS))
+def test_agent_calculator_learns(tmp_path, experiment):
+    if FRAMEWORKS[experiment]:
+        pytest.importorskip(FRAMEWORKS[experiment])
     t0 = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     seed = os.environ.get("AREAL_CALC_SEED")  # another seed of the same preset (docs/agents.md's runs)
     res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", f"cluster.fileroot={tmp_path}",
-                          "experiment=agent_calculator", *([f"seed={seed}"] if seed else [])],
+                          f"experiment={experiment}", *([f"seed={seed}"] if seed else [])],
                          capture_output=True, text=True, env=env, timeout=3500, check=False)
     wall = time.time() - t0
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
@@ -49,7 +60,7 @@ def test_agent_calculator_learns(tmp_path):
     se = math.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n)  # of the gain, as if the two were independent
     train = _records(run_dir, "train")
     rate = [r["agent/tool_call_rate"] for r in train]
-    print(f"\nagent_calculator (seed {seed or 'default'}): wall {wall:.0f}s, held-out success ({n:.0f} "
+    print(f"\n{experiment} (seed {seed or 'default'}): wall {wall:.0f}s, held-out success ({n:.0f} "
           f"items): base {base[0]['eval/pass@1']:.1%}, after the SFT warm start {p0:.1%}, after RL {p1:.1%} "
           f"(+{100 * (p1 - p0):.1f} ± {100 * se:.1f} points); eval tool-call rate "
           f"{before['eval/tool_call_rate']:.1%} -> {after['eval/tool_call_rate']:.1%}; training tool-call "
