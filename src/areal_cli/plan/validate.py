@@ -30,7 +30,7 @@ from areal_cli.plan.lora_rules import check_lora
 from areal_cli.plan.packages import check_packages
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.cluster import DEVICES
-from areal_cli.config.engine import DTYPES
+from areal_cli.config.engine import DTYPES, GRAD_REDUCE_MODES, RECOMPUTE_GRANULARITIES
 from areal_cli.config.rollout import ROUTINGS, WEIGHT_UPDATES, keep_sampling_mask_active
 from areal_cli.plan.distill import check_distill, teacher_size_ratio
 from areal_cli.plan.recipe import check_model_facts
@@ -51,6 +51,8 @@ CHOICES = {
     "cluster.device": DEVICES,
     "engine.dtype": DTYPES,
     "engine.attn_impl": attn_impl.ATTN_IMPLS,
+    "engine.grad_reduce": GRAD_REDUCE_MODES,
+    "engine.megatron.recompute_granularity": RECOMPUTE_GRANULARITIES,
     "launcher.name": lambda: _launcher_names(),  # the registry's, plugins' included
     "rollout.weight_update": WEIGHT_UPDATES,
     "rollout.routing": ROUTINGS,

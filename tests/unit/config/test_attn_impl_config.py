@@ -71,3 +71,13 @@ def test_megatron_flash_needs_transformer_engine(monkeypatch):
     assert "fp32" in e.reason and "engine.dtype=bfloat16" in e.hint
     plan = validate(load_config([*MEGATRON_GPU, "engine.attn_impl=flash_attention_2", "engine.dtype=bfloat16"]))
     assert not any("shared_prefix" in w for w in plan.warnings)  # megatron has no shared-prefix packing
+
+
+@pytest.mark.parametrize("engine,path,value,choices", [
+    ("fsdp", "engine.grad_reduce", "per_step", "per_micro_batch, last_micro_batch"),
+    ("megatron", "engine.megatron.recompute_granularity", "partial", "selective, full"),
+])
+def test_other_engine_choices_are_refused_by_validate_config(engine, path, value, choices):
+    """Checked before anything starts, not only when the engine is built."""
+    e = err(f"engine={engine}", f"{path}={value}")
+    assert e.path == path and f"unknown value '{value}'" in e.reason and choices in e.hint
