@@ -46,6 +46,8 @@ from areal_cli.errors import InferenceError
 from areal_cli.inference.backends import get_backend
 from areal_cli.inference.backends.base import HttpCall, Segment
 
+KEEPALIVE_S = 3.0  # below the servers' keep-alive (uvicorn's default 5 s; see _client)
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -243,8 +245,12 @@ class RemoteInferenceEngine(InferenceEngine):
         c = self._clients.get(key)
         if c is None or c.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            c = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=1024),
-                                      json_serialize=_dumps)
+            # Idle connections are dropped after KEEPALIVE_S, before the server drops them: SGLang and vLLM
+            # serve with uvicorn's 5 s keep-alive, and a request written to a connection the server is
+            # closing fails ("Can not write request body", "Server disconnected") and marks a healthy
+            # server unreachable.
+            c = aiohttp.ClientSession(headers=headers, json_serialize=_dumps, connector=aiohttp.TCPConnector(
+                limit=1024, keepalive_timeout=KEEPALIVE_S))
             self._clients[key] = c
             # Closed when its loop shuts down (asyncio.run and the executor's loop both finalise
             # async generators), so callers of short-lived loops need not call close().

@@ -133,10 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         args.port, device, model.dtype, model.config._attn_implementation, ctx, version)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                    timeout_graceful_shutdown=5, proxy_headers=False, **_fast_uvicorn())
+                    timeout_graceful_shutdown=5, proxy_headers=False, timeout_keep_alive=SERVER_KEEPALIVE_S,
+                    **_fast_uvicorn())
     finally:
         engine.shutdown()
     return 0
+
+
+# Idle connections stay open this long (uvicorn's default is 5 s): longer than any client's own idle
+# limit (aiohttp 15 s, httpx 5 s, ours 3 s), so a client never writes to a connection being closed.
+SERVER_KEEPALIVE_S = 75
 
 
 def _fast_uvicorn() -> dict:

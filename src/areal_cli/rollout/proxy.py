@@ -353,8 +353,10 @@ def serve_proxy(proxy: AgentProxy, host: str = "127.0.0.1", port: int = 0,
     from areal_cli.utils.network import find_free_port
 
     port = port or find_free_port(host)
+    # keep-alive beyond the agents' clients' own idle limits (httpx: 5 s, uvicorn's default too): a call
+    # sent on a connection the proxy is closing fails with a read error, and an episode with it
     server = uvicorn.Server(uvicorn.Config(proxy.build_app(), host=host, port=port, log_level="warning",
-                                           access_log=False, loop="asyncio"))
+                                           access_log=False, loop="asyncio", timeout_keep_alive=75))
     t = threading.Thread(target=server.run, name="areal-agent-proxy", daemon=True)
     t.start()
     deadline = time.monotonic() + timeout_s

@@ -707,6 +707,20 @@ def test_proxy_workflow_runs_an_in_process_agent_and_evaluates_it(proxy, tool_se
         assert not wf.server.proxy._sessions  # the evaluation's session was taken, not left to export
     finally:
         wf.close()
+
+    async def broken(base_url, api_key, data):
+        raise RuntimeError("the agent crashed")
+
+    bad = ProxyAgentWorkflow(tokenizer=tok, agent=broken)
+    try:  # an evaluation episode that fails counts as unsolved, and is counted
+        assert asyncio.run(bad.eval_episode(_engine(tool_server), {"id": "e3"})) == {
+            "success": False, "reward": 0.0, "tool_calls": 0}
+        assert bad.failed == 1
+        bad.on_error = "raise"
+        with pytest.raises(RuntimeError, match="crashed"):
+            asyncio.run(bad.eval_episode(_engine(tool_server), {"id": "e4"}))
+    finally:
+        bad.close()
     # a command is evaluated the same way, from the reward it posted
     here = str(SUPPORT)
     env_path = here + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -756,3 +770,27 @@ def test_framework_calculators_prompt_as_their_warm_start(proxy, tool_server, to
     lc_prompt = list(proxy.proxy.take(sid).cache)[0].input_ids
     assert lc_prompt == langchain_shaped_agent.sft_example(item, tok)["prompt_ids"]
     assert lc_prompt != sdk_prompt  # the two frameworks send the tool in different schemas
+
+
+def test_servers_keep_idle_connections_past_client_keepalives(proxy, tool_server):
+    """The hf server and the proxy keep an idle connection open longer than the clients in front of them
+    keep theirs (httpx 5 s, ours 3 s): a request on a kept-alive connection never meets a server that is
+    closing it (uvicorn's default of 5 s raced httpx's and dropped agent episodes with read errors)."""
+    import http.client
+    import time
+
+    from areal_cli.inference.client import KEEPALIVE_S
+
+    conns = {name: http.client.HTTPConnection(*addr.split(":"), timeout=30)
+             for name, addr in (("hf", tool_server.address), ("proxy", proxy.address))}
+    paths = {"hf": "/health", "proxy": "/v1/models"}
+    for name, c in conns.items():
+        c.request("GET", paths[name])
+        c.getresponse().read()
+    time.sleep(max(6.0, KEEPALIVE_S + 1))  # past uvicorn's default keep-alive
+    for name, c in conns.items():
+        c.request("GET", paths[name])  # the same socket: had the server closed it, no response comes back
+        r = c.getresponse()
+        r.read()
+        assert r.status in (200, 401), (name, r.status)  # the proxy answers 401 without a session key
+        c.close()

@@ -35,8 +35,8 @@ from areal_cli.errors import ConfigError
 from areal_cli.rollout.interaction_cache import rows_to_tensors
 from areal_cli.rollout.openai_client import ArealOpenAI
 from areal_cli.rewards.outcome import correctness
-from areal_cli.rollout.workflows.common import (check_group_and_reward, load_tokenizer, next_group_id,
-                                               pad_token_id)
+from areal_cli.rollout.workflows.common import (check_group_and_reward, eval_failed, load_tokenizer,
+                                               next_group_id, pad_token_id)
 
 if TYPE_CHECKING:
     from areal_cli.config.schema import ExperimentConfig
@@ -82,9 +82,15 @@ class AgentWorkflow(RolloutWorkflow):
         return client, await self.agent(client, data)
 
     async def eval_episode(self, engine: Any, data: dict[str, Any]) -> tuple[bool, float]:
-        """One greedy episode: ``(success, reward)``; the reward is the number the agent returned, or
-        the sum of the rewards it set."""
-        client, reward = await self._run(engine, data, greedy=True)
+        """One greedy episode: ``{success, reward, tool_calls}``; the reward is the number the agent
+        returned, or the sum of the rewards it set. An episode that raises counts as unsolved (and in
+        ``failed``); with ``on_error="raise"`` it ends the run."""
+        try:
+            client, reward = await self._run(engine, data, greedy=True)
+        except Exception as e:
+            if self.on_error == "raise":
+                raise
+            return eval_failed(self, e)
         if isinstance(reward, dict):
             reward = sum(float(v) for v in reward.values())
         elif reward is None:

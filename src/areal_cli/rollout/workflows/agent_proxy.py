@@ -23,7 +23,8 @@ slow to import (LangChain) pay once.
 
 Evaluation (``eval_episode``) runs the agent (or the command) once per held-out item in a greedy
 session: an item succeeds when the episode's reward reaches ``success_threshold`` (or, for a reward
-that states its correctness, when it is correct).
+that states its correctness, when it is correct); an episode that fails counts as unsolved
+(``on_error="raise"``: ends the run).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
 from areal_cli.rewards.outcome import correctness
 from areal_cli.rollout.interaction_cache import rows_to_tensors
-from areal_cli.rollout.workflows.common import (check_group_and_reward, load_tokenizer, next_group_id,
-                                               pad_token_id)
+from areal_cli.rollout.workflows.common import (check_group_and_reward, eval_failed, load_tokenizer,
+                                               next_group_id, pad_token_id)
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,13 @@ class ProxyAgentWorkflow(RolloutWorkflow):
         server = self._ensure_proxy(engine)
         root = f"http://{server.address}"
         admin = {"Authorization": f"Bearer {server.proxy.admin_key}"}
-        async with httpx.AsyncClient(timeout=self.timeout_s + 60) as http:
-            s, reward = await self._session(http, root, admin, data, greedy=True)
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s + 60) as http:
+                s, reward = await self._session(http, root, admin, data, greedy=True)
+        except Exception as e:
+            if self.on_error == "raise":
+                raise
+            return eval_failed(self, e)
         client = server.proxy.take(s["session_id"])  # nothing of an evaluation is trained
         calls = sum(len(it.output_message.get("tool_calls") or []) for it in client.cache) if client else 0
         if reward is None:
@@ -180,8 +186,8 @@ class ProxyAgentWorkflow(RolloutWorkflow):
             self.failed += len(errors)
             if self.on_error == "raise":
                 raise errors[0]
-            log.warning("%d of %d proxy agent episodes failed (%s); dropped", len(errors), len(res),
-                        errors[0])
+            log.warning("%d of %d proxy agent episodes failed (%s: %s); dropped", len(errors), len(res),
+                        type(errors[0]).__name__, errors[0])
         rows = [row for r in res if not isinstance(r, BaseException) for row in r]
         if not rows:
             return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -263,3 +264,13 @@ def pad_token_id(tokenizer: Any) -> int:
     if pid is None:
         pid = getattr(tokenizer, "eos_token_id", None)
     return int(pid) if pid is not None else 0
+
+
+def eval_failed(workflow: Any, error: BaseException) -> dict[str, Any]:
+    """An agent workflow's evaluation episode that raised: counted in ``workflow.failed``, logged, and
+    scored as unsolved (``eval_episode``'s result), so one broken episode neither ends the run nor
+    leaves its item out of ``eval/pass@1``'s denominator."""
+    workflow.failed += 1
+    logging.getLogger(__name__).warning("an evaluation episode failed (%s: %s); counted as unsolved",
+                                        type(error).__name__, error)
+    return {"success": False, "reward": 0.0, "tool_calls": 0}
