@@ -26,6 +26,7 @@ from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import generates, samples_per_prompt
 from areal_cli.algorithms.config_checks import validate_algo_config, validate_group_size
 from areal_cli.config.launcher import local_multi_node
+from areal_cli.config.model import is_vision_language
 from areal_cli.plan.lora_rules import check_lora
 from areal_cli.plan.packages import check_packages
 from areal_cli.config.ranges import check_ranges
@@ -603,6 +604,10 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
     if cfg.cluster.device == "cpu" and cfg.engine.dtype == "bfloat16" and _cpu_lacks_bf16():
         plan.warnings.append("engine.dtype=bfloat16 on a CPU without AMX or avx512_bf16: bf16 matmuls are "
                              "emulated here (measured 7x slower than fp32 on an AVX2 EPYC); float32 is faster")
+    if is_vision_language(cfg.model):
+        plan.warnings.append(f"model.vision: {cfg.model.name} is a vision-language model; the memory estimate "
+                             "counts its vision tower, but no engine, server or workflow takes images yet: `areal "
+                             "train` refuses it (docs/vision.md)")
     if cfg.algo.name == "sft" and plan.inferences:
         plan.warnings.append("algo=sft does not generate: the inference component is unused")
     if cfg.algo.name == "rm" and plan.inferences:
