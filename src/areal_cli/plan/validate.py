@@ -401,6 +401,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     check_ranges(cfg)  # every numeric knob of every group, against the range declared next to it
     _check_engine_sections(cfg)
     check_model_facts(cfg)  # before any rule reads the architecture (plan/recipe.py)
+    _check_vision_facts(cfg)
     _check_scalars(cfg)
     resolve_hardware(cfg)  # cluster.hardware names a profile of the cluster's device kind
     spec = _resolved_spec(cfg)
@@ -466,6 +467,21 @@ def validate(cfg: ExperimentConfig) -> Plan:
         raise auto_error
     check_packages(cfg, plan)  # last: a config mistake is named before a missing package (plan/packages.py)
     return plan
+
+
+def _check_vision_facts(cfg: ExperimentConfig) -> None:
+    """A vision tower (``model.vision.depth`` > 0) needs widths and heads the estimate can size."""
+    v = cfg.model.vision
+    if not is_vision_language(cfg.model):
+        return
+    for name in ("hidden_size", "intermediate_size", "num_heads"):
+        if getattr(v, name) < 1:
+            raise ConfigError(f"model.vision.{name}", f"is {getattr(v, name)}, but model.vision.depth={v.depth} "
+                              "describes a vision tower", f"set model.vision.{name} from the model's vision_config, "
+                              "or model.vision.depth=0 for a text-only model")
+    if v.hidden_size % v.num_heads:
+        raise ConfigError("model.vision.num_heads", f"{v.num_heads} heads do not divide model.vision.hidden_size="
+                          f"{v.hidden_size}", "set the vision_config's num_heads and hidden_size")
 
 
 def _resolve_decoupled_loss(cfg: ExperimentConfig, plan: Plan) -> None:

@@ -39,6 +39,19 @@ def test_text_models_have_no_tower():
     assert cfg.model.vision.depth == 0 and ModelFacts.from_config(cfg.model).vision == 0
 
 
+@pytest.mark.parametrize("override, where", [
+    ("model.vision.num_heads=0", "model.vision.num_heads"),
+    ("model.vision.num_heads=7", "model.vision.num_heads"),
+    ("model.vision.hidden_size=0", "model.vision.hidden_size"),
+])
+def test_an_unusable_tower_is_a_config_error(override, where):
+    from areal_cli.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(["model=qwen2_5_vl_3b", *GPU, override]))
+    assert str(e.value).startswith(where) and "\n" not in str(e.value)
+
+
 def test_areal_train_refuses_a_vision_model_before_fetching_it(monkeypatch):
     from areal_cli.cli import launch
     from areal_cli.cli.common import compose_and_validate
