@@ -106,7 +106,8 @@ def resolve_spec(spec: str | BuiltinModelSpec, overrides: dict[str, Any] | None 
         raise ConfigError("model.num_experts_per_tok", f"top-k {spec.num_experts_per_tok} is not in "
                           f"1..num_experts={spec.num_experts}",
                           "set model.num_experts_per_tok between 1 and model.num_experts")
-    if spec.family == "qwen2_5_vl" and (spec.vision_depth < 1 or spec.vision_num_heads < 1 or spec.vision_patch_size < 1
+    if spec.family == "qwen2_5_vl" and (spec.vision_depth < 1 or spec.vision_num_heads < 1
+                                        or spec.vision_patch_size < 1
                                         or spec.vision_hidden_size % spec.vision_num_heads):
         raise ConfigError("model.vision.depth", f"vision tower depth={spec.vision_depth}, heads="
                           f"{spec.vision_num_heads}, hidden_size={spec.vision_hidden_size}, patch_size="
@@ -211,7 +212,7 @@ def overrides_from_model_config(model_cfg: ModelConfig) -> dict[str, Any]:
                    moe_intermediate_size=int(model_cfg.moe_intermediate_size))
     vision = getattr(model_cfg, "vision", None)
     if vision is not None and int(vision.depth) > 0:
-        out.update(family="qwen2_5_vl", task="count_shapes", vision_depth=int(vision.depth), vision_hidden_size=int(vision.hidden_size),
-                   vision_intermediate_size=int(vision.intermediate_size), vision_num_heads=int(vision.num_heads),
-                   vision_patch_size=int(vision.patch_size))
+        out.update(family="qwen2_5_vl", task="count_shapes", vision_depth=int(vision.depth),
+                   vision_hidden_size=int(vision.hidden_size), vision_intermediate_size=int(vision.intermediate_size),
+                   vision_num_heads=int(vision.num_heads), vision_patch_size=int(vision.patch_size))
     return out

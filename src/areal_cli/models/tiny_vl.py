@@ -111,7 +111,7 @@ def make_tiny_vl_model(out_dir: str | os.PathLike, corpus: Iterable[str], *, see
                        vocab_size: int = 400, max_pixels: int = 128 * 128, **config_kwargs) -> str:
     """Write a seeded random tiny Qwen2.5-VL, its tokenizer, image processor and chat template to ``out_dir``.
 
-    ``corpus`` trains the BPE (``vocab_size`` target, before the special tokens); ``config_kwargs`` go to
+    ``corpus`` trains the BPE (``vocab_size``: the whole vocabulary, vision tokens included); ``config_kwargs`` go to
     :func:`tiny_qwen2_5_vl_config` (its ``patch_size``/``spatial_merge_size``/``temporal_patch_size`` also
     configure the image processor)."""
     import torch
@@ -121,7 +121,7 @@ def make_tiny_vl_model(out_dir: str | os.PathLike, corpus: Iterable[str], *, see
     transformers.utils.logging.disable_progress_bar()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(out, corpus, vocab_size=vocab_size,
+    train_tokenizer(out, corpus, vocab_size=vocab_size - len(VISION_TOKENS),
                     model_max_length=config_kwargs.get("max_position_embeddings", 512))
     tok = AutoTokenizer.from_pretrained(str(out))
     add_vision_tokens(tok)

@@ -88,6 +88,7 @@ def test_config_matches_the_preset_and_the_estimate(vl_dir):
     visual = sum(p.numel() for p in model.model.visual.parameters())
     assert vision_tower_params(cfg.model.vision, cfg.model.hidden_size) == visual
     assert ModelFacts.from_config(cfg.model).vision == visual
+    assert model.config.text_config.vocab_size <= cfg.model.vocab_size  # the preset's bound holds
     total = sum(p.numel() for p in model.parameters())
     assert total < 1_000_000  # a CPU toy: ~0.75M
 
