@@ -30,10 +30,11 @@ class ModelFacts:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     experts_per_tok: int = 0
+    vision: int = 0  # parameters of the vision tower and merger (vision-language models; config/model.py)
 
     @classmethod
     def from_config(cls, m) -> ModelFacts:
-        from areal_cli.config.model import lora_target_modules
+        from areal_cli.config.model import lora_target_modules, vision_tower_params
 
         hd = m.head_dim or (m.hidden_size // max(1, m.num_attention_heads))
         lora = getattr(m, "lora", None)
@@ -42,7 +43,8 @@ class ModelFacts:
         return cls(m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers, m.hidden_size,
                    hd, m.intermediate_size, m.vocab_size, m.num_experts,
                    m.moe_intermediate_size or m.intermediate_size, m.tie_word_embeddings, rank, targets,
-                   m.num_experts_per_tok)
+                   m.num_experts_per_tok,
+                   vision_tower_params(m.vision, m.hidden_size) if getattr(m, "vision", None) is not None else 0)
 
     def attn_params(self) -> int:
         q = self.heads * self.head_dim
@@ -56,21 +58,23 @@ class ModelFacts:
         return self.layers * self.experts * 3 * self.hidden * self.moe_intermediate
 
     def dense_params(self) -> int:
-        """Everything that is not an expert: attention, dense MLP or router, norms, embeddings."""
+        """Everything that is not an expert: attention, dense MLP or router, norms, embeddings, and the vision
+        tower (held, trained and sharded like the rest)."""
         mlp = self.hidden * self.experts if self.experts > 0 else 3 * self.hidden * self.intermediate
         per_layer = self.attn_params() + mlp + 2 * self.hidden
         emb = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * per_layer + emb + self.hidden
+        return self.layers * per_layer + emb + self.hidden + self.vision
 
     def total_params(self) -> int:
         return self.dense_params() + self.expert_params()
 
     def active_params(self) -> int:
-        """Parameters one token passes through: every dense one, and top-k of the experts (MoE)."""
+        """Parameters one text token passes through: every dense one but the vision tower's (it runs once per
+        image patch, not per token), and top-k of the experts (MoE)."""
         if self.experts <= 0:
-            return self.total_params()
+            return self.total_params() - self.vision
         k = self.experts_per_tok or 1
-        return self.dense_params() + self.expert_params() * k // self.experts
+        return self.dense_params() - self.vision + self.expert_params() * k // self.experts
 
     def kv_bytes_per_token(self, pb: int, tp: int = 1, pp: int = 1) -> float:
         """KV cache of one token on one device of a t×p server (KV heads replicate when t exceeds them)."""

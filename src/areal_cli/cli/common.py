@@ -35,6 +35,13 @@ def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_m
         cfg = load_config(prepared=prep)
         if fetch_model:
             from areal_cli.cli.launch import fetch_hub_model
+            from areal_cli.config.model import is_vision_language
+
+            if is_vision_language(cfg.model):  # before a download: nothing could run the model it fetched
+                raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and no engine, "
+                                  "server or workflow takes images yet (docs/vision.md)",
+                                  "train a text model; `areal validate-config` and `areal train --dry-run` still "
+                                  "plan this one")
 
             if fetch_hub_model(cfg):  # the snapshot's config.json now supplies the facts, and the recipe
                 prep = prepare(list(overrides))

@@ -37,6 +37,45 @@ class LoRAConfig:
 
 
 @dataclass
+class VisionTowerConfig:
+    """``model.vision``: the vision encoder of a vision-language model (Qwen2.5-VL's ViT and patch merger).
+
+    ``depth`` 0 is a text-only model. The facts size the memory estimate (allocation/estimate.py); nothing
+    trains or serves images yet (docs/vision.md)."""
+
+    depth: int = ranged(0, ge=0, why="0 is a text-only model")
+    hidden_size: int = ranged(0, ge=0)
+    intermediate_size: int = ranged(0, ge=0)
+    num_heads: int = ranged(0, ge=0)
+    patch_size: int = ranged(14, ge=1)
+    temporal_patch_size: int = ranged(2, ge=1)
+    spatial_merge_size: int = ranged(2, ge=1)
+    in_channels: int = ranged(3, ge=1)
+    # the merger's output width: the language model's hidden_size (0 means that)
+    out_hidden_size: int = ranged(0, ge=0, why="0 is the language model's hidden_size")
+
+
+def is_vision_language(m) -> bool:
+    """True when the ``model`` section describes a vision-language model (it has a vision tower)."""
+    vision = getattr(m, "vision", None)
+    return vision is not None and int(vision.depth) > 0
+
+
+def vision_tower_params(v: VisionTowerConfig, lm_hidden: int) -> int:
+    """Parameters of a Qwen2.5-VL vision tower: a bias-free Conv3d patch embed, ``depth`` blocks (2 RMSNorms,
+    fused qkv and proj with biases, a SwiGLU MLP with biases) and the merger (RMSNorm, two Linears with biases
+    over ``spatial_merge_size**2`` concatenated patches). 0 without a tower."""
+    if v.depth <= 0:
+        return 0
+    h, i = v.hidden_size, v.intermediate_size
+    embed = v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * h
+    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 3 * h * i + 2 * i + h
+    cat, out = h * v.spatial_merge_size ** 2, v.out_hidden_size or lm_hidden
+    merger = h + cat * cat + cat + cat * out + out
+    return embed + v.depth * block + merger
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     path: str = "builtin:tiny"
@@ -56,6 +95,7 @@ class ModelConfig:
     max_position_embeddings: int = ranged(1024, ge=1)
     tie_word_embeddings: bool = True
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    vision: VisionTowerConfig = field(default_factory=VisionTowerConfig)
 
 
 # Facts read from a local model dir's config.json: ModelConfig field -> config.json keys, first wins.
@@ -73,6 +113,34 @@ HF_FACTS = {
     "max_position_embeddings": ("max_position_embeddings", "n_positions"),
     "tie_word_embeddings": ("tie_word_embeddings",),
 }
+
+# Facts of a Qwen2.5-VL dir's ``vision_config``: VisionTowerConfig field -> keys, first wins. Read only for
+# model_type qwen2_5_vl: Qwen2-VL's vision_config uses the same names for other things (its hidden_size is the
+# merger's output), so its tower would be mis-sized.
+VISION_FACTS = {
+    "depth": ("depth",),
+    "hidden_size": ("hidden_size",),
+    "intermediate_size": ("intermediate_size",),
+    "num_heads": ("num_heads",),
+    "patch_size": ("patch_size", "spatial_patch_size"),
+    "temporal_patch_size": ("temporal_patch_size",),
+    "spatial_merge_size": ("spatial_merge_size",),
+    "in_channels": ("in_channels", "in_chans"),
+    "out_hidden_size": ("out_hidden_size",),
+}
+
+
+def vision_facts(config_json: dict) -> dict[str, int]:
+    """``model.vision`` facts from a HF ``config.json`` dict (empty for a text-only or unsupported model)."""
+    v = config_json.get("vision_config")
+    if config_json.get("model_type") != "qwen2_5_vl" or not isinstance(v, dict):
+        return {}
+    out = {}
+    for fld, keys in VISION_FACTS.items():
+        val = next((v[k] for k in keys if isinstance(v.get(k), int) and not isinstance(v.get(k), bool)), None)
+        if val is not None:
+            out[fld] = int(val)
+    return out
 
 
 _KNOWN_MODULES = frozenset(LORA_PRESETS["all"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from areal_cli.data import builtin
+from areal_cli.data import builtin, builtin_vision
 from areal_cli.data.sources import Columns, Source, check_source, parse_source, peek_columns
 from areal_cli.errors import ConfigError, did_you_mean
 
@@ -39,6 +39,10 @@ def check_builtin(key: str, path: str) -> bool:
     task = builtin.parse_builtin_path(path)
     if task is None:
         return False
+    if task in builtin_vision.VISION_TASKS:
+        raise ConfigError(f"dataset.{key}", f"builtin:{task} is a visual task, and no engine or workflow takes "
+                          "images yet (docs/vision.md)", "use a text task: "
+                          f"{', '.join('builtin:' + t for t in builtin.task_names())}")
     if task not in builtin.TASKS:
         raise ConfigError(f"dataset.{key}", f"unknown built-in task {task!r}",
                           f"{did_you_mean(task, builtin.TASKS)}use one of: "

@@ -420,9 +420,16 @@ def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None
     except (OSError, ValueError) as exc:
         raise ConfigError("model.path", f"cannot read {cfg_file}: {exc}",
                           "fix or regenerate the model's config.json") from None
+    from areal_cli.config.model import vision_facts
+
+    explicit = explicit_keys or set()
+    for fld, v in vision_facts(data).items():
+        if f"model.vision.{fld}" not in explicit:
+            setattr(cfg.model.vision, fld, v)
+    if "vision_config" not in data and "model.vision.depth" not in explicit:
+        cfg.model.vision.depth = 0  # a text-only dir under a vision preset: the dir's facts win
     if isinstance(data.get("text_config"), dict):  # multimodal wrappers keep the LM facts here
         data = {**data, **data["text_config"]}
-    explicit = explicit_keys or set()
     for fld, keys in HF_FACTS.items():
         if f"model.{fld}" in explicit:
             continue

@@ -49,7 +49,7 @@ def _local_model_params(path: str) -> int | None:
     import json
 
     from areal_cli.allocation.estimate import ModelFacts
-    from areal_cli.config.model import HF_FACTS, ModelConfig
+    from areal_cli.config.model import HF_FACTS, ModelConfig, vision_facts
     from areal_cli.models.hub import cached_config, is_hub_id
 
     local = cached_config(path) if is_hub_id(path) else os.path.expanduser(path)  # a fetched hub model too
@@ -61,9 +61,11 @@ def _local_model_params(path: str) -> int | None:
             data = json.load(fh)
     except (OSError, ValueError):
         return None
+    m = ModelConfig()
+    for fld, v in vision_facts(data).items():
+        setattr(m.vision, fld, v)
     if isinstance(data.get("text_config"), dict):
         data = {**data, **data["text_config"]}
-    m = ModelConfig()
     for fld, keys in HF_FACTS.items():
         v = next((data[k] for k in keys if isinstance(data.get(k), (int, float, bool))), None)
         if v is not None:

@@ -26,6 +26,7 @@ from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import generates, samples_per_prompt
 from areal_cli.algorithms.config_checks import validate_algo_config, validate_group_size
 from areal_cli.config.launcher import local_multi_node
+from areal_cli.config.model import is_vision_language
 from areal_cli.plan.lora_rules import check_lora
 from areal_cli.plan.packages import check_packages
 from areal_cli.config.ranges import check_ranges
@@ -402,6 +403,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     check_ranges(cfg)  # every numeric knob of every group, against the range declared next to it
     _check_engine_sections(cfg)
     check_model_facts(cfg)  # before any rule reads the architecture (plan/recipe.py)
+    _check_vision_facts(cfg)
     _check_scalars(cfg)
     resolve_hardware(cfg)  # cluster.hardware names a profile of the cluster's device kind
     spec = _resolved_spec(cfg)
@@ -467,6 +469,21 @@ def validate(cfg: ExperimentConfig) -> Plan:
         raise auto_error
     check_packages(cfg, plan)  # last: a config mistake is named before a missing package (plan/packages.py)
     return plan
+
+
+def _check_vision_facts(cfg: ExperimentConfig) -> None:
+    """A vision tower (``model.vision.depth`` > 0) needs widths and heads the estimate can size."""
+    v = cfg.model.vision
+    if not is_vision_language(cfg.model):
+        return
+    for name in ("hidden_size", "intermediate_size", "num_heads"):
+        if getattr(v, name) < 1:
+            raise ConfigError(f"model.vision.{name}", f"is {getattr(v, name)}, but model.vision.depth={v.depth} "
+                              "describes a vision tower", f"set model.vision.{name} from the model's vision_config, "
+                              "or model.vision.depth=0 for a text-only model")
+    if v.hidden_size % v.num_heads:
+        raise ConfigError("model.vision.num_heads", f"{v.num_heads} heads do not divide model.vision.hidden_size="
+                          f"{v.hidden_size}", "set the vision_config's num_heads and hidden_size")
 
 
 def _resolve_decoupled_loss(cfg: ExperimentConfig, plan: Plan) -> None:
@@ -605,6 +622,10 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
     if cfg.cluster.device == "cpu" and cfg.engine.dtype == "bfloat16" and _cpu_lacks_bf16():
         plan.warnings.append("engine.dtype=bfloat16 on a CPU without AMX or avx512_bf16: bf16 matmuls are "
                              "emulated here (measured 7x slower than fp32 on an AVX2 EPYC); float32 is faster")
+    if is_vision_language(cfg.model):
+        plan.warnings.append(f"model.vision: {cfg.model.name} is a vision-language model; the memory estimate "
+                             "counts its vision tower, but no engine, server or workflow takes images yet: `areal "
+                             "train` refuses it (docs/vision.md)")
     if cfg.algo.name == "sft" and plan.inferences:
         plan.warnings.append("algo=sft does not generate: the inference component is unused")
     if cfg.algo.name == "rm" and plan.inferences:

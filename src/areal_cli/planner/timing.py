@@ -129,7 +129,8 @@ def decode_costs(f: ModelFacts, hw: HardwareProfile, tp: int, batch: int, ctx: f
     another, so p divides memory but not time."""
     experts_read = 1.0 if f.experts <= 0 else min(1.0, batch * max(1, f.experts_per_tok) / f.experts)
     bw = mem_rate(hw) * hw.decode_bw_eff
-    w_s = (f.dense_params() + f.expert_params() * experts_read) * pb / tp / bw
+    # a decode step reads the language model only: the vision tower ran once, at prefill
+    w_s = (f.dense_params() - f.vision + f.expert_params() * experts_read) * pb / tp / bw
     comm_s = 2 * f.layers * hw.collective_s if tp > 1 else 0.0
     kv_s = ctx * f.kv_bytes_per_token(pb, tp, 1) / bw
     comp_s = 2.0 * f.active_params() / tp / (flops_rate(hw) * hw.prefill_mfu)

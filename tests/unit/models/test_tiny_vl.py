@@ -1,0 +1,118 @@
+"""The built-in tiny Qwen2.5-VL: built here, loads offline with transformers' own classes, renders image
+content parts, runs a forward and generate on an image, is seeded, and matches its ``model=tiny_vl`` preset."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from areal_cli.data import builtin_vision as bv  # noqa: E402
+from areal_cli.data.builtin_model import BUILTIN_SPECS, ensure_builtin_model, resolve_spec  # noqa: E402
+from areal_cli.models.tiny_vl import VL_CHAT_TEMPLATE, load_vl_processor, make_tiny_vl_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory) -> str:
+    return ensure_builtin_model(tmp_path_factory.mktemp("fileroot"), "tiny_vl")
+
+
+def _image(seed: int):
+    from PIL import Image
+
+    row = bv.generate_splits("count_shapes", 1, 1, seed=seed)[0][0]
+    return Image.open(io.BytesIO(row["image"])).convert("RGB"), row["question"]
+
+
+def _chat(question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+
+def test_loads_offline_renders_images_and_runs(vl_dir):
+    from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    try:  # transformers builds a Qwen2-VL processor only with a video processor, which needs torchvision
+        AutoProcessor.from_pretrained(vl_dir)
+    except ImportError as e:
+        assert "torchvision" in str(e).lower()
+    proc = load_vl_processor(vl_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir).eval()
+    assert type(AutoModelForImageTextToText.from_pretrained(vl_dir)) is Qwen2_5_VLForConditionalGeneration
+    tok = proc.tokenizer
+    img, question = _image(0)
+
+    prompt = proc.apply_chat_template(_chat(question), add_generation_prompt=True, tokenize=False)
+    assert prompt == (f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                   tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    batch = proc(images=[img], text=[prompt], return_tensors="pt")
+    # 64x64 px: 8x8 patches of 8 px, merged 2x2 into 16 image tokens
+    assert batch["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert tuple(batch["pixel_values"].shape) == (64, 3 * 2 * 8 * 8)
+    ids = batch["input_ids"][0].tolist()
+    assert ids.count(model.config.image_token_id) == 16
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+
+    with torch.no_grad():
+        logits = model(**batch).logits
+        assert tuple(logits.shape) == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
+        # the picture reaches the logits: another image under the same text changes them
+        other = proc(images=[_image(1)[0]], text=[prompt], return_tensors="pt")
+        assert other["input_ids"].tolist() == batch["input_ids"].tolist()
+        assert not torch.allclose(model(**other).logits, logits)
+        out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    assert out.shape[0] == 1 and len(ids) < out.shape[1] <= len(ids) + 4
+    assert out[0, :len(ids)].tolist() == ids
+
+
+def test_config_matches_the_preset_and_the_estimate(vl_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from areal_cli.allocation.estimate import ModelFacts
+    from areal_cli.config.model import vision_tower_params
+    from areal_cli.data.builtin_model import builtin_model_dir, overrides_from_model_config
+    from areal_cli.plan.compose import load_config
+
+    cfg = load_config(["model=tiny_vl"])
+    assert cfg.model.path == "builtin:tiny_vl" and cfg.model.vision.depth == 2
+    # the preset's facts build the same cached model as the spec (no second build under another name)
+    assert resolve_spec("tiny_vl", overrides_from_model_config(cfg.model)) == BUILTIN_SPECS["tiny_vl"]
+    assert Path(vl_dir) == builtin_model_dir(Path(vl_dir).parent.parent, "tiny_vl")
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir)
+    visual = sum(p.numel() for p in model.model.visual.parameters())
+    assert vision_tower_params(cfg.model.vision, cfg.model.hidden_size) == visual
+    assert ModelFacts.from_config(cfg.model).vision == visual
+    assert model.config.text_config.vocab_size <= cfg.model.vocab_size  # the preset's bound holds
+    total = sum(p.numel() for p in model.parameters())
+    assert total < 1_000_000  # a CPU toy: ~0.75M
+
+    saved = json.loads((Path(vl_dir) / "config.json").read_text())
+    assert saved["model_type"] == "qwen2_5_vl"
+    assert saved["text_config"]["rope_parameters"]["mrope_section"] == [4, 6, 6]  # sums to head_dim/2 = 16
+    assert saved["vision_config"]["out_hidden_size"] == cfg.model.hidden_size
+    # a local dir's config.json supplies the vision facts as a preset does
+    local = load_config([f"model.path={vl_dir}"])
+    assert local.model.vision.depth == 2 and local.model.vision.patch_size == 8
+    assert ModelFacts.from_config(local.model).vision == visual
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    corpus = bv.corpus("count_shapes", n=50)
+    small = dict(hidden_size=32, num_heads=2, num_kv_heads=1, vision_hidden_size=32, vision_num_heads=2,
+                 vision_intermediate_size=32)
+    dirs = [make_tiny_vl_model(tmp_path / f"m{i}", corpus, seed=s, **small) for i, s in enumerate((0, 0, 1))]
+    w = [load_file(str(Path(d) / "model.safetensors")) for d in dirs]
+    assert w[0].keys() == w[1].keys() == w[2].keys()
+    assert any(k.startswith("visual.blocks.") for k in w[0])  # the hub checkpoint layout (visual.*, model.*)
+    assert all(torch.equal(w[0][k], w[1][k]) for k in w[0])
+    assert not all(torch.equal(w[0][k], w[2][k]) for k in w[0])
+    assert (Path(dirs[0]) / "tokenizer.json").read_bytes() == (Path(dirs[1]) / "tokenizer.json").read_bytes()
+    assert (Path(dirs[0]) / "chat_template.jinja").read_text() == VL_CHAT_TEMPLATE
