@@ -81,10 +81,15 @@ def check_rm_export(cfg: ExperimentConfig) -> None:
     head), and its tokenizer is the policy's (when both are already on disk)."""
     if not rm_on(cfg) or not generates(cfg.algo.name):
         return
+    from areal_cli.models.hub import is_hub_id
     from areal_cli.models.teacher import resolve_teacher_path
 
-    rm_dir = resolve_teacher_path(cfg.workflow.reward_model.path, fetch=False, key=f"{KEY}.path",
-                                  role="reward model")
+    path = cfg.workflow.reward_model.path
+    if not path.startswith("builtin:") and not is_hub_id(path) and not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"{KEY}.path", f"{path} does not exist (yet)",
+                          "train the reward model first (`areal train algo=rm ...`, examples/reward_model) and "
+                          "point this at its <run dir>/checkpoints/final")
+    rm_dir = resolve_teacher_path(path, fetch=False, key=f"{KEY}.path", role="reward model")
     if os.path.isdir(rm_dir):
         check_export_dir(rm_dir)
         from areal_cli.plan.distill import _student_dir
@@ -110,18 +115,23 @@ def check_rm_tokenizer(policy_dir: str, rm_dir: str) -> None:
 
 
 def check_reward_model(cfg: ExperimentConfig, spec: Any) -> None:
-    """Every rule of ``workflow.reward_model`` (validate-config calls this)."""
+    """The rules of ``workflow.reward_model`` validate-config checks once the plan is placed (it checks
+    :func:`check_rm_placement` first, before the rules of each component)."""
     check_rm_knobs(cfg)
     check_rm_placement(cfg, spec)
     check_rm_export(cfg)
 
 
-def rm_note(cfg: ExperimentConfig, ratio: float) -> str | None:
+def rm_note(cfg: ExperimentConfig, ratio: float, actor_weights_gb: float | None = None) -> str | None:
+    """The plan's line on the reward model: where it runs, what it adds to a trainer rank, the reward trained on."""
     if not rm_on(cfg) or not generates(cfg.algo.name):
         return None
     r = cfg.workflow.reward_model
     how = {"rm_only": f"{r.weight:g} × score", "sum": f"{r.rule_weight:g} × rule + {r.weight:g} × score",
            "gate": f"{r.rule_weight:g} × rule + {r.weight:g} × score where the rule passes"}.get(r.combine, r.combine)
-    return (f"{KEY}: {r.path} scores every completion in the trainer (a forward-only copy colocated with the "
-            f"actor, {ratio:.2g}× the policy's weights counted in each trainer rank's memory estimate); reward = "
-            f"{how}; held-out eval stays {cfg.workflow.reward}")
+    size = (f"+{ratio * actor_weights_gb:.2f} GB of frozen weights per device ({ratio:.2g}× the actor's)"
+            if actor_weights_gb is not None else f"{ratio:.2g}× the actor's weights")
+    return (f"{KEY}: {r.path} scores every completion in the trainer, a forward-only copy colocated with the "
+            f"actor ({size}, counted by `areal plan` and the auto micro-batch); reward = {how}"
+            f"{' (batch-normalised score)' if r.normalize == 'batch' else ''}; the held-out eval stays "
+            f"workflow.reward={cfg.workflow.reward}")

@@ -33,7 +33,7 @@ from areal_cli.config.cluster import DEVICES
 from areal_cli.config.engine import DTYPES
 from areal_cli.config.rollout import ROUTINGS, WEIGHT_UPDATES, keep_sampling_mask_active
 from areal_cli.plan.distill import check_distill, teacher_size_ratio
-from areal_cli.plan.reward_model import check_reward_model, rm_note, rm_size_ratio
+from areal_cli.plan.reward_model import check_reward_model, check_rm_placement, rm_note, rm_size_ratio
 from areal_cli.plan.recipe import check_model_facts
 from areal_cli.inference.push_mode import disk_only
 from areal_cli.config.schema import ExperimentConfig
@@ -415,6 +415,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     resolve_hardware(cfg)  # cluster.hardware names a profile of the cluster's device kind
     spec = _resolved_spec(cfg)
     _check_reward_model(cfg, spec)
+    check_rm_placement(cfg, spec)  # before the per-component rules: a component for it is the first mistake
     if cfg.workflow.reward == "judge" and generates(cfg.algo.name):
         check_judge_config(cfg.workflow.judge, workflow=cfg.workflow.name,
                            inference_names=[c.name for c in spec.inference])
@@ -472,8 +473,8 @@ def validate(cfg: ExperimentConfig) -> Plan:
     validate_algo_config(cfg.algo)
     validate_group_size(cfg.algo, cfg.rollout.group_size)
     check_distill(cfg, plan)  # the teacher: its path, engine and tokenizer (plan/distill.py)
-    check_reward_model(cfg, spec)  # workflow.reward_model: knobs, placement, export, tokenizer
-    note = rm_note(cfg, rm_size_ratio(cfg))
+    check_reward_model(cfg, spec)  # workflow.reward_model: knobs, export, tokenizer (plan/reward_model.py)
+    note = rm_note(cfg, rm_size_ratio(cfg), plan.train.memory.weights_gb if plan.train.memory else None)
     if note:
         plan.notes.append(note)
     if auto_error is not None:
