@@ -150,7 +150,7 @@ def build_reward_model(cfg: ExperimentConfig, layout: JobLayout, model_path: str
     from areal_cli.engines import get_engine_cls
     from areal_cli.models.teacher import resolve_teacher_path
     from areal_cli.plan.reward_model import KEY, check_export_dir, check_rm_tokenizer
-    from areal_cli.trainer.rm import read_token_id
+    from areal_cli.algorithms.reward_model import read_token_id
 
     rm_dir = resolve_teacher_path(r.path, key=f"{KEY}.path", role="reward model")
     check_export_dir(rm_dir)
