@@ -34,6 +34,13 @@ COEF_KEY = "rm_coef"  # per row [B]: ∂(mean pair loss)/∂reward, the surrogat
 SHARE_KEY = "rm_share"  # per row [B]: 1 / (2 · pairs in the step), so a step's weights sum to 1
 
 
+def read_token_id(tokenizer: Any) -> int:
+    """The token appended to every side (its value is the sequence's reward): the pad token, else eos. Its id
+    never changes the reward: causal attention keeps it out of the text."""
+    tid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(tid if tid is not None else 0)
+
+
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean ``-log σ(r_chosen - r_rejected)`` over the pairs, with stats: ``accuracy`` (share of pairs
     with ``r_chosen > r_rejected``; a tie counts as wrong), ``margin`` (mean ``r_chosen - r_rejected``),

@@ -168,12 +168,14 @@ def train_memory(f: ModelFacts, sharding, par, ffn_tp: int, dtype: str, mb_token
 
 
 def companion_states(m: TrainMemory, *, reference: bool, critic: bool,
-                     teacher: float = 0.0) -> tuple[float, float, float]:
+                     teacher: float = 0.0, reward_model: float = 0.0) -> tuple[float, float, float]:
     """GB of (weights, gradients, optimizer states) that live in the actor's process beside ``m``: a frozen KL
     reference (weights only), a frozen distillation teacher (weights only, ``teacher`` times the actor's: its
-    size ratio, plan/distill.py) and a critic (all three, the actor's shape). Auto-sizing and ``areal plan``
-    both count them, so a micro-batch chosen to fit fits with them."""
+    size ratio, plan/distill.py), a frozen reward model scoring samples (weights only, ``reward_model`` times
+    the actor's, plan/reward_model.py) and a critic (all three, the actor's shape). Auto-sizing and
+    ``areal plan`` both count them, so a micro-batch chosen to fit fits with them."""
     w = (m.weights_gb if reference else 0.0) + (m.weights_gb if critic else 0.0) + m.weights_gb * teacher
+    w += m.weights_gb * reward_model
     return w, m.grads_gb if critic else 0.0, m.optim_gb if critic else 0.0
 
 

@@ -153,6 +153,26 @@ def check_teacher(cfg: ExperimentConfig, *, fetch: bool) -> None:
         check_teacher_tokenizer(student, teacher)
 
 
+def check_reward_model_dir(cfg: ExperimentConfig, *, fetch: bool) -> None:
+    """``workflow.reward_model`` must be a reward-model export that reads the policy's tokens: checked here,
+    once the policy's dir is resolved, before any server starts (the trainer checks again)."""
+    from areal_cli.config.algo import generates
+
+    r = cfg.workflow.reward_model
+    if not r.enabled or not generates(cfg.algo.name):
+        return
+    from areal_cli.models.teacher import resolve_teacher_path
+    from areal_cli.plan.reward_model import KEY, check_export_dir, check_rm_tokenizer
+    from areal_cli.trainer.build import resolve_model_path
+
+    rm_dir = resolve_teacher_path(r.path, fetch=fetch, key=f"{KEY}.path", role="reward model")
+    policy = resolve_model_path(cfg, fetch=fetch)
+    if os.path.isdir(rm_dir):
+        check_export_dir(rm_dir)
+        if os.path.isdir(policy):
+            check_rm_tokenizer(policy, rm_dir)
+
+
 def run_train(cfg: ExperimentConfig, plan: Any | None = None, *, live: bool | None = None,
               overrides: list[str] | None = None, choice: Any | None = None) -> int:
     """Launch and supervise one experiment. Returns the exit code (0 success, 130 Ctrl-C).
@@ -178,6 +198,7 @@ def run_train(cfg: ExperimentConfig, plan: Any | None = None, *, live: bool | No
         launcher.preflight(cfg, layout)  # missing cluster tools fail here, before any preparation
         check_dataset_files(cfg)
         check_teacher(cfg, fetch=not getattr(launcher, "fetches_model_on_nodes", False))
+        check_reward_model_dir(cfg, fetch=not getattr(launcher, "fetches_model_on_nodes", False))
         check_storage(cfg, run_dir)
     except BaseException:
         choice.release()  # nothing ran: no empty run dir stays behind

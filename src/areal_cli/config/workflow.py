@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from areal_cli.config.ranges import ranged
 from typing import Any
 
+# The closed value sets of workflow.reward_model's string fields (plan/reward_model.py checks them).
+# rm_only: the reward model's score alone; sum: rule_weight * rule + weight * score; gate: the sum where the
+# rule reward is positive, the rule reward alone elsewhere (the reward model ranks only what the rule passes).
+RM_COMBINES = ("rm_only", "sum", "gate")
+# none: the raw scores; batch: (score - mean) / std over the step's batch (every data-parallel rank's rows)
+RM_NORMALIZES = ("none", "batch")
+
 
 @dataclass
 class JudgeConfig:
@@ -42,6 +49,25 @@ class JudgeConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """``workflow.reward_model``: a trained reward model (an ``algo=rm`` export) scores every sampled completion
+    in the trainer, before the advantages (docs/rewards.md, "Scoring RL samples with a reward model"). Off
+    while ``path`` is empty; the held-out evaluation stays the task's rule reward."""
+
+    # a local dir holding an algo=rm export (value_head.safetensors) or a hub id; the policy's tokenizer
+    path: str = ""
+    combine: str = "sum"  # one of RM_COMBINES
+    weight: float = ranged(1.0, gt=0.0, le=1e3)  # the reward model's score's weight
+    # the rule reward's (workflow.reward) weight under sum and gate; rm_only refuses another value
+    rule_weight: float = ranged(1.0, ge=0.0, le=1e3)
+    normalize: str = "none"  # one of RM_NORMALIZES
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+
+@dataclass
 class WorkflowConfig:
     # rlvr | multi_turn | a dotted import path to a RolloutWorkflow subclass
     name: str = "rlvr"
@@ -53,3 +79,4 @@ class WorkflowConfig:
     feedback: str = "Your answer is wrong. Try again."  # multi_turn retry prompt
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra kwargs for a user workflow
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

@@ -17,12 +17,13 @@ from areal_cli.errors import ConfigError
 KEY = "algo.distill.teacher_path"
 
 
-def resolve_teacher_path(path: str, *, fetch: bool = True) -> str:
-    """A local HF dir (absolute) or a hub id (its snapshot, downloaded first; ``fetch=False``: the id)."""
+def resolve_teacher_path(path: str, *, fetch: bool = True, key: str = KEY, role: str = "teacher") -> str:
+    """A local HF dir (absolute) or a hub id (its snapshot, downloaded first; ``fetch=False``: the id).
+    ``key``/``role``: the config path and the word the errors use (a reward model resolves the same way)."""
     from areal_cli.models.hub import ensure_hub_model, is_hub_id
 
     if isinstance(path, str) and path.startswith("builtin:"):
-        raise ConfigError(KEY, f"{path} is a freshly initialised model, not a teacher",
+        raise ConfigError(key, f"{path} is a freshly initialised model, not a {role}",
                           "train one first (areal train ...) and point this at its HF export "
                           "(<run dir>/checkpoints/final)")
     p = Path(os.path.expanduser(path))
@@ -30,7 +31,7 @@ def resolve_teacher_path(path: str, *, fetch: bool = True) -> str:
         return str(p.resolve())
     if is_hub_id(path):
         return ensure_hub_model(path, None) if fetch else path
-    raise ConfigError(KEY, f"{path} is not a local HF model dir (no config.json) nor a hub id",
+    raise ConfigError(key, f"{path} is not a local HF model dir (no config.json) nor a hub id",
                       "point it at a directory written by save_pretrained / areal export, or a hub id")
 
 
@@ -53,8 +54,10 @@ def tokenizer_mismatch(student: Any, teacher: Any) -> str | None:
     return None
 
 
-def check_teacher_tokenizer(student_dir: str, teacher_dir: str, teacher_key: str = KEY) -> None:
-    """One-line :class:`ConfigError` unless the teacher's tokenizer equals the student's."""
+def check_teacher_tokenizer(student_dir: str, teacher_dir: str, teacher_key: str = KEY, *, role: str = "teacher",
+                            fix: str = "distil from a teacher that shares the student's tokenizer (same family; "
+                                       "any size)") -> None:
+    """One-line :class:`ConfigError` unless the teacher's (``role``'s) tokenizer equals the student's."""
     from transformers import AutoTokenizer
 
     try:
@@ -62,8 +65,7 @@ def check_teacher_tokenizer(student_dir: str, teacher_dir: str, teacher_key: str
     except (OSError, ValueError) as e:
         raise ConfigError(teacher_key, f"cannot load a tokenizer from {teacher_dir}: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                          "the teacher's dir must hold its tokenizer files (save_pretrained writes them)") from None
+                          f"the {role}'s dir must hold its tokenizer files (save_pretrained writes them)") from None
     why = tokenizer_mismatch(AutoTokenizer.from_pretrained(student_dir), teacher)
     if why is not None:
-        raise ConfigError(teacher_key, f"the teacher at {teacher_dir} cannot score the student's tokens: {why}",
-                          "distil from a teacher that shares the student's tokenizer (same family; any size)")
+        raise ConfigError(teacher_key, f"the {role} at {teacher_dir} cannot score the student's tokens: {why}", fix)

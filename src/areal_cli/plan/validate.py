@@ -34,6 +34,7 @@ from areal_cli.config.cluster import DEVICES
 from areal_cli.config.engine import DTYPES, GRAD_REDUCE_MODES, RECOMPUTE_GRANULARITIES
 from areal_cli.config.rollout import ROUTINGS, WEIGHT_UPDATES, keep_sampling_mask_active
 from areal_cli.plan.distill import check_distill, teacher_size_ratio
+from areal_cli.plan.reward_model import check_reward_model, check_rm_placement, rm_note, rm_size_ratio
 from areal_cli.plan.recipe import check_model_facts
 from areal_cli.inference.push_mode import disk_only
 from areal_cli.config.schema import ExperimentConfig
@@ -246,7 +247,16 @@ def _resolved_spec(cfg: ExperimentConfig) -> AllocationSpec:
 
 
 def _check_reward_model(cfg: ExperimentConfig, spec: AllocationSpec) -> None:
-    """``algo=rm`` trains the engine's critic (a value head) on preference pairs."""
+    """``algo=rm`` trains the engine's critic (a value head) on preference pairs; ``workflow.reward_model`` runs
+    one forward-only on the trainer's engine."""
+    if cfg.workflow.reward_model.enabled and generates(cfg.algo.name):
+        for c in spec.train:
+            backend = c.backend or cfg.engine.name
+            has = _has_critic_path(backend) if is_import_path(backend) else get_engine_spec(backend).critic
+            if not has:
+                raise ConfigError("workflow.reward_model.path", f"the reward model runs as a critic on the "
+                                  f"trainer's engine, and the {backend} engine has no critic path",
+                                  f"use engine={' or engine='.join(engines_with('critic'))}")
     if cfg.algo.name != "rm":
         return
     for c in spec.train:
@@ -310,12 +320,13 @@ def _train_memory_at(cfg: ExperimentConfig, facts: ModelFacts, c: Component, dev
 
     reference = cfg.algo.kl_coef > 0 and facts.lora_rank == 0
     teacher = teacher_size_ratio(cfg)
+    rm = rm_size_ratio(cfg)
 
     def total_gb(k: int) -> float:
         m = train_memory(facts, sharding, par, ffn_tp, cfg.engine.dtype, k * seq, math.ceil(per_mini / k),
                          cfg.engine.gradient_checkpointing, dev_gb)
         return m.total_gb + sum(companion_states(m, reference=reference, critic=bool(cfg.algo.use_critic),
-                                                 teacher=teacher))
+                                                 teacher=teacher, reward_model=rm))
 
     return total_gb, per_mini
 
@@ -408,6 +419,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     resolve_hardware(cfg)  # cluster.hardware names a profile of the cluster's device kind
     spec = _resolved_spec(cfg)
     _check_reward_model(cfg, spec)
+    check_rm_placement(cfg, spec)  # before the per-component rules: a component for it is the first mistake
     if cfg.workflow.reward == "judge" and generates(cfg.algo.name):
         check_judge_config(cfg.workflow.judge, workflow=cfg.workflow.name,
                            inference_names=[c.name for c in spec.inference])
@@ -465,6 +477,10 @@ def validate(cfg: ExperimentConfig) -> Plan:
     validate_algo_config(cfg.algo)
     validate_group_size(cfg.algo, cfg.rollout.group_size)
     check_distill(cfg, plan)  # the teacher: its path, engine and tokenizer (plan/distill.py)
+    check_reward_model(cfg, spec)  # workflow.reward_model: knobs, export, tokenizer (plan/reward_model.py)
+    note = rm_note(cfg, rm_size_ratio(cfg), plan.train.memory.weights_gb if plan.train.memory else None)
+    if note:
+        plan.notes.append(note)
     if auto_error is not None:
         raise auto_error
     check_packages(cfg, plan)  # last: a config mistake is named before a missing package (plan/packages.py)

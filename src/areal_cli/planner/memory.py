@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from areal_cli.allocation.estimate import GiB, ModelFacts, companion_states, dtype_bytes, server_mem_fraction
 from areal_cli.plan.distill import teacher_size_ratio
+from areal_cli.plan.reward_model import rm_size_ratio
 
 if TYPE_CHECKING:
     from areal_cli.config.schema import ExperimentConfig
@@ -61,7 +62,8 @@ def trainer_memory(cfg: ExperimentConfig, part, facts: ModelFacts, base_gb: floa
                    mean_mb_tokens: float | None = None) -> ComponentMemory:
     """One trainer rank of ``part`` (a validated TrainPart): the actor's states from the validator, plus a
     KL reference's weights (``algo.kl_coef > 0`` without LoRA: a second, frozen engine), a distillation
-    teacher's (``algo.distill``, scaled by its size) and a critic's
+    teacher's (``algo.distill``, scaled by its size), a reward model's (``workflow.reward_model``, likewise) and
+    a critic's
     weights, gradients and optimizer states (``algo.use_critic``) in the same process.
 
     The validator sizes activations for a micro-batch of sequences at their length caps (the bound a run
@@ -69,7 +71,8 @@ def trainer_memory(cfg: ExperimentConfig, part, facts: ModelFacts, base_gb: floa
     (activations are linear in tokens) for ``expected_gb``."""
     m = part.memory
     cw, cg, co = companion_states(m, reference=cfg.algo.kl_coef > 0 and facts.lora_rank == 0,
-                                  critic=bool(cfg.algo.use_critic), teacher=teacher_size_ratio(cfg))
+                                  critic=bool(cfg.algo.use_critic), teacher=teacher_size_ratio(cfg),
+                                  reward_model=rm_size_ratio(cfg))
     weights, grads, optim = m.weights_gb + cw, m.grads_gb + cg, m.optim_gb + co
     parts = {"weights_gb": weights, "grads_gb": grads, "optim_gb": optim, "activations_gb": m.activations_gb}
     states = sum(parts.values())

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from areal_cli.allocation.estimate import ModelFacts, dtype_bytes
 from areal_cli.plan.distill import teacher_size_ratio
+from areal_cli.plan.reward_model import rm_size_ratio
 from areal_cli.allocation.hardware import HardwareProfile
 
 if TYPE_CHECKING:
@@ -222,7 +223,7 @@ def train_passes(cfg: ExperimentConfig) -> tuple[float, float]:
     """(forward-backward passes, forward-only passes) over the step's tokens, in units of the policy model:
     the PPO update (8N with full recompute instead of 6N: the forward runs twice), a logp recompute
     (decoupled loss or ``recompute_logprob``), the KL reference's forward, a distillation teacher's forward (its
-    size over the policy's), a critic's forward and update."""
+    size over the policy's), a reward model's forward (likewise), a critic's forward and update."""
     a = cfg.algo
     from areal_cli.engines import get_engine_spec
 
@@ -235,6 +236,7 @@ def train_passes(cfg: ExperimentConfig) -> tuple[float, float]:
     if a.kl_coef > 0:
         fwd += 1
     fwd += teacher_size_ratio(cfg)
+    fwd += rm_size_ratio(cfg)  # the reward model's forward over the step's rows
     if a.use_critic:
         fb, fwd = fb * 2, fwd + 1
     return fb, fwd

@@ -136,6 +136,35 @@ def build_teacher(cfg: ExperimentConfig, layout: JobLayout, model_path: str,
     return build_engine(cfg, layout, teacher_dir, lora=False, engine_name=d.engine or None, peers=peers)
 
 
+def build_reward_model(cfg: ExperimentConfig, layout: JobLayout, model_path: str, tokenizer: Any,
+                       peers: tuple = ()) -> Any | None:
+    """The scorer of ``workflow.reward_model`` (algorithms/rm_reward.py): the ``algo=rm`` export as a
+    forward-only critic engine of the trainer's engine class in this process, like the distillation teacher
+    (no optimizer state, never an adapter); the policy's tokenizer, checked here too, for launchers whose
+    nodes resolve the paths."""
+    r = cfg.workflow.reward_model
+    if not r.enabled:
+        return None
+    from areal_cli.api.io_struct import ParallelStrategy
+    from areal_cli.algorithms.rm_reward import RewardModelScorer
+    from areal_cli.engines import get_engine_cls
+    from areal_cli.models.teacher import resolve_teacher_path
+    from areal_cli.plan.reward_model import KEY, check_export_dir, check_rm_tokenizer
+    from areal_cli.algorithms.reward_model import read_token_id
+
+    rm_dir = resolve_teacher_path(r.path, key=f"{KEY}.path", role="reward model")
+    check_export_dir(rm_dir)
+    check_rm_tokenizer(model_path, rm_dir)
+    t = layout.trainer
+    engine = get_engine_cls(cfg.engine.name)(cfg.engine, None, critic=True, total_steps=cfg.trainer.total_steps,
+                                             seed=cfg.seed)
+    engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, etp=t.etp), rm_dir,
+                      peers=peers)
+    reduce = engine.dp_all_reduce if engine.dp_world_size > 1 else None
+    return RewardModelScorer(r, engine, tokenizer, use_chat_template=cfg.dataset.use_chat_template,
+                             read_id=read_token_id(tokenizer), reduce=reduce)
+
+
 def build_datasets(cfg: ExperimentConfig, tokenizer: Any) -> tuple[list[dict], list[dict]]:
     """(train items, test items) per the ``dataset`` group (``areal_cli.data.datasets.load_split``);
     the test list is empty when a local dataset has no ``test_path``."""

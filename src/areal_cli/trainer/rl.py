@@ -135,6 +135,7 @@ class RLTrainer:
                                          lora=rollout_build.lora_enabled(cfg), model_path=model_path)
         self.rollout: Any = None  # RolloutService or RolloutProcess (rank 0)
         self.critic = None
+        self.scorer: Any = None  # workflow.reward_model (algorithms/rm_reward.py)
         self.weight_sync_s = 0.0
         self.elapsed_before = 0.0  # wall time of earlier (resumed) segments
         self.t_start = time.time()
@@ -252,12 +253,15 @@ class RLTrainer:
         ref_engine = build.build_reference(cfg, self.layout, policy_path, engine)
         teacher_engine = build.build_teacher(cfg, self.layout, self.model_path, peers=(engine, ref_engine))
         actor = build.build_actor(cfg, engine, ref_engine, teacher_engine)
+        self.scorer = build.build_reward_model(cfg, self.layout, self.model_path, tokenizer,
+                                               peers=(engine, ref_engine, teacher_engine))
         self.dp_of_rank = dp_rank_table(engine)
         critic_engine = None
         if cfg.algo.use_critic:
             optim = dataclasses.replace(cfg.algo.optim, lr=cfg.algo.critic_lr)
             critic_engine = build.build_engine(cfg, self.layout, policy_path, optim=optim, critic=True,
-                                               peers=(engine, ref_engine, teacher_engine))
+                                               peers=(engine, ref_engine, teacher_engine,
+                                                      getattr(self.scorer, "engine", None)))
             self.critic = build.build_critic(cfg, critic_engine)
         start_step = 0
         if recover is not None:
@@ -300,7 +304,7 @@ class RLTrainer:
         self.stats.log("event", self.total_steps, {"event": "end", "hf_export": out})
         self.stats.close()
         engine.destroy()
-        for other in (ref_engine, teacher_engine, critic_engine):
+        for other in (ref_engine, teacher_engine, critic_engine, getattr(self.scorer, "engine", None)):
             if other is not None:
                 other.destroy()
         return {"final_eval": final, "hf_export": out}
@@ -318,7 +322,7 @@ class RLTrainer:
 
         threads = self.threads.n if self.threads is not None else torch.get_num_threads()
         with torch_threads(threads):
-            train_stats = _ppo_step(actor, self.critic, local)
+            train_stats = _ppo_step(actor, self.critic, local, self.scorer)
         t_train = time.perf_counter() - t1
         sync_s = self.publisher.push(engine, step)
         if self.rollout is not None:
@@ -393,14 +397,19 @@ def _peek_state(recover: Path | None) -> dict[str, Any] | None:
     return json.loads((recover / "trainer.json").read_text())
 
 
-def _ppo_step(actor: Any, critic: Any | None, batch: dict[str, Any]) -> dict[str, float]:
-    """values (critic) → logp / ref logp / advantages → PPO mini-batch updates (actor, then critic)."""
+def _ppo_step(actor: Any, critic: Any | None, batch: dict[str, Any], scorer: Any | None = None) -> dict[str, float]:
+    """reward-model scores (``workflow.reward_model``) → values (critic) → logp / ref logp / advantages → PPO
+    mini-batch updates (actor, then critic)."""
+    rm_stats: dict[str, float] = {}
+    if scorer is not None:  # the combined reward replaces the rule's before any advantage reads it
+        batch, rm_stats = scorer.score(batch)
     if critic is not None:
         batch = critic.compute_values(batch)
     batch = actor.compute_advantages(batch)
     stats = dict(actor.ppo_update(batch))
     if critic is not None:
         stats.update(critic.ppo_update(batch))
+    stats.update(rm_stats)
     return stats
 
 

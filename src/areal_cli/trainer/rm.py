@@ -28,13 +28,6 @@ if TYPE_CHECKING:
 EVAL_CHUNK = 64  # pairs per evaluation forward
 
 
-def read_token_id(tokenizer: Any) -> int:
-    """The token appended to every side (its value is the sequence's reward, see algorithms/reward_model.py):
-    the pad token, else eos. Its id never changes the reward: causal attention keeps it out of the text."""
-    tid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return int(tid if tid is not None else 0)
-
-
 def build_pair_splits(cfg: ExperimentConfig, tokenizer: Any) -> tuple[list[dict], list[dict]]:
     """(train pairs, held-out pairs) per the ``dataset`` group (data/preferences.py)."""
     import logging
@@ -100,6 +93,7 @@ def run_rm(cfg: ExperimentConfig, layout: JobLayout, run_dir: str, model_path: s
            world: int) -> dict[str, Any]:
     """``algo=rm``: ``trainer.total_steps`` Bradley–Terry steps of ``algo.batch_size`` pairs, evaluated on the
     held-out pairs every ``trainer.eval_every`` steps and at the end; exports as ``algo=sft`` does."""
+    from areal_cli.algorithms.reward_model import read_token_id
     from areal_cli.trainer.reward_export import write_sequence_classification
     from areal_cli.trainer.checkpoint import CheckpointManager, run_engine_loop
     from areal_cli.trainer.stats import StatsLogger

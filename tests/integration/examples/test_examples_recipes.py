@@ -126,6 +126,31 @@ def test_recipe_smoke_run(smoke, tmp_path, tiny_model_dir, moe_model):
         assert all(r["train/adv_abs_mean"] > 0 for r in train)
 
 
+def test_reward_model_recipe_smoke_runs(tmp_path, tiny_model_dir):
+    """examples/reward_model's two steps, each as shipped under the smoke override: algo=rm on the built-in
+    pairs, then GRPO scored by that run's export alone (combine=rm_only, as the recipe ships)."""
+    root = tmp_path / "fileroot"
+    # the experiment names its spec (fsdp:d8, no server): the CPU's one trainer process instead
+    over = smoke_overrides(root, tiny_model_dir, **{"trial_name": "rm", "allocation_mode.spec": "fsdp:d1"})
+    p = _run(["experiment=reward_model_train", *over], tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    export = root / "runs" / "smoke" / "rm" / "checkpoints" / "final"
+    assert (export / "value_head.safetensors").is_file()
+    over = smoke_overrides(root, tiny_model_dir, **{"workflow.reward": f"{REWARD_MODULE}.varied_reward",
+                                                     "workflow.reward_model.path": str(export)})
+    p = _run(["experiment=reward_model_rl", *over], tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    run_dir = root / "runs" / "smoke" / "t0"
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["workflow"]["reward_model"]["combine"] == "rm_only" and cfg["algo"]["name"] == "grpo"
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:  # rm_only: the reward trained on is the reward model's score
+        assert math.isfinite(r["reward/rm_mean"]) and r["reward/mean"] == pytest.approx(r["reward/rm_mean"], abs=1e-5)
+        assert math.isfinite(r["train/loss"]) and "reward/rule_mean" in r
+
+
 def test_dapo_on_data_the_model_never_solves_stops_in_one_line(tmp_path, tiny_model_dir):
     """The recipe's own numeric reward on the random tiny model: every group is flat, so dynamic sampling
     could never fill a batch. The run must stop with the one-line error (raised in the rollout worker,
