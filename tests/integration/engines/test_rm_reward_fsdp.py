@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engines  # a trainer step on the real engine, ~13 s: CI runs it in the engines phase
 
 
 def make_rm_export(src: str, dst) -> str:
