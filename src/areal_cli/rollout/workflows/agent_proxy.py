@@ -143,7 +143,9 @@ class ProxyAgentWorkflow(RolloutWorkflow):
     async def _episode(self, http: httpx.AsyncClient, root: str, admin: dict, data: dict) -> list[dict]:
         s, reward = await self._session(http, root, admin, data)
         body = {"session_id": s["session_id"], "style": self.export_style}
-        if self.turn_discount is not None:
+        if self.turn_discount is not None and self.export_style == "per_call":
+            # per_leaf rows carry every call's own reward (token_rewards): discounting there would count
+            # later rewards twice, so only per_call rows are discounted, as in the agent workflow
             body["turn_discount"] = self.turn_discount
         r = await http.post(f"{root}/rl/export", json=body, headers=admin)
         r.raise_for_status()
