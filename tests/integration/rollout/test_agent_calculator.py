@@ -1,11 +1,10 @@
 """The built-in agentic task learns: `areal train experiment=agent_calculator` (slow).
 
 `pytest -m slow tests/integration/rollout/test_agent_calculator.py`. The agent is ordinary openai.AsyncOpenAI
-code (areal_cli.rollout.workflows.calculator:CalculatorAgent) run through the in-process client, the same
-agent written for the OpenAI Agents SDK (in process) and for LangChain (through the proxy over HTTP,
-rollout/workflows/calculator_frameworks.py); the
-held-out success (one greedy episode per item, evaluated through the agent workflow) must rise by at
-least 20 points during the RL phase, i.e. over the SFT warm start (the gain is GRPO's, not the warm
+code (areal_cli.rollout.workflows.calculator:CalculatorAgent) run through the in-process client, and the same
+agent written for the OpenAI Agents SDK (in process) and for LangChain (through the proxy over HTTP;
+rollout/workflows/calculator_frameworks.py). The held-out success (one greedy episode of the agent per item)
+must rise during the RL phase, i.e. over the SFT warm start (the gain is GRPO's, not the warm
 start's), and the tool-call rate must rise, in evaluation and in training. docs/agents.md records the
 measured gains (several seeds) and wall times; no timing is asserted here."""
 
@@ -65,8 +64,9 @@ def test_agent_calculator_learns(tmp_path, experiment):
           f"(+{100 * (p1 - p0):.1f} ± {100 * se:.1f} points); eval tool-call rate "
           f"{before['eval/tool_call_rate']:.1%} -> {after['eval/tool_call_rate']:.1%}; training tool-call "
           f"rate {rate[0]:.1%} (step 1) -> {rate[-1]:.1%} (step {len(rate)})")
-    # the RL phase itself: at least +20 points of held-out success over the warm start
-    assert p1 - p0 >= 0.20, evals
+    # the RL phase itself: at least +20 points of held-out success over the warm start (+10 through the
+    # frameworks: the issue's bar; docs/agents.md has their seeds, +22 to +90 measured)
+    assert p1 - p0 >= (0.20 if FRAMEWORKS[experiment] is None else 0.10), evals
     assert after["eval/tool_call_rate"] > before["eval/tool_call_rate"], evals
     assert train and len(rate) == len(train)  # every training step logs the tool-call rate
     k = max(1, len(rate) // 5)
