@@ -69,6 +69,12 @@ def make_pair_batch(pairs: list[dict[str, Any]], read_token_id: int, pad_token_i
     rows = []
     for p in pairs:
         rows += [list(p["chosen_ids"]) + [read_token_id], list(p["rejected_ids"]) + [read_token_id]]
+    return read_batch(rows, pad_token_id)
+
+
+def read_batch(rows: list[list[int]], pad_token_id: int) -> Batch:
+    """Rows that each end on the read token, right-padded with ``pad_token_id``; ``loss_mask`` marks each
+    row's last real position, where the reward is read."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.bool)

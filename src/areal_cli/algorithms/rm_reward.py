@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from areal_cli.algorithms.reward_model import sequence_rewards
+from areal_cli.algorithms.reward_model import read_batch, sequence_rewards
 
 if TYPE_CHECKING:  # pragma: no cover
     from areal_cli.config.workflow import RewardModelConfig
@@ -90,15 +90,7 @@ def rm_rows(batch: Batch, close_ids: list[int], eos_id: int | None, read_id: int
         if eos_id is not None and toks and toks[-1] == eos_id:
             toks = toks[:-1]
         rows.append(toks + list(close_ids) + [int(read_id)])
-    width = max(len(r) for r in rows)
-    out_ids = torch.full((len(rows), width), int(read_id), dtype=torch.long)
-    out_attn = torch.zeros((len(rows), width), dtype=torch.bool)
-    mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        out_attn[i, : len(r)] = True
-        mask[i, len(r) - 1] = 1.0
-    return {"input_ids": out_ids, "attention_mask": out_attn, "loss_mask": mask}
+    return read_batch(rows, read_id)
 
 
 class RewardModelScorer:
