@@ -10,6 +10,8 @@
 # Daemons run as root with ProctrackType=proctrack/linuxproc: it needs no cgroup setup, which
 # containers often lack. Not for production; for tests and for `areal train launcher=slurm` here.
 set -euo pipefail
+# The daemons and runuser live in sbin, which a minimal PATH (env -i, cron, some CI runners) leaves out.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 
 CONF_DIR=${SLURM_CONF_DIR:-/etc/slurm}
 CONF=$CONF_DIR/slurm.conf
