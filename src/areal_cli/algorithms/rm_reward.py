@@ -50,21 +50,29 @@ def combine_rewards(rule: torch.Tensor, score: torch.Tensor, combine: str, weigh
     raise ValueError(f"unknown workflow.reward_model.combine {combine!r}")
 
 
-def normalize_scores(score: torch.Tensor, how: str, reduce: Any | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """``none``: as is; ``batch``: ``(score - mean) / (std + eps)`` over the step's rows (``reduce`` sums over
-    the data-parallel ranks, each holding a share of the batch)."""
-    if how == "none":
-        return score
-    if how != "batch":
-        raise ValueError(f"unknown workflow.reward_model.normalize {how!r}")
+def score_moments(score: torch.Tensor, rule: torch.Tensor, reduce: Any | None = None) -> tuple[float, float, float, float]:
+    """``(n, mean, std, rule mean)`` of the step's rows; ``reduce`` sums over the data-parallel ranks, each
+    holding a share of the batch (one collective for the normalisation and the stats alike)."""
     s = score.double()
-    sums = torch.stack([torch.tensor(float(s.numel()), dtype=torch.float64), s.sum(), (s * s).sum()])
+    sums = torch.stack([torch.tensor(float(s.numel()), dtype=torch.float64), s.sum(), (s * s).sum(),
+                        rule.double().sum()])
     if reduce is not None:
         sums = reduce(sums)
     n = max(float(sums[0]), 1.0)
     mean = float(sums[1]) / n
-    var = max(float(sums[2]) / n - mean * mean, 0.0) * (n / max(n - 1.0, 1.0))
-    return ((s - mean) / (var ** 0.5 + eps)).to(score.dtype)
+    return n, mean, max(float(sums[2]) / n - mean * mean, 0.0) ** 0.5, float(sums[3]) / n
+
+
+def normalize_scores(score: torch.Tensor, how: str, n: float, mean: float, std: float,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """``none``: as is; ``batch``: ``(score - mean) / (std + eps)`` over the step's rows (the moments of
+    :func:`score_moments`; ``std`` unbiased here)."""
+    if how == "none":
+        return score
+    if how != "batch":
+        raise ValueError(f"unknown workflow.reward_model.normalize {how!r}")
+    unbiased = std * (n / max(n - 1.0, 1.0)) ** 0.5
+    return ((score.double() - mean) / (unbiased + eps)).to(score.dtype)
 
 
 def turn_close_ids(tokenizer: Any, use_chat_template: bool) -> list[int]:
@@ -116,16 +124,10 @@ class RewardModelScorer:
         c = self.cfg
         raw = self.scores(batch)
         rule = batch["rewards"].float().cpu()
-        score = normalize_scores(raw, c.normalize, self.reduce)
+        n, mean, std, rule_mean = score_moments(raw, rule, self.reduce)
+        score = normalize_scores(raw, c.normalize, n, mean, std)
         combined = combine_rewards(rule, score, c.combine, c.weight, c.rule_weight)
-        sums = torch.tensor([float(raw.numel()), float(raw.sum()), float(rule.sum()), float((raw * raw).sum())],
-                            dtype=torch.float64)
-        if self.reduce is not None:
-            sums = self.reduce(sums)
-        n = max(float(sums[0]), 1.0)
-        mean = float(sums[1]) / n
-        stats = {"reward/rm_mean": mean, "reward/rule_mean": float(sums[2]) / n,
-                 "reward/rm_std": max(float(sums[3]) / n - mean * mean, 0.0) ** 0.5}
+        stats = {"reward/rm_mean": mean, "reward/rule_mean": rule_mean, "reward/rm_std": std}
         # In place: the step's reward stats (trainer/rl.py _batch_stats) then describe the reward trained on.
         batch[RULE_KEY] = batch["rewards"]
         batch[SCORE_KEY] = raw.to(batch["rewards"].device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from areal_cli.config.ranges import ranged
 from typing import Any
 
-# The closed value sets of workflow.reward_model's string fields (plan/reward_model.py checks them).
+# The closed value sets of workflow.reward_model's string fields (plan/validate.py CHOICES checks them).
 # rm_only: the reward model's score alone; sum: rule_weight * rule + weight * score; gate: the sum where the
 # rule reward is positive, the rule reward alone elsewhere (the reward model ranks only what the rule passes).
 RM_COMBINES = ("rm_only", "sum", "gate")

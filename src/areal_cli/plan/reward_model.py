@@ -8,7 +8,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.config.algo import generates
-from areal_cli.config.workflow import RM_COMBINES, RM_NORMALIZES
 from areal_cli.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,18 +39,14 @@ def rm_size_ratio(cfg: ExperimentConfig) -> float:
 
 
 def check_rm_knobs(cfg: ExperimentConfig) -> None:
-    """The rules that need no file: one ConfigError per mistake (pure; unit-tested)."""
+    """The rules that need no file: one ConfigError per mistake (pure; unit-tested). ``combine`` and
+    ``normalize`` are closed sets, checked with the others (plan/validate.py ``CHOICES``)."""
     r = cfg.workflow.reward_model
     if not r.enabled:
         return
     if not generates(cfg.algo.name):
         raise ConfigError(f"{KEY}.path", f"algo={cfg.algo.name} samples no completions, and a reward model scores "
                           "RL samples", f"unset {KEY}.path, or use an RL algorithm (algo=grpo, ppo, ...)")
-    if r.combine not in RM_COMBINES:
-        raise ConfigError(f"{KEY}.combine", f"unknown value '{r.combine}'", f"choose one of: {', '.join(RM_COMBINES)}")
-    if r.normalize not in RM_NORMALIZES:
-        raise ConfigError(f"{KEY}.normalize", f"unknown value '{r.normalize}'",
-                          f"choose one of: {', '.join(RM_NORMALIZES)}")
     if r.combine == "rm_only" and r.rule_weight != 1.0:
         raise ConfigError(f"{KEY}.rule_weight", f"{r.rule_weight} weighs the rule reward, which combine=rm_only "
                           "leaves out", f"set {KEY}.combine=sum (or gate), or leave rule_weight at 1")
@@ -114,11 +109,10 @@ def check_rm_tokenizer(policy_dir: str, rm_dir: str) -> None:
                                 "model.path), so both read the same token ids")
 
 
-def check_reward_model(cfg: ExperimentConfig, spec: Any) -> None:
+def check_reward_model(cfg: ExperimentConfig) -> None:
     """The rules of ``workflow.reward_model`` validate-config checks once the plan is placed (it checks
-    :func:`check_rm_placement` first, before the rules of each component)."""
+    :func:`check_rm_placement` earlier, before the rules of each component)."""
     check_rm_knobs(cfg)
-    check_rm_placement(cfg, spec)
     check_rm_export(cfg)
 
 

@@ -33,6 +33,7 @@ from areal_cli.config.ranges import check_ranges
 from areal_cli.config.cluster import DEVICES
 from areal_cli.config.engine import DTYPES, GRAD_REDUCE_MODES, RECOMPUTE_GRANULARITIES
 from areal_cli.config.rollout import ROUTINGS, WEIGHT_UPDATES, keep_sampling_mask_active
+from areal_cli.config.workflow import RM_COMBINES, RM_NORMALIZES
 from areal_cli.plan.distill import check_distill, teacher_size_ratio
 from areal_cli.plan.reward_model import check_reward_model, check_rm_placement, rm_note, rm_size_ratio
 from areal_cli.plan.recipe import check_model_facts
@@ -58,6 +59,8 @@ CHOICES = {
     "launcher.name": lambda: _launcher_names(),  # the registry's, plugins' included
     "rollout.weight_update": WEIGHT_UPDATES,
     "rollout.routing": ROUTINGS,
+    "workflow.reward_model.combine": RM_COMBINES,
+    "workflow.reward_model.normalize": RM_NORMALIZES,
 }
 
 
@@ -248,23 +251,21 @@ def _resolved_spec(cfg: ExperimentConfig) -> AllocationSpec:
 
 def _check_reward_model(cfg: ExperimentConfig, spec: AllocationSpec) -> None:
     """``algo=rm`` trains the engine's critic (a value head) on preference pairs; ``workflow.reward_model`` runs
-    one forward-only on the trainer's engine."""
-    if cfg.workflow.reward_model.enabled and generates(cfg.algo.name):
-        for c in spec.train:
-            backend = c.backend or cfg.engine.name
-            has = _has_critic_path(backend) if is_import_path(backend) else get_engine_spec(backend).critic
-            if not has:
-                raise ConfigError("workflow.reward_model.path", f"the reward model runs as a critic on the "
-                                  f"trainer's engine, and the {backend} engine has no critic path",
-                                  f"use engine={' or engine='.join(engines_with('critic'))}")
-    if cfg.algo.name != "rm":
+    one forward-only on the trainer's engine. Either needs an engine with a critic path."""
+    if cfg.algo.name == "rm":
+        path, why = "engine", "algo=rm trains a value head"
+    elif cfg.workflow.reward_model.enabled and generates(cfg.algo.name):
+        path, why = "workflow.reward_model.path", "the reward model runs as a critic on the trainer's engine"
+    else:
         return
     for c in spec.train:
         backend = c.backend or cfg.engine.name
         has = _has_critic_path(backend) if is_import_path(backend) else get_engine_spec(backend).critic
         if not has:
-            raise ConfigError("engine", f"algo=rm trains a value head, and the {backend} engine has no critic path",
+            raise ConfigError(path, f"{why}, and the {backend} engine has no critic path",
                               f"use engine={' or engine='.join(engines_with('critic'))}")
+    if cfg.algo.name != "rm":
+        return
     if cfg.trainer.sft_warmup_steps > 0 and not cfg.dataset.train_path.startswith("builtin:"):
         raise ConfigError("trainer.sft_warmup_steps", f"{cfg.trainer.sft_warmup_steps} SFT steps before the reward "
                           "model need question/answer items, and algo=rm on local preference pairs has none",
@@ -477,7 +478,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     validate_algo_config(cfg.algo)
     validate_group_size(cfg.algo, cfg.rollout.group_size)
     check_distill(cfg, plan)  # the teacher: its path, engine and tokenizer (plan/distill.py)
-    check_reward_model(cfg, spec)  # workflow.reward_model: knobs, export, tokenizer (plan/reward_model.py)
+    check_reward_model(cfg)  # workflow.reward_model: knobs, export, tokenizer (plan/reward_model.py)
     note = rm_note(cfg, rm_size_ratio(cfg), plan.train.memory.weights_gb if plan.train.memory else None)
     if note:
         plan.notes.append(note)

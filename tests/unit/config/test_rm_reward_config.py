@@ -127,20 +127,28 @@ def test_combine_rewards():
 
 
 def test_normalize_scores_over_the_batch_and_its_replicas():
-    from areal_cli.algorithms.rm_reward import normalize_scores
+    from areal_cli.algorithms.rm_reward import normalize_scores, score_moments
 
     s = torch.tensor([1.0, 2.0, 3.0, 6.0])
-    assert torch.equal(normalize_scores(s, "none"), s)
+    rule = torch.tensor([0.0, 1.0, 1.0, 0.0])
+
+    def normalize(x, r, how, reduce=None):
+        n, mean, std, _ = score_moments(x, r, reduce)
+        return normalize_scores(x, how, n, mean, std)
+
+    assert torch.equal(normalize(s, rule, "none"), s)
     want = (s - s.mean()) / (s.std() + 1e-6)
-    torch.testing.assert_close(normalize_scores(s, "batch"), want)
+    torch.testing.assert_close(normalize(s, rule, "batch"), want)
+    assert score_moments(s, rule)[3] == 0.5  # the rule's mean rides in the same reduction
     # two replicas, each with half the rows: the reducer's sums give every replica the whole batch's stats
-    halves = [s[:2], s[2:]]
+    halves = [(s[:2], rule[:2]), (s[2:], rule[2:])]
 
     def reduce(t):
         return sum(torch.stack([torch.tensor(float(h.numel()), dtype=torch.float64), h.double().sum(),
-                                (h.double() ** 2).sum()]) for h in halves)
+                                (h.double() ** 2).sum(), r.double().sum()]) for h, r in halves)
 
-    torch.testing.assert_close(torch.cat([normalize_scores(h, "batch", reduce) for h in halves]), want)
+    torch.testing.assert_close(torch.cat([normalize(h, r, "batch", reduce) for h, r in halves]), want)
+    assert score_moments(*halves[0], reduce)[3] == 0.5
 
 
 def test_rows_read_as_a_rendered_chat_turn(tiny_model_dir):
