@@ -35,8 +35,8 @@ from areal_cli.errors import ConfigError
 from areal_cli.rollout.interaction_cache import rows_to_tensors
 from areal_cli.rollout.openai_client import ArealOpenAI
 from areal_cli.rewards.outcome import correctness
-from areal_cli.rollout.workflows.common import (check_group_and_reward, eval_failed, load_tokenizer,
-                                               next_group_id, pad_token_id)
+from areal_cli.rollout.workflows.common import (check_group_and_reward, eval_failed, eval_result, load_tokenizer,
+                                               next_group_id, pad_token_id, tool_call_count)
 
 if TYPE_CHECKING:
     from areal_cli.config.schema import ExperimentConfig
@@ -91,13 +91,7 @@ class AgentWorkflow(RolloutWorkflow):
             if self.on_error == "raise":
                 raise
             return eval_failed(self, e)
-        if isinstance(reward, dict):
-            reward = sum(float(v) for v in reward.values())
-        elif reward is None:
-            reward = sum(it.reward or 0.0 for it in client.cache)
-        ok = correctness(reward)
-        success = float(reward) >= self.success_threshold if ok is None else ok
-        return {"success": success, "reward": float(reward), "tool_calls": _tool_calls(client)}
+        return eval_result(client, reward, self.success_threshold)
 
     async def episode_rows(self, engine: Any, data: dict[str, Any], session_id: str | None = None
                            ) -> list[dict[str, Any]]:
@@ -114,7 +108,7 @@ class AgentWorkflow(RolloutWorkflow):
         if self.export_style == "per_call":
             client.apply_reward_discount(self.turn_discount)
         rows = client.export_interactions(self.export_style)
-        ok, calls = correctness(reward), _tool_calls(client)
+        ok, calls = correctness(reward), tool_call_count(client)
         for row in rows:  # the episode's outcome and tool use, on each of its rows
             row["correct"], row["tool_calls"] = ok, calls
         return rows
@@ -169,7 +163,3 @@ def resolve_agent(agent: Any) -> Any:
         raise ConfigError("workflow.kwargs.agent", "no agent given",
                           "set workflow.kwargs.agent=my_pkg.mod:my_agent (an async function)")
     return agent
-
-
-def _tool_calls(client: ArealOpenAI) -> int:
-    return sum(len(it.output_message.get("tool_calls") or []) for it in client.cache)

@@ -42,7 +42,7 @@ from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
 from areal_cli.rewards.outcome import correctness
 from areal_cli.rollout.interaction_cache import rows_to_tensors
-from areal_cli.rollout.workflows.common import (check_group_and_reward, eval_failed, load_tokenizer,
+from areal_cli.rollout.workflows.common import (check_group_and_reward, eval_failed, eval_result, load_tokenizer,
                                                next_group_id, pad_token_id)
 
 log = logging.getLogger(__name__)
@@ -169,12 +169,9 @@ class ProxyAgentWorkflow(RolloutWorkflow):
                 raise
             return eval_failed(self, e)
         client = server.proxy.take(s["session_id"])  # nothing of an evaluation is trained
-        calls = sum(len(it.output_message.get("tool_calls") or []) for it in client.cache) if client else 0
-        if reward is None:
-            reward = sum(it.reward or 0.0 for it in client.cache) if client else 0.0
-        ok = correctness(reward)
-        success = float(reward) >= self.success_threshold if ok is None else ok
-        return {"success": success, "reward": float(reward), "tool_calls": calls}
+        if client is None:  # collected meanwhile (idle past session_timeout_s)
+            return eval_failed(self, RuntimeError(f"evaluation session {s['session_id']} was collected"))
+        return eval_result(client, reward, self.success_threshold)
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Trajectory | None:
         server = self._ensure_proxy(engine)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal_cli.api.io_struct import GenerationConfig
 from areal_cli.errors import ConfigError, DataError
-from areal_cli.rewards.outcome import as_outcome, correct_code
+from areal_cli.rewards.outcome import as_outcome, correct_code, correctness
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -274,3 +274,21 @@ def eval_failed(workflow: Any, error: BaseException) -> dict[str, Any]:
     logging.getLogger(__name__).warning("an evaluation episode failed (%s: %s); counted as unsolved",
                                         type(error).__name__, error)
     return {"success": False, "reward": 0.0, "tool_calls": 0}
+
+
+def tool_call_count(client: Any) -> int:
+    """The tool calls an episode's client (``ArealOpenAI``) recorded over all its calls."""
+    return sum(len(it.output_message.get("tool_calls") or []) for it in client.cache)
+
+
+def eval_result(client: Any, reward: Any, success_threshold: float) -> dict[str, Any]:
+    """An agent workflow's greedy evaluation episode as ``eval_episode`` reports it: the reward (a number, a
+    dict of per-call rewards summed, or None: the rewards set on the client, summed), success (the reward's
+    correctness when it states one, else reward ≥ ``success_threshold``) and the tool calls."""
+    if isinstance(reward, dict):
+        reward = sum(float(v) for v in reward.values())
+    elif reward is None:
+        reward = sum(it.reward or 0.0 for it in client.cache)
+    ok = correctness(reward)
+    success = float(reward) >= success_threshold if ok is None else ok
+    return {"success": success, "reward": float(reward), "tool_calls": tool_call_count(client)}
