@@ -126,6 +126,11 @@ def test_import_targets_are_checked_without_running_them(tmp_path, monkeypatch):
     check("workflow.name=agent_proxy", "+workflow.kwargs.agent=my_user_code:my_agent")
     e = err("workflow.name=agent_proxy", "+workflow.kwargs.agent=my_user_code:sync_agent")
     assert e.path == "workflow.kwargs.agent" and "not an async function" in e.reason
+    e = err("workflow.name=agent_proxy")  # neither a command nor an agent
+    assert e.path == "workflow.kwargs.command" and "neither" in e.reason
+    e = err("workflow.name=agent_proxy", "+workflow.kwargs.agent=my_user_code:my_agent",
+            "+workflow.kwargs.command=python a.py")
+    assert e.path == "workflow.kwargs.command" and "both" in e.reason
     e = err("workflow.name=my_user_code:NoSuchWorkflow")
     assert e.path == "workflow.name"
     e = err("+workflow.kwargs.use_chat_templat=false")  # rlvr's constructor, read from its source

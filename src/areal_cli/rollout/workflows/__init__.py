@@ -79,10 +79,21 @@ def check_workflow_config(name: str, kwargs: dict[str, Any], group_size: int | N
     _check_kwargs(name, found, kwargs)
     if name == "agent":
         _check_agent(kwargs.get("agent"))
-    elif target == WORKFLOWS.entry("agent_proxy", "workflow.name").target and "agent" in kwargs:
-        _check_agent(kwargs["agent"])
+    elif target == WORKFLOWS.entry("agent_proxy", "workflow.name").target:
+        check_proxy_agent(kwargs.get("command"), kwargs.get("agent"))
+        if kwargs.get("agent") is not None:
+            _check_agent(kwargs["agent"])
     if name == "online" and group_size is not None:
         check_online_group_size(group_size)
+
+
+def check_proxy_agent(command: Any, agent: Any) -> None:
+    """The proxy workflow runs exactly one of an agent command and an in-process agent."""
+    if bool(command) == (agent is not None):
+        raise ConfigError("workflow.kwargs.command", "the proxy workflow runs either an agent command or an "
+                          f"in-process agent, got {'both' if command else 'neither'}",
+                          "set workflow.kwargs.command='python my_agent.py' or "
+                          "workflow.kwargs.agent=my_pkg.mod:my_agent (async (base_url, api_key, data))")
 
 
 def check_online_group_size(group_size: Any) -> None:
@@ -207,4 +218,5 @@ def _param_names(factory: Any) -> list[str]:
 
 
 __all__ = ["OFFERED", "WORKFLOWS", "available_workflows", "build_workflow", "check_online_group_size",
+           "check_proxy_agent",
            "check_workflow_config", "import_object", "load_workflow", "register_workflow", "resolve_workflow"]

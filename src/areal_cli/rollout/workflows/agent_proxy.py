@@ -53,11 +53,9 @@ class ProxyAgentWorkflow(RolloutWorkflow):
                  agent: Any = None, export_style: str = "per_leaf", turn_discount: float | None = None,
                  on_error: str = "drop", timeout_s: float = 600.0, session_timeout_s: float = 3600.0,
                  success_threshold: float = 1.0, **client_kwargs: Any):
-        if bool(command) == (agent is not None):
-            raise ConfigError("workflow.kwargs.command", "the proxy workflow runs either an agent command or "
-                              f"an in-process agent, got {'both' if command else 'neither'}",
-                              "set workflow.kwargs.command='python my_agent.py' or "
-                              "workflow.kwargs.agent=my_pkg.mod:my_agent (async (base_url, api_key, data))")
+        from areal_cli.rollout.workflows import check_proxy_agent
+
+        check_proxy_agent(command, agent)
         if on_error not in ("drop", "raise"):
             raise ConfigError("workflow.kwargs.on_error", f"must be 'drop' or 'raise', got {on_error!r}",
                               "set workflow.kwargs.on_error=drop")
