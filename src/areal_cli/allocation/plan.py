@@ -55,6 +55,9 @@ class TrainPart:
     ffn: ParallelStrategy | None = None  # hybrid MoE: the expert-part strategy
     micro_batch: MicroBatch | None = None
     memory: TrainMemory | None = None
+    # GB per device of (weights, gradients, optimizer states) of the engines living in the actor's process beside
+    # it: a KL reference, a distillation teacher, a reward model, a critic (allocation/estimate.py:companion_states)
+    companions: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # node-local groups (ParallelDims.node_local_groups) the engine's own order strides over nodes
     split_groups: list[str] = field(default_factory=list)
 
@@ -63,8 +66,14 @@ class TrainPart:
         """The order the backend's mesh builder really lays the ranks out in (fastest first)."""
         return self.parallel.dims(self.backend).rank_order
 
+    @property
+    def total_gb(self) -> float:
+        """The actor's estimate plus its companions': what one device of this component must hold."""
+        return (self.memory.total_gb if self.memory else 0.0) + sum(self.companions)
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["total_gb"] = self.total_gb
         d["parallel"]["world_size"] = self.parallel.world_size
         d["rank_order"] = self.rank_order
         d["placement"] = [{"node": n, "devices": devs} for n, devs in self.placement]

@@ -54,17 +54,21 @@ def render_plan(plan: Plan, title: str = "plan", console=None) -> None:
     if plan.trains:
         tr = Table(title="training, per device (estimates)", title_justify="left")
         for col in ("component", "seqs/step", "micro-batches", "weights", "grads", "optimizer",
-                    "activations", "total", "device"):
+                    "activations", "beside it", "total", "device"):
             tr.add_column(col, justify="left" if col == "component" else "right")
         for t in plan.trains:
             mb, m = t.micro_batch, t.memory
             if mb is None or m is None:
                 continue
-            total = _gb(m.total_gb)
+            total = _gb(t.total_gb)
             tr.add_row(t.name, str(mb.sequences), f"{mb.n_micro_batches} × ≤{mb.tokens_per_mb} tok" + (" (auto)" if mb.auto else ""),
                        _gb(m.weights_gb), _gb(m.grads_gb), _gb(m.optim_gb), _gb(m.activations_gb),
-                       f"[red]{total}[/]" if m.total_gb > m.device_gb else total, _gb(m.device_gb))
+                       _gb(sum(t.companions)), f"[red]{total}[/]" if t.total_gb > m.device_gb else total,
+                       _gb(m.device_gb))
         con.print(tr)
+        if any(sum(t.companions) for t in plan.trains):
+            con.print("beside it: frozen engines in the actor's process (KL reference, distillation teacher, reward "
+                      "model) and a critic's weights, gradients and optimizer states", style="dim", highlight=False)
     if plan.inferences:
         inf = Table(title="inference, per device (estimates)", title_justify="left")
         for col in ("component", "devices/instance", "weights", "KV budget", "KV tokens", "needed",

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from areal_cli.allocation import autosize
 from areal_cli.allocation.estimate import (
     ModelFacts,
+    TrainMemory,
     companion_states,
     device_memory_gb,
     inference_memory,
@@ -319,17 +320,21 @@ def _train_memory_at(cfg: ExperimentConfig, facts: ModelFacts, c: Component, dev
     samples = cfg.algo.batch_size * samples_per_prompt(cfg.algo.name, cfg.rollout.group_size)
     per_mini = max(1, samples // par.dp // cfg.algo.ppo_n_minibatches)
 
-    reference = cfg.algo.kl_coef > 0 and facts.lora_rank == 0
-    teacher = teacher_size_ratio(cfg)
-    rm = rm_size_ratio(cfg)
+    companions = _companions(cfg, facts)
 
     def total_gb(k: int) -> float:
         m = train_memory(facts, sharding, par, ffn_tp, cfg.engine.dtype, k * seq, math.ceil(per_mini / k),
                          cfg.engine.gradient_checkpointing, dev_gb)
-        return m.total_gb + sum(companion_states(m, reference=reference, critic=bool(cfg.algo.use_critic),
-                                                 teacher=teacher, reward_model=rm))
+        return m.total_gb + sum(companions(m))
 
     return total_gb, per_mini
+
+
+def _companions(cfg: ExperimentConfig, facts: ModelFacts) -> Callable[[TrainMemory], tuple[float, float, float]]:
+    """``actor memory -> (weights, grads, optimizer) GB`` of the engines beside the actor in its process."""
+    kw = dict(reference=cfg.algo.kl_coef > 0 and facts.lora_rank == 0, critic=bool(cfg.algo.use_critic),
+              teacher=teacher_size_ratio(cfg), reward_model=rm_size_ratio(cfg))
+    return lambda m: companion_states(m, **kw)
 
 
 def _resolve_auto(cfg: ExperimentConfig, spec: AllocationSpec, facts: ModelFacts, dev_gb: float,
@@ -443,6 +448,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     plan.warnings.extend(f"{a.path}=auto: even one sequence leaves less than {1 - autosize.MEMORY_MARGIN:.0%} of "
                          "the device free — raise d/t/p or enable engine.gradient_checkpointing"
                          for a in plan.auto if a.bound == "over margin")
+    companions = _companions(cfg, facts)
     for c, pl in zip(spec.components, placements):
         d = c.dims
         if c.kind == "inference":
@@ -462,7 +468,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
                            ffn.tp if ffn else par.tp, cfg.engine.dtype, mb.tokens_per_mb, mb.n_micro_batches,
                            cfg.engine.gradient_checkpointing, dev_gb)
         plan.trains.append(TrainPart(c.name or backend, backend, par, c.world_size, pl.by_node, ffn, mb,
-                                     mem, list(pl.split)))
+                                     mem, companions(mem), list(pl.split)))
     for c in spec.train:
         if c.backend is None:
             c.backend = cfg.engine.name
@@ -522,9 +528,9 @@ def _resolve_decoupled_loss(cfg: ExperimentConfig, plan: Plan) -> None:
 def _memory_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
     for t in plan.trains:
         mem = t.memory
-        if mem is not None and mem.total_gb > mem.device_gb:
+        if mem is not None and t.total_gb > mem.device_gb:
             plan.warnings.append(
-                f"train '{t.name}': estimated {mem.total_gb:.1f} GB per device exceeds the device's "
+                f"train '{t.name}': estimated {t.total_gb:.1f} GB per device exceeds the device's "
                 f"{mem.device_gb:.1f} GB — raise d/t/p, enable engine.gradient_checkpointing or lower "
                 "engine.max_tokens_per_mb")
     for p in plan.inferences:

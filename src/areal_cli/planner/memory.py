@@ -14,9 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from areal_cli.allocation.estimate import GiB, ModelFacts, companion_states, dtype_bytes, server_mem_fraction
-from areal_cli.plan.distill import teacher_size_ratio
-from areal_cli.plan.reward_model import rm_size_ratio
+from areal_cli.allocation.estimate import GiB, ModelFacts, dtype_bytes, server_mem_fraction
 
 if TYPE_CHECKING:
     from areal_cli.config.schema import ExperimentConfig
@@ -70,9 +68,7 @@ def trainer_memory(cfg: ExperimentConfig, part, facts: ModelFacts, base_gb: floa
     must fit). ``mean_mb_tokens``, the tokens a micro-batch really packs at the mean lengths, scales them
     (activations are linear in tokens) for ``expected_gb``."""
     m = part.memory
-    cw, cg, co = companion_states(m, reference=cfg.algo.kl_coef > 0 and facts.lora_rank == 0,
-                                  critic=bool(cfg.algo.use_critic), teacher=teacher_size_ratio(cfg),
-                                  reward_model=rm_size_ratio(cfg))
+    cw, cg, co = part.companions
     weights, grads, optim = m.weights_gb + cw, m.grads_gb + cg, m.optim_gb + co
     parts = {"weights_gb": weights, "grads_gb": grads, "optim_gb": optim, "activations_gb": m.activations_gb}
     states = sum(parts.values())

@@ -84,3 +84,18 @@ def test_teacher_engine_must_be_a_training_engine(tiny_model_dir, bigger_teacher
     with pytest.raises(ConfigError, match="algo.distill.engine.*unknown training engine"):
         validate(load_config([*base, "algo.distill.engine=bogus"]))
     assert validate(load_config([*base, "algo.distill.engine=fsdp"])).trains
+
+
+def test_validate_config_counts_the_teacher_beside_the_actor(tiny_model_dir, bigger_teacher):
+    """validate-config's per-device training table and its JSON hold the teacher's weights (and the KL
+    reference's), not the actor's states alone."""
+    from areal_cli.plan.distill import teacher_size_ratio
+
+    base = [f"model.path={tiny_model_dir}", "trainer.sft_warmup_steps=0", "algo.kl_coef=0.04"]
+    on = load_config([*base, f"algo.distill.teacher_path={bigger_teacher}"])
+    part_off, part_on = validate(load_config(base)).trains[0], validate(on).trains[0]
+    w = part_on.memory.weights_gb
+    assert part_off.companions == pytest.approx((w, 0.0, 0.0))  # the KL reference alone
+    assert part_on.companions == pytest.approx(((1 + teacher_size_ratio(on)) * w, 0.0, 0.0))
+    assert part_on.total_gb == pytest.approx(part_on.memory.total_gb + part_on.companions[0])
+    assert part_on.to_dict()["total_gb"] == pytest.approx(part_on.total_gb)
