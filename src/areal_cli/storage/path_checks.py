@@ -127,14 +127,29 @@ def _errno_fix(e: OSError, path: str) -> str:
 
 
 def probe_dir(path: str) -> Path:
-    return Path(path) / PROBE_DIR
+    """This process's own directory under ``<path>/.areal_storage_probe/``, created on first use.
+
+    Own, so that runs started at the same moment on one fileroot do not race: one run's cleanup removes the
+    shared parent only when it is empty, and it is not while another run's directory is in it. Raises the
+    OSError of a directory that cannot be made (read-only, no permission), for the check to report."""
+    d = Path(path) / PROBE_DIR / f"local-{os.getpid()}-{_TOKEN}"
+    for _ in range(4):  # another run may remove the empty parent between our mkdirs; create it again
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            return d
+        except FileNotFoundError:
+            if not os.path.isdir(path):
+                raise
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+_TOKEN = uuid.uuid4().hex[:8]
 
 
 def check_writable(path: str) -> CheckResult:
-    d = probe_dir(path)
-    f = d / f"w-{uuid.uuid4().hex}"
     try:
-        d.mkdir(exist_ok=True)
+        f = probe_dir(path) / f"w-{uuid.uuid4().hex}"
         fd = os.open(f, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         try:
             os.write(fd, b"areal")
@@ -164,9 +179,9 @@ def check_free_space(path: str, required_bytes: int) -> CheckResult:
 
 
 def check_fsync(path: str, n: int = 8) -> CheckResult:
-    f = probe_dir(path) / f"fsync-{uuid.uuid4().hex}"
     lat = []
     try:
+        f = probe_dir(path) / f"fsync-{uuid.uuid4().hex}"
         fd = os.open(f, os.O_CREAT | os.O_WRONLY, 0o644)
         try:
             block = os.urandom(4096)
@@ -194,9 +209,10 @@ def check_throughput(path: str, size_bytes: int = 32 * 1024 * 1024) -> list[Chec
     The page cache is dropped for the file before reading, where the filesystem supports it, so
     the read figure is the device's rather than RAM's (tmpfs has no device and stays in RAM).
     """
-    f = probe_dir(path) / f"tp-{uuid.uuid4().hex}"
+    f = ""  # nothing to remove if the probe directory cannot be made
     chunk = os.urandom(1024 * 1024)
     try:
+        f = probe_dir(path) / f"tp-{uuid.uuid4().hex}"
         st = os.statvfs(path)
         size_bytes = max(len(chunk), min(size_bytes, (st.f_bavail * st.f_frsize) // 4))
         n_chunks = max(1, size_bytes // len(chunk))
@@ -236,9 +252,10 @@ def check_throughput(path: str, size_bytes: int = 32 * 1024 * 1024) -> list[Chec
 
 
 def check_atomic_rename(path: str) -> CheckResult:
-    d = probe_dir(path)
-    target, tmp = d / f"rn-{uuid.uuid4().hex}", d / f"rn-{uuid.uuid4().hex}.tmp"
+    target = tmp = ""  # nothing to remove if the probe directory cannot be made
     try:
+        d = probe_dir(path)
+        target, tmp = d / f"rn-{uuid.uuid4().hex}", d / f"rn-{uuid.uuid4().hex}.tmp"
         target.write_bytes(b"old")
         tmp.write_bytes(b"new")
         os.replace(tmp, target)
@@ -258,8 +275,8 @@ def check_atomic_rename(path: str) -> CheckResult:
 
 def check_locking(path: str) -> CheckResult:
     """A POSIX lock held here must block another process (NFS needs lockd for that)."""
-    f = probe_dir(path) / f"lock-{uuid.uuid4().hex}"
     try:
+        f = probe_dir(path) / f"lock-{uuid.uuid4().hex}"
         fd = os.open(f, os.O_CREAT | os.O_RDWR, 0o644)
     except OSError as e:
         return CheckResult("file locking", FAIL, e.strerror or str(e), _errno_fix(e, path), path=path)
@@ -332,6 +349,8 @@ def run_local_checks(path: str, *, required_bytes: int = 0, multi_node: bool = F
 
 
 def _unlink(p: os.PathLike | str) -> None:
+    if not p:
+        return
     try:
         os.unlink(p)
     except OSError:
@@ -339,7 +358,9 @@ def _unlink(p: os.PathLike | str) -> None:
 
 
 def _cleanup(path: str) -> None:
-    try:
-        probe_dir(path).rmdir()  # only when empty: a concurrent cross-node probe may still use it
-    except OSError:
-        pass
+    own = Path(path) / PROBE_DIR / f"local-{os.getpid()}-{_TOKEN}"
+    for d in (own, own.parent):  # the parent only when empty: other runs' probes may still use it
+        try:
+            d.rmdir()
+        except OSError:
+            pass

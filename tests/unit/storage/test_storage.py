@@ -219,3 +219,31 @@ def _exists_status(path: str) -> tuple[str, str]:
 
     r = check_exists(path)
     return r.status, r.figure
+
+
+def test_runs_checking_one_fileroot_at_once_all_pass(tmp_path):
+    """Runs started at the same moment on one fileroot check it at once (real processes): one run's cleanup
+    must not remove the probe directory another run is writing in (two `areal train` on one fileroot once
+    failed with "atomic rename: No such file or directory")."""
+    import multiprocessing as mp
+
+    path = str(tmp_path / "fileroot")
+    os.makedirs(path)
+    ctx = mp.get_context("fork")
+    start, out = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_local_failures, args=(path, start, out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    failed = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join()
+    assert failed == [[]] * 4, [f[:3] for f in failed]
+    assert os.listdir(path) == []  # every probe cleaned up
+
+
+def _local_failures(path: str, start, out) -> None:
+    from areal_cli.storage.path_checks import run_local_checks
+
+    start.wait()
+    out.put([f"{r.check}: {r.figure}" for _ in range(50)
+             for r in run_local_checks(path, throughput_bytes=0) if r.failed])
