@@ -18,17 +18,21 @@ Printed per system:
 - held-out accuracy of the warm start and of each checkpoint, and the time to reach ``--target``;
 - ratios: areal async / TRL and areal async / areal sync samples/s.
 
-The three runs are repeated ``--rounds`` times, interleaved (async, sync, TRL, async, ...), so a
-drift in the machine's speed affects all three alike; the per-round ratios and their median are
-printed last. Accuracy is evaluated on round 1's checkpoints.
+Rounds: the three runs are repeated once per seed of ``--seeds`` (default 1 2 3), ``--rounds`` times over
+(``--rounds 2``: seeds 1 2 3 1 2 3), interleaved (async, sync, TRL, async, ...), so a drift in the machine's
+speed affects all three alike. A round's seed is areal's ``seed`` (sampling and prompt order; the data stay
+``dataset.seed``'s) and TRL's ``seed``. Every round's checkpoints are evaluated; printed per system: held-out
+accuracy at each checkpoint as mean [min-max] over the rounds, and time to target as the median over seeds and
+rounds with the worst round (a round that never reached it counts as missed, and the median is "missed" when
+half or more missed); ratios per round and their median and worst.
 
 Threads: TRL runs in one process with all cores (``torch.set_num_threads(os.cpu_count())``);
 areal runs its server, its trainer and its rollout worker as one process each, torch at one thread,
 except the trainer's RL steps, which take the cores the servers leave idle (the default layout:
 docs/train.md, "Threads of the train step"; measured: benchmarks/results/train_threads.md).
 
-    python benchmarks/vs_trl.py                      # the default: 3 rounds of 40 steps, 8 prompts x 8, 16 tokens
-    python benchmarks/vs_trl.py --steps 10 --warm DIR   # reuse a warm-start HF dir
+    python benchmarks/vs_trl.py                      # the default: seeds 1 2 3, 40 steps, 8 prompts x 8, 16 tokens
+    python benchmarks/vs_trl.py --seeds 1 --big-rounds 0 --steps 10 --warm DIR   # a quick look
 """
 
 from __future__ import annotations
@@ -166,7 +170,7 @@ def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: ar
               "trainer.keep_checkpoints=1000"]
     spp = args.batch * args.group
     rows = {}
-    runs = [("areal async (k=2)", 2, []), ("areal sync (k=0)", 0, [])]
+    runs = [(ASYNC, 2, []), (SYNC, 0, [])]
     for i, v in enumerate(args.variant):
         name, _, overrides = v.partition(":")
         runs.insert(1 + i, (f"areal async {name}", 2, [o for o in overrides.split(",") if o]))
@@ -177,7 +181,7 @@ def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: ar
         rows[name] = areal_figures(run, spp)
     print(f"[bench] {tag}: TRL GRPOTrainer", flush=True)
     targs = argparse.Namespace(**{**vars(args), "steps": steps, "ckpt_every": ckpt_every})
-    rows["TRL GRPOTrainer (cpu)"] = trl_run(model_dir, targs, train_items, os.path.join(root, f"{tag}_trl"))
+    rows[TRL] = trl_run(model_dir, targs, train_items, os.path.join(root, f"{tag}_trl"))
     return rows
 
 
@@ -193,9 +197,12 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=None,
                     help="held-out accuracy to reach (default: warm start + 10 points)")
     ap.add_argument("--warm", default=None, help="warm-start HF dir (default: run the embedded SFT warm start)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the three runs (0: skip)")
-    ap.add_argument("--big-rounds", type=int, default=3,
-                    help="interleaved rounds of the realistic row on the ~11.9M-param model (0: skip it)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
+                    help="one round per seed (areal's run seed over fixed data, TRL's seed), for both rows")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times over the seeds for the warm-started tiny row (0: skip the row)")
+    ap.add_argument("--big-rounds", type=int, default=1,
+                    help="times over the seeds for the realistic row on the ~11.9M-param model (0: skip it)")
     ap.add_argument("--big-steps", type=int, default=30, help="RL steps per run of the realistic row")
     ap.add_argument("--big-new-tokens", type=int, default=64)
     ap.add_argument("--big-ckpt-every", type=int, default=5)
@@ -209,9 +216,6 @@ def main() -> None:
     ap.add_argument("--big-target", type=float, default=None,
                     help="held-out accuracy the realistic row must reach (default: its warm start + 10 points)")
     ap.add_argument("--fileroot", default=None)
-    ap.add_argument("--seeds", type=int, nargs="*", default=None,
-                    help="a seed study: one round per seed (areal's run seed over fixed data, TRL's seed), "
-                         "held-out accuracy per system and step as mean and range over the seeds")
     ap.add_argument("--bf16", action="store_true",
                     help="train in bf16 autocast over fp32 weights on both sides (areal engine.dtype=bfloat16, "
                          "TRL bf16=True); generation stays fp32 in areal's server")
@@ -220,12 +224,10 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDE[,OVERRIDE...]",
                     help="one more areal async (k=2) row with these overrides, e.g. "
                          "'(plain PPO):algo.use_decoupled_loss=false'")
-    ap.add_argument("--seed-row", choices=("tiny", "big"), default="tiny",
-                    help="the row a --seeds study runs: the warm-started tiny model, or the realistic row's model")
     args = ap.parse_args()
     root = args.fileroot or tempfile.mkdtemp(prefix="areal_bench_")
     warm = args.warm
-    if warm is None:
+    if warm is None:  # the tiny row's start, and the tokenizer both rows' data are read with
         print("[bench] warm start: the embedded default's SFT phase", flush=True)
         run = areal_train(root, "warm", ["trainer.total_steps=0", "trainer.eval_every=0", "dataset.eval_size=8"])
         warm = str(run / "sft_warmup" / "hf")
@@ -238,33 +240,42 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(warm)
     train_items, _ = load_split(cfg.dataset, tok, "train", seed=cfg.seed)
     test_items = load_split(cfg.dataset, tok, "test", seed=cfg.seed)[0][: args.eval_size]
-    if args.seeds:
-        if args.seed_row == "big":
-            warm, args = big_warm_start(root, args)
-        return seed_study(root, warm, args, train_items, test_items, cfg.seed)
-    # Rounds interleave the three systems, so a drift in the machine's speed hits all of them alike;
-    # throughput ratios and time to target are reported per round and as medians.
     if args.rounds > 0:
-        rounds = [compare(root, f"tiny_r{i}", [f"model.path={warm}"], warm, args, args.steps, args.ckpt_every,
-                          train_items) for i in range(args.rounds)]
+        rounds = seeded_rounds(root, "tiny", warm, args, args.rounds, train_items, cfg.seed)
         report(rounds, warm, test_items, args, "warm-started tiny model", gain=0.10)
-        if args.rounds > 1:
-            print_rounds(rounds)
     if args.big_rounds > 0:
-        realistic_row(root, args, train_items, test_items)
+        realistic_row(root, args, train_items, test_items, cfg.seed)
+
+
+def seeded_rounds(root: str, row: str, warm: str, args: argparse.Namespace, times: int, train_items: list[dict],
+                  data_seed: int) -> list[dict]:
+    """``times`` passes over ``args.seeds``: one interleaved round of the three systems per seed, from the
+    same warm start and the same data (areal's rows fixed by ``dataset.seed``, so only its sampling and
+    prompt order move with ``seed``); each round's rows carry their ``seed``."""
+    rounds = []
+    for i in range(times):
+        for s in args.seeds:
+            extra = [*args.areal_args, f"seed={s}", f"dataset.seed={data_seed}"]
+            sargs = argparse.Namespace(**{**vars(args), "trl_seed": s, "areal_args": extra})
+            rows = compare(root, f"{row}_s{s}_r{i}", [f"model.path={warm}"], warm, sargs, args.steps,
+                           args.ckpt_every, train_items)
+            for r in rows.values():
+                r["seed"] = s
+            rounds.append(rows)
+    return rounds
 
 
 # The realistic row's model: the size of benchmarks/inference_throughput.py's.
 BIG = ("model.path=builtin:tiny", "model.hidden_size=256", "model.num_hidden_layers=12",
        "model.num_attention_heads=8", "model.num_key_value_heads=4", "model.intermediate_size=1024")
+ASYNC, SYNC, TRL = "areal async (k=2)", "areal sync (k=0)", "TRL GRPOTrainer (cpu)"
 
 
 def report(rounds: list[dict], warm: str, test_items: list[dict], args: argparse.Namespace, what: str,
            gain: float) -> None:
-    """One evaluator over every round's checkpoints; round 1's curves, then per-round time to target
-    (warm start + ``gain`` unless ``--target``) and its median ratio against TRL."""
-    import statistics
-
+    """One evaluator over every round's checkpoints; per round its curves and time to target (warm start +
+    ``gain`` unless ``--target``), then per system the curve as mean [min-max] and the time to target as the
+    median over seeds and rounds with the worst, and the ratios against TRL and sync."""
     dirs = [warm] + [p for rows in rounds for r in rows.values() for _, p in r["checkpoints"].values()]
     print(f"[bench] evaluating {len(dirs)} checkpoints on {len(test_items)} held-out items", flush=True)
     acc = evaluate_dirs(dirs, test_items, args.max_new_tokens)
@@ -274,48 +285,93 @@ def report(rounds: list[dict], warm: str, test_items: list[dict], args: argparse
         for r in rows.values():
             curve = [(s, acc[p], t) for s, (t, p) in sorted(r["checkpoints"].items())]
             r.update(final_acc=curve[-1][1], curve=[(s, a) for s, a, _ in curve],
-                     time_to_target_s=next((t for _, a, t in curve if a >= target), None))
+                     time_to_target_s=next((t for _, a, t in curve if a >= target), None),
+                     steps_to_target=next((s for s, a, _ in curve if a >= target), None))
     print(f"\n[{what}] same warm start (held-out {base:.1%}), task, prompts per step ({args.batch}), group "
-          f"({args.group}), max new tokens ({args.max_new_tokens}), steps ({args.steps}); target {target:.1%}")
-    print(f"{'round':>5s} {'run':24s} {'samples/s':>10s} {'tokens/s':>9s} {'RL wall s':>10s} {'tok/sample':>11s} "
-          f"{'final acc':>10s} {'t→target s':>11s}  curve (step: acc)")
+          f"({args.group}), max new tokens ({args.max_new_tokens}), steps ({args.steps}); target {target:.1%}; "
+          f"{len(rounds)} rounds over seeds {args.seeds}")
+    print(f"{'round':>5s} {'seed':>4s} {'run':24s} {'samples/s':>10s} {'tokens/s':>9s} {'RL wall s':>10s} "
+          f"{'tok/sample':>11s} {'final acc':>10s} {'t→target s':>11s}  curve (step: acc)")
     for i, rows in enumerate(rounds, 1):
         for k, r in rows.items():
             hit = r["time_to_target_s"]
-            print(f"{i:5d} {k:24s} {r['samples_per_s']:10.2f} {r['samples_per_s'] * r['tokens_per_sample']:9.1f} "
-                  f"{r['rl_wall_s']:10.1f} {r['tokens_per_sample']:11.2f} {r['final_acc']:10.1%} "
-                  f"{'-' if hit is None else f'{hit:.0f}':>11s}  " + " ".join(f"{s}:{a:.0%}" for s, a in r["curve"]))
+            print(f"{i:5d} {r['seed']:4d} {k:24s} {r['samples_per_s']:10.2f} "
+                  f"{r['samples_per_s'] * r['tokens_per_sample']:9.1f} {r['rl_wall_s']:10.1f} "
+                  f"{r['tokens_per_sample']:11.2f} {r['final_acc']:10.1%} {'-' if hit is None else f'{hit:.0f}':>11s}"
+                  "  " + " ".join(f"{s}:{a:.0%}" for s, a in r["curve"]))
+    print_curves(rounds)
+    print_time_to_target(rounds)
     print_throughput(rounds[0], what)
-    for name in ("areal async (k=2)", "areal sync (k=0)"):
-        ratios = [rows[name]["time_to_target_s"] / rows[TRL]["time_to_target_s"] for rows in rounds
-                  if rows[name]["time_to_target_s"] and rows[TRL]["time_to_target_s"]]
-        missed = len(rounds) - len(ratios)
-        print(f"time to target, {name} / TRL: " + (f"median {statistics.median(ratios):.2f}x over "
-              f"{len(ratios)} rounds (per round: {', '.join(f'{x:.2f}' for x in ratios)}; target <= 0.5x)"
-              if ratios else "no round where both reached the target")
-              + (f"; {missed} round(s) where one of the two missed it" if missed and ratios else ""))
-    print(json.dumps([{k: {kk: vv for kk, vv in r.items() if kk != "checkpoints"} for k, r in rows.items()}
-                      for rows in rounds]))
+    if len(rounds) > 1:
+        print_rounds(rounds)
+    print(json.dumps({"warm": base, "target": target, "seeds": args.seeds, "areal_args": args.areal_args,
+                      "rounds": [{k: {kk: vv for kk, vv in r.items() if kk != "checkpoints"} for k, r in rows.items()}
+                                 for rows in rounds]}))
 
 
-TRL = "TRL GRPOTrainer (cpu)"
+def print_curves(rounds: list[dict]) -> None:
+    import statistics
+
+    steps = sorted({s for rows in rounds for r in rows.values() for s, _ in r["curve"]})
+    print(f"\nheld-out accuracy per checkpoint: mean [min-max] over {len(rounds)} rounds")
+    print(f"{'system':24s} " + " ".join(f"{'step ' + str(st):>17s}" for st in steps))
+    for name in rounds[0]:
+        cells = []
+        for st in steps:
+            xs = [a for rows in rounds for s, a in rows[name]["curve"] if s == st]
+            cells.append(f"{statistics.mean(xs):.1%} [{min(xs):.0%}-{max(xs):.0%}]" if xs else "-")
+        print(f"{name:24s} " + " ".join(f"{c:>17s}" for c in cells))
 
 
-def realistic_row(root: str, args: argparse.Namespace, train_items: list[dict], test_items: list[dict]) -> None:
+def _median_missed(xs: list[float | None]) -> float | None:
+    """The median of ``xs`` with a miss (None) counted as later than every hit; None when it lands on a miss."""
+    import math
+
+    ordered = sorted(xs, key=lambda x: math.inf if x is None else x)
+    n = len(ordered)
+    lo, hi = ordered[(n - 1) // 2], ordered[n // 2]
+    return None if lo is None or hi is None else (lo + hi) / 2
+
+
+def print_time_to_target(rounds: list[dict]) -> None:
+    """Per system, the median and worst time (and steps) to target over seeds and rounds; per round the
+    ratios of areal async to TRL and to sync, with their median (misses counted as later than any hit)."""
+    fmt = lambda x, unit="s": "missed" if x is None else f"{x:.0f} {unit}"  # noqa: E731
+    print(f"\ntime to target over {len(rounds)} rounds (seeds {sorted({r[TRL]['seed'] for r in rounds})}): "
+          "median, worst")
+    for name in rounds[0]:
+        ts = [rows[name]["time_to_target_s"] for rows in rounds]
+        steps = [rows[name]["steps_to_target"] for rows in rounds]
+        worst = None if None in ts else max(ts)
+        print(f"  {name:24s} median {fmt(_median_missed(ts)):>8s}, worst {fmt(worst):>8s}   steps: median "
+              f"{fmt(_median_missed(steps), 'steps')}, per round "
+              + ", ".join("-" if x is None else str(x) for x in steps))
+    for name, other, goal in ((ASYNC, TRL, "<= 0.5x"), (ASYNC, SYNC, "<= 0.75x"), (SYNC, TRL, "")):
+        ratios = []
+        for rows in rounds:
+            a, b = rows[name]["time_to_target_s"], rows[other]["time_to_target_s"]
+            ratios.append(None if a is None else 0.0 if b is None else a / b)  # 0: only the other missed
+        hit = [x for x in ratios if x is not None]
+        med = _median_missed(ratios)
+        print(f"  {name} / {other}: median " + ("missed" if med is None else f"{med:.2f}x")
+              + (f", worst {max(hit):.2f}x" if hit and len(hit) == len(ratios) else ", worst: missed")
+              + f" (per round: {', '.join('missed' if x is None else f'{x:.2f}' for x in ratios)}; 0.00: only "
+              f"the second missed)" + (f"; goal {goal}" if goal else ""))
+
+
+def realistic_row(root: str, args: argparse.Namespace, train_items: list[dict], test_items: list[dict],
+                  data_seed: int) -> None:
     """Issue 23, item 3: the ~11.9M-param model warm-started (so rewards are not all zero), ``--big-new-tokens``
-    new tokens, the three systems side by side in ``--big-rounds`` interleaved rounds."""
+    new tokens, the three systems side by side in rounds over the seeds."""
     from areal_cli.models.tiny import model_param_count
 
     warm, bargs = big_warm_start(root, args)
     n = model_param_count(warm) / 1e6
     print(f"\n[bench] realistic row: {n:.1f}M params, warm-started, {args.big_new_tokens} new tokens, "
-          f"{args.big_steps} steps at lr {args.big_lr}, {args.big_rounds} rounds", flush=True)
-    rounds = [compare(root, f"big_r{i}", [f"model.path={warm}"], warm, bargs, args.big_steps, args.big_ckpt_every,
-                      train_items) for i in range(args.big_rounds)]
+          f"{args.big_steps} steps at lr {args.big_lr}, seeds {args.seeds} x {args.big_rounds}", flush=True)
+    rounds = seeded_rounds(root, "big", warm, bargs, args.big_rounds, train_items, data_seed)
     report(rounds, warm, test_items, bargs, f"{n:.1f}M params, warm-started, {args.big_new_tokens} new tokens",
            gain=0.10)
-    if len(rounds) > 1:
-        print_rounds(rounds)
 
 
 def big_warm_start(root: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
@@ -333,65 +389,28 @@ def big_warm_start(root: str, args: argparse.Namespace) -> tuple[str, argparse.N
     return warm, bargs
 
 
-def seed_study(root: str, warm: str, args: argparse.Namespace, train_items: list[dict],
-               test_items: list[dict], data_seed: int) -> None:
-    """Each seed: the three systems from the same warm start and the same data (areal's rows fixed by
-    ``dataset.seed``, so only its sampling and prompt order move with ``seed``), then one evaluator over every
-    checkpoint. Prints held-out accuracy per system and step: mean and range over the seeds."""
-    import statistics
-
-    curves: dict[str, dict[int, list[float]]] = {}
-    costs: dict[str, list[tuple[float, float]]] = {}  # per seed: trainer seconds per step, samples/s
-    for s in args.seeds:
-        extra = [*args.areal_args, f"seed={s}", f"dataset.seed={data_seed}"]
-        sargs = argparse.Namespace(**{**vars(args), "trl_seed": s, "areal_args": extra})
-        rows = compare(root, f"seed{s}", [f"model.path={warm}"], warm, sargs, args.steps, args.ckpt_every,
-                       train_items)
-        dirs = [p for r in rows.values() for _, p in r["checkpoints"].values()]
-        acc = evaluate_dirs(dirs, test_items, args.max_new_tokens)
-        for name, r in rows.items():
-            for step, (_, path) in r["checkpoints"].items():
-                curves.setdefault(name, {}).setdefault(step, []).append(acc[path])
-            costs.setdefault(name, []).append((r["train_s_per_step"], r["samples_per_s"]))
-        print(f"[bench] seed {s}: " + "; ".join(
-            f"{n}: " + " ".join(f"{st}:{acc[p]:.0%}" for st, (_, p) in sorted(r["checkpoints"].items()))
-            for n, r in rows.items()), flush=True)
-    base = evaluate_dirs([warm], test_items, args.max_new_tokens)[warm]
-    steps = sorted({st for c in curves.values() for st in c})
-    print(f"\nseed study: {len(args.seeds)} seeds {args.seeds}, warm start {base:.1%} held-out "
-          f"({len(test_items)} items); areal extra overrides: {args.areal_args or 'none'}")
-    print(f"{'system':24s} " + " ".join(f"{'step ' + str(st):>18s}" for st in steps))
-    for name, c in curves.items():
-        cells = [f"{statistics.mean(c[st]):.1%} [{min(c[st]):.0%}-{max(c[st]):.0%}]" for st in steps]
-        print(f"{name:24s} " + " ".join(f"{x:>18s}" for x in cells))
-    print(f"\n{'system':24s} {'train s/step (median)':>22s} {'samples/s (median)':>19s}")
-    for name, c in costs.items():
-        print(f"{name:24s} {statistics.median(x for x, _ in c):22.3f} {statistics.median(y for _, y in c):19.2f}")
-    print(json.dumps({"warm": base, "seeds": args.seeds, "areal_args": args.areal_args,
-                      "curves": {n: {str(k): v for k, v in c.items()} for n, c in curves.items()}}))
-
-
 def print_rounds(rounds: list[dict]) -> None:
     import statistics
 
     print(f"\n[{len(rounds)} interleaved rounds] samples/s and ratios per round")
-    print(f"{'round':>5s} {'async':>8s} {'sync':>8s} {'TRL':>8s} {'async/TRL':>10s} {'async/sync':>11s} "
+    print(f"{'round':>5s} {'seed':>4s} {'async':>8s} {'sync':>8s} {'TRL':>8s} {'async/TRL':>10s} {'async/sync':>11s} "
           f"{'async/sync, steps 3+':>21s}")
     r_t, r_s, r_ss = [], [], []
     for i, rows in enumerate(rounds, 1):
-        ra, rs = rows["areal async (k=2)"], rows["areal sync (k=0)"]
+        ra, rs = rows[ASYNC], rows[SYNC]
         a, s, t = ra["samples_per_s"], rs["samples_per_s"], rows[TRL]["samples_per_s"]
         r_t.append(a / t)
         r_s.append(a / s)
         r_ss.append(ra["steady_samples_per_s"] / rs["steady_samples_per_s"])
-        print(f"{i:5d} {a:8.1f} {s:8.1f} {t:8.1f} {a / t:9.2f}x {a / s:10.2f}x {r_ss[-1]:20.2f}x")
-    print(f"median ratio areal async / TRL: {statistics.median(r_t):.2f}x (target >= 2x); "
-          f"areal async / areal sync: {statistics.median(r_s):.2f}x over the whole RL phase, "
-          f"{statistics.median(r_ss):.2f}x in steady state (steps 3+) (target >= 1.4x)")
+        print(f"{i:5d} {ra['seed']:4d} {a:8.1f} {s:8.1f} {t:8.1f} {a / t:9.2f}x {a / s:10.2f}x {r_ss[-1]:20.2f}x")
+    print(f"median ratio areal async / TRL: {statistics.median(r_t):.2f}x, worst {min(r_t):.2f}x (target >= 2x); "
+          f"areal async / areal sync: {statistics.median(r_s):.2f}x (worst {min(r_s):.2f}x) over the whole RL "
+          f"phase, {statistics.median(r_ss):.2f}x (worst {min(r_ss):.2f}x) in steady state (steps 3+) "
+          "(target >= 1.4x)")
 
 
 def print_throughput(rows: dict, what: str) -> tuple[dict, dict, dict]:
-    a, s, t = (rows[n] for n in ("areal async (k=2)", "areal sync (k=0)", "TRL GRPOTrainer (cpu)"))
+    a, s, t = (rows[n] for n in (ASYNC, SYNC, TRL))
     print(f"\n[{what}] samples/s: areal async {a['samples_per_s']:.2f}, areal sync {s['samples_per_s']:.2f}, "
           f"TRL {t['samples_per_s']:.2f}; tokens/sample {a['tokens_per_sample']:.2f} / "
           f"{s['tokens_per_sample']:.2f} / {t['tokens_per_sample']:.2f}")
