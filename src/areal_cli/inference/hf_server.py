@@ -133,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if vl:
+        from areal_cli.inference.server.vision import attach
+
+        if not attach(engine):
+            print(f"error: {args.model_path} has a vision_config but its model class has no get_rope_index "
+                  "(the hf server serves Qwen2-VL-family vision-language models)", file=sys.stderr)
+            return 2
     engine.adapters.max_rank, engine.adapters.max_adapters = args.max_lora_rank, args.max_loaded_loras
     state = ServerState(
         engine=engine, tokenizer=tok, model_path=os.path.abspath(args.model_path),

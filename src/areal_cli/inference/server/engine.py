@@ -115,10 +115,9 @@ class GenerationEngine:
         self._running: list[Sequence] = []
         self._prefixes: dict[tuple, _Prefix] = {}
         self.runner = _make_runner(model, self.device, fast_path, self.pad_id, decode_attention)
-        from areal_cli.inference.server import vision
-
-        # Requests with images run in their own sub-batch (mrope positions, the vision tower in prefill).
-        self.vision = vision.VisionBatch(self) if vision.is_vision_model(model) else None
+        # Requests with images run in their own sub-batch (mrope positions, the vision tower in prefill):
+        # vision.VisionBatch, attached by the server for a vision-language model (vision.attach).
+        self.vision = None
         self.adapters = lora.AdapterSet()
         self._capture = None  # routing_replay.Capture, made on the first request that records routing
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,

@@ -31,6 +31,14 @@ def is_vision_model(model) -> bool:
         getattr(model, "model", None), "get_rope_index")
 
 
+def attach(engine) -> bool:
+    """Give ``engine`` an image sub-batch when its model takes images (before ``engine.start()``)."""
+    if not is_vision_model(engine.model):
+        return False
+    engine.vision = VisionBatch(engine)
+    return True
+
+
 class VisionRunner(HFRunner):
     """``HFRunner`` whose prefill feeds the images and whose positions are mrope's (see module doc)."""
 
