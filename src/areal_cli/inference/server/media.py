@@ -5,9 +5,9 @@ An image reference is a ``data:image/...;base64,`` URL, bare base64 (SGLang's ``
 or a local path / ``file://`` URL under one of the server's ``--allowed-media-roots`` (none by default).
 ``http(s)://`` URLs are refused: the server never fetches anything (it runs offline next to the trainer).
 
-Placeholders (SGLang's rule for Qwen-VL, which matches a run of ``<|image_pad|>`` between
-``<|vision_start|>`` and ``<|vision_end|>`` as one image): every maximal run of ``<|image_pad|>`` ids in
-the prompt is one image, in order. A run of one pad is expanded to the image's token count (the chat
+Placeholders (after SGLang 0.5.23's Qwen-VL processor, which decodes ``input_ids`` to text and takes each
+``<|vision_start|>(<|image_pad|>)+<|vision_end|>`` as one image; the delimiters are not required here):
+every maximal run of ``<|image_pad|>`` ids in the prompt is one image, in order. A run of one pad is expanded to the image's token count (the chat
 template's form); a run that already has exactly that many pads (a processor's output, or a resubmitted
 prompt) is kept. Any other length is a 400: the trainer needs the ids the model saw, and silently
 re-expanding would hand it ids it never sent. The expanded prompt is returned as

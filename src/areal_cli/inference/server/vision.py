@@ -46,6 +46,7 @@ class VisionRunner(HFRunner):
         super().__init__(model, device, pad_id)
         self.image_token_id = int(model.config.image_token_id)
         self.deltas: list[int] = []
+        self.text_hooks = lambda: None  # the text runner's LoRA hooks on the same modules (set by VisionBatch)
         # transformers 5 names the cache argument ``cache`` (``past_key_values`` is deprecated there)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -54,6 +55,9 @@ class VisionRunner(HFRunner):
                   "use_cache": True, **extra}
         if last_only:
             kwargs["logits_to_keep"] = 1
+        hooks = self.text_hooks()
+        if hooks is not None:  # the text batch's LoRA hooks hold its rows' adapters; image rows run the base
+            hooks.groups = []
         out = self.model(**kwargs)
         return out.logits[:, -1, :].float(), out.past_key_values
 
@@ -108,13 +112,22 @@ class VisionBatch:
     def __init__(self, engine):
         self.engine = engine
         self.runner = VisionRunner(engine.model, engine.device, engine.pad_id)
+        self.runner.text_hooks = lambda: getattr(engine.runner, "_hooks", None)
         self.running: list[Sequence] = []
 
     def admit(self, batch: list[Sequence]) -> None:
         eng = self.engine
         for s in batch:
             s.epoch = eng._epoch
-        logits = self.runner.prefill_images([s.prompt_ids + s.out_ids for s in batch], [s.images for s in batch])
+        try:
+            logits = self.runner.prefill_images([s.prompt_ids + s.out_ids for s in batch],
+                                                [s.images for s in batch])
+        except Exception as e:  # fails these requests only, not the text rows running beside them
+            log.exception("image prefill failed")
+            for s in batch:
+                s.finish = {"type": "error", "message": f"image prefill failed: {type(e).__name__}: {e}"}
+                eng._finish(s)
+            return
         eng.stats["prefill_tokens"] += sum(len(s.prompt_ids) + len(s.out_ids) for s in batch)
         self.running.extend(batch)
         for s in batch:
