@@ -192,7 +192,9 @@ class FakeTokenizerManager:
         ids = obj.input_ids if batch else [obj.input_ids]
         sps = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params] * len(ids)
         outs = []
-        for prompt, sp in zip(ids, sps):
+        # SGLang's normalised image_data: per prompt in a batch, as sent for one prompt (tests read it back)
+        images = obj.image_data if batch else [obj.image_data]
+        for prompt, sp, img in zip(ids, sps, images):
             params = self.sampling_params_class(**(sp or {}))  # TypeError on an unknown key
             params.normalize(self.tokenizer)
             params.verify(self.vocab_size)
@@ -202,6 +204,8 @@ class FakeTokenizerManager:
                 "id": "x", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(prompt),
                 "completion_tokens": n, "cached_tokens": 0, "weight_version": self.weight_version,
                 "output_token_logprobs": [[-0.5, t, None] for t in toks]}})
+            if img is not None:
+                outs[-1]["meta_info"]["harness_image_data"] = img
         yield outs if batch else outs[0]
 
     def create_abort_task(self, obj):

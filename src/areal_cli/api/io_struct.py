@@ -64,6 +64,11 @@ class ModelRequest:
     # is healthy, so the server's prefix cache holds its earlier turns (an agent session's id; a GRPO
     # group's id for its members). None: routed by load alone.
     session_id: str | None = None
+    # Images of a vision-language prompt, in prompt order: data URLs (``data:image/png;base64,...``), bare
+    # base64, or paths the server may read. Each is one run of image-pad ids in ``input_ids`` (one pad,
+    # expanded by the server, or the processor's exact count); the response's ``input_tokens`` are then
+    # the expanded prompt the model saw when the server reports it (the hf server does). docs/vision.md.
+    image_data: list[str] | None = None
 
 
 @dataclass

@@ -117,6 +117,7 @@ class _Partial:
     resumes: int = 0
     ttft: float = 0.0
     stop: str | None = None
+    prompt: list[int] | None = None  # the prompt as the model saw it (image pads expanded), when reported
 
 
 def _stitch_routing(have: Any, seg: Segment, backend: str) -> Any:
@@ -378,11 +379,13 @@ class RemoteInferenceEngine(InferenceEngine):
             await asyncio.sleep(wait)
             wait = min(2.0, wait * 2)
 
-    async def _one_call(self, inputs: list[list[int]], gs: list[GenerationConfig],
-                        budgets: list[int], key: str | None = None) -> tuple[list[Segment], str]:
+    async def _one_call(self, inputs: list[list[int]], gs: list[GenerationConfig], budgets: list[int],
+                        images: list[list[str] | None], key: str | None = None) -> tuple[list[Segment], str]:
         """One prompt, one ``/generate`` call with failover."""
         async def build(s: _ServerState) -> HttpCall:
             kw: dict[str, Any] = {"max_new_tokens": budgets[0], "lora": self.lora_name}
+            if images[0]:  # only then: a backend without images keeps its signature
+                kw["image_data"] = images[0]
             if self.backend.NEEDS_MODEL_NAME and self.lora_name is None:  # an adapter is served by its name
                 kw["model"] = await self._model_name(s)
             return self.backend.build_generate(inputs[0], gs[0], **kw)
@@ -391,18 +394,20 @@ class RemoteInferenceEngine(InferenceEngine):
             resp, fallback_version=self._version), key=key)
         return [seg], address
 
-    async def _batch_call(self, inputs: list[list[int]], gs: list[GenerationConfig],
-                          budgets: list[int], key: str | None = None) -> tuple[list[Segment], str]:
+    async def _batch_call(self, inputs: list[list[int]], gs: list[GenerationConfig], budgets: list[int],
+                          images: list[list[str] | None], key: str | None = None) -> tuple[list[Segment], str]:
         """Several prompts in one ``/generate`` call (SGLang's batch form) with failover."""
+        kw = {"image_data": images} if any(images) else {}
+
         async def build(_s: _ServerState) -> HttpCall:
-            return self.backend.build_generate_batch(inputs, gs, budgets, lora=self.lora_name)
+            return self.backend.build_generate_batch(inputs, gs, budgets, lora=self.lora_name, **kw)
 
         return await self._route(build, lambda resp: self.backend.parse_generate_batch(
             resp, len(inputs), fallback_version=self._version), rows=len(inputs), key=key)
 
     async def _rounds(self, reqs: list[ModelRequest], call: Callable[..., Awaitable[tuple[list[Segment], str]]]
                       ) -> list[ModelResponse]:
-        """Generate ``reqs`` in rounds of ``call(inputs, gconfigs, budgets)``: rows that end with
+        """Generate ``reqs`` in rounds of ``call(inputs, gconfigs, budgets, images)``: rows that end with
         ``abort`` (a weight update paused the server) go again as prompt + tokens so far with the
         remaining budget, so a response may span versions and ends only with ``stop`` or ``length``."""
         t0 = time.monotonic()
@@ -415,13 +420,16 @@ class RemoteInferenceEngine(InferenceEngine):
             active = [i for i, o in enumerate(outs) if o.stop is None]
             if not active:
                 break
-            inputs = [list(reqs[i].input_ids) + outs[i].tokens for i in active]
+            # A resumed image prompt goes again as the server expanded it (it keeps exact-length pad runs)
+            inputs = [list(outs[i].prompt or reqs[i].input_ids) + outs[i].tokens for i in active]
             gs = [reqs[i].gconfig.new(min_new_tokens=max(0, reqs[i].gconfig.min_new_tokens - len(outs[i].tokens)))
                   for i in active]
             budgets = [reqs[i].gconfig.max_new_tokens - len(outs[i].tokens) for i in active]
-            segs, address = await call(inputs, gs, budgets)
+            segs, address = await call(inputs, gs, budgets, [reqs[i].image_data for i in active])
             for i, seg in zip(active, segs):
                 o = outs[i]
+                if seg.prompt_ids is not None and o.prompt is None:
+                    o.prompt = list(seg.prompt_ids)
                 if seg.output_tokens and not o.tokens:
                     o.ttft = time.monotonic() - t0
                 o.tokens += seg.output_tokens
@@ -443,7 +451,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 if o.resumes > self.max_resumes:
                     raise InferenceError(f"request {reqs[i].rid} was aborted {o.resumes} times; giving up")
         latency = time.monotonic() - t0
-        return [ModelResponse(input_tokens=list(r.input_ids), output_tokens=o.tokens, output_logprobs=o.logprobs,
+        return [ModelResponse(input_tokens=list(o.prompt or r.input_ids), output_tokens=o.tokens, output_logprobs=o.logprobs,
                               output_versions=o.versions, stop_reason=o.stop,  # type: ignore[arg-type]
                               latency=latency, ttft=o.ttft, n_resumes=o.resumes, server=address,
                               sampling_cutoffs=o.cutoffs, routed_experts=o.routing)

@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget of the prefix cache (KV of finished sequences reused by prompts that "
                         "start with them; LRU; dropped on every weight update): 0 = off, -1 = auto (as many "
                         "tokens as fit in 512 MiB of KV, at most 65536; the fast path only)")
+    p.add_argument("--allowed-media-roots", nargs="*", default=None,
+                   help="dirs whose images requests may name by local path or file:// URL (default: none; "
+                        "images then come as data URLs or base64). http(s) URLs are always refused")
+    p.add_argument("--max-image-pixels", type=int, default=None,
+                   help="largest decoded image (width x height, before resizing) a request may send "
+                        "(default: 4096 x 4096); a larger one is a 400")
+    p.add_argument("--max-image-tokens", type=int, default=None,
+                   help="image tokens one prompt's images may take after the processor's resize (default: "
+                        "no cap but the context length); more is a 400")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import uvicorn
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from areal_cli.inference.server.app import ServerState, build_app
     from areal_cli.inference.server.attention import use_areal_sdpa
@@ -102,10 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(device).eval()
-    if not args.stock_attention:
+    # A vision-language dir (config.json has a vision_config): its images go through media.py / vision.py.
+    vl = getattr(AutoConfig.from_pretrained(args.model_path), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+    model = auto.from_pretrained(args.model_path, dtype=dtype).to(device).eval()
+    if not args.stock_attention and not vl:  # the vision tower's attention stays HF's own
         use_areal_sdpa(model)
-    cfg = model.config
+    cfg = model.config.get_text_config()  # a VLM's vocabulary and context are its language model's
     ctx = args.context_length or getattr(cfg, "max_position_embeddings", None) or 4096
     try:
         engine = GenerationEngine(model, tok, device=device, max_running=args.max_running_requests,
@@ -116,13 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # e.g. --decode-attention kernel without a C compiler
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        media = _media_handler(args, model) if vl else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if vl:
+        from areal_cli.inference.server.vision import attach
+
+        if not attach(engine):
+            print(f"error: {args.model_path} has a vision_config but its model class has no get_rope_index "
+                  "(the hf server serves Qwen2-VL-family vision-language models)", file=sys.stderr)
+            return 2
     engine.adapters.max_rank, engine.adapters.max_adapters = args.max_lora_rank, args.max_loaded_loras
     state = ServerState(
         engine=engine, tokenizer=tok, model_path=os.path.abspath(args.model_path),
         served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model_path)),
         context_length=int(ctx), vocab_size=int(cfg.vocab_size),
         allowed_roots=args.allowed_weight_roots or default_allowed_roots(args.model_path),
-        api_key=args.api_key, asgi_generate=args.generate_endpoint == "asgi")
+        api_key=args.api_key, asgi_generate=args.generate_endpoint == "asgi", media=media)
     app = build_app(state)
     from areal_cli.utils.procs import freeze_heap
 
@@ -138,6 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _media_handler(args, model):
+    """The request-side image handling of a vision-language model (server/media.py)."""
+    from areal_cli.inference.server.media import DEFAULT_MAX_IMAGE_PIXELS, MediaHandler, MediaPolicy
+    from areal_cli.models.tiny_vl import load_vl_processor
+
+    roots = [os.path.realpath(r) for r in (args.allowed_media_roots or [])]
+    for r in roots:
+        if not os.path.isdir(r):
+            raise ValueError(f"--allowed-media-roots {r} is not a directory")
+    for flag, v in (("--max-image-pixels", args.max_image_pixels), ("--max-image-tokens", args.max_image_tokens)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    proc = load_vl_processor(args.model_path)
+    policy = MediaPolicy(allowed_roots=roots, max_image_pixels=args.max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS,
+                         max_image_tokens=args.max_image_tokens)
+    return MediaHandler(proc.image_processor, model.config.image_token_id, policy)
 
 
 # Idle connections stay open this long (uvicorn's default is 5 s): longer than any client's own idle

@@ -172,6 +172,7 @@ def test_openai_completions_and_chat_with_real_client(server, model, tok):
     (json.dumps({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 5000}}), "exceeds the context length"),
     (json.dumps({"sampling_params": {}}), "input_ids or text"),
     (json.dumps([1, 2, 3]), "JSON object"),
+    (json.dumps({"input_ids": [5, 6], "image_data": ["data:image/png;base64,AAAA"]}), "text-only model"),
 ])
 def test_bad_input_gets_4xx_and_server_keeps_serving(server, body, needle):
     r = httpx.post(f"http://{server.address}/generate", content=body,
@@ -188,3 +189,13 @@ def test_non_loopback_bind_requires_api_key(tiny_model_dir):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "--api-key" in r.stderr
+
+
+def test_image_content_to_text_only_model_is_400(server):
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "hi"}]}],
+        "max_tokens": 2}
+    r = httpx.post(f"http://{server.address}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "text-only" in r.json()["error"]["message"], r.text
+    ok = _gen(server.address, {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) >= 1

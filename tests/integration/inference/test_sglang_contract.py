@@ -314,3 +314,35 @@ def test_lora_adapter_versions_and_per_request_name(servers):
     body = sgl.build_generate([1, 2], g, lora="never-loaded").json
     r = httpx.post(f"http://{addr}/generate", json=body, timeout=30)
     assert r.status_code == 400 and "never been loaded" in r.text
+
+
+def test_image_data_is_what_sglang_takes(servers):
+    """Images travel in SGLang's own ``image_data`` field: a list of images for one prompt, a list of lists
+    (``[]`` for a prompt without images) for a batch, which SGLang's normalisation keeps per prompt."""
+    url = "data:image/png;base64,iVBORw0KGgo="
+    g = GenerationConfig(max_new_tokens=2)
+    one = httpx.post(f"http://{servers[1]}/generate", json=sgl.build_generate([1, 2], g, image_data=[url]).json,
+                     timeout=30)
+    assert one.status_code == 200, one.text
+    assert one.json()["meta_info"]["harness_image_data"] == [url]
+    body = sgl.build_generate_batch([[1], [2], [3]], [g] * 3, [2] * 3, image_data=[[url], None, [url, url]]).json
+    many = httpx.post(f"http://{servers[1]}/generate", json=body, timeout=30)
+    assert many.status_code == 200, many.text
+    assert [r["meta_info"].get("harness_image_data") for r in many.json()] == [[url], [], [url, url]]
+    assert "image_data" not in sgl.build_generate_batch([[1]], [g], [2], image_data=[None]).json
+
+    eng = _client(servers[1:])
+
+    async def go():
+        a = await eng.agenerate(ModelRequest(input_ids=[5, 6], gconfig=g, image_data=[url]))
+        b = await eng.agenerate_group([ModelRequest(input_ids=[7], gconfig=g, image_data=[url]),
+                                       ModelRequest(input_ids=[8], gconfig=g)])
+        c = await eng.agenerate(ModelRequest(input_ids=[9], gconfig=g))
+        return a, b, c
+
+    a, b, c = asyncio.run(go())
+    assert a.input_tokens == [5, 6] and a.output_tokens == [7, 8]  # SGLang reports no expanded prompt
+    assert [r.output_tokens for r in b] == [[8, 9], [9, 10]] and c.output_tokens == [10, 11]
+    entry = assert_contract(servers[1], "/generate", "GenerateReqInput")
+    sent = [x.get("image_data") for x in entry["bodies"]]
+    assert [url] in sent and [[url], []] in sent

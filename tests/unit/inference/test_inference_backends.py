@@ -171,3 +171,25 @@ def test_a_lora_adapter_is_named_in_the_request_of_every_backend():
     assert sglang.build_generate([1], G, lora="adapter").json["lora_path"] == "adapter"
     with pytest.raises(ValueError, match="model name"):
         vllm.build_generate([1], G)
+
+
+def test_images_in_generate_payloads():
+    url = "data:image/png;base64,iVBORw0KGgo="
+    assert sglang.build_generate([1, 2], G, image_data=[url]).json["image_data"] == [url]
+    assert "image_data" not in sglang.build_generate([1, 2], G).json
+    batch = sglang.build_generate_batch([[1], [2]], [G, G], [3, 3], image_data=[None, [url]]).json
+    assert batch["image_data"] == [[], [url]]  # a list per prompt: SGLang reads a bare first entry as one image
+    assert hf.build_generate([1], G, image_data=[url]).json["image_data"] == [url]
+    # vLLM's /v1/completions has no field for images (VLLM_COMPLETION_FIELDS): refused, not dropped
+    with pytest.raises(InferenceError, match="cannot send images"):
+        vllm.build_generate([1], G, model="m", image_data=[url])
+    assert set(vllm.build_generate([1], G, model="m").json) <= VLLM_COMPLETION_FIELDS
+
+
+def test_parse_generate_reads_the_expanded_prompt():
+    resp = {"output_ids": [4], "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "1",
+                                             "output_token_logprobs": [[-0.1, 4, None]],
+                                             "prompt_token_ids": [1, 9, 9, 9, 2]}}
+    assert sglang.parse_generate(resp).prompt_ids == [1, 9, 9, 9, 2]
+    del resp["meta_info"]["prompt_token_ids"]
+    assert sglang.parse_generate(resp).prompt_ids is None

@@ -37,6 +37,9 @@ class Segment:
     # Routing replay (``return_routed_experts``): int16 ``[prompt + completion - 1, n_layers * top_k]``
     # (engines/routing_replay.py). None: not asked.
     routed_experts: Any = None
+    # The prompt as the model saw it, image pads expanded (the hf server's ``meta_info.prompt_token_ids``,
+    # sent for requests with images). None: the server did not say (its prompt is the one sent).
+    prompt_ids: list[int] | None = None
 
 
 def version_from(value: Any) -> int | None:

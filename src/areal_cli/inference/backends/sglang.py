@@ -95,9 +95,13 @@ def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> d
 
 
 def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens: int | None = None,
-                   rid: str | None = None, lora: str | None = None) -> HttpCall:
+                   rid: str | None = None, lora: str | None = None, image_data: list[str] | None = None) -> HttpCall:
+    """``image_data``: SGLang's field, the prompt's images in order (data URLs, base64 or server paths);
+    SGLang's Qwen-VL processor takes each run of ``<|image_pad|>`` ids as one image and expands it."""
     body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params(g, max_new_tokens),
                             "return_logprob": True, "stream": False}
+    if image_data:
+        body["image_data"] = list(image_data)
     if g.keep_sampling_mask:  # an hf-server field; the config refuses it with other backends
         body["return_sampling_mask"] = True
     if g.return_routed_experts:  # SGLang's (server flag --enable-return-routed-experts) and the hf server's
@@ -110,12 +114,17 @@ def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens:
 
 
 def build_generate_batch(inputs: list[list[int]], gs: list[GenerationConfig],
-                         max_new_tokens: list[int], lora: str | None = None) -> HttpCall:
+                         max_new_tokens: list[int], lora: str | None = None,
+                         image_data: list[list[str] | None] | None = None) -> HttpCall:
     """SGLang's batch form of ``/generate``: ``input_ids`` a list of prompts and ``sampling_params`` a
-    list with one object per prompt; the response is a list of per-prompt answers, in order."""
+    list with one object per prompt; the response is a list of per-prompt answers, in order.
+    ``image_data``: one list of images per prompt; sent as a list of lists (``[]`` for a prompt without
+    images: SGLang reads a first entry that is not a list as one image per prompt)."""
     body: dict[str, Any] = {"input_ids": [list(x) for x in inputs],
                             "sampling_params": [sampling_params(g, m) for g, m in zip(gs, max_new_tokens)],
                             "return_logprob": True, "stream": False}
+    if image_data and any(image_data):
+        body["image_data"] = [list(x or []) for x in image_data]
     if any(g.keep_sampling_mask for g in gs):
         body["return_sampling_mask"] = True
     if any(g.return_routed_experts for g in gs):
@@ -166,6 +175,9 @@ def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segmen
             raise InferenceError(f"malformed sampling mask in /generate response ({e})") from None
     if meta.get("routed_experts") is not None:
         seg.routed_experts = _routed_experts(meta)
+    prompt = meta.get("prompt_token_ids")  # hf-server extension, sent for prompts with images
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        seg.prompt_ids = prompt
     return seg
 
 

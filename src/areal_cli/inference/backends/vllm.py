@@ -80,9 +80,16 @@ _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
 
 
 def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str | None = None,
-                   max_new_tokens: int | None = None, rid: str | None = None, lora: str | None = None) -> HttpCall:
+                   max_new_tokens: int | None = None, rid: str | None = None, lora: str | None = None,
+                   image_data: list[str] | None = None) -> HttpCall:
     """``model``: the served model's name (:data:`NEEDS_MODEL_NAME`); a LoRA adapter is served under
-    its own name, which then takes its place."""
+    its own name, which then takes its place. ``image_data`` is refused: vLLM's ``/v1/completions`` takes
+    a token prompt and no images (its images come as content parts of ``/v1/chat/completions``, which
+    re-renders the prompt from messages, so the token ids would not be the ones the trainer holds)."""
+    if image_data:
+        raise InferenceError("the vllm backend cannot send images with a token-id prompt (vLLM's "
+                             "/v1/completions takes none); use inference backend hf or sglang for "
+                             "vision-language rollouts")
     if (lora or model) is None:
         raise ValueError("vLLM's /v1/completions needs the model name or the LoRA adapter's name")
     body: dict[str, Any] = {

@@ -50,6 +50,8 @@ class ServerState:
     weight_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # /generate as a plain ASGI handler in front of FastAPI (False: the FastAPI route, the old path).
     asgi_generate: bool = True
+    # media.MediaHandler of a vision-language model (None: a text-only model; image content is a 400).
+    media: Any = None
 
 
 def _err(status: int, message: str) -> JSONResponse:
@@ -140,7 +142,8 @@ def _helpers(state: ServerState) -> SimpleNamespace:
 
     async def run(ids: list[int], sp: SamplingParams, rid: str | None = None,
                   request: Request | None = None, gone: asyncio.Future | None = None,
-                  record_mask: bool = False, lora: str | None = None, routing: bool = False) -> Sequence:
+                  record_mask: bool = False, lora: str | None = None, routing: bool = False,
+                  images: Any = None) -> Sequence:
         """Generate ``ids``; a caller that hung up (``request.is_disconnected()``, polled each second,
         or ``gone`` completing) frees its batch slot."""
         check_context(len(ids), sp.max_new_tokens, state.context_length)
@@ -151,7 +154,7 @@ def _helpers(state: ServerState) -> SimpleNamespace:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(seq))
 
         seq = Sequence(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=sp, on_done=done,
-                       record_mask=record_mask, lora=lora, record_routing=routing)
+                       record_mask=record_mask, lora=lora, record_routing=routing, images=images)
         if sp.max_new_tokens == 0:
             seq.finish = {"type": "length", "length": 0}
             return seq
@@ -190,6 +193,8 @@ def _helpers(state: ServerState) -> SimpleNamespace:
             "e2e_latency": (seq.finished_at or time.monotonic()) - seq.created,
             "ttft": (seq.first_token_at - seq.created) if seq.first_token_at else 0.0,
         }
+        if seq.images is not None:  # hf extension: the prompt with each image's pads expanded (media.py)
+            meta["prompt_token_ids"] = list(seq.prompt_ids)
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.out_logprobs, seq.out_ids)]
         if return_mask:  # an hf-server extension (Keep-Sampling-Mask); SGLang has no such field
@@ -280,15 +285,18 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
             sps = [sp] * len(prompts)
         if len(prompts) > MAX_SEQS_PER_REQUEST:
             raise BadRequest(f"a batch of {len(prompts)} prompts exceeds {MAX_SEQS_PER_REQUEST} per request")
+        prompts, vis = await _with_images(state, body, prompts, batch)
         for p, s in zip(prompts, sps):
             check_context(len(p), s.max_new_tokens, state.context_length)
         loras = parse_request_adapters(body, len(prompts), batch, state.engine.adapters)  # SGLang's lora_path
         r_from = _routed_experts_start(body, prompts, state.engine)
+        if any(v is not None for v in vis) and (r_from is not None or any(a is not None for a in loras)):
+            raise BadRequest("requests with images run without LoRA adapters and routing replay on the hf server")
         if batch:
-            seqs = await asyncio.gather(*[run(p, s, None, request, gone, ret_mask, a, r_from is not None)
-                                          for p, s, a in zip(prompts, sps, loras)])
+            seqs = await asyncio.gather(*[run(p, s, None, request, gone, ret_mask, a, r_from is not None, v)
+                                          for p, s, a, v in zip(prompts, sps, loras, vis)])
             return [sglang_out(s, ret_lp, ret_mask, r_from) for s in seqs]
-        seq = await run(prompts[0], sps[0], rid, request, gone, ret_mask, loras[0], r_from is not None)
+        seq = await run(prompts[0], sps[0], rid, request, gone, ret_mask, loras[0], r_from is not None, vis[0])
         return sglang_out(seq, ret_lp, ret_mask, r_from)
 
     @app.post("/generate")
@@ -296,6 +304,30 @@ def _generation_routes(app: FastAPI, state: ServerState, h: SimpleNamespace):
         return JSONResponse(await generate(await _json(request), request))
 
     return generate
+
+
+async def _with_images(state: ServerState, body: dict, prompts: list[list[int]],
+                        batch: bool) -> tuple[list[list[int]], list[Any]]:
+    """SGLang's ``image_data``: each prompt with its image pads expanded, and its images (None: none)."""
+    from areal_cli.inference.server.media import refs_for_prompts
+
+    image_data = body.get("image_data")
+    if state.media is None:
+        if image_data not in (None, [], [None] * len(prompts)):
+            raise BadRequest(f"image_data was sent but {state.served_model_name} is a text-only model")
+        return prompts, [None] * len(prompts)
+    refs = refs_for_prompts(image_data, len(prompts), batch)
+    out_p, out_v = [], []
+    for i, (p, r) in enumerate(zip(prompts, refs)):
+        if not r and not state.media.count_runs(p):
+            out_p.append(p)
+            out_v.append(None)
+            continue
+        where = f"image_data[{i}]" if batch else "image_data"
+        ids, v = await asyncio.to_thread(state.media.prepare, p, r, where)
+        out_p.append(ids)
+        out_v.append(v)
+    return out_p, out_v
 
 
 def _routed_experts_start(body: dict, prompts: list[list[int]], engine: Any) -> int | None:
@@ -379,6 +411,9 @@ def _openai_routes(app: FastAPI, state: ServerState, h: SimpleNamespace) -> None
             ids = parse_token_ids("prompt", prompt, state.vocab_size)
         else:
             raise BadRequest("prompt must be a non-empty string or a list of token ids")
+        if state.media is not None and state.media.count_runs(ids):
+            raise BadRequest("the prompt has image placeholders; send images with /v1/chat/completions "
+                             "(image_url parts) or /generate (image_data)")
         want_lp = body.get("logprobs")
         if want_lp is not None and (not isinstance(want_lp, int) or isinstance(want_lp, bool) or want_lp < 0):
             raise BadRequest(f"logprobs must be a non-negative integer, got {want_lp!r}")

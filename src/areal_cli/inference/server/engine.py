@@ -73,6 +73,7 @@ class Sequence:
     deferred: bool = False  # held back one admission to reuse an earlier row's prefix (prefix cache)
     text_tail: str = ""  # decoded output (only maintained for stop-string requests)
     lora: str | None = None  # the LoRA adapter this request runs with (SGLang's lora_path); None: the base
+    images: Any = None  # media.VisionInputs of a prompt with images: it runs in the image sub-batch (vision.py)
 
 
 @dataclass
@@ -114,6 +115,9 @@ class GenerationEngine:
         self._running: list[Sequence] = []
         self._prefixes: dict[tuple, _Prefix] = {}
         self.runner = _make_runner(model, self.device, fast_path, self.pad_id, decode_attention)
+        # Requests with images run in their own sub-batch (mrope positions, the vision tower in prefill):
+        # vision.VisionBatch, attached by the server for a vision-language model (vision.attach).
+        self.vision = None
         self.adapters = lora.AdapterSet()
         self._capture = None  # routing_replay.Capture, made on the first request that records routing
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
@@ -163,7 +167,7 @@ class GenerationEngine:
     def cancel(self, rid: str) -> None:
         """Drop a request whose caller went away (finished at the next boundary, paused or not)."""
         with self._cv:
-            for s in list(self._waiting) + self._running:
+            for s in list(self._waiting) + self._running + self._vision_running():
                 if s.rid == rid:
                     s.cancelled = True
                     self._cancel_pending = True
@@ -190,10 +194,11 @@ class GenerationEngine:
         def _do() -> int:
             self._paused = True
             n = len(self._running)
+            msg = {"type": "abort", "message": "generation paused for a weight update"}
             for s in self._running:
-                s.finish = {"type": "abort", "message": "generation paused for a weight update"}
+                s.finish = dict(msg)
             self._retire(list(range(len(self._running))))
-            return n
+            return n + (self.vision.finish_all(msg) if self.vision is not None else 0)
 
         return self.call(_do)
 
@@ -209,7 +214,10 @@ class GenerationEngine:
 
     def load(self) -> dict[str, int]:
         with self._cv:
-            return {"running": len(self._running), "waiting": len(self._waiting)}
+            return {"running": len(self._running) + len(self._vision_running()), "waiting": len(self._waiting)}
+
+    def _vision_running(self) -> list[Sequence]:
+        return self.vision.running if self.vision is not None else []
 
     # ----------------------------------------------------------------- engine thread
     def _loop(self) -> None:
@@ -217,7 +225,8 @@ class GenerationEngine:
         while True:
             with self._cv:
                 while (not self._stopping and not self._commands and not self._cancel_pending
-                       and not self._running and (self._paused or not self._waiting)):
+                       and not self._running and not self._vision_running()
+                       and (self._paused or not self._waiting)):
                     self._cv.wait(timeout=0.5)
                 if self._stopping:
                     break
@@ -231,14 +240,19 @@ class GenerationEngine:
                     self._admit()
                 if self._running:
                     self._decode_step()
+                if self._vision_running():
+                    self.vision.step()
             except Exception as e:  # never let one bad batch kill the server
                 log.exception("engine step failed")
+                err = {"type": "error", "message": f"engine error: {type(e).__name__}: {e}"}
                 for s in self._running:
                     # Not an "abort": clients resubmit aborted requests (a weight-update pause), and a
                     # failure that repeats would loop (seen on CUDA: 1001 resubmissions). "error" fails them.
-                    s.finish = {"type": "error", "message": f"engine error: {type(e).__name__}: {e}"}
+                    s.finish = dict(err)
                 self._retire(list(range(len(self._running))))
-        for s in self._running + list(self._waiting):
+                if self.vision is not None:
+                    self.vision.finish_all(err)
+        for s in self._running + self._vision_running() + list(self._waiting):
             s.finish = {"type": "abort", "message": "server shutting down"}
             self._finish(s)
 
@@ -255,6 +269,8 @@ class GenerationEngine:
             self._running[i].finish = {"type": "abort", "message": "client disconnected"}
         if gone:
             self._retire(gone)
+        if self.vision is not None:
+            self.vision.drop_cancelled()
 
     def _run_commands(self, commands: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
         self._prefixes.clear()  # a command may have changed the weights: running prompts' KV is stale for new rows
@@ -275,9 +291,11 @@ class GenerationEngine:
 
     def _admit(self) -> None:
         batch: list[Sequence] = []
+        imaged: list[Sequence] = []
         budget = self.max_prefill_tokens
         with self._cv:
-            while self._waiting and len(self._running) + len(batch) < self.max_running:
+            while self._waiting and (len(self._running) + len(self._vision_running()) + len(batch)
+                                     + len(imaged) < self.max_running):
                 s = self._waiting[0]
                 if s.lora is not None and s.lora not in self.adapters.by_name:  # unloaded while it waited
                     self._waiting.popleft()
@@ -285,9 +303,12 @@ class GenerationEngine:
                     self._finish(s)
                     continue
                 n = len(s.prompt_ids) + len(s.out_ids)
-                if batch and n * (len(batch) + 1) > budget:
+                group = imaged if s.images is not None else batch
+                if group and n * (len(group) + 1) > budget:
                     break
-                batch.append(self._waiting.popleft())
+                group.append(self._waiting.popleft())
+        if imaged:
+            self.vision.admit(imaged)
         if len(batch) > 1 and self.prefix_cache is not None:
             batch = self._defer_followers(batch)
         if batch:
@@ -453,7 +474,12 @@ class GenerationEngine:
         self._sample_and_append(logits, rows=list(range(len(self._running))))
 
     def _sample_and_append(self, logits: torch.Tensor, rows: list[int]) -> None:
-        seqs = [self._running[i] for i in rows]
+        done = self._sample_into(logits, [self._running[i] for i in rows])
+        if done:
+            self._retire([rows[j] for j in done])
+
+    def _sample_into(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Sample one token for each of ``seqs`` and append it; the indices (into ``seqs``) that finished."""
         with_mask = any(s.record_mask for s in seqs)
         out = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
                           self.eos_ids, self.generator,
@@ -467,7 +493,7 @@ class GenerationEngine:
                     s.out_masked_logprobs.append(mlp)
         now = time.monotonic()
         done: list[int] = []
-        for row, s, tok, lp in zip(rows, seqs, next_ids.tolist(), logps.tolist()):
+        for row, (s, tok, lp) in enumerate(zip(seqs, next_ids.tolist(), logps.tolist())):
             if not s.out_ids and not s.first_token_at:
                 s.first_token_at = now
             s.out_ids.append(tok)
@@ -475,9 +501,8 @@ class GenerationEngine:
             s.out_versions.append(self.version)
             if self._check_finished(s, tok):
                 done.append(row)
-        self.stats["generated_tokens"] += len(rows)
-        if done:
-            self._retire(done)
+        self.stats["generated_tokens"] += len(seqs)
+        return done
 
     def _check_finished(self, s: Sequence, tok: int) -> bool:
         p = s.params

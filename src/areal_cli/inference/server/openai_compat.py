@@ -81,17 +81,31 @@ def parse_n(body: dict) -> int:
     return n
 
 
-def _text_content(content: Any, where: str) -> str:
+def _text_content(content: Any, where: str, images: list | None = None) -> str | list[dict]:
+    """The content as the chat template takes it: a string, or (when it has images) a list of text and
+    ``{"type": "image"}`` parts, each image's reference appended to ``images`` (None: a text-only model)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") not in ("text", "input_text", "output_text") \
-                    or not isinstance(p.get("text"), str):
-                raise BadRequest(f"{where}: only text content parts are supported (type 'text')")
-            parts.append(p["text"])
-        return "".join(parts)
+        parts: list[dict] = []
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in ("image_url", "input_image", "image"):
+                if images is None:
+                    raise BadRequest(f"{where}.content[{j}]: image content was sent but this model is "
+                                     "text-only")
+                ref = p.get("image_url", p.get("image"))
+                if ref is None:
+                    raise BadRequest(f"{where}.content[{j}]: an {kind} part needs image_url.url")
+                images.append(ref)
+                parts.append({"type": "image"})
+                continue
+            if kind not in ("text", "input_text", "output_text") or not isinstance(p.get("text"), str):
+                raise BadRequest(f"{where}: only text and image_url content parts are supported")
+            parts.append({"type": "text", "text": p["text"]})
+        if any(p["type"] == "image" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
     raise BadRequest(f"{where}: content must be a string or a list of text parts")
 
 
@@ -110,8 +124,9 @@ def _tool_call_for_template(call: Any, where: str) -> dict:
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
-def normalise_messages(msgs: Any) -> list[dict]:
-    """OpenAI chat messages -> the dicts chat templates take (400 on anything malformed)."""
+def normalise_messages(msgs: Any, images: list | None = None) -> list[dict]:
+    """OpenAI chat messages -> the dicts chat templates take (400 on anything malformed); image parts'
+    references are appended to ``images`` in prompt order (None: the model takes no images)."""
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("messages must be a non-empty list of message objects")
     out = []
@@ -132,7 +147,7 @@ def normalise_messages(msgs: Any) -> list[dict]:
             if m.get("content") is None:
                 raise BadRequest(f"{where}: content is required (null only on an assistant turn with "
                                  "tool_calls)")
-            msg["content"] = _text_content(m["content"], where)
+            msg["content"] = _text_content(m["content"], where, images)
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 raise BadRequest(f"{where}: a tool message needs tool_call_id (the id of the call it "
@@ -209,7 +224,7 @@ def render_prompt(state: Any, msgs: list[dict], tools: list[dict] | None, tool_c
 
 
 async def generate_resumable(run: Callable[..., Awaitable[Any]], ids: list[int], sp: Any,
-                             request: Any) -> Any:
+                             request: Any, images: Any = None) -> Any:
     """Generate; a weight-update pause aborts the request, which is resubmitted as prompt + tokens so
     far with the remaining budget (held by the engine until generation continues). Returns one
     Sequence whose ``out_versions`` span the versions that produced its tokens."""
@@ -222,7 +237,7 @@ async def generate_resumable(run: Callable[..., Awaitable[Any]], ids: list[int],
         left = sp.max_new_tokens - len(toks)
         part = dataclasses.replace(sp, max_new_tokens=left,
                                    min_new_tokens=max(0, sp.min_new_tokens - len(toks)))
-        seq = await run(list(ids) + toks, part, None, request)
+        seq = await run(list(ids) + toks, part, None, request, images=images)
         toks += seq.out_ids
         lps += seq.out_logprobs
         vers += seq.out_versions
@@ -305,7 +320,8 @@ async def chat_completion(state: Any, h: Any, body: dict, request: Any) -> dict 
                  ("parallel_tool_calls", body.get("parallel_tool_calls", True))):
         if not isinstance(v, bool):
             raise BadRequest(f"{k} must be a boolean, got {v!r}")
-    msgs = normalise_messages(body.get("messages"))
+    refs: list | None = [] if getattr(state, "media", None) is not None else None
+    msgs = normalise_messages(body.get("messages"), refs)
     tools, tool_choice, parse = parse_tools(body)
     parser = body.get("tool_call_parser") or default_parser(state)
     try:
@@ -313,11 +329,14 @@ async def chat_completion(state: Any, h: Any, body: dict, request: Any) -> dict 
     except ValueError as e:
         raise BadRequest(str(e)) from None
     ids = render_prompt(state, msgs, tools, tool_choice, body)
+    vis = None
+    if refs or (refs is not None and state.media.count_runs(ids)):
+        ids, vis = await asyncio.to_thread(state.media.prepare, ids, refs, "image_url")
     sps = _sampling_for(body, n, len(ids), state.context_length)
     from areal_cli.inference.server.schema import check_context
 
     check_context(len(ids), sps[0].max_new_tokens, state.context_length)
-    seqs = await asyncio.gather(*[generate_resumable(h.run, ids, sp, request) for sp in sps])
+    seqs = await asyncio.gather(*[generate_resumable(h.run, ids, sp, request, vis) for sp in sps])
     choices = [_choice(state, h, i, s, parse, parser, bool(body.get("logprobs")), want_ids,
                        body.get("parallel_tool_calls", True)) for i, s in enumerate(seqs)]
     out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

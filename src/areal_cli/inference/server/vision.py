@@ -1,0 +1,172 @@
+"""The image sub-batch of the ``hf`` server's engine (Qwen2-VL-family models).
+
+A prompt with images needs the vision tower in its prefill and mrope's 3-D positions (temporal, height,
+width; ``model.get_rope_index``) for every token; the text runners (the fast path, and ``HFRunner`` with
+its 1-D positions) assume neither. Requests with images therefore run here, beside the text batch, in
+the same engine thread: at each token boundary the engine admits waiting image requests into this
+sub-batch (one prefill, the model's own forward with ``pixel_values``) and advances it by one decode
+step after the text batch's. Weight swaps, pauses and cancels reach both (one thread, one boundary).
+
+Positions: the prefill's come from ``get_rope_index`` on the left-padded batch; after the prompt every
+text position is ``index + rope_delta`` on all three axes (``rope_delta = max prompt position + 1 -
+prompt length``), which is what the model computes itself when it generates, so decode passes
+``lens + delta`` explicitly (rows of one batch have different deltas).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+from areal_cli.inference.server.engine import HFRunner, Sequence
+
+log = logging.getLogger("areal_cli.hf_server")
+
+
+def is_vision_model(model) -> bool:
+    return getattr(model.config, "vision_config", None) is not None and hasattr(
+        getattr(model, "model", None), "get_rope_index")
+
+
+def attach(engine) -> bool:
+    """Give ``engine`` an image sub-batch when its model takes images (before ``engine.start()``)."""
+    if not is_vision_model(engine.model):
+        return False
+    engine.vision = VisionBatch(engine)
+    return True
+
+
+class VisionRunner(HFRunner):
+    """``HFRunner`` whose prefill feeds the images and whose positions are mrope's (see module doc)."""
+
+    def __init__(self, model, device: torch.device, pad_id: int):
+        super().__init__(model, device, pad_id)
+        self.image_token_id = int(model.config.image_token_id)
+        self.deltas: list[int] = []
+        self.text_hooks = lambda: None  # the text runner's LoRA hooks on the same modules (set by VisionBatch)
+        # transformers 5 names the cache argument ``cache`` (``past_key_values`` is deprecated there)
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _vforward(self, ids, mask, pos, cache, last_only: bool, **extra):
+        kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, self._cache_kw: cache,
+                  "use_cache": True, **extra}
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        hooks = self.text_hooks()
+        if hooks is not None:  # the text batch's LoRA hooks hold its rows' adapters; image rows run the base
+            hooks.groups = []
+        out = self.model(**kwargs)
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    @torch.no_grad()
+    def prefill_images(self, seqs: list[list[int]], vis: list[Any]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        n_max = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), n_max), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), n_max), dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, n_max - len(x):] = torch.tensor(x, dtype=torch.long)
+            mask[i, n_max - len(x):] = 1
+        grid = torch.cat([v.image_grid_thw for v in vis]).to(self.device)
+        dtype = next(self.model.parameters()).dtype
+        pix = torch.cat([v.pixel_values for v in vis]).to(self.device, dtype)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        mm = (ids == self.image_token_id).int()
+        pos, deltas = self.model.model.get_rope_index(ids, mm, image_grid_thw=grid, attention_mask=mask)
+        cache = DynamicCache(config=self.model.config)
+        logits, cache = self._vforward(ids, mask, pos, cache, last_only=True, pixel_values=pix,
+                                       image_grid_thw=grid)
+        self._merge(cache, mask)
+        self.lens.extend(len(x) for x in seqs)
+        self.deltas.extend(int(d) for d in deltas.view(-1).tolist())
+        return logits
+
+    @torch.no_grad()
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        last = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        pos = torch.tensor([n + d for n, d in zip(self.lens, self.deltas)], dtype=torch.long,
+                           device=self.device).view(1, -1, 1).expand(3, -1, -1)
+        self._mask = torch.cat([self._mask, torch.ones((len(tokens), 1), dtype=self._mask.dtype,
+                                                       device=self.device)], dim=1)
+        logits, self._cache = self._vforward(last, self._mask, pos, self._cache, last_only=False)
+        self.lens = [n + 1 for n in self.lens]
+        return logits
+
+    def keep(self, idx: list[int]) -> None:
+        super().keep(idx)
+        self.deltas = [self.deltas[i] for i in idx]
+
+    def clear(self) -> None:
+        super().clear()
+        self.deltas = []
+
+
+class VisionBatch:
+    """The running image requests of an engine: admitted, decoded, sampled and retired with the engine's
+    own sampling and stop rules, at the engine's token boundaries (engine thread only)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.runner = VisionRunner(engine.model, engine.device, engine.pad_id)
+        self.runner.text_hooks = lambda: getattr(engine.runner, "_hooks", None)
+        self.running: list[Sequence] = []
+
+    def admit(self, batch: list[Sequence]) -> None:
+        eng = self.engine
+        for s in batch:
+            s.epoch = eng._epoch
+        try:
+            logits = self.runner.prefill_images([s.prompt_ids + s.out_ids for s in batch],
+                                                [s.images for s in batch])
+        except Exception as e:  # fails these requests only, not the text rows running beside them
+            log.exception("image prefill failed")
+            for s in batch:
+                s.finish = {"type": "error", "message": f"image prefill failed: {type(e).__name__}: {e}"}
+                eng._finish(s)
+            return
+        eng.stats["prefill_tokens"] += sum(len(s.prompt_ids) + len(s.out_ids) for s in batch)
+        self.running.extend(batch)
+        for s in batch:
+            s.real_len = len(s.prompt_ids) + len(s.out_ids)
+        self._sample(logits, list(range(len(self.running) - len(batch), len(self.running))))
+
+    def step(self) -> None:
+        logits = self.runner.decode([s.out_ids[-1] for s in self.running])
+        for s in self.running:
+            s.real_len += 1
+        self._sample(logits, list(range(len(self.running))))
+
+    def _sample(self, logits: torch.Tensor, rows: list[int]) -> None:
+        done = self.engine._sample_into(logits, [self.running[i] for i in rows])
+        if done:
+            self.retire([rows[j] for j in done])
+
+    def retire(self, rows: list[int]) -> None:
+        drop = set(rows)
+        for i in sorted(drop):
+            self.engine._finish(self.running[i])
+        keep = [i for i in range(len(self.running)) if i not in drop]
+        self.running = [self.running[i] for i in keep]
+        if keep:
+            self.runner.keep(keep)
+        else:
+            self.runner.clear()
+
+    def finish_all(self, finish: dict) -> int:
+        n = len(self.running)
+        for s in self.running:
+            s.finish = dict(finish)
+        if n:
+            self.retire(list(range(n)))
+        return n
+
+    def drop_cancelled(self) -> None:
+        gone = [i for i, s in enumerate(self.running) if s.cancelled]
+        for i in gone:
+            self.running[i].finish = {"type": "abort", "message": "client disconnected"}
+        if gone:
+            self.retire(gone)
