@@ -59,7 +59,6 @@ class HFModelEngine(EngineBase):
             attn = vision.attn_impls(attn, self.cfg.attn_impl)
         model = materialize.meta_model(cfg, dtype, attn)
         if self._vl:
-            vision.install(model)
             if getattr(self, "freeze_vision_tower", False):
                 vision.freeze_tower(model)
         if self.critic:
@@ -76,6 +75,8 @@ class HFModelEngine(EngineBase):
         fresh, buffers = self._host_state
         materialize.load_sharded(modules, self._checkpoint(self.model_path), fresh, buffers, device=self.device)
         self._host_state = None
+        for m in modules:  # after parallelisation: the hook sees the embedding's output as the decoder does
+            vision.install(m)
         host_memory.release()  # the full tensors read for row-wise TP shards, freed under the kept ones
 
     def _build_optimizer(self, params) -> None:

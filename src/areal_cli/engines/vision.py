@@ -204,7 +204,11 @@ def _merge(module: Any, args: Any, out: Any) -> Any:
     local = out.to_local() if is_dt else out
     lo = offset
     if is_dt:
+        from torch.distributed.tensor import Shard
+
         mesh = out.device_mesh
+        if tuple(out.placements) != (Shard(1),):  # installed before the TP plan's own output hook
+            raise RuntimeError(f"vision: the token embedding's output is {out.placements}, not sequence-sharded")
         if mesh.size() > 1:
             feats = _SumGradOverGroup.apply(feats, mesh.get_group())
             lo += mesh.get_local_rank() * local.shape[1]
@@ -230,7 +234,9 @@ def _merge(module: Any, args: Any, out: Any) -> Any:
 
 
 def install(model: Any) -> None:
-    """Hook the language model's token embedding once (a no-op on a model without a tower)."""
+    """Hook the language model's token embedding once (a no-op on a model without a tower). Call it after
+    the model is parallelised: the hook must see the embedding's output as the decoder does (under archon's
+    ``t``, sequence-sharded by the TP plan's own output hook, which runs first)."""
     emb = text_model(model).embed_tokens
     if tower(model) is None or emb.__dict__.get(_HOOKED):
         return
