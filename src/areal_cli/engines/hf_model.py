@@ -143,7 +143,7 @@ class HFModelEngine(EngineBase):
             if vl:
                 if vision.has_images(mb):
                     pos = vision.packed_positions(self.model, mb, pk.lengths, pk.input_ids.shape[1])
-                vision.set_pending(self.model, mb, pk.input_ids,
+                vision.set_pending(self.model, mb, packed_total=pk.input_ids.shape[1],
                                    offset=0 if group is None else dist.get_rank(group) * ids.shape[1])
             pos = ulysses.slice_for_rank(pos, group, dim=-1).to(self.device)
             keep = packing.loss_positions(mb, pk) if loss_only and cp == 1 and output == "logprobs" else None
@@ -185,7 +185,7 @@ class HFModelEngine(EngineBase):
         if vl:
             if vision.has_images(mb):
                 pos = vision.padded_positions(self.model, mb).to(self.device)
-            vision.set_pending(self.model, mb, mb["input_ids"])
+            vision.set_pending(self.model, mb)
         try:
             logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=mask).logits
         finally:

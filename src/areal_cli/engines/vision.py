@@ -244,10 +244,24 @@ def install(model: Any) -> None:
     emb.__dict__[_HOOKED] = True
 
 
-def set_pending(model: Any, mb: dict | None, ids: torch.Tensor | None = None, offset: int = 0) -> None:
-    """What the next forward's embedding hook merges: the images of ``mb`` over the image tokens of ``ids``
-    (the packed ``[1, T]`` row or the padded ``[B, L]`` ids, whole, before any sequence slicing), the
-    embedding's input starting at token ``offset`` of ``ids`` (its Ulysses slice). ``mb`` None clears it."""
+def image_token_mask(mb: dict, cfg: Any, packed_total: int | None = None) -> torch.Tensor:
+    """Where the image features go: the image tokens of the rows that carry images (an image token in a text
+    row has no picture and keeps its embedding). ``[B, L]`` for the padded batch; with ``packed_total``,
+    ``[1, packed_total]`` in :func:`~areal_cli.engines.packing.pack`'s layout (the rows' real tokens in order)."""
+    ids = mb["input_ids"].cpu()
+    has = torch.tensor([e is not None for e in _entries(mb)], dtype=torch.bool)
+    mask = (ids == int(cfg.image_token_id)) & has[:, None] & mb["attention_mask"].cpu().bool()
+    if packed_total is None:
+        return mask
+    lens = [int(x) for x in mb["attention_mask"].sum(dim=1).tolist()]
+    flat = torch.cat([mask[r, :n] for r, n in enumerate(lens)]) if lens else mask.new_zeros(0)
+    return torch.cat([flat, flat.new_zeros(packed_total - flat.numel())])[None]
+
+
+def set_pending(model: Any, mb: dict | None, packed_total: int | None = None, offset: int = 0) -> None:
+    """What the next forward's embedding hook merges: the images of ``mb`` over its image tokens, in the
+    packed row of ``packed_total`` tokens (None: the padded batch), the embedding's input starting at token
+    ``offset`` of that row (its Ulysses slice). ``mb`` None clears it."""
     emb = text_model(model).embed_tokens
     if mb is None or tower(model) is None:
         emb.__dict__[_PENDING] = None
@@ -256,7 +270,7 @@ def set_pending(model: Any, mb: dict | None, ids: torch.Tensor | None = None, of
     imgs = images(mb)
     real = imgs is not None
     pv, grid = imgs if real else _blank_image(cfg)
-    img_mask = (ids.cpu() == int(cfg.image_token_id)) if real else None
+    img_mask = image_token_mask(mb, cfg, packed_total) if real else None
     if real:
         merge = int(cfg.vision_config.spatial_merge_size) ** 2
         n_feat = int((grid.prod(-1) // merge).sum())

@@ -128,3 +128,16 @@ def test_validate_plans_vision_models_on_fsdp_and_archon():
     validate(load_config(["model=tiny_vl", "model.freeze_vision_tower=true"]))
     validate(load_config(["model=tiny_vl", "engine.name=archon", "allocation_mode=hf:d1+archon:d1t2",
                           "cluster.n_gpus_per_node=3"]))
+
+
+def test_image_features_go_to_the_image_rows_image_tokens_only():
+    """Packed and padded: an image token in a text row (or in padding) takes no feature."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(image_token_id=9)
+    ids = torch.tensor([[1, 9, 9, 2, 0], [9, 3, 0, 0, 0], [4, 9, 5, 9, 9]])
+    am = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    mb = {"input_ids": ids, "attention_mask": am, "multi_modal": [{}, None, {}]}
+    assert vision.image_token_mask(mb, cfg).int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 0, 1, 0]]
+    packed = vision.image_token_mask(mb, cfg, packed_total=12)
+    assert packed.int().tolist() == [[0, 1, 1, 0] + [0, 0] + [0, 1, 0, 1] + [0, 0]]
