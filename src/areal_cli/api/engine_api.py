@@ -22,7 +22,7 @@ Batches are dicts of right-padded tensors with a leading batch dim ``[B, L]``:
   trainer's mini-batches and episode order) keeps each row's entry with its tokens; a batch without the key
   is a text batch, exactly as before. The engines compute each row's mrope positions from its ids and grids
   (the model's ``get_rope_index``) and run the tower inside the forward; ``fsdp`` (d, c) and ``archon``
-  (d, t) take such batches, the others refuse a vision model (``validate-config``)
+  (d, t, c) take such batches, the others refuse a vision model (``validate-config``)
 
 Position convention: per-token tensors are aligned with ``input_ids``; entry ``i`` concerns the
 prediction of token ``i`` from tokens ``< i`` (entry 0 is always 0 / masked).

@@ -1,8 +1,9 @@
 """The fsdp and archon engines on image batches (the tiny Qwen2.5-VL, rows of the built-in count_shapes task
 mixed with text rows; tests/support/vl_worker.py), against a plain HF forward and the one-process reference.
 
-Two launches feed the module: world 1 (the fsdp d1 reference, which also exports; one row per micro-batch;
-padded micro-batches; the tower frozen) and world 2 (fsdp d2 and c2, archon t2 and d2). Each trains two
+Three launches feed the module: world 1 (the fsdp d1 reference, which also exports; one row per micro-batch;
+padded micro-batches; the tower frozen), world 2 (fsdp d2 and c2, archon t2, d2 and c2) and world 4 (archon
+d2t2 and t2c2). Each trains two
 steps on image batches with AdamW (eps=1e-2, as the text layout tests: the updated weights then test the
 gradients, not float summation order).
 """
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.engines
 WORKER = str(SUPPORT / "vl_worker.py")
 HF_TOL = 1e-4  # the engine against transformers' own forward, fp32
 STEPS = {"steps": 2, "optim": {"eps": 1e-2}}
-LAYOUTS = ["ref_x8", "padded", "d2", "c2", "archon_t2", "archon_d2"]
+LAYOUTS = ["ref_x8", "padded", "d2", "c2", "archon_t2", "archon_d2", "archon_c2", "archon_d2t2", "archon_t2c2"]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,11 @@ def runs(vl_dir, tmp_path_factory):
     w2 = [{"name": "d2", "parallel": {"dp": 2}, **STEPS},
           {"name": "c2", "parallel": {"cp": 2}, **STEPS},
           {"name": "archon_t2", "cls": "archon", "parallel": {"tp": 2}, **STEPS},
-          {"name": "archon_d2", "cls": "archon", "parallel": {"dp": 2}, **STEPS}]
-    for world, variants in ((1, w1), (2, w2)):
+          {"name": "archon_d2", "cls": "archon", "parallel": {"dp": 2}, **STEPS},
+          {"name": "archon_c2", "cls": "archon", "parallel": {"cp": 2}, **STEPS}]
+    w4 = [{"name": "archon_d2t2", "cls": "archon", "parallel": {"dp": 2, "tp": 2}, **STEPS},
+          {"name": "archon_t2c2", "cls": "archon", "parallel": {"tp": 2, "cp": 2}, **STEPS}]
+    for world, variants in ((1, w1), (2, w2), (4, w4)):
         launch({"model_dir": vl_dir, "out": str(out), "variants": variants}, world, script=WORKER, timeout=900)
     res = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
     res["export"] = export
@@ -73,7 +77,7 @@ def test_the_batch_mixes_image_and_text_rows(vl_dir):
     assert [[1, 8, 8]] in grids and [[1, 8, 6]] in grids  # a square image and a 48x64 one
 
 
-@pytest.mark.parametrize("name", ["ref", "ref_x8", "padded", "d2", "c2", "archon_t2", "archon_d2"])
+@pytest.mark.parametrize("name", ["ref", *LAYOUTS])
 def test_engine_logprobs_equal_a_plain_hf_forward(runs, vl_dir, name):
     """Packed (several rows, images and text, in one micro-batch), one row per micro-batch, padded, and the
     parallel layouts: each row's logprobs are the HF model's on that row alone, with its images."""

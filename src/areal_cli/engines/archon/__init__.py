@@ -62,4 +62,4 @@ SPEC = EngineSpec(
     # its pipeline path is not wired (each stage would need its layers' share of the routing per micro-batch),
     # nor t (its sequence-parallel regions hand each router a share of the tokens)
     routing_replay="dce", dcp_checkpoint=True, critic=True,
-    vision="dt")  # the tower runs inside the first stage's embedding: no p; c untested with images
+    vision="dtc")  # no p: the tower would have to run inside the first stage (engines/vision.py)
