@@ -105,12 +105,24 @@ def _entries(mb: dict) -> list:
 
 
 def token_types(ids: torch.Tensor, cfg: Any) -> torch.Tensor:
-    """``mm_token_type_ids``: 1 on image tokens, 2 on video tokens, 0 elsewhere."""
+    """``mm_token_type_ids``: 1 on image tokens, 2 on video tokens, 0 elsewhere (what a plain HF forward of a
+    processor's output needs: without it transformers 5.24's Qwen2.5-VL falls back to 1-D positions)."""
     tt = (ids == int(cfg.image_token_id)).int()
     vid = getattr(cfg, "video_token_id", None)
     if vid is not None:
         tt = tt + 2 * (ids == int(vid)).int()
     return tt
+
+
+def row_image_tokens(ids: torch.Tensor, grid: torch.Tensor | None, cfg: Any) -> torch.Tensor:
+    """``[n]`` bool: the row's image tokens that hold its images' features, the first ``sum(t*h*w) / merge^2``
+    ``<|image_pad|>`` of the row (the prompt's, expanded by the processor). A pad the policy generated later
+    in the row has no picture: it stays a text token (its own embedding, 1-D position)."""
+    is_pad = ids == int(cfg.image_token_id)
+    if grid is None:
+        return torch.zeros_like(is_pad)
+    k = int((grid.reshape(-1, 3).prod(-1) // int(cfg.vision_config.spatial_merge_size) ** 2).sum())
+    return is_pad & (torch.cumsum(is_pad.long(), 0) <= k)
 
 
 def row_positions(model: Any, ids: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
@@ -119,8 +131,9 @@ def row_positions(model: Any, ids: torch.Tensor, grid: torch.Tensor | None) -> t
     if grid is None:
         return torch.arange(n, dtype=torch.long)[None].expand(3, n)
     vl = model.model
-    pos, _ = vl.get_rope_index(ids[None].cpu(), mm_token_type_ids=token_types(ids[None].cpu(), vl.config),
-                               image_grid_thw=grid.cpu())
+    ids = ids.cpu()
+    types = row_image_tokens(ids, grid.cpu(), vl.config).int()[None]
+    pos, _ = vl.get_rope_index(ids[None], mm_token_type_ids=types, image_grid_thw=grid.cpu())
     return pos[:, 0]
 
 
@@ -245,15 +258,17 @@ def install(model: Any) -> None:
 
 
 def image_token_mask(mb: dict, cfg: Any, packed_total: int | None = None) -> torch.Tensor:
-    """Where the image features go: the image tokens of the rows that carry images (an image token in a text
-    row has no picture and keeps its embedding). ``[B, L]`` for the padded batch; with ``packed_total``,
+    """Where the image features go: each image row's :func:`row_image_tokens` (an image token in a text row, or
+    one generated after the prompt, has no picture and keeps its embedding). ``[B, L]`` for the padded batch; with ``packed_total``,
     ``[1, packed_total]`` in :func:`~areal_cli.engines.packing.pack`'s layout (the rows' real tokens in order)."""
     ids = mb["input_ids"].cpu()
-    has = torch.tensor([e is not None for e in _entries(mb)], dtype=torch.bool)
-    mask = (ids == int(cfg.image_token_id)) & has[:, None] & mb["attention_mask"].cpu().bool()
+    lens = [int(x) for x in mb["attention_mask"].sum(dim=1).tolist()]
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    for r, (n, e) in enumerate(zip(lens, _entries(mb))):
+        if e is not None:
+            mask[r, :n] = row_image_tokens(ids[r, :n], _check_entry(e, r)[1], cfg)
     if packed_total is None:
         return mask
-    lens = [int(x) for x in mb["attention_mask"].sum(dim=1).tolist()]
     flat = torch.cat([mask[r, :n] for r, n in enumerate(lens)]) if lens else mask.new_zeros(0)
     return torch.cat([flat, flat.new_zeros(packed_total - flat.numel())])[None]
 

@@ -131,13 +131,17 @@ def test_validate_plans_vision_models_on_fsdp_and_archon():
 
 
 def test_image_features_go_to_the_image_rows_image_tokens_only():
-    """Packed and padded: an image token in a text row (or in padding) takes no feature."""
+    """Packed and padded: an image token in a text row, in padding or generated after a row's images takes no
+    feature."""
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(image_token_id=9)
-    ids = torch.tensor([[1, 9, 9, 2, 0], [9, 3, 0, 0, 0], [4, 9, 5, 9, 9]])
-    am = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
-    mb = {"input_ids": ids, "attention_mask": am, "multi_modal": [{}, None, {}]}
+    cfg = SimpleNamespace(image_token_id=9, vision_config=SimpleNamespace(spatial_merge_size=1))
+    ids = torch.tensor([[1, 9, 9, 2, 9], [9, 3, 0, 0, 0], [4, 9, 5, 9, 9]])
+    am = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    # row 0: one 1x1x2 image (2 tokens) and a generated pad after it; row 2: two 1x1x1 images
+    mm = [{"pixel_values": torch.zeros(2, 3), "image_grid_thw": torch.tensor([[1, 1, 2]])}, None,
+          {"pixel_values": torch.zeros(2, 3), "image_grid_thw": torch.tensor([[1, 1, 1], [1, 1, 1]])}]
+    mb = {"input_ids": ids, "attention_mask": am, "multi_modal": mm}
     assert vision.image_token_mask(mb, cfg).int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 0, 1, 0]]
-    packed = vision.image_token_mask(mb, cfg, packed_total=12)
-    assert packed.int().tolist() == [[0, 1, 1, 0] + [0, 0] + [0, 1, 0, 1] + [0, 0]]
+    packed = vision.image_token_mask(mb, cfg, packed_total=13)
+    assert packed.int().tolist() == [[0, 1, 1, 0, 0] + [0, 0] + [0, 1, 0, 1] + [0, 0]]
