@@ -649,8 +649,9 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
                              "emulated here (measured 7x slower than fp32 on an AVX2 EPYC); float32 is faster")
     if is_vision_language(cfg.model):
         plan.warnings.append(f"model.vision: {cfg.model.name} is a vision-language model; the memory estimate "
-                             "counts its vision tower and the fsdp and archon engines train on image batches, but "
-                             "no server or workflow takes images yet: `areal train` refuses it (docs/vision.md)")
+                             "counts its vision tower, the fsdp and archon engines train on image batches and the "
+                             "hf server serves images, but no workflow carries images yet: `areal train` refuses "
+                             "it (docs/vision.md)")
     if cfg.algo.name == "sft" and plan.inferences:
         plan.warnings.append("algo=sft does not generate: the inference component is unused")
     if cfg.algo.name == "rm" and plan.inferences:
