@@ -133,6 +133,10 @@ def test_hf_export_round_trip(runs, vl_dir):
         with safe_open(str(p), "pt") as f:
             got |= set(f.keys())
     assert got == names and any(n.startswith("visual.") for n in got)
+    # the stream the weight-sync senders pull (disk and broadcast) carries the same names, the tower included
+    # (and the tied head, as for a text model: the export drops it)
+    for run in ("ref", "archon_t2", "archon_d2t2"):
+        assert set(runs[run]["weights"]) - {"lm_head.weight"} == names
     want = runs["ref"]["probe"]
     lp = VW.hf_logprobs(_hf(runs["export"]), VW.image_batch(vl_dir, 7))
     assert (lp - want).abs().max().item() <= HF_TOL
