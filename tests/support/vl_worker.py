@@ -86,18 +86,26 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     from fsdp_worker import engine_config, full_weights, local_batch, loss_fn, loss_weight_fn
 
     ocfg = OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
-    engine = get_engine_cls(v.get("cls", "fsdp"))(engine_config(v.get("engine", {})), ocfg, total_steps=4, seed=0)
+    kw = {}
+    if v.get("lora"):
+        from areal_cli.config.model import LoRAConfig
+
+        kw["lora"] = LoRAConfig(rank=int(v["lora"]))
+    engine = get_engine_cls(v.get("cls", "fsdp"))(engine_config(v.get("engine", {})), ocfg, total_steps=4, seed=0,
+                                                  **kw)
     engine.initialize(ParallelStrategy(**v.get("parallel", {})), model_dir,
                       freeze_vision_tower=bool(v.get("freeze", False)))
     head = engine.is_dp_head
     res: dict = {"logprobs": engine.forward(image_batch(model_dir, 0) if head else None), "stats": []}
-    res["weights_before"] = full_weights(engine) if v.get("freeze") else None
+    res["weights_before"] = full_weights(engine) if v.get("freeze") or v.get("lora") else None
     res["n_trainable"] = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
     res["n_optimized"] = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
     for step in range(v.get("steps", 2)):
         res["stats"].append(engine.train_batch(local_batch(engine, image_batch(model_dir, 1 + step)),
                                                loss_fn, loss_weight_fn))
     res["weights"] = full_weights(engine)
+    if v.get("lora"):
+        res["adapter"] = engine.adapter_tensors()
     if v.get("probe"):
         res["probe"] = engine.forward(image_batch(model_dir, 7) if head else None)["logprobs"]
     if v.get("export"):

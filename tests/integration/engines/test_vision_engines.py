@@ -41,7 +41,8 @@ def runs(vl_dir, tmp_path_factory):
     w1 = [{"name": "ref", "export": export, "probe": True, **STEPS},
           {"name": "ref_x8", "engine": {"max_tokens_per_mb": 1}, **STEPS},
           {"name": "padded", "engine": {"padding_free": False}, **STEPS},
-          {"name": "freeze", "freeze": True, **STEPS}]
+          {"name": "freeze", "freeze": True, **STEPS},
+          {"name": "lora", "lora": 4, "optim": {"lr": 1e-2}, "steps": 2}]
     w2 = [{"name": "d2", "parallel": {"dp": 2}, **STEPS},
           {"name": "c2", "parallel": {"cp": 2}, **STEPS},
           {"name": "archon_t2", "cls": "archon", "parallel": {"tp": 2}, **STEPS},
@@ -117,6 +118,19 @@ def test_freeze_vision_tower_keeps_the_tower(runs, initial):
     assert run["n_optimized"] == run["n_trainable"] == ref["n_trainable"] - n_tower
     lm = max((run["weights"][k] - initial[k]).abs().max().item() for k in run["weights"] if k.startswith("model."))
     assert lm > 100 * TOL
+
+
+def test_lora_trains_an_adapter_on_the_language_model_only(runs):
+    """LoRA with images: the adapter (hub names) sits on the language model's projections, it trains, and the
+    merged weights of everything else (the tower included) stay."""
+    run = runs["lora"]
+    names = set(run["adapter"])
+    assert names and all(n.startswith("model.layers.") for n in names), sorted(names)[:4]
+    assert any(".mlp." in n for n in names) and any(".self_attn." in n for n in names)
+    assert max(t.abs().max().item() for n, t in run["adapter"].items() if ".lora_B." in n) > 0  # B starts at 0
+    before, after = run["weights_before"], run["weights"]
+    tower = [k for k in before if k.startswith("visual.")]
+    assert tower and all(torch.equal(before[k], after[k]) for k in tower)
 
 
 def test_hf_export_round_trip(runs, vl_dir):
