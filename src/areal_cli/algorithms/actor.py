@@ -50,7 +50,9 @@ def split_minibatches(batch: Batch, n: int) -> list[Batch]:
     out = []
     for chunk in idx:
         lo, hi = int(chunk[0]), int(chunk[-1]) + 1
-        out.append({k: (v[lo:hi] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v)
+        # per-row lists (multi_modal: each row's images) are cut with their rows
+        out.append({k: (v[lo:hi] if (torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B)
+                        or (isinstance(v, list) and len(v) == B) else v)
                     for k, v in batch.items()})
     return out
 

@@ -61,6 +61,7 @@ class EngineSpec:
     # --- capabilities (validation asks these, never the name)
     lora: str = ""  # the dims under which it trains LoRA adapters ("": it does not)
     routing_replay: str = ""  # the dims under which its forward replays recorded MoE routing ("": none)
+    vision: str = ""  # the dims under which it trains vision-language models on image batches ("": it does not)
     # engine config -> raises ConfigError where its own knobs rule routing replay out
     check_routing_replay: Callable[[Any], None] | None = None
     hybrid_moe: bool = False  # runs the allocation form (attn:…|ffn:…) with the experts' own dims

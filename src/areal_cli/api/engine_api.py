@@ -13,6 +13,16 @@ Batches are dicts of right-padded tensors with a leading batch dim ``[B, L]``:
   server routed token ``i`` to in every MoE layer, ``-1`` where not recorded; when present, engines that
   support it run those experts, see ``engines/routing_replay.py``)
 - optional per-sequence ``[B]``: ``rewards``, ``seq_no_eos_mask``
+- optional ``multi_modal`` (images; a vision-language model, ``engines/vision.py``): a Python list of length
+  ``B``, entry ``r`` ``None`` for a text row or ``{"pixel_values": float [n_patches_r, patch_dim],
+  "image_grid_thw": long [n_images_r, 3]}`` exactly as the model's processor returns them for row ``r``'s
+  images, in the order they appear in the row; the row's ``input_ids`` already hold the expanded
+  ``<|image_pad|>`` tokens (one per merged patch). Everything that selects, splits, reorders, concatenates,
+  broadcasts or scatters rows (micro-batch bins, the data-parallel split, the replica broadcast, the
+  trainer's mini-batches and episode order) keeps each row's entry with its tokens; a batch without the key
+  is a text batch, exactly as before. The engines compute each row's mrope positions from its ids and grids
+  (the model's ``get_rope_index``) and run the tower inside the forward; ``fsdp`` (d, c) and ``archon``
+  (d, t, c) take such batches, the others refuse a vision model (``validate-config``)
 
 Position convention: per-token tensors are aligned with ``input_ids``; entry ``i`` concerns the
 prediction of token ``i`` from tokens ``< i`` (entry 0 is always 0 / masked).

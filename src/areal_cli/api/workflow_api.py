@@ -41,6 +41,9 @@ class Trajectory:
         max_len = max(t.data["input_ids"].shape[1] for t in items)
         out: dict[str, torch.Tensor] = {}
         for key in items[0].data:
+            if isinstance(items[0].data[key], list):  # per-row objects (multi_modal: each row's images)
+                out[key] = [e for t in items for e in t.data[key]]
+                continue
             parts = []
             for t in items:
                 x = t.data[key]

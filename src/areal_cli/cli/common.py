@@ -38,8 +38,8 @@ def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_m
             from areal_cli.config.model import is_vision_language
 
             if is_vision_language(cfg.model):  # before a download: nothing could run the model it fetched
-                raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and no engine, "
-                                  "server or workflow takes images yet (docs/vision.md)",
+                raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and no "
+                                  "workflow carries images to the trainer yet (docs/vision.md)",
                                   "train a text model; `areal validate-config` and `areal train --dry-run` still "
                                   "plan this one")
 

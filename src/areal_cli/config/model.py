@@ -96,6 +96,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     vision: VisionTowerConfig = field(default_factory=VisionTowerConfig)
+    # a vision-language model's tower keeps its weights: no gradient, no optimizer state (docs/vision.md)
+    freeze_vision_tower: bool = False
 
 
 # Facts read from a local model dir's config.json: ModelConfig field -> config.json keys, first wins.

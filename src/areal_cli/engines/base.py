@@ -94,7 +94,9 @@ class EngineBase(TrainEngine):
 
         self._check_model_dir(model_path)
         cfg = AutoConfig.from_pretrained(model_path)
-        self.pad_token_id = getattr(cfg, "pad_token_id", None) or 0
+        from areal_cli.engines.vision import text_config
+
+        self.pad_token_id = getattr(text_config(cfg), "pad_token_id", None) or 0
         self.arch = list(getattr(cfg, "architectures", None) or [_causal_lm_class(cfg)])
         # as from_pretrained: the dir's generation config, else one derived from the model config
         if (Path(model_path) / "generation_config.json").is_file():

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.engines import parallelize as par
+from areal_cli.engines import parallelize as par, vision
 from areal_cli.engines.base import VALUE_HEAD_FILE  # noqa: F401  (re-exported: the critic's head file)
 from areal_cli.engines.hf_model import HFModelEngine, _full  # noqa: F401
 from areal_cli.engines.specs import FSDP
@@ -52,10 +52,12 @@ class FSDPEngine(HFModelEngine):
         self.parallel = parallel
         self.model_path = model_path
         self._meshes = par.build_meshes(parallel, self.device.type)
+        self.freeze_vision_tower = bool(kwargs.get("freeze_vision_tower", False))
         model, _ = self._build_meta_model(model_path)
-        if parallel.cp > 1 and model.config.num_attention_heads % parallel.cp:
+        heads = vision.text_config(model.config).num_attention_heads
+        if parallel.cp > 1 and heads % parallel.cp:
             raise ConfigError("allocation_mode", f"c{parallel.cp} does not divide num_attention_heads="
-                              f"{model.config.num_attention_heads}", "pick c that divides the head count")
+                              f"{heads}", "pick c that divides the head count")
         if self.cfg.gradient_checkpointing:
             par.enable_gradient_checkpointing(model)
         mp = self.precision.mixed  # bf16 compute over fp32 masters (engines/precision.py)
@@ -66,7 +68,7 @@ class FSDPEngine(HFModelEngine):
         # [256, 1024] matmul on one core here), while FSDP's policy would cast every parameter every step.
         if self._meshes.fsdp_mesh.size() > 1:
             par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=self.precision.compute if mp else None,
-                           reduce_dtype=torch.float32 if mp else None)
+                           reduce_dtype=torch.float32 if mp else None, extra_modules=tuple(vision.tower_units(model)))
         self._materialise([model])
         if self._meshes.fsdp_mesh.size() == 1 and mp:
             model.forward = torch.autocast(self.device.type, dtype=self.precision.compute)(model.forward)

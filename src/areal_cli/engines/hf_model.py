@@ -27,7 +27,7 @@ import torch.distributed as dist
 from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import SaveLoadMeta
 from areal_cli.engines import (lora as lora_mod, materialize, packing, parallelize as par, precision,
-                               routing_replay as r3, sampling_mask, step_stats, ulysses)
+                               routing_replay as r3, sampling_mask, step_stats, ulysses, vision)
 from areal_cli.weight_sync.adapter_files import ADAPTER_NAME
 from areal_cli.config.engine import GRAD_REDUCE_MODES
 from areal_cli.engines.attn_impl import FLASH
@@ -54,7 +54,13 @@ class HFModelEngine(EngineBase):
         self.precision = precision.resolve(self.cfg.dtype, trainable=self.optim_cfg is not None)
         dtype = self.precision.params  # fp32 masters when trained: the backend casts for compute
         torch.manual_seed(self.seed)
+        self._vl = vision.is_vl_config(cfg)
+        if self._vl:
+            attn = vision.attn_impls(attn, self.cfg.attn_impl)
         model = materialize.meta_model(cfg, dtype, attn)
+        if self._vl:
+            if getattr(self, "freeze_vision_tower", False):
+                vision.freeze_tower(model)
         if self.critic:
             self._attach_value_head(model, model_path, dtype)
         elif lora_mod.enabled(self.lora_cfg):
@@ -69,6 +75,8 @@ class HFModelEngine(EngineBase):
         fresh, buffers = self._host_state
         materialize.load_sharded(modules, self._checkpoint(self.model_path), fresh, buffers, device=self.device)
         self._host_state = None
+        for m in modules:  # after parallelisation: the hook sees the embedding's output as the decoder does
+            vision.install(m)
         host_memory.release()  # the full tensors read for row-wise TP shards, freed under the kept ones
 
     def _build_optimizer(self, params) -> None:
@@ -82,7 +90,7 @@ class HFModelEngine(EngineBase):
             self.model.eval()
 
     def _attach_value_head(self, model, model_path: str, dtype) -> None:
-        hidden = model.config.hidden_size
+        hidden = vision.text_config(model.config).hidden_size
         head = torch.nn.Linear(hidden, 1, bias=True, dtype=dtype)
         src = Path(model_path) / VALUE_HEAD_FILE
         if src.is_file():
@@ -115,7 +123,8 @@ class HFModelEngine(EngineBase):
         # The attention function reads the group from the model's context (ulysses.AttnContext): set per
         # call, as a model's layout is fixed but the context is bound to modules lazily.
         ulysses.set_ulysses_group(self.model, self.cp_group if cp > 1 else None)
-        if self._shares_prefix(output) and r3.prefix_shareable(mb):
+        vl = getattr(self, "_vl", False)  # a VL model runs its tower in every forward: no shared-prefix path
+        if self._shares_prefix(output) and not vl and r3.prefix_shareable(mb):
             sp = packing.pack_shared(mb, loss_only=loss_only)
             if sp is not None:
                 return self._forward_shared(sp, mb, temperature)
@@ -130,15 +139,25 @@ class HFModelEngine(EngineBase):
                 mask = packing.packed_causal_mask(pk.seq_ids.to(self.device))
             group = self.cp_group if cp > 1 else None
             ids = ulysses.slice_for_rank(pk.input_ids, group, dim=1).to(self.device)
-            pos = ulysses.slice_for_rank(pk.position_ids, group, dim=1).to(self.device)
+            pos = pk.position_ids
+            if vl:
+                if vision.has_images(mb):
+                    pos = vision.packed_positions(self.model, mb, pk.lengths, pk.input_ids.shape[1])
+                vision.set_pending(self.model, mb, packed_total=pk.input_ids.shape[1],
+                                   offset=0 if group is None else dist.get_rank(group) * ids.shape[1])
+            pos = ulysses.slice_for_rank(pos, group, dim=-1).to(self.device)
             keep = packing.loss_positions(mb, pk) if loss_only and cp == 1 and output == "logprobs" else None
             keep = keep.to(self.device) if keep is not None and keep.numel() > 0 else None
             r3.set_replay(self.model, r3.packed(mb, pk.lengths, pk.input_ids.shape[1], group))
             # A 4-D mask goes to every layer as it is. (A {"full_attention": …} mapping only reaches models
             # whose forward reads one: Qwen3-MoE's builds its own mask, gets None for the engine's attention
             # function, and a packed row would attend across its sequences.)
-            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
-                                logits_to_keep=keep if keep is not None else 0, attention_mask=mask).logits[0]
+            try:
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                    logits_to_keep=keep if keep is not None else 0, attention_mask=mask).logits[0]
+            finally:
+                if vl:
+                    vision.set_pending(self.model, None)
             if output == "values":
                 vals = ulysses.gather_seq(logits[:, 0].float(), group)
                 return {"values": packing.unpack_shifted(vals, pk, max_len)}
@@ -163,7 +182,15 @@ class HFModelEngine(EngineBase):
         mask = packing.padded_causal_mask(am)
         pos = torch.arange(max_len, device=self.device)[None].expand_as(ids)
         r3.set_replay(self.model, r3.padded(mb))
-        logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=mask).logits
+        if vl:
+            if vision.has_images(mb):
+                pos = vision.padded_positions(self.model, mb).to(self.device)
+            vision.set_pending(self.model, mb)
+        try:
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=mask).logits
+        finally:
+            if vl:
+                vision.set_pending(self.model, None)
         if output == "values":
             return {"values": packing.shift_padded(logits[..., 0].float()) * am}
         tgt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
@@ -258,7 +285,7 @@ class HFModelEngine(EngineBase):
         if self.optimizer is None:
             return
         g = torch.Generator().manual_seed(0)
-        vocab = int(self.hf_config.vocab_size)
+        vocab = int(vision.text_config(self.hf_config).vocab_size)
         prompts = torch.randint(0, vocab, (max(1, rows // group), prompt_len), generator=g)
         ids = torch.cat([prompts.repeat_interleave(group, dim=0)[:rows],
                          torch.randint(0, vocab, (rows, completion_len), generator=g)], dim=1)
@@ -327,7 +354,11 @@ class HFModelEngine(EngineBase):
                 continue
             if keep is not None and not keep(name):
                 continue
-            yield from self._stream_tensor(name, p, to_cpu, src)
+            if getattr(self, "_vl", False):  # the hub checkpoint's names (visual.*, model.*), as the model dir's
+                for n, t in self._stream_tensor(name, p, to_cpu, src):
+                    yield vision.hub_name(n), t
+            else:
+                yield from self._stream_tensor(name, p, to_cpu, src)
 
     def _stream_tensor(self, name: str, p: torch.Tensor, to_cpu: bool, src: bool):
         """One parameter's full tensor for :meth:`_named_full_tensors` (a collective); an engine may

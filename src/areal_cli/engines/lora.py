@@ -51,7 +51,19 @@ def peft_config(lora_cfg: LoRAConfig, model_config: Any):
     targets = lora_target_modules(lora_cfg.target_modules, getattr(model_config, "model_type", None), moe=moe)
     return LoraConfig(r=int(lora_cfg.rank), lora_alpha=float(lora_cfg.alpha),
                       lora_dropout=float(lora_cfg.dropout),
-                      target_modules=list(targets), bias="none", task_type="CAUSAL_LM")
+                      target_modules=_targets(targets, model_config), bias="none", task_type="CAUSAL_LM")
+
+
+def _targets(names: tuple[str, ...], model_config: Any) -> Any:
+    """peft's ``target_modules``: the projection names, or for a vision-language model a pattern peft
+    full-matches against module paths that holds them to the language model: the tower's MLP has
+    ``gate_proj``/``up_proj``/``down_proj`` too, and wrapping it would adapt the vision encoder."""
+    from areal_cli.engines.vision import is_vl_config
+
+    if not is_vl_config(model_config):
+        return list(names)
+    return r"model\.language_model\..*\.(" + "|".join(sorted(names)) + ")"
+
 
 
 def inject(model: torch.nn.Module, lora_cfg: LoRAConfig):

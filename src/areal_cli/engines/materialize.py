@@ -41,10 +41,14 @@ def _meta_parameters():
 
 def meta_model(hf_config: Any, dtype: torch.dtype, attn_implementation: str):
     """The HF causal LM of ``hf_config`` with meta parameters and real buffers."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from areal_cli.engines.vision import is_vl_config
+
+    # a VL model (vision tower + language model) is an image-text-to-text model, not a causal LM to transformers
+    auto = AutoModelForImageTextToText if is_vl_config(hf_config) else AutoModelForCausalLM
     with _meta_parameters():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+        model = auto.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
     # The context re-registers every parameter it sees, so the tie made at construction was cut: make it again.
     model.tie_weights()
     return model
@@ -82,6 +86,11 @@ class _Source:
         self.ck = ck
         self.fresh = fresh.get(name)
         self.key = checkpoint_name(name)
+        if self.key not in ck:  # a VL model's module tree names vs the hub checkpoint's (engines/vision.py)
+            from areal_cli.engines.vision import hub_name
+
+            if hub_name(self.key) in ck:
+                self.key = hub_name(self.key)
         self.expert = _EXPERT.match(self.key) if self.fresh is None and self.key not in ck else None
         if self.fresh is None and self.key not in ck and self.expert is None:
             from areal_cli.errors import ConfigError

@@ -1,7 +1,9 @@
 """Micro-batch splitting and padding-free packing for the training engines.
 
 Batches follow the layout in :mod:`areal_cli.api.engine_api`: dicts of right-padded ``[B, L]``
-tensors (plus optional per-sequence ``[B]`` tensors). Three steps turn one into model inputs:
+tensors (plus optional per-sequence ``[B]`` tensors and per-row lists of length ``B``, such as each row's
+images under ``multi_modal``: row selection keeps them with their rows). Three steps turn one into model
+inputs:
 
 1. :func:`ffd_bins` groups sequences by a token budget with first-fit-decreasing.
 2. :func:`equalize_bins` splits bins until every data-parallel rank has the same number of
@@ -91,6 +93,9 @@ def select_rows(batch: dict, idx: list[int]) -> dict:
     max_len = int(lens.max().item()) if len(idx) else 0
     out = {}
     for k, v in batch.items():
+        if isinstance(v, list) and len(v) == B:  # per-row objects (``multi_modal``: each row's images)
+            out[k] = [v[i] for i in idx]
+            continue
         if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != B:
             out[k] = v
             continue

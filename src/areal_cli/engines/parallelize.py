@@ -61,7 +61,9 @@ def build_meshes(parallel: ParallelStrategy, device_type: str, engine: str = "fs
 
 def decoder_layers(model) -> list:
     """The transformer blocks of an HF causal LM (``model.model.layers`` for Qwen2/Llama)."""
-    base = getattr(model, "model", model)
+    from areal_cli.engines.vision import text_model
+
+    base = text_model(model)  # a VL model's decoder stack sits under model.language_model
     layers = getattr(base, "layers", None)
     if layers is None:
         raise ConfigError("model.path", f"{type(model).__name__} has no .model.layers",

@@ -44,7 +44,8 @@ def _deepspeed_sharding(engine_cfg: EngineConfig) -> Sharding:
 
 FSDP = EngineSpec("fsdp", "areal_cli.engines.fsdp:FSDPEngine", "dc", lambda _: FULL_SHARD, None,
                   "PyTorch FSDP2 data parallel with Ulysses context parallel",
-                  lora=ALL_DIMS, routing_replay=ALL_DIMS, dcp_checkpoint=True, critic=True)
+                  lora=ALL_DIMS, routing_replay=ALL_DIMS, dcp_checkpoint=True, critic=True,
+                  vision="dc")  # engines/vision.py; tests/integration/engines/test_vision_engines.py
 
 # DeepSpeed inherits fsdp's forward, but routing replay is untested with it, so it does not declare it.
 DEEPSPEED = EngineSpec("deepspeed", "areal_cli.engines.deepspeed:DeepSpeedEngine", "dc", _deepspeed_sharding,

@@ -29,6 +29,7 @@ from areal_cli.algorithms.config_checks import validate_algo_config, validate_gr
 from areal_cli.config.launcher import local_multi_node
 from areal_cli.config.model import is_vision_language
 from areal_cli.plan.lora_rules import check_lora
+from areal_cli.plan.vision_rules import check_vision
 from areal_cli.plan.packages import check_packages
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.cluster import DEVICES
@@ -478,6 +479,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     _check_weight_update(cfg, plan)
     _check_attn_impl(cfg, plan)
     check_lora(cfg, plan)
+    check_vision(cfg, plan)  # the engines that train a vision tower, and freeze_vision_tower (plan/vision_rules.py)
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
     check_dataset(cfg, plan)  # files, columns and knobs of the dataset group (data/checks.py)
@@ -647,8 +649,9 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
                              "emulated here (measured 7x slower than fp32 on an AVX2 EPYC); float32 is faster")
     if is_vision_language(cfg.model):
         plan.warnings.append(f"model.vision: {cfg.model.name} is a vision-language model; the memory estimate "
-                             "counts its vision tower, but no engine, server or workflow takes images yet: `areal "
-                             "train` refuses it (docs/vision.md)")
+                             "counts its vision tower, the fsdp and archon engines train on image batches and the "
+                             "hf server serves images, but no workflow carries images yet: `areal train` refuses "
+                             "it (docs/vision.md)")
     if cfg.algo.name == "sft" and plan.inferences:
         plan.warnings.append("algo=sft does not generate: the inference component is unused")
     if cfg.algo.name == "rm" and plan.inferences:

@@ -64,7 +64,10 @@ def canonical_order(batch: dict[str, Any], positions: list[Any]) -> dict[str, An
     if order == list(range(n)):
         return batch
     idx = torch.tensor([j for i in order for j in range(*spans[i])])
+    perm = idx.tolist()
+    # per-row lists (multi_modal: each row's images, api/engine_api.py) move with their rows
     return {k: (v.index_select(0, idx) if hasattr(v, "index_select") and v.dim() >= 1 and v.shape[0] == rows
+                else [v[i] for i in perm] if isinstance(v, list) and len(v) == rows
                 else v) for k, v in batch.items()}
 
 

@@ -103,8 +103,9 @@ def build_engine(cfg: ExperimentConfig, layout: JobLayout, model_path: str, *, o
     elif lora and lora_enabled(cfg):  # only engines with LoRA get it (validated: plan/lora_rules.py)
         kwargs["lora"] = cfg.model.lora
     engine = cls(cfg.engine, optim if optim is not None else cfg.algo.optim, **kwargs)
+    extra = {"freeze_vision_tower": True} if getattr(cfg.model, "freeze_vision_tower", False) else {}
     engine.initialize(ParallelStrategy(dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, etp=t.etp), model_path,
-                      peers=peers)
+                      peers=peers, **extra)
     return engine
 
 

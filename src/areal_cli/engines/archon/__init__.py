@@ -61,4 +61,5 @@ SPEC = EngineSpec(
     lora="dpce",  # no TP plan for adapter layers yet
     # its pipeline path is not wired (each stage would need its layers' share of the routing per micro-batch),
     # nor t (its sequence-parallel regions hand each router a share of the tokens)
-    routing_replay="dce", dcp_checkpoint=True, critic=True)
+    routing_replay="dce", dcp_checkpoint=True, critic=True,
+    vision="dtc")  # no p: the tower would have to run inside the first stage (engines/vision.py)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.engines import packing, sampling_mask, step_stats, ulysses
+from areal_cli.engines import packing, sampling_mask, step_stats, ulysses, vision
 from areal_cli.engines import parallelize as fsdp_par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.archon import SPEC, clip, expert_parallel, pipeline, vocab_parallel
@@ -55,7 +55,12 @@ class ArchonEngine(HFModelEngine):
         self._check_model_dir(model_path)
         dims = ArchonDims.from_strategy(parallel)
         hf_cfg = AutoConfig.from_pretrained(model_path)
-        dims.check_model(hf_cfg)
+        dims.check_model(vision.text_config(hf_cfg))
+        if vision.is_vl_config(hf_cfg) and dims.pp > 1:
+            raise ConfigError("allocation_mode", f"archon does not cut a vision-language model into pipeline "
+                              f"stages (p{dims.pp}): its tower runs inside the first stage's embedding",
+                              "drop p from the archon dims (d, c and t run vision models)")
+        self.freeze_vision_tower = bool(kwargs.get("freeze_vision_tower", False))
         self._check_moe(hf_cfg, dims)
         self.mesh: ArchonMesh = dims.build(self.device.type)
         m = self.mesh
@@ -163,7 +168,7 @@ class ArchonEngine(HFModelEngine):
         if self.parallel.tp == 1 or self.critic:
             return super()._logprobs_entropy(logits, targets, temperature, cutoffs)
         return vocab_parallel.logprobs_entropy(logits, targets, temperature, group=self.mesh.tp_group,
-                                               vocab_size=int(self.hf_config.vocab_size),
+                                               vocab_size=int(vision.text_config(self.hf_config).vocab_size),
                                                cutoffs=None if cutoffs is None else cutoffs.to(logits.device))
 
     def _clip_grads(self) -> float:

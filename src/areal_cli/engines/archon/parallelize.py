@@ -20,7 +20,9 @@ from areal_cli.engines.archon.mesh import ArchonMesh
 
 def _owned_layers(model: nn.Module) -> list[nn.Module]:
     """Decoder layers that hold parameters (a pipeline stage skips the others)."""
-    return [layer for layer in model.model.layers if any(True for _ in layer.parameters())]
+    from areal_cli.engines.vision import text_model
+
+    return [layer for layer in text_model(model).layers if any(True for _ in layer.parameters())]
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -61,6 +63,10 @@ def apply_fsdp(model: nn.Module, fsdp_mesh: Any, *, param_dtype=None, reduce_dty
             ignored = set(experts.parameters())
         fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                     ignored_params=ignored)
+    from areal_cli.engines.vision import tower_units
+
+    for unit in tower_units(model):  # a VL model's ViT blocks, then the rest of its tower (not cut over t)
+        fully_shard(unit, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for m in model.modules():
         if isinstance(m, FSDPModule):

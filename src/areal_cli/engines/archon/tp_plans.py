@@ -26,8 +26,9 @@ from typing import Any
 
 from areal_cli.errors import ConfigError
 
-# model_type → family key. Qwen2.5 checkpoints are model_type "qwen2".
-FAMILIES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
+# model_type → family key. Qwen2.5 checkpoints are model_type "qwen2"; Qwen2.5-VL's language model is Qwen2's
+# (mrope changes only the rotary tables), and its vision tower is not cut over t (engines/vision.py).
+FAMILIES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen2_5_vl": "qwen2"}
 SUPPORTED = ("Qwen2/Qwen2.5 (qwen2)", "Qwen3 (qwen3)", "Llama (llama)")
 
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads")
@@ -122,12 +123,14 @@ def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
 
     from areal_cli.engines.archon import vocab_parallel as vp
 
+    from areal_cli.engines.vision import text_config, text_model
+
     family = model_family(model)
     tp = tp_mesh.size()
     if tp == 1:
         return
-    check_divisible(model.config, tp)
-    base = model.model
+    check_divisible(text_config(model.config), tp)
+    base = text_model(model)
     lm_head = getattr(model, "lm_head", None)
     tied = (lm_head is not None and getattr(base, "embed_tokens", None) is not None
             and lm_head.weight is base.embed_tokens.weight)
