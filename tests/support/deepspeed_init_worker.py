@@ -12,7 +12,6 @@ weights, to compare with. Each rank writes ``<out>/<variant>_rank<r>.pt``.
 
 from __future__ import annotations
 
-import json
 import sys
 import weakref
 from pathlib import Path
@@ -120,19 +119,9 @@ def run(v: dict, model_dir: str, out: str) -> None:
     engine.destroy()
 
 
-def main() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    spec = json.loads(sys.argv[1])
-    from areal_cli.utils.dist import init_distributed
-
-    init_distributed("gloo")
-    for v in spec["variants"]:
-        run(v, spec["model_dir"], spec["out"])
-
-
 if __name__ == "__main__":
+    from fsdp_worker import variants_main
+
     from areal_cli.utils.dist import exit_after
 
-    exit_after(main)
+    exit_after(lambda: variants_main(run))

@@ -271,6 +271,20 @@ def main() -> None:
         (run_critic if v.get("critic") else run_variant)(v, model_dir, spec["out"])
 
 
+def variants_main(run) -> None:
+    """The main of a worker script that runs ``run(variant, model_dir, out)`` for each variant of the spec
+    ``launch`` passed in argv, on gloo, one torch thread per rank."""
+    import torch
+
+    torch.set_num_threads(1)
+    spec = json.loads(sys.argv[1])
+    from areal_cli.utils.dist import init_distributed
+
+    init_distributed("gloo")
+    for v in spec["variants"]:
+        run(v, spec["model_dir"], spec["out"])
+
+
 def launch(spec: dict, world_size: int, timeout: float = 300.0, expect_kill: bool = False,
            script: str | None = None) -> None:
     """Start ``world_size`` worker processes and wait; raise with their output on failure."""

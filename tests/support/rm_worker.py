@@ -11,7 +11,6 @@ weights after the steps to ``<out>/<name>.pt``.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -106,19 +105,9 @@ def export(engine, v: dict, res: dict, out_dir: str) -> None:
     dist.barrier()
 
 
-def main() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    spec = json.loads(sys.argv[1])
-    from areal_cli.utils.dist import init_distributed
-
-    init_distributed("gloo")
-    for v in spec["variants"]:
-        run(v, spec["model_dir"], spec["out"])
-
-
 if __name__ == "__main__":
+    from fsdp_worker import variants_main
+
     from areal_cli.utils.dist import exit_after
 
-    exit_after(main)
+    exit_after(lambda: variants_main(run))

@@ -10,7 +10,6 @@ logprobs to ``<out>/<name>.pt``; ``export`` writes the HF dir after the steps an
 from __future__ import annotations
 
 import io
-import json
 import sys
 from pathlib import Path
 
@@ -118,19 +117,9 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     engine.destroy()
 
 
-def main() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    spec = json.loads(sys.argv[1])
-    from areal_cli.utils.dist import init_distributed
-
-    init_distributed("gloo")
-    for v in spec["variants"]:
-        run_variant(v, spec["model_dir"], spec["out"])
-
-
 if __name__ == "__main__":
+    from fsdp_worker import variants_main
+
     from areal_cli.utils.dist import exit_after
 
-    exit_after(main)
+    exit_after(lambda: variants_main(run_variant))
