@@ -247,7 +247,16 @@ def load_split(cfg: DatasetConfig, tokenizer, split: str = "train",
         path = cfg.train_path
     config_path = "dataset.train_path" if held_out else f"dataset.{key}"
     task = builtin.parse_builtin_path(path)
-    if task is not None:
+    from areal_cli.data import builtin_vision
+
+    if task is not None and task in builtin_vision.VISION_TASKS:
+        from areal_cli.data.vision_items import build_vision_items
+
+        train_rows, test_rows = builtin_vision.generate_splits(task, cfg.train_size, cfg.test_size, seed=rows_seed)
+        items, report = build_vision_items(train_rows if split == "train" else test_rows, tokenizer,
+                                           system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len,
+                                           max_image_pixels=cfg.max_image_pixels, source=f"builtin:{task}/{split}")
+    elif task is not None:
         if task not in builtin.TASKS:
             check_dataset_paths(cfg)  # raises the ConfigError with the fix
         train_rows, test_rows = builtin.generate_splits(task, cfg.train_size, cfg.test_size, seed=rows_seed)

@@ -118,6 +118,7 @@ class GenerationEngine:
         # Requests with images run in their own sub-batch (mrope positions, the vision tower in prefill):
         # vision.VisionBatch, attached by the server for a vision-language model (vision.attach).
         self.vision = None
+        self.banned_ids: torch.Tensor | None = None  # never sampled (a VL model's vision tokens: vision.attach)
         self.adapters = lora.AdapterSet()
         self._capture = None  # routing_replay.Capture, made on the first request that records routing
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
@@ -481,6 +482,8 @@ class GenerationEngine:
     def _sample_into(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample one token for each of ``seqs`` and append it; the indices (into ``seqs``) that finished."""
         with_mask = any(s.record_mask for s in seqs)
+        if self.banned_ids is not None:
+            logits = logits.index_fill(1, self.banned_ids.to(logits.device), float("-inf"))
         out = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
                           self.eos_ids, self.generator,
                           positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs],
