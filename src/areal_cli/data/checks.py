@@ -109,7 +109,8 @@ def check_visual_task(cfg: ExperimentConfig) -> None:
             continue
         if not is_vision_language(cfg.model):
             raise ConfigError(f"dataset.{key}", f"{path} is a visual task, and model {cfg.model.name!r} has no "
-                              "vision tower to see its images", "use model=tiny_vl (or experiment=vision_default)")
+                              "vision tower to see its images (docs/vision.md)",
+                              "use model=tiny_vl (or experiment=vision_default)")
         wf = getattr(getattr(cfg, "workflow", None), "name", "rlvr")
         if wf not in VISUAL_WORKFLOWS and "." not in wf and ":" not in wf:  # a user workflow may send them
             raise ConfigError("workflow.name", f"{wf} does not send a data item's images to the server ({path} is "

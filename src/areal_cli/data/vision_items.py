@@ -69,7 +69,7 @@ def build_vision_items(rows: list[dict], tokenizer: Any, *, system_prompt: str |
         answer = row.get("answer")
         items.append({"id": str(row.get("id", f"{source}-{i}")), "question": q, "images": [bytes(im) if
                       isinstance(im, (bytes, bytearray)) else im for im in imgs], "messages": msgs,
-                      "prompt": prompt, "prompt_len": n, "answer": ref,
+                      "prompt": prompt, "prompt_len": n, "answer": ref, "colour": row.get("colour"),
                       "solution": answer if isinstance(answer, str) else str(answer)})
     report.kept = len(items)
     return items, report
