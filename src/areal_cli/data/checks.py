@@ -125,8 +125,8 @@ def check_visual_task(cfg: ExperimentConfig) -> None:
                           "lower dataset.max_image_tokens or raise dataset.max_prompt_len")
 
 
-# The built-in workflows that send a data item's images with its prompt (rollout/images.py).
-VISUAL_WORKFLOWS = ("rlvr", "multi_turn")
+# The built-in workflows that can send a data item's images (rollout/images.py; an agent through image_url parts).
+VISUAL_WORKFLOWS = ("rlvr", "multi_turn", "agent", "agent_proxy")
 
 
 def check_knobs(d: DatasetConfig, plan: Any) -> None:

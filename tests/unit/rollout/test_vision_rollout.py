@@ -233,3 +233,47 @@ def test_server_never_samples_vision_tokens(vl_dir, tok):
 
     assert vision_token_ids(AutoConfig.from_pretrained(vl_dir)).tolist() == I.vision_token_ids(tok)
     assert len(I.vision_token_ids(tok)) == 5
+
+
+def test_openai_client_takes_image_url_parts_and_rows_carry_them(fake_engine, tok, rows, tiny_model_dir):
+    import openai
+    from transformers import AutoTokenizer
+
+    from areal_cli.rollout.interaction_cache import rows_to_tensors
+    from areal_cli.rollout.openai_client import ArealOpenAI
+
+    a, b = I.to_data_url(rows[0]["image"]), I.to_data_url(rows[1]["image"])
+    srv = _Served(fake_engine, [tok.encode(" 3", add_special_tokens=False) + [tok.eos_token_id],
+                                tok.encode(" 4", add_special_tokens=False) + [tok.eos_token_id]])
+    client = ArealOpenAI(srv, tok)
+
+    def user(url, text):
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                            {"type": "text", "text": text}]}
+
+    async def episode():
+        msgs = [user(a, "How many shapes?")]
+        first = await client.chat.completions.create(messages=msgs, max_tokens=4)
+        msgs += [{"role": "assistant", "content": first.choices[0].message.content}, user(b, "And here?")]
+        return await client.chat.completions.create(messages=msgs, max_tokens=4)
+
+    asyncio.run(episode())
+    pad = I.image_pad_id(tok)
+    (ids1, imgs1), (ids2, imgs2) = srv.sent
+    assert imgs1 == [a] and imgs2 == [a, b]
+    assert ids1.count(pad) == 16 and ids2.count(pad) == 32 and ids2[:len(ids1)] == ids1  # one token chain
+    second = client.cache.last
+    assert second.token_parent_id is not None and second.images == [a, b]
+    [row] = client.export_interactions("per_leaf")
+    traj = rows_to_tensors([row], pad_id=0, group_id=7, tokenizer=tok)
+    mm = traj.data["multi_modal"][0]
+    assert mm["image_grid_thw"].tolist() == [[1, 8, 8], [1, 8, 8]]
+    want = I.prompt_images(tok, ids2, [a, b])
+    assert torch.equal(mm["pixel_values"], want.multi_modal["pixel_values"])
+    trained = traj.data["input_ids"][0][traj.data["loss_mask"][0]].tolist()
+    three, four = (tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in (" 3", " 4"))
+    assert trained == three + four  # only what the model generated
+    # a text-only model's client refuses an image part as a server would (400)
+    text_client = ArealOpenAI(srv, AutoTokenizer.from_pretrained(tiny_model_dir))
+    with pytest.raises(openai.BadRequestError, match="text-only"):
+        asyncio.run(text_client.chat.completions.create(messages=[user(a, "hi")], max_tokens=2))
