@@ -125,7 +125,7 @@ def check_visual_task(cfg: ExperimentConfig) -> None:
                           "lower dataset.max_image_tokens or raise dataset.max_prompt_len")
 
 
-# The built-in workflows that can send a data item's images (rollout/images.py; an agent through image_url parts).
+# The built-in workflows that can send a data item's images (models/vl_inputs.py; an agent through image_url parts).
 VISUAL_WORKFLOWS = ("rlvr", "multi_turn", "agent", "agent_proxy")
 
 

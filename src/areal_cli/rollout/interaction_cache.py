@@ -231,7 +231,7 @@ def rows_to_tensors(rows: list[dict[str, Any]], pad_id: int, group_id: int, toke
     traj = stack_rows(built, [r["reward"] for r in rows], [r["no_eos"] for r in rows], group_id, pad_id,
                       {"interaction_ids": [r["ids"] for r in rows]}, correct=correct)
     if any(r.get("images") for r in rows):
-        from areal_cli.rollout.images import image_features, image_processor_for
+        from areal_cli.models.vl_inputs import image_features, image_processor_for
 
         if tokenizer is None:
             raise ValueError("rows with images need the tokenizer (its model dir's image processor)")

@@ -263,7 +263,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
         self.session_id = session_id or uuid.uuid4().hex
         self._chat = _Chat(self)
         self._responses: Any = None
-        from areal_cli.rollout.images import vision_token_ids
+        from areal_cli.models.vl_inputs import vision_token_ids
 
         # a vision-language tokenizer: image_url parts are taken (docs/vision.md), else refused (400)
         self.takes_images = bool(vision_token_ids(tokenizer))
@@ -373,8 +373,8 @@ class ArealOpenAI(openai.AsyncOpenAI):
 
         kw = dict(extra.get("chat_template_kwargs") or {})
         expand = None
-        if images:  # the images' pads expanded as the processor does (rollout/images.py)
-            from areal_cli.rollout import images as I
+        if images:  # the images' pads expanded as the processor does (models/vl_inputs.py)
+            from areal_cli.models import vl_inputs as I
 
             _, counts = I.image_features(I.image_processor_for(self.tokenizer), images)
             pad = I.image_pad_id(self.tokenizer)
@@ -397,7 +397,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
         resp = await self.engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=g, session_id=self.session_id,
                                                         image_data=list(images) if images else None))
         if images:
-            from areal_cli.rollout.images import check_served_prompt
+            from areal_cli.models.vl_inputs import check_served_prompt
 
             check_served_prompt(ids, resp.input_tokens)
         out = list(resp.output_tokens)
@@ -459,7 +459,7 @@ def _name_images(msgs: list[dict], refs: list[Any]) -> list[str]:
     """The images' data URLs, in prompt order, each also written into its ``{"type": "image"}`` part (as
     ``"image"``, which chat templates render as the placeholder too), so two calls with other images are
     other messages to the cache's parent search."""
-    from areal_cli.rollout.images import to_data_url
+    from areal_cli.models.vl_inputs import to_data_url
 
     urls = [to_data_url(r.get("url") if isinstance(r, dict) else r) for r in refs]
     k = 0

@@ -38,7 +38,7 @@ async def _eval_async(cfg: ExperimentConfig, addresses: list[str], backend: str,
                       samples: dict | None = None, on_scored: Any = None) -> dict[str, float]:
     from areal_cli.api.io_struct import ModelRequest
     from areal_cli.rewards.outcome import correctness, is_dropped
-    from areal_cli.rollout.images import item_prompt_images
+    from areal_cli.models.vl_inputs import item_prompt_images
     from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
     from areal_cli.rollout import build
 

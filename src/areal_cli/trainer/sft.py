@@ -47,7 +47,7 @@ def make_sft_batch(items: list[dict[str, Any]], tokenizer: Any, use_chat_templat
     images have their image pads expanded, and the batch then carries ``multi_modal`` (None for a text row)."""
     import torch
 
-    from areal_cli.rollout.images import item_prompt_images
+    from areal_cli.models.vl_inputs import item_prompt_images
     from areal_cli.rollout.workflows.common import build_prompt, encode
 
     rows = []

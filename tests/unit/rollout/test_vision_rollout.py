@@ -14,7 +14,7 @@ import torch
 from areal_cli.api.io_struct import GenerationConfig
 from areal_cli.api.workflow_api import Trajectory
 from areal_cli.errors import DataError, InferenceError
-from areal_cli.rollout import images as I
+from areal_cli.models import vl_inputs as I
 
 
 @pytest.fixture(scope="module")

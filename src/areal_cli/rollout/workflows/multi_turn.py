@@ -11,7 +11,7 @@ from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
 from areal_cli.rewards.outcome import correctness
-from areal_cli.rollout.images import check_served_prompt, item_prompt_images, merge_multi_modal, prompt_images
+from areal_cli.models.vl_inputs import check_served_prompt, item_prompt_images, merge_multi_modal, prompt_images
 from areal_cli.rollout.workflows.common import (
     check_group_and_reward,
     Prompt,
@@ -60,7 +60,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
     same as for :class:`~areal_cli.rollout.workflows.rlvr.RLVRWorkflow`; ``group_size`` dialogues run
     concurrently per prompt. Extra per-row tensor: ``n_turns`` [G].
 
-    Images: an item with images is sent with them (:mod:`areal_cli.rollout.images`), and ``image_feedback``
+    Images: an item with images is sent with them (:mod:`areal_cli.models.vl_inputs`), and ``image_feedback``
     (a callable or an import path, ``(data, turn, completion) -> image | None``; e.g.
     ``areal_cli.rollout.workflows.vision_env:frame_shapes``) gives the feedback turn a new image after a wrong
     attempt: the feedback message becomes an image part and the feedback text, the image goes with every later

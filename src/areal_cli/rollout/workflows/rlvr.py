@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.rewards.outcome import is_dropped
-from areal_cli.rollout.images import check_served_prompt, item_prompt_images
+from areal_cli.models.vl_inputs import check_served_prompt, item_prompt_images
 from areal_cli.rollout.workflows.common import (
     check_group_and_reward,
     RewardFn,
@@ -41,7 +41,7 @@ class RLVRWorkflow(RolloutWorkflow):
     The returned group has ``group_size`` rows: ``input_ids``, ``attention_mask``, ``loss_mask`` (True on
     generated tokens), ``logprobs`` and ``versions`` (per token, as produced by the server; 0 / -1 on the
     prompt), ``rewards`` [G], ``seq_no_eos_mask`` [G] (True when generation hit the length limit) and
-    ``group_id`` [G]. An item with images (``"images"``/``"image"``: :mod:`areal_cli.rollout.images`) is sent with
+    ``group_id`` [G]. An item with images (``"images"``/``"image"``: :mod:`areal_cli.models.vl_inputs`) is sent with
     its image pads expanded and its images as ``image_data``; its rows hold the prompt the server reports it
     generated on and carry ``multi_modal`` (a list of G ``{"pixel_values", "image_grid_thw"}``).
 
@@ -64,7 +64,7 @@ class RLVRWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: "InferenceEngine", data: dict[str, Any]) -> Trajectory | None:
         prompt = build_prompt(self.tokenizer, data, self.use_chat_template)
         answer = data.get("answer")
-        # An item with images: the prompt goes out with its pads expanded and its images (rollout/images.py)
+        # An item with images: the prompt goes out with its pads expanded and its images (models/vl_inputs.py)
         vis = item_prompt_images(self.tokenizer, data, prompt.ids, self.processor)
         ids, image_data = (vis.ids, vis.image_data) if vis is not None else (list(prompt.ids), None)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from areal_cli.rollout.images import item_images, to_pil
+from areal_cli.models.vl_inputs import item_images, to_pil
 
 CELL = 16
 _RGB = {"red": 0, "green": 1, "blue": 2}
