@@ -231,8 +231,25 @@ def test_server_never_samples_vision_tokens(vl_dir, tok):
 
     from areal_cli.inference.server.vision import vision_token_ids
 
-    assert vision_token_ids(AutoConfig.from_pretrained(vl_dir)).tolist() == I.vision_token_ids(tok)
-    assert len(I.vision_token_ids(tok)) == 5
+    from areal_cli.inference.server.sampling import SamplingParams, sample_next
+
+    banned = vision_token_ids(AutoConfig.from_pretrained(vl_dir))
+    assert banned.tolist() == I.vision_token_ids(tok) and len(banned) == 5
+    # logits that favour the vision tokens: never sampled (greedy or not), and the reported logprob is the
+    # model's own (the full vocabulary's, what the trainer's forward computes)
+    logits = torch.zeros(4, len(tok))
+    logits[:, banned] = 8.0
+    gen = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1.0, top_k=3)]
+    for _ in range(20):
+        ids, lps = sample_next(logits, params, [0] * 4, set(), gen, banned=banned)
+        assert not set(ids.tolist()) & set(banned.tolist())
+        temps = torch.tensor([1.0, 1.0, 0.7, 1.0]).unsqueeze(1)
+        want = torch.log_softmax(logits / temps, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+        assert torch.allclose(lps, want)
+    ids, _ = sample_next(logits, params, [0] * 4, set(), gen)  # without the ban they win
+    assert set(ids.tolist()) <= set(banned.tolist())
 
 
 def test_openai_client_takes_image_url_parts_and_rows_carry_them(fake_engine, tok, rows, tiny_model_dir):

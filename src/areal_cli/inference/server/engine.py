@@ -482,12 +482,10 @@ class GenerationEngine:
     def _sample_into(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample one token for each of ``seqs`` and append it; the indices (into ``seqs``) that finished."""
         with_mask = any(s.record_mask for s in seqs)
-        if self.banned_ids is not None:
-            logits = logits.index_fill(1, self.banned_ids.to(logits.device), float("-inf"))
         out = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
                           self.eos_ids, self.generator,
                           positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs],
-                          with_mask=with_mask)
+                          with_mask=with_mask, banned=self.banned_ids)
         next_ids, logps = out[0], out[1]
         if with_mask:
             for s, c, mlp in zip(seqs, out[2].tolist(), out[3].tolist()):
