@@ -162,7 +162,7 @@ def compare(root: str, tag: str, model_args: list[str], model_dir: str, args: ar
             steps: int, ckpt_every: int, train_items: list[dict]) -> dict:
     """The three systems on one model; returns their rows."""
     precision = ["engine.dtype=bfloat16"] if args.bf16 else []
-    common = [*model_args, *precision, *args.areal_args, f"algo.batch_size={args.batch}",
+    common = [*model_args, *precision, *_task(args), *args.areal_args, f"algo.batch_size={args.batch}",
               f"rollout.group_size={args.group}", f"rollout.gconfig.max_new_tokens={args.max_new_tokens}",
               f"algo.optim.lr={args.lr}", "algo.optim.lr_scheduler=constant", "algo.optim.warmup_steps=0", "algo.kl_coef=0",
               f"trainer.total_steps={steps}", "trainer.eval_every=0", "dataset.eval_size=8",
@@ -216,6 +216,9 @@ def main() -> None:
     ap.add_argument("--big-target", type=float, default=None,
                     help="held-out accuracy the realistic row must reach (default: its warm start + 10 points)")
     ap.add_argument("--fileroot", default=None)
+    ap.add_argument("--task", default="arith",
+                    help="the built-in task of both rows (data/builtin.py), e.g. word_steps: multi-step problems kept "
+                         "out of tuning (give it more --max-new-tokens / --big-new-tokens: its answers are longer)")
     ap.add_argument("--bf16", action="store_true",
                     help="train in bf16 autocast over fp32 weights on both sides (areal engine.dtype=bfloat16, "
                          "TRL bf16=True); generation stays fp32 in areal's server")
@@ -229,14 +232,15 @@ def main() -> None:
     warm = args.warm
     if warm is None:  # the tiny row's start, and the tokenizer both rows' data are read with
         print("[bench] warm start: the embedded default's SFT phase", flush=True)
-        run = areal_train(root, "warm", ["trainer.total_steps=0", "trainer.eval_every=0", "dataset.eval_size=8"])
+        run = areal_train(root, "warm", ["trainer.total_steps=0", "trainer.eval_every=0", "dataset.eval_size=8",
+                                         *_task(args)])
         warm = str(run / "sft_warmup" / "hf")
     from transformers import AutoTokenizer
 
     from areal_cli.plan.compose import load_config
     from areal_cli.data.datasets import load_split
 
-    cfg = load_config([f"dataset.eval_size={args.eval_size}", f"cluster.fileroot={root}", *BIG])
+    cfg = load_config([f"dataset.eval_size={args.eval_size}", f"cluster.fileroot={root}", *BIG, *_task(args)])
     tok = AutoTokenizer.from_pretrained(warm)
     train_items, _ = load_split(cfg.dataset, tok, "train", seed=cfg.seed)
     test_items = load_split(cfg.dataset, tok, "test", seed=cfg.seed)[0][: args.eval_size]
@@ -263,6 +267,10 @@ def seeded_rounds(root: str, row: str, warm: str, args: argparse.Namespace, time
                 r["seed"] = s
             rounds.append(rows)
     return rounds
+
+
+def _task(args: argparse.Namespace) -> list[str]:
+    return [f"dataset.train_path=builtin:{args.task}"]
 
 
 # The realistic row's model: the size of benchmarks/inference_throughput.py's.
@@ -381,7 +389,8 @@ def big_warm_start(root: str, args: argparse.Namespace) -> tuple[str, argparse.N
     if warm is None:
         print(f"[bench] warm start of the big model: {args.big_warm_steps} SFT steps", flush=True)
         run = areal_train(root, "big_warm", [*BIG, "trainer.total_steps=0", "trainer.eval_every=0",
-                                             "dataset.eval_size=8", f"trainer.sft_warmup_steps={args.big_warm_steps}",
+                                             "dataset.eval_size=8", *_task(args),
+                                             f"trainer.sft_warmup_steps={args.big_warm_steps}",
                                              f"trainer.sft_lr={args.big_sft_lr}"])
         warm = str(run / "sft_warmup" / "hf")
     bargs = argparse.Namespace(**{**vars(args), "max_new_tokens": args.big_new_tokens, "steps": args.big_steps,

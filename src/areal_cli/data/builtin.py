@@ -67,9 +67,25 @@ def _two_step(rng: random.Random, hi: int) -> Problem:
     return Problem(q, f"{a}+{b}={a + b}\n{a + b}-{c}={a + b - c}", a + b - c, "two_step")
 
 
+def _three_step(rng: random.Random, hi: int) -> Problem:
+    """Buy boxes, add to what one has, give some away: a product, a sum and a difference chained, in the
+    words the other problems use (so the built-in tokenizer covers it without being retrained)."""
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    c = rng.randint(1, hi)
+    d = rng.randint(1, a * b + c)
+    name, other, item = rng.choice(NAMES), rng.choice(NAMES), rng.choice(ITEMS)
+    q = (f"{name} has {c} {item}, buys {a} boxes with {b} {item} in each box and gives {d} to {other}. "
+         f"How many {item} does {name} have left?")
+    return Problem(q, f"{a}*{b}={a * b}\n{a * b}+{c}={a * b + c}\n{a * b + c}-{d}={a * b + c - d}",
+                   a * b + c - d, "three_step")
+
+
 OPS: dict[str, Callable[[random.Random, int], Problem]] = {
-    "add": _add, "sub": _sub, "mul": _mul, "two_step": _two_step,
+    "add": _add, "sub": _sub, "mul": _mul, "two_step": _two_step, "three_step": _three_step,
 }
+# The ops whose words trained the built-in tokenizer (``corpus``); a new op must reuse their words, so the
+# tokenizer, and every builtin model's hash, stay what they are.
+_CORPUS_OPS = ("add", "sub", "mul", "two_step")
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,9 @@ TASKS: dict[str, TaskSpec] = {
     "arith_mix": TaskSpec(ops=(("add", 1.0), ("sub", 1.0), ("mul", 1.0)), max_operand=50),
     "arith_hard": TaskSpec(ops=(("add", 1.0), ("sub", 1.0), ("mul", 1.0), ("two_step", 1.0)),
                            max_operand=99),
+    # Multi-step problems of another shape (three chained operations, a longer worked answer): the task
+    # benchmarks/vs_trl.py --task keeps out of tuning (issue 44).
+    "word_steps": TaskSpec(ops=(("two_step", 1.0), ("three_step", 1.0)), max_operand=20),
 }
 
 
@@ -163,7 +182,7 @@ def corpus(task: str = "arith", n: int = 4000, seed: int = 0) -> list[str]:
     rows = _draw(task, "train", n, seed + 7, exclude=set())
     # Every op's words are included so one tokenizer serves the whole family.
     extra_rng = random.Random(seed + 11)
-    extra = [OPS[op](extra_rng, 99) for op in OPS for _ in range(200)]
+    extra = [OPS[op](extra_rng, 99) for op in _CORPUS_OPS for _ in range(200)]
     texts = [f"<|im_start|>user\n{r['question']}<|im_end|>\n<|im_start|>assistant\n{r['answer']}<|im_end|>\n"
              for r in rows]
     texts += [f"{p.question}\n{p.equation}\n#### {p.result}" for p in extra]

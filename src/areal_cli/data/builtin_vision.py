@@ -1,6 +1,6 @@
-"""The built-in visual task: count the shapes of one colour in a small rendered image, generated with PIL.
+"""The built-in visual tasks: count shapes in a small rendered image, generated with PIL.
 
-``generate_splits("count_shapes", train_size, test_size, seed)`` returns rows like the text task's
+``generate_splits(task, train_size, test_size, seed)`` returns rows like the text task's
 (:mod:`areal_cli.data.builtin`), plus the image::
 
     {"id": "count_shapes-train-0", "question": "How many red shapes are in the image?",
@@ -8,15 +8,22 @@
      "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": <question>}]}],
      "answer": "There are 2 red shapes.\\n#### 2", "ground_truth": "2", "colour": "red"}
 
+Two tasks (:data:`VISION_TASKS`): ``count_shapes`` asks how many shapes of one colour (red, green or blue;
+2 to 6 shapes, the answer may be 0); ``count_all`` asks how many shapes there are (3 to 12; ``colour`` is
+``None``).
+``count_all`` is :data:`DEFAULT_TASK`, the one the tiny VLM learns: a 2-layer language model does not learn
+``count_shapes`` by SFT (it must first read the colour from the question, then count only that colour's
+image tokens; a text-only version of it did not learn in 600 steps either), while it learns to count
+every shape in about 150 steps (docs/vision.md, ``benchmarks/vl_learnability.py``).
+
 The image is PNG bytes: rows stay plain data (they pickle, go into a ``datasets`` table or a parquet file as a
 binary column), ``PIL.Image.open(io.BytesIO(row["image"]))`` reads it back, and :func:`image_data_url` makes
 the OpenAI ``image_url`` form. The answer ends in ``#### n``, so the math/numeric rewards score it.
 
-A picture is a 64x64 white canvas cut into a 4x4 grid of 16 px cells; 2 to 6 cells hold a filled square or
-circle in red, green or blue, of a random size. The cell is the tiny VLM's merged image token (8 px patches,
-2x2 merge: :mod:`areal_cli.models.tiny_vl`), so each token sees one whole shape or none: counting is
-reading each token's colour and adding, which a tiny model can learn. The question asks for one of the three
-colours (the answer may be 0).
+A picture is a 64x64 white canvas cut into a 4x4 grid of 16 px cells; 2 to 6 (``count_shapes``) or 3 to
+12 (``count_all``) cells hold a filled square or circle in red, green or blue, of a random size. The cell is
+the tiny VLM's merged image token (8 px patches, 2x2 merge: :mod:`areal_cli.models.tiny_vl`), so each token
+sees one whole shape or none: counting is reading each token (shape or blank) and adding.
 
 Train and test come from independent RNG streams, and a test item never has the picture (cells, colours,
 shapes, sizes) of any train item, whatever colour either asks about: held-out accuracy is measured on images
@@ -57,11 +64,18 @@ class Picture:
 class VisionTaskSpec:
     min_shapes: int
     max_shapes: int
+    question: str = "colour"  # colour: count one colour's shapes | all: count every shape
+    colours: tuple[str, ...] = tuple(COLOURS)  # the colours a "colour" question may ask about
 
 
 VISION_TASKS: dict[str, VisionTaskSpec] = {
     "count_shapes": VisionTaskSpec(min_shapes=2, max_shapes=6),
+    "count_all": VisionTaskSpec(min_shapes=3, max_shapes=12, question="all"),
 }
+
+
+# The task `experiment=vision_default` trains on (docs/vision.md says why this one).
+DEFAULT_TASK = "count_all"
 
 
 def task_names() -> list[str]:
@@ -100,16 +114,17 @@ def render(picture: Picture) -> bytes:
     return buf.getvalue()
 
 
-def question_for(colour: str) -> str:
-    return f"How many {colour} shapes are in the image?"
+def question_for(colour: str | None) -> str:
+    return f"How many {colour} shapes are in the image?" if colour else "How many shapes are in the image?"
 
 
-def to_row(picture: Picture, colour: str, task: str, split: str, idx: int) -> dict:
-    n = picture.count(colour)
+def to_row(picture: Picture, colour: str | None, task: str, split: str, idx: int) -> dict:
+    n = picture.count(colour) if colour else len(picture.items)
     q = question_for(colour)
+    what = f"{colour} shapes" if colour else "shapes"
     return {"id": f"{task}-{split}-{idx}", "question": q, "image": render(picture), "width": SIZE, "height": SIZE,
             "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
-            "answer": f"There are {n} {colour} shapes.\n#### {n}", "ground_truth": str(n), "colour": colour}
+            "answer": f"There are {n} {what}.\n#### {n}", "ground_truth": str(n), "colour": colour}
 
 
 def _draw(task: str, split: str, n: int, seed: int, exclude: set[Picture]) -> tuple[list[dict], set[Picture]]:
@@ -124,7 +139,7 @@ def _draw(task: str, split: str, n: int, seed: int, exclude: set[Picture]) -> tu
             raise ConfigError("dataset.train_size", f"built-in task {task!r} cannot produce {n} distinct {split} "
                               "pictures", "lower dataset.train_size/test_size")
         pic = draw_picture(rng, spec)
-        colour = rng.choice(list(COLOURS))
+        colour = rng.choice(spec.colours) if spec.question == "colour" else None
         if pic in exclude or (split == "test" and pic in pictures):
             continue
         pictures.add(pic)

@@ -86,3 +86,24 @@ def test_unknown_task_and_training_use_are_config_errors():
         validate(load_config(["dataset.train_path=builtin:count_shapes"]))
     assert "dataset.train_path" in str(e.value) and "\n" not in str(e.value)
     assert check_builtin("train_path", "builtin:arith") is True
+
+
+def _shapes_from_pixels(png: bytes) -> int:
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    centres = [(c * bv.CELL + bv.CELL // 2, r * bv.CELL + bv.CELL // 2)
+               for r in range(bv.GRID) for c in range(bv.GRID)]
+    return sum(_colour_of(img.getpixel(xy)) is not None for xy in centres)
+
+
+def test_count_all_asks_for_every_shape_and_holds_out_its_pictures():
+    """The vision default (docs/vision.md says why not count_shapes): how many shapes, 3 to 12."""
+    assert bv.DEFAULT_TASK == "count_all"
+    train, test = bv.generate_splits("count_all", 300, 100, seed=0)
+    assert not {bv.picture_key(r) for r in train} & {bv.picture_key(r) for r in test}
+    counts = set()
+    for r in train + test:
+        n = _shapes_from_pixels(r["image"])
+        assert r["ground_truth"] == str(n) and r["answer"] == f"There are {n} shapes.\n#### {n}"
+        assert r["question"] == "How many shapes are in the image?" and r["colour"] is None
+        counts.add(n)
+    assert counts == set(range(3, 13))

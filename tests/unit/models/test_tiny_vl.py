@@ -116,3 +116,43 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
     assert not all(torch.equal(w[0][k], w[2][k]) for k in w[0])
     assert (Path(dirs[0]) / "tokenizer.json").read_bytes() == (Path(dirs[1]) / "tokenizer.json").read_bytes()
     assert (Path(dirs[0]) / "chat_template.jinja").read_text() == VL_CHAT_TEMPLATE
+
+
+def test_image_features_reach_the_answer_position(vl_dir):
+    """What SFT on a visual task needs: the picture moves the logits where the answer's number is predicted,
+    the answer loss has a gradient into the tower's first and last layers, and the image tokens get mrope's
+    2-D (row, column) positions from what the processor returns (without ``mm_token_type_ids`` transformers
+    falls back to 1-D positions)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    proc = load_vl_processor(vl_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir)
+    rows = [r for r in bv.generate_splits("count_shapes", 12, 1, seed=5)[0]]
+    a = rows[0]
+    b = next(r for r in rows if r["image"] != a["image"])
+    from PIL import Image
+
+    prompt = proc.apply_chat_template(a["messages"], add_generation_prompt=True, tokenize=False)
+    text = prompt + "There are "
+    pictures = [Image.open(io.BytesIO(r["image"])).convert("RGB") for r in (a, b)]
+    batches = [proc(images=[p], text=[text], return_tensors="pt") for p in pictures]
+    assert "mm_token_type_ids" in batches[0]
+    ids = batches[0]["input_ids"]
+    pos, _ = model.model.get_rope_index(ids, mm_token_type_ids=batches[0]["mm_token_type_ids"],
+                                        image_grid_thw=batches[0]["image_grid_thw"],
+                                        attention_mask=batches[0]["attention_mask"])
+    image = ids[0] == model.config.image_token_id
+    rows_, cols = pos[1, 0][image], pos[2, 0][image]
+    assert sorted(set(zip(rows_.tolist(), cols.tolist()))) == [(r + rows_.min().item(), c + cols.min().item())
+                                                                 for r in range(4) for c in range(4)]
+
+    with torch.no_grad():
+        la, lb = (model(**x).logits[0, -1] for x in batches)
+    assert (la - lb).abs().max() > 1e-3 * la.abs().max()  # measured: ~9% of the logit scale at init
+
+    labels = torch.full_like(ids, -100)
+    labels[0, -1] = ids[0, -1]  # the loss of one answer token is enough to reach the tower
+    model(**batches[0], labels=labels).loss.backward()
+    for name in ("model.visual.patch_embed.proj.weight", "model.visual.merger.mlp.2.weight"):
+        g = dict(model.named_parameters())[name].grad
+        assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
