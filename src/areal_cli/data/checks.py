@@ -72,7 +72,7 @@ def check_dataset(cfg: ExperimentConfig, plan: Any) -> None:
     d = cfg.dataset
     remote = None if runs_here(cfg) else where_it_runs(cfg)
     check_knobs(d, plan)
-    check_visual_task(cfg)
+    check_visual_task(cfg, plan)
     unseen = set()
     for src in check_dataset_paths(d, remote):
         unseen.add(src.config_path)
@@ -100,13 +100,19 @@ def is_visual_path(path: str | None) -> bool:
     return builtin.parse_builtin_path(path) in builtin_vision.VISION_TASKS if path else False
 
 
-def check_visual_task(cfg: ExperimentConfig) -> None:
-    """A visual task needs a vision-language model, a workflow that sends its images, and no algo=rm."""
+def check_visual_task(cfg: ExperimentConfig, plan: Any = None) -> None:
+    """A visual task needs a vision-language model, hf servers, a workflow that sends its images, and no
+    algo=rm."""
     from areal_cli.config.model import is_vision_language
 
     for key, path in dataset_paths(cfg.dataset):
         if not is_visual_path(path):
             continue
+        other = sorted({p.backend for p in getattr(plan, "inferences", None) or [] if p.backend != "hf"})
+        if other:
+            raise ConfigError("allocation_mode", f"{path} is a visual task, and only the hf server carries images "
+                              f"to the trainer here, not {', '.join(other)} (docs/vision.md)",
+                              "use hf inference servers (allocation_mode=hf:d1+fsdp:d1)")
         if not is_vision_language(cfg.model):
             raise ConfigError(f"dataset.{key}", f"{path} is a visual task, and model {cfg.model.name!r} has no "
                               "vision tower to see its images (docs/vision.md)",

@@ -253,7 +253,8 @@ def load_split(cfg: DatasetConfig, tokenizer, split: str = "train",
         train_rows, test_rows = builtin_vision.generate_splits(task, cfg.train_size, cfg.test_size, seed=rows_seed)
         items, report = build_vision_items(train_rows if split == "train" else test_rows, tokenizer,
                                            system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len,
-                                           max_image_pixels=cfg.max_image_pixels, source=f"builtin:{task}/{split}")
+                                           max_image_pixels=cfg.max_image_pixels,
+                                           max_image_tokens=cfg.max_image_tokens, source=f"builtin:{task}/{split}")
     elif task is not None:
         if task not in builtin.TASKS:
             check_dataset_paths(cfg)  # raises the ConfigError with the fix
@@ -312,7 +313,7 @@ def image_size(img: Any) -> tuple[int, int]:
 
 def build_vision_items(rows: list[dict], tokenizer: Any, *, system_prompt: str | None = None,
                        max_prompt_len: int | None = None, max_image_pixels: int | None = None,
-                       source: str = "<rows>") -> tuple[list[dict], DataReport]:
+                       max_image_tokens: int | None = None, source: str = "<rows>") -> tuple[list[dict], DataReport]:
     from areal_cli.models.vl_inputs import image_token_count, item_images
 
     report = DataReport(path=source, total=len(rows))
@@ -343,7 +344,11 @@ def build_vision_items(rows: list[dict], tokenizer: Any, *, system_prompt: str |
         for s in sizes:
             if s not in tokens_of:
                 tokens_of[s] = image_token_count(tokenizer, *s)
-        n = n_text + sum(tokens_of[s] for s in sizes)
+        n_image = sum(tokens_of[s] for s in sizes)
+        if max_image_tokens is not None and n_image > max_image_tokens:
+            report.skip(i, "more image tokens than dataset.max_image_tokens")
+            continue
+        n = n_text + n_image
         if max_prompt_len is not None and n > max_prompt_len:
             report.skip(i, "prompt longer than dataset.max_prompt_len (image tokens counted)")
             continue

@@ -194,6 +194,11 @@ def test_visual_task_items_and_checks(tok):
     short = DatasetConfig(train_path="builtin:count_shapes", train_size=8, test_size=4, max_prompt_len=text)
     with pytest.raises(DataError, match="no usable rows"):
         load_split(short, tok, "train")
+    for knob in ({"max_image_tokens": 15}, {"max_image_pixels": 64 * 64 - 1}):  # one image: 16 tokens, 64x64
+        with pytest.raises(DataError, match="no usable rows.*dataset.max_image"):
+            load_split(DatasetConfig(train_path="builtin:count_shapes", train_size=8, test_size=4, **knob), tok)
+    assert load_split(DatasetConfig(train_path="builtin:count_shapes", train_size=8, test_size=4,
+                                    max_image_tokens=16, max_image_pixels=64 * 64), tok)[1].kept == 8
 
 
 @pytest.mark.parametrize("overrides, path, words", [
@@ -202,6 +207,8 @@ def test_visual_task_items_and_checks(tok):
       "rollout.group_size=1"], "workflow.name",
      "does not send"),
     (["experiment=vision_default", "dataset.max_image_tokens=100"], "dataset.max_image_tokens", "do not fit"),
+    (["experiment=vision_default", "cluster=gpu_1x8", "allocation_mode=gpu8_sglang_fsdp"], "allocation_mode",
+     "not sglang"),
 ])
 def test_validate_refuses_visual_nonsense(overrides, path, words):
     from areal_cli.errors import ConfigError
