@@ -301,3 +301,34 @@ def test_openai_client_takes_image_url_parts_and_rows_carry_them(fake_engine, to
     text_client = ArealOpenAI(srv, AutoTokenizer.from_pretrained(tiny_model_dir))
     with pytest.raises(openai.BadRequestError, match="text-only"):
         asyncio.run(text_client.chat.completions.create(messages=[user(a, "hi")], max_tokens=2))
+
+
+def test_proxy_takes_image_url_parts_and_exports_rows_with_images(fake_engine, tok, rows):
+    import httpx
+
+    from areal_cli.rollout.interaction_cache import rows_to_tensors
+    from areal_cli.rollout.proxy import AgentProxy, serve_proxy
+
+    url = I.to_data_url(rows[0]["image"])
+    srv = _Served(fake_engine, [tok.encode(" 5", add_special_tokens=False) + [tok.eos_token_id]])
+    p = serve_proxy(AgentProxy(srv, tok, admin_key="admin"))
+    try:
+        base, admin = f"http://{p.address}", {"Authorization": "Bearer admin"}
+        assert httpx.post(f"{base}/rl/grant_capacity", json={}, headers=admin).status_code == 200
+        sess = httpx.post(f"{base}/rl/start_session", json={}, headers=admin).json()
+        mine = {"Authorization": f"Bearer {sess['api_key']}"}
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "How many shapes?"}]}]
+        r = httpx.post(f"{base}/v1/chat/completions", json={"model": "p", "messages": msgs, "max_tokens": 4},
+                       headers=mine, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.post(f"{base}/rl/end_session", json={}, headers=mine).status_code == 200
+        out = httpx.post(f"{base}/rl/export", json={"session_id": sess["session_id"]}, headers=admin).json()
+    finally:
+        p.stop()
+    [(ids, imgs)] = srv.sent
+    assert imgs == [url] and ids.count(I.image_pad_id(tok)) == 16
+    [row] = out["rows"]
+    assert row["images"] == [url]  # over JSON, as data URLs
+    mm = rows_to_tensors(out["rows"], pad_id=0, group_id=1, tokenizer=tok).data["multi_modal"][0]
+    assert mm["image_grid_thw"].tolist() == [[1, 8, 8]]
