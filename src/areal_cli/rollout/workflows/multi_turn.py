@@ -116,7 +116,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
                 end(key)
         rows = [build_row(d.segments) for d in dialogues]
         extra = {"n_turns": torch.tensor([d.turns for d in dialogues], dtype=torch.long)}
-        meta = {"id": data.get("id"), "prompt_len": len(prompt.ids),
+        meta = {"id": data.get("id"), "prompt_len": len(dialogues[0].segments[0].ids),  # image pads expanded
                 "n_resumes": sum(d.n_resumes for d in dialogues),
                 "raw_rewards": [d.raw_reward for d in dialogues]}
         traj = stack_rows(rows, [d.reward for d in dialogues], [d.no_eos for d in dialogues],
