@@ -40,9 +40,13 @@ class Trajectory:
             raise ValueError("Trajectory.concat needs at least one trajectory")
         max_len = max(t.data["input_ids"].shape[1] for t in items)
         out: dict[str, torch.Tensor] = {}
+        # per-row objects (multi_modal: each row's images) of any item; an item without the key gets None rows
+        listed = [k for k in dict.fromkeys(k for t in items for k in t.data) if any(
+            isinstance(t.data.get(k), list) for t in items)]
+        for key in listed:
+            out[key] = [e for t in items for e in (t.data[key] if key in t.data else [None] * len(t))]
         for key in items[0].data:
-            if isinstance(items[0].data[key], list):  # per-row objects (multi_modal: each row's images)
-                out[key] = [e for t in items for e in t.data[key]]
+            if key in out:
                 continue
             parts = []
             for t in items:

@@ -20,6 +20,21 @@ def error_json(exc: BaseException) -> dict:
             "message": str(exc)}
 
 
+def check_vision_servers(cfg: Any) -> None:
+    """``areal train`` of a vision-language model: only the hf server carries images to the trainer here (the
+    vllm builder refuses images; SGLang's image path is checked by its request models only: docs/vision.md)."""
+    from areal_cli.allocation.parser import parse_allocation
+    from areal_cli.errors import ConfigError
+
+    backends = sorted({c.backend for c in parse_allocation(str(cfg.allocation_mode.spec)).inference if c.backend})
+    other = [b for b in backends if b != "hf"]
+    if other:
+        raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and only the hf server "
+                          f"carries images to the trainer here, not {', '.join(other)} (docs/vision.md)",
+                          "use hf inference servers (allocation_mode=hf:d1+fsdp:d1); `areal validate-config` and "
+                          "`areal train --dry-run` still plan this one")
+
+
 def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_model: bool = False):
     """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake (after printing it as the JSON
     error object when ``as_json``, for tools that parse ``--json``). ``fetch_model`` (``areal train``): a hub
@@ -38,10 +53,7 @@ def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_m
             from areal_cli.config.model import is_vision_language
 
             if is_vision_language(cfg.model):  # before a download: nothing could run the model it fetched
-                raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and no "
-                                  "workflow carries images to the trainer yet (docs/vision.md)",
-                                  "train a text model; `areal validate-config` and `areal train --dry-run` still "
-                                  "plan this one")
+                check_vision_servers(cfg)
 
             if fetch_hub_model(cfg):  # the snapshot's config.json now supplies the facts, and the recipe
                 prep = prepare(list(overrides))

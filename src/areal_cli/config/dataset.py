@@ -25,7 +25,12 @@ class DatasetConfig:
     test_fraction: float = ranged(0.0, ge=0.0, lt=1.0, why="0 holds nothing out")
     use_chat_template: bool = True
     system_prompt: str | None = None
-    max_prompt_len: int = ranged(256, ge=1)
+    max_prompt_len: int = ranged(256, ge=1)  # with images: each image counts as its image tokens
+    # Image budgets of a visual dataset (docs/vision.md), also the hf server's --max-image-pixels /
+    # --max-image-tokens: the decoded width x height of one image (a larger one is skipped), and the image tokens
+    # of one prompt (all its images after the processor's resize). null: the server's defaults.
+    max_image_pixels: int | None = ranged(None, ge=1, why="null: the hf server's default (4096 x 4096)")
+    max_image_tokens: int | None = ranged(None, ge=1, why="null: no cap but max_prompt_len")
     shuffle: bool = True
     drop_last: bool = True
     train_size: int = ranged(20000, ge=1)  # builtin only

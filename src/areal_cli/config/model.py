@@ -40,8 +40,8 @@ class LoRAConfig:
 class VisionTowerConfig:
     """``model.vision``: the vision encoder of a vision-language model (Qwen2.5-VL's ViT and patch merger).
 
-    ``depth`` 0 is a text-only model. The facts size the memory estimate (allocation/estimate.py); nothing
-    trains or serves images yet (docs/vision.md)."""
+    ``depth`` 0 is a text-only model. The facts size the memory estimate (allocation/estimate.py); the fsdp and
+    archon engines train and the hf server serves such a model with images (docs/vision.md)."""
 
     depth: int = ranged(0, ge=0, why="0 is a text-only model")
     hidden_size: int = ranged(0, ge=0)

@@ -40,13 +40,11 @@ def check_builtin(key: str, path: str) -> bool:
     if task is None:
         return False
     if task in builtin_vision.VISION_TASKS:
-        raise ConfigError(f"dataset.{key}", f"builtin:{task} is a visual task, and no engine or workflow takes "
-                          "images yet (docs/vision.md)", "use a text task: "
-                          f"{', '.join('builtin:' + t for t in builtin.task_names())}")
+        return True
     if task not in builtin.TASKS:
+        names = [*builtin.task_names(), *builtin_vision.task_names()]
         raise ConfigError(f"dataset.{key}", f"unknown built-in task {task!r}",
-                          f"{did_you_mean(task, builtin.TASKS)}use one of: "
-                          f"{', '.join('builtin:' + t for t in builtin.task_names())}")
+                          f"{did_you_mean(task, names)}use one of: {', '.join('builtin:' + t for t in names)}")
     return True
 
 
@@ -74,6 +72,7 @@ def check_dataset(cfg: ExperimentConfig, plan: Any) -> None:
     d = cfg.dataset
     remote = None if runs_here(cfg) else where_it_runs(cfg)
     check_knobs(d, plan)
+    check_visual_task(cfg, plan)
     unseen = set()
     for src in check_dataset_paths(d, remote):
         unseen.add(src.config_path)
@@ -95,6 +94,45 @@ def check_dataset(cfg: ExperimentConfig, plan: Any) -> None:
         plan.warnings.append("dataset: no held-out evaluation, since dataset.test_path is unset for local data"
                              f"{hint} — set dataset.test_path, or dataset.test_fraction to hold out a share of "
                              "the train file")
+
+
+def is_visual_path(path: str | None) -> bool:
+    return builtin.parse_builtin_path(path) in builtin_vision.VISION_TASKS if path else False
+
+
+def check_visual_task(cfg: ExperimentConfig, plan: Any = None) -> None:
+    """A visual task needs a vision-language model, hf servers, a workflow that sends its images, and no
+    algo=rm."""
+    from areal_cli.config.model import is_vision_language
+
+    for key, path in dataset_paths(cfg.dataset):
+        if not is_visual_path(path):
+            continue
+        other = sorted({p.backend for p in getattr(plan, "inferences", None) or [] if p.backend != "hf"})
+        if other:
+            raise ConfigError("allocation_mode", f"{path} is a visual task, and only the hf server carries images "
+                              f"to the trainer here, not {', '.join(other)} (docs/vision.md)",
+                              "use hf inference servers (allocation_mode=hf:d1+fsdp:d1)")
+        if not is_vision_language(cfg.model):
+            raise ConfigError(f"dataset.{key}", f"{path} is a visual task, and model {cfg.model.name!r} has no "
+                              "vision tower to see its images (docs/vision.md)",
+                              "use model=tiny_vl (or experiment=vision_default)")
+        wf = getattr(getattr(cfg, "workflow", None), "name", "rlvr")
+        if wf not in VISUAL_WORKFLOWS and "." not in wf and ":" not in wf:  # a user workflow may send them
+            raise ConfigError("workflow.name", f"{wf} does not send a data item's images to the server ({path} is "
+                              "a visual task)", f"use workflow.name={' or '.join(VISUAL_WORKFLOWS)}")
+        if getattr(getattr(cfg, "algo", None), "name", None) == "rm":
+            raise ConfigError("algo.name", f"algo=rm trains on text preference pairs, and {path} is a visual task",
+                              "use a text dataset for algo=rm")
+    d = cfg.dataset
+    if d.max_image_tokens is not None and d.max_image_tokens > d.max_prompt_len:
+        raise ConfigError("dataset.max_image_tokens", f"{d.max_image_tokens} image tokens do not fit in "
+                          f"dataset.max_prompt_len={d.max_prompt_len} (the prompt length counts its image tokens)",
+                          "lower dataset.max_image_tokens or raise dataset.max_prompt_len")
+
+
+# The built-in workflows that can send a data item's images (models/vl_inputs.py; an agent through image_url parts).
+VISUAL_WORKFLOWS = ("rlvr", "multi_turn", "agent", "agent_proxy")
 
 
 def check_knobs(d: DatasetConfig, plan: Any) -> None:

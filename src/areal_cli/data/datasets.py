@@ -247,7 +247,15 @@ def load_split(cfg: DatasetConfig, tokenizer, split: str = "train",
         path = cfg.train_path
     config_path = "dataset.train_path" if held_out else f"dataset.{key}"
     task = builtin.parse_builtin_path(path)
-    if task is not None:
+    from areal_cli.data import builtin_vision
+
+    if task is not None and task in builtin_vision.VISION_TASKS:
+        train_rows, test_rows = builtin_vision.generate_splits(task, cfg.train_size, cfg.test_size, seed=rows_seed)
+        items, report = build_vision_items(train_rows if split == "train" else test_rows, tokenizer,
+                                           system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len,
+                                           max_image_pixels=cfg.max_image_pixels,
+                                           max_image_tokens=cfg.max_image_tokens, source=f"builtin:{task}/{split}")
+    elif task is not None:
         if task not in builtin.TASKS:
             check_dataset_paths(cfg)  # raises the ConfigError with the fix
         train_rows, test_rows = builtin.generate_splits(task, cfg.train_size, cfg.test_size, seed=rows_seed)
@@ -286,3 +294,68 @@ def _check_fields(cfg: DatasetConfig, rows: list, path: str) -> None:
             cols = sorted(rows[0]) if isinstance(rows[0], dict) else []
             raise DataError(f"dataset.{key_name}: no row of {path!r} has a {fld!r} column (columns: {cols}) — "
                             f"fix: {did_you_mean(fld, cols)}set dataset.{key_name} to one of the file's columns")
+
+
+# ---------------------------------------------------------------- visual tasks (builtin_vision.py)
+# A row's image(s) ride in the item ("images": PNG bytes, prompt order) beside a chat whose user turn holds one
+# image part per image and the question; no "prompt_ids": the rollout renders the chat and expands each image's
+# pads itself (models/vl_inputs.py), where the pixels are computed too (kept out of the item: 2000 items of pixel
+# values would be ~200 MB). "prompt_len" counts each image as the tokens the processor gives it, and
+# dataset.max_prompt_len applies to that; dataset.max_image_pixels skips a row with a larger image.
+
+def image_size(img: Any) -> tuple[int, int]:
+    """(width, height) read from the image's header."""
+    from areal_cli.models.vl_inputs import to_pil
+
+    pil = to_pil(img)
+    return pil.width, pil.height
+
+
+def build_vision_items(rows: list[dict], tokenizer: Any, *, system_prompt: str | None = None,
+                       max_prompt_len: int | None = None, max_image_pixels: int | None = None,
+                       max_image_tokens: int | None = None, source: str = "<rows>") -> tuple[list[dict], DataReport]:
+    from areal_cli.models.vl_inputs import image_token_count, item_images
+
+    report = DataReport(path=source, total=len(rows))
+    items: list[dict] = []
+    tokens_of: dict[tuple[int, int], int] = {}
+    for i, row in enumerate(rows):
+        q = row.get("question")
+        imgs = item_images(row)
+        ref = extract_answer(row.get("answer"))
+        if not isinstance(q, str) or not q.strip():
+            report.skip(i, "missing/empty 'question'")
+            continue
+        if not imgs:
+            report.skip(i, "no image")
+            continue
+        if ref is None:
+            report.skip(i, "missing/unparseable 'answer'")
+            continue
+        sizes = [image_size(im) for im in imgs]
+        if max_image_pixels is not None and any(w * h > max_image_pixels for w, h in sizes):
+            report.skip(i, "image larger than dataset.max_image_pixels")
+            continue
+        content = [{"type": "image"} for _ in imgs] + [{"type": "text", "text": q}]
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+            [{"role": "user", "content": content}]
+        prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        n_text = len(tokenizer.encode(prompt, add_special_tokens=False)) - len(imgs)
+        for s in sizes:
+            if s not in tokens_of:
+                tokens_of[s] = image_token_count(tokenizer, *s)
+        n_image = sum(tokens_of[s] for s in sizes)
+        if max_image_tokens is not None and n_image > max_image_tokens:
+            report.skip(i, "more image tokens than dataset.max_image_tokens")
+            continue
+        n = n_text + n_image
+        if max_prompt_len is not None and n > max_prompt_len:
+            report.skip(i, "prompt longer than dataset.max_prompt_len (image tokens counted)")
+            continue
+        answer = row.get("answer")
+        items.append({"id": str(row.get("id", f"{source}-{i}")), "question": q, "images": [bytes(im) if
+                      isinstance(im, (bytes, bytearray)) else im for im in imgs], "messages": msgs,
+                      "prompt": prompt, "prompt_len": n, "answer": ref, "colour": row.get("colour"),
+                      "solution": answer if isinstance(answer, str) else str(answer)})
+    report.kept = len(items)
+    return items, report

@@ -83,6 +83,11 @@ def server_argv(cfg: ExperimentConfig, spec: ServerSpec, port: int, model_path: 
         if cfg.cluster.device == "cpu":
             extra += ["--num-threads", os.environ.get("AREAL_SERVER_THREADS", "1")]
         extra += ["--prefix-cache-tokens", str(inf_launch.prefix_cache_tokens(cfg.workflow.name))]
+        # the dataset's image budgets (docs/vision.md); launcher.server_args still win
+        for flag, v in (("--max-image-pixels", cfg.dataset.max_image_pixels),
+                        ("--max-image-tokens", cfg.dataset.max_image_tokens)):
+            if v is not None:
+                extra += [flag, str(int(v))]
     extra += [str(a) for a in cfg.launcher.server_args]  # last: the user's flags win
     from areal_cli.config.model import lora_target_modules
 

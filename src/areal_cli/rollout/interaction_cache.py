@@ -59,6 +59,7 @@ class Interaction:
     reward: float | None = None
     discounted: float | None = None
     response: Any = None  # the SDK object returned to the agent
+    images: list[str] = field(default_factory=list)  # the prompt's images (data URLs), in prompt order
     created: float = field(default_factory=time.time)
 
 
@@ -193,14 +194,18 @@ class InteractionCache:
                 segs.append((list(gap), None, None))
             segs.append((list(it.output_ids), list(it.logprobs), list(it.versions)))
             have = list(it.input_ids) + list(it.output_ids)
-        return {"segments": segs, "reward": float(reward), "ids": [it.id for it in chain],
-                "turn_rewards": [it.reward or 0.0 for it in chain[:-1]] + [0.0],
-                "no_eos": chain[-1].stop_reason == "length"}
+        row = {"segments": segs, "reward": float(reward), "ids": [it.id for it in chain],
+               "turn_rewards": [it.reward or 0.0 for it in chain[:-1]] + [0.0],
+               "no_eos": chain[-1].stop_reason == "length"}
+        if chain[-1].images:  # the last call's prompt holds every image of the row (plain strings: JSON-safe)
+            row["images"] = list(chain[-1].images)
+        return row
 
 
-def rows_to_tensors(rows: list[dict[str, Any]], pad_id: int, group_id: int) -> Any:
+def rows_to_tensors(rows: list[dict[str, Any]], pad_id: int, group_id: int, tokenizer: Any = None) -> Any:
     """Exported rows -> one :class:`~areal_cli.api.workflow_api.Trajectory` (``group_id`` on every
-    row; ``token_rewards`` [B, L] when any row carries per-turn rewards)."""
+    row; ``token_rewards`` [B, L] when any row carries per-turn rewards; ``multi_modal`` when any row
+    carries ``images``: their features from ``tokenizer``'s model dir's image processor)."""
     import torch
 
     from areal_cli.rollout.workflows.common import Segment, build_row, stack_rows
@@ -223,5 +228,14 @@ def rows_to_tensors(rows: list[dict[str, Any]], pad_id: int, group_id: int) -> A
         for row in built:
             del row["token_rewards"]
     correct = [r.get("correct") for r in rows] if any("correct" in r for r in rows) else None
-    return stack_rows(built, [r["reward"] for r in rows], [r["no_eos"] for r in rows], group_id, pad_id,
+    traj = stack_rows(built, [r["reward"] for r in rows], [r["no_eos"] for r in rows], group_id, pad_id,
                       {"interaction_ids": [r["ids"] for r in rows]}, correct=correct)
+    if any(r.get("images") for r in rows):
+        from areal_cli.models.vl_inputs import image_features, image_processor_for
+
+        if tokenizer is None:
+            raise ValueError("rows with images need the tokenizer (its model dir's image processor)")
+        proc = image_processor_for(tokenizer)
+        traj.data["multi_modal"] = [image_features(proc, r["images"])[0] if r.get("images") else None
+                                    for r in rows]
+    return traj

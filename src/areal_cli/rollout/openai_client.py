@@ -212,7 +212,11 @@ class _Completions:
         body = {"tools": plain(tools) if _given(tools) else None,
                 "tool_choice": plain(tool_choice) if _given(tool_choice) else None}
         tools_l, choice, parse = parse_tools(body)
-        msgs = normalise_messages(plain(list(messages)) if isinstance(messages, (list, tuple)) else messages)
+        # image_url content parts (a vision-language tokenizer only): their references, in prompt order
+        images: list | None = [] if c.takes_images else None
+        msgs = normalise_messages(plain(list(messages)) if isinstance(messages, (list, tuple)) else messages,
+                                  images)
+        urls = _name_images(msgs, images or [])
         extra = dict(extra_body) if _given(extra_body) else {}
         stops = [stop] if isinstance(stop, str) else list(stop) if _given(stop) else []
         res = await c._complete(msgs, tools_l, choice, parse, limit if _given(limit) else None,
@@ -220,7 +224,7 @@ class _Completions:
                                 top_p if _given(top_p) else None,
                                 stops, seed if _given(seed) else None, extra,
                                 parallel_tool_calls is not False, store is not False,
-                                want_logprobs=logprobs is True)
+                                want_logprobs=logprobs is True, images=urls)
         if _given(stream) and stream:
             return _ChunkStream(c._chunks(res, bool(_given(stream_options) and
                                                     plain(stream_options).get("include_usage"))))
@@ -259,6 +263,10 @@ class ArealOpenAI(openai.AsyncOpenAI):
         self.session_id = session_id or uuid.uuid4().hex
         self._chat = _Chat(self)
         self._responses: Any = None
+        from areal_cli.models.vl_inputs import vision_token_ids
+
+        # a vision-language tokenizer: image_url parts are taken (docs/vision.md), else refused (400)
+        self.takes_images = bool(vision_token_ids(tokenizer))
 
     @property
     def chat(self) -> _Chat:  # type: ignore[override]
@@ -297,12 +305,14 @@ class ArealOpenAI(openai.AsyncOpenAI):
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _prompt(self, msgs: list[dict], tools: list[dict] | None, kw: dict
+    def _prompt(self, msgs: list[dict], tools: list[dict] | None, kw: dict, expand: Any = None
                 ) -> tuple[list[int], Interaction | None, Interaction | None, int | None, bool]:
         """``(prompt ids, message parent, token parent, first position where a fresh render differs,
-        whether the template rewrote earlier turns)``."""
+        whether the template rewrote earlier turns)``. ``expand``: expands the prompt's image pads
+        (a parent's are expanded already, a new image's placeholder is one pad)."""
+        expand = expand or (lambda ids: ids)
         full_text = self._render(msgs, tools, True, kw)
-        fresh = self._encode(full_text)
+        fresh = expand(self._encode(full_text))
         parent = self.cache.find_parent(msgs)
         if parent is None or self.prompt_mode != "continue" or parent.tools != tools:
             return fresh, parent, None, None, False
@@ -321,7 +331,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
         unclosed = not parent.output_ids or parent.output_ids[-1] != eos_id
         if eos_id is not None and unclosed and (close is not None or parent.stop_reason == "length"):
             ids.append(int(eos_id))
-        ids += self._encode((close or "") + tail)
+        ids = expand(ids + self._encode((close or "") + tail))
         return ids, parent, parent, _first_diff(ids, fresh), rewritten
 
     def _after_turn(self, msgs: list[dict], k: int, tools: list[dict] | None, kw: dict, full_text: str
@@ -357,11 +367,21 @@ class ArealOpenAI(openai.AsyncOpenAI):
     async def _complete(self, msgs: list[dict], tools: list[dict] | None, choice: Any, parse: bool,
                         limit: int | None, temperature: float | None, top_p: float | None, stops: list[str],
                         seed: int | None, extra: dict, parallel: bool, store: bool,
-                        interaction_id: str | None = None, want_logprobs: bool = False) -> Any:
+                        interaction_id: str | None = None, want_logprobs: bool = False,
+                        images: list[str] | None = None) -> Any:
         from openai.types.chat import ChatCompletion
 
         kw = dict(extra.get("chat_template_kwargs") or {})
-        ids, parent, tparent, diff_at, rewritten = self._prompt(msgs, tools, kw)
+        expand = None
+        if images:  # the images' pads expanded as the processor does (models/vl_inputs.py)
+            from areal_cli.models import vl_inputs as I
+
+            _, counts = I.image_features(I.image_processor_for(self.tokenizer), images)
+            pad = I.image_pad_id(self.tokenizer)
+
+            def expand(ids: list[int]) -> list[int]:
+                return I.expand_pads(ids, pad, counts)
+        ids, parent, tparent, diff_at, rewritten = self._prompt(msgs, tools, kw, expand)
         budget = self.default_max_tokens if limit is None else int(limit)
         if self.max_total_tokens is not None:
             room = self.max_total_tokens - len(ids)
@@ -374,7 +394,12 @@ class ArealOpenAI(openai.AsyncOpenAI):
         g = GenerationConfig(temperature=t if t > 0 else 1.0, greedy=t <= 0,
                              top_p=1.0 if top_p is None else float(top_p), max_new_tokens=budget,
                              stop=stops, stop_token_ids=[int(eos)] if eos is not None else [], seed=seed)
-        resp = await self.engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=g, session_id=self.session_id))
+        resp = await self.engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=g, session_id=self.session_id,
+                                                        image_data=list(images) if images else None))
+        if images:
+            from areal_cli.models.vl_inputs import check_served_prompt
+
+            check_served_prompt(ids, resp.input_tokens)
         out = list(resp.output_tokens)
         body = out[:-1] if out and resp.stop_reason == "stop" and out[-1] == eos else out
         text = self.tokenizer.decode(body, skip_special_tokens=True)
@@ -405,7 +430,7 @@ class ArealOpenAI(openai.AsyncOpenAI):
                 stop_reason=resp.stop_reason, output_message=_template_message(message),
                 parent_id=parent.id if parent else None, token_parent_id=tparent.id if tparent else None,
                 retokenized=diff_at is not None, render_diff_at=diff_at, rewritten_history=rewritten,
-                response=completion))
+                response=completion, images=list(images or [])))
         return completion
 
     def _chunks(self, comp: Any, include_usage: bool) -> list[Any]:
@@ -428,6 +453,22 @@ class ArealOpenAI(openai.AsyncOpenAI):
             out.append(ChatCompletionChunk.model_validate({**base, "choices": [],
                                                            "usage": comp.usage.model_dump()}))
         return out
+
+
+def _name_images(msgs: list[dict], refs: list[Any]) -> list[str]:
+    """The images' data URLs, in prompt order, each also written into its ``{"type": "image"}`` part (as
+    ``"image"``, which chat templates render as the placeholder too), so two calls with other images are
+    other messages to the cache's parent search."""
+    from areal_cli.models.vl_inputs import to_data_url
+
+    urls = [to_data_url(r.get("url") if isinstance(r, dict) else r) for r in refs]
+    k = 0
+    for m in msgs:
+        for part in m["content"] if isinstance(m.get("content"), list) else []:
+            if part.get("type") == "image" and k < len(urls):
+                part["image"] = urls[k]
+                k += 1
+    return urls
 
 
 def _first_diff(ids: list[int], fresh: list[int]) -> int | None:

@@ -38,6 +38,7 @@ async def _eval_async(cfg: ExperimentConfig, addresses: list[str], backend: str,
                       samples: dict | None = None, on_scored: Any = None) -> dict[str, float]:
     from areal_cli.api.io_struct import ModelRequest
     from areal_cli.rewards.outcome import correctness, is_dropped
+    from areal_cli.models.vl_inputs import item_prompt_images
     from areal_cli.rollout.workflows.common import build_prompt, call_reward, decode, with_eos_stop
     from areal_cli.rollout import build
 
@@ -52,8 +53,11 @@ async def _eval_async(cfg: ExperimentConfig, addresses: list[str], backend: str,
         if key in done:  # scored before a server restart interrupted an earlier attempt
             return done[key]
         prompt = build_prompt(tokenizer, item, cfg.dataset.use_chat_template)
+        vis = item_prompt_images(tokenizer, item, prompt.ids)  # an item with images: as the rollout sends it
         async with sem:
-            resp = await client.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=gconfig))
+            resp = await client.agenerate(ModelRequest(input_ids=list(prompt.ids) if vis is None else vis.ids,
+                                                       gconfig=gconfig,
+                                                       image_data=None if vis is None else vis.image_data))
         completion = decode(tokenizer, resp.output_tokens)
         reward = await call_reward(reward_fn, prompt.text, completion, item.get("answer"))
         if is_dropped(reward):  # a judge that failed under on_failure=drop: nothing to drop here

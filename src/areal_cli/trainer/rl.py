@@ -430,6 +430,9 @@ def _batch_stats(batch: dict[str, Any], engine: Any) -> dict[str, float]:
            "_rows": n}
     if known:  # correctness as the reward function stated it (rewards.outcome), over the rows that did
         out["reward/accuracy"] = ok / known
+    if "multi_modal" in batch:  # rows that trained with their images (a vision-language run)
+        k = float(sum(m is not None for m in batch["multi_modal"]))
+        out["data/image_rows"] = engine.dp_all_reduce(torch.tensor([k], dtype=torch.float64)).item()
     if "agent_tool_calls" in batch:  # agent workflows: rows whose episode called a tool
         used = engine.dp_all_reduce(torch.tensor([float((batch["agent_tool_calls"] > 0).sum().item())],
                                                  dtype=torch.float64)).item()

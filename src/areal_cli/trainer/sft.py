@@ -43,18 +43,23 @@ def sft_target(item: dict[str, Any]) -> str:
 
 
 def make_sft_batch(items: list[dict[str, Any]], tokenizer: Any, use_chat_template: bool = True) -> dict[str, Any]:
-    """Right-padded ``input_ids``/``attention_mask``/``loss_mask`` for prompt+target+eos examples."""
+    """Right-padded ``input_ids``/``attention_mask``/``loss_mask`` for prompt+target+eos examples; items with
+    images have their image pads expanded, and the batch then carries ``multi_modal`` (None for a text row)."""
     import torch
 
+    from areal_cli.models.vl_inputs import item_prompt_images
     from areal_cli.rollout.workflows.common import build_prompt, encode
 
     rows = []
+    mm: list[Any] = []
     for it in items:
         prompt = build_prompt(tokenizer, it, use_chat_template)
+        vis = item_prompt_images(tokenizer, it, prompt.ids)
+        mm.append(None if vis is None else vis.multi_modal)
         target = encode(tokenizer, sft_target(it))
         if tokenizer.eos_token_id is not None:
             target = target + [int(tokenizer.eos_token_id)]
-        rows.append((list(prompt.ids), target))
+        rows.append((list(prompt.ids) if vis is None else vis.ids, target))
     max_len = max(len(p) + len(t) for p, t in rows)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     ids = torch.full((len(rows), max_len), pad, dtype=torch.long)
@@ -65,7 +70,10 @@ def make_sft_batch(items: list[dict[str, Any]], tokenizer: Any, use_chat_templat
         ids[i, :n] = torch.tensor(p + t)
         attn[i, :n] = True
         mask[i, len(p):n] = 1.0
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    if any(m is not None for m in mm):
+        batch["multi_modal"] = mm
+    return batch
 
 
 def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: int, batch_size: int,
@@ -88,6 +96,8 @@ def run_sft_steps(engine: Any, stream: PromptStream, tokenizer: Any, *, steps: i
         dt = time.perf_counter() - t0
         tokens = float(batch["attention_mask"].sum()) * engine.dp_world_size
         last = {"sft/loss": float(out.get("loss", out.get("nll", 0.0))), "sft/lr": out.get("lr"),
+                **({"sft/image_rows": float(sum(m is not None for m in batch["multi_modal"]))}
+                   if "multi_modal" in batch else {}),
                 "sft/grad_norm": out.get("grad_norm"), "perf/train_tokens_per_s": tokens / max(dt, 1e-9),
                 "perf/step_s": dt}
         rec = {k: v for k, v in last.items() if v is not None}

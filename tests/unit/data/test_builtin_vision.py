@@ -78,8 +78,12 @@ def test_unknown_task_and_training_use_are_config_errors():
 
     with pytest.raises(ConfigError, match="unknown built-in visual task"):
         bv.generate_splits("count_circles", 2, 1)
-    with pytest.raises(ConfigError, match="visual task.*docs/vision.md") as e:
-        check_dataset_paths(DatasetConfig(train_path="builtin:count_shapes"))
+    from areal_cli.plan.compose import load_config
+    from areal_cli.plan.validate import validate
+
+    assert check_dataset_paths(DatasetConfig(train_path="builtin:count_shapes")) == []  # trainable now
+    with pytest.raises(ConfigError, match="visual task.*docs/vision.md") as e:  # but not by a text model
+        validate(load_config(["dataset.train_path=builtin:count_shapes"]))
     assert "dataset.train_path" in str(e.value) and "\n" not in str(e.value)
     assert check_builtin("train_path", "builtin:arith") is True
 

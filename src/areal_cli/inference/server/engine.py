@@ -118,6 +118,7 @@ class GenerationEngine:
         # Requests with images run in their own sub-batch (mrope positions, the vision tower in prefill):
         # vision.VisionBatch, attached by the server for a vision-language model (vision.attach).
         self.vision = None
+        self.banned_ids: torch.Tensor | None = None  # never sampled (a VL model's vision tokens: vision.attach)
         self.adapters = lora.AdapterSet()
         self._capture = None  # routing_replay.Capture, made on the first request that records routing
         self.stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
@@ -484,7 +485,7 @@ class GenerationEngine:
         out = sample_next(logits, [s.params for s in seqs], [len(s.out_ids) for s in seqs],
                           self.eos_ids, self.generator,
                           positions=[len(s.prompt_ids) + len(s.out_ids) for s in seqs],
-                          with_mask=with_mask)
+                          with_mask=with_mask, banned=self.banned_ids)
         next_ids, logps = out[0], out[1]
         if with_mask:
             for s, c, mlp in zip(seqs, out[2].tolist(), out[3].tolist()):

@@ -29,7 +29,8 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated: list[int],
                 eos_ids: set[int], generator: torch.Generator,
-                positions: list[int] | None = None, *, with_mask: bool = False) -> tuple[torch.Tensor, ...]:
+                positions: list[int] | None = None, *, with_mask: bool = False,
+                banned: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Sample one token per row. Returns ``(token_ids [B], logprobs [B])``.
 
     ``with_mask``: also return ``(cutoffs [B], masked_logprobs [B])`` (Keep-Sampling-Mask): the row's
@@ -38,7 +39,9 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
     that truncated, renormalised distribution (the behaviour policy).
 
     Logprobs are ``log_softmax(logits / T)`` at the chosen token, before top-k/top-p truncation
-    (``T = 1`` for greedy rows). ``min_new_tokens`` masks stop tokens for sampling only.
+    (``T = 1`` for greedy rows). ``min_new_tokens`` masks stop tokens for sampling only, and so does
+    ``banned`` (token ids never sampled: a vision-language model's vision tokens, ``vision.vision_token_ids``),
+    so the logprobs stay the model's own, what a teacher-forced forward (the trainer's) computes.
     Rows with ``sampling_seed`` draw a token that depends only on (seed, absolute position in
     ``positions``, else ``n_generated``) and the row's probabilities, so a request resumed as
     prompt + tokens-so-far continues the same random stream whatever the batch: one vectorised
@@ -61,6 +64,9 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], n_generated:
                         if t < vocab]
             if stop_ids:
                 work[i, stop_ids] = float("-inf")
+
+    if banned is not None and banned.numel():
+        work = work.index_fill(1, banned.to(dev), float("-inf"))
 
     cutoffs = torch.full((logits.shape[0],), float("-inf"), device=dev)
     if all(greedy_rows):

@@ -36,7 +36,21 @@ def attach(engine) -> bool:
     if not is_vision_model(engine.model):
         return False
     engine.vision = VisionBatch(engine)
+    engine.banned_ids = vision_token_ids(engine.model.config)
     return True
+
+
+def vision_token_ids(config) -> torch.Tensor:
+    """The vision special tokens a vision-language model must never sample (text and image rows alike): a
+    generated ``<|image_pad|>`` would be a second image placeholder when the sequence is sent again (a resumed
+    request, a later turn), and the trainer would read it as a text token. ``<|vision_pad|>`` has no config
+    key; Qwen's vocabularies (and tiny_vl's) put it between ``<|vision_end|>`` and ``<|image_pad|>``."""
+    keys = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    ids = {int(getattr(config, k)) for k in keys if getattr(config, k, None) is not None}
+    end, pad = getattr(config, "vision_end_token_id", None), getattr(config, "image_token_id", None)
+    if end is not None and pad is not None and int(pad) - int(end) == 2:
+        ids.add(int(end) + 1)
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 class VisionRunner(HFRunner):

@@ -40,8 +40,22 @@ def model_params(model) -> dict[str, torch.Tensor]:
     if live is None:
         live = dict(model.state_dict(keep_vars=True))
         live.update(_per_expert_views(live))
+        live.update(_hub_names(live))
         _PARAMS[model] = live
     return live
+
+
+def _hub_names(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 nests a Qwen2-VL-family model's parts (``model.visual.*``, ``model.language_model.*``);
+    the hub checkpoints, and the trainer's weight updates (engines/vision.py ``hub_name``), name them
+    ``visual.*`` and ``model.*``. Both names are accepted: the same tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in live.items():
+        if name.startswith("model.visual."):
+            out[name[len("model."):]] = t
+        elif name.startswith("model.language_model."):
+            out["model." + name[len("model.language_model."):]] = t
+    return {k: v for k, v in out.items() if k not in live}
 
 
 def _per_expert_views(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -145,7 +145,7 @@ class AgentWorkflow(RolloutWorkflow):
         rows = [row for r in res if not isinstance(r, BaseException) for row in r]
         if not rows:
             return None
-        traj = rows_to_tensors(rows, self.pad_id, next_group_id())
+        traj = rows_to_tensors(rows, self.pad_id, next_group_id(), self.tokenizer)
         traj.data["agent_tool_calls"] = torch.tensor([r["tool_calls"] for r in rows], dtype=torch.long)
         traj.meta.update(id=data.get("id"), agent_failed=self.failed)
         return traj

@@ -190,7 +190,7 @@ class ProxyAgentWorkflow(RolloutWorkflow):
             return None
         import torch
 
-        traj = rows_to_tensors(rows, self.pad_id, next_group_id())
+        traj = rows_to_tensors(rows, self.pad_id, next_group_id(), self.tokenizer)
         # the trainer logs agent/tool_call_rate from it, as for the in-process agent workflow
         traj.data["agent_tool_calls"] = torch.tensor([r.get("tool_calls", 0) for r in rows], dtype=torch.long)
         traj.meta.update(id=data.get("id"), agent_failed=self.failed)

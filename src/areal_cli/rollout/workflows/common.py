@@ -118,8 +118,16 @@ def build_prompt(tokenizer: Any, data: dict[str, Any], use_chat_template: bool =
     return Prompt(encode(tokenizer, text), _user_text(messages) or text, messages)
 
 
-def _user_text(messages: list[dict[str, str]]) -> str:
-    return "\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "user")
+def _user_text(messages: list[dict[str, Any]]) -> str:
+    return "\n".join(content_text(m.get("content", "")) for m in messages if m.get("role") == "user")
+
+
+def content_text(content: Any) -> str:
+    """A message's text: a string, or the text parts of a list content (image parts left out)."""
+    if isinstance(content, list):
+        return "".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content
+                       if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+    return str(content)
 
 
 def is_async_callable(fn: Any) -> bool:

@@ -85,7 +85,7 @@ class OnlineAgentWorkflow(RolloutWorkflow):
             return None  # abandoned or empty: nothing of it is trained, the capacity is free again
         import torch
 
-        traj = rows_to_tensors(rows, self.pad_id, next_group_id())
+        traj = rows_to_tensors(rows, self.pad_id, next_group_id(), self.tokenizer)
         traj.data["agent_tool_calls"] = torch.tensor([r.get("tool_calls", 0) for r in rows], dtype=torch.long)
         traj.meta.update(id=data.get("id"))
         return traj

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.rewards.outcome import is_dropped
+from areal_cli.models.vl_inputs import check_served_prompt, item_prompt_images
 from areal_cli.rollout.workflows.common import (
     check_group_and_reward,
     RewardFn,
@@ -40,7 +41,9 @@ class RLVRWorkflow(RolloutWorkflow):
     The returned group has ``group_size`` rows: ``input_ids``, ``attention_mask``, ``loss_mask`` (True on
     generated tokens), ``logprobs`` and ``versions`` (per token, as produced by the server; 0 / -1 on the
     prompt), ``rewards`` [G], ``seq_no_eos_mask`` [G] (True when generation hit the length limit) and
-    ``group_id`` [G].
+    ``group_id`` [G]. An item with images (``"images"``/``"image"``: :mod:`areal_cli.models.vl_inputs`) is sent with
+    its image pads expanded and its images as ``image_data``; its rows hold the prompt the server reports it
+    generated on and carry ``multi_modal`` (a list of G ``{"pixel_values", "image_grid_thw"}``).
 
     A reward that drops a sample (:class:`~areal_cli.rewards.outcome.Dropped`: the LLM judge's
     ``on_failure=drop``) drops the whole group (``None``: the executor counts it rejected and admits
@@ -48,7 +51,7 @@ class RLVRWorkflow(RolloutWorkflow):
     """
 
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any, group_size: int = 1,
-                 *, use_chat_template: bool = True):
+                 *, use_chat_template: bool = True, processor: Any = None):
         check_group_and_reward(group_size, reward_fn)
         self.reward_fn = reward_fn
         self.tokenizer = load_tokenizer(tokenizer)
@@ -56,10 +59,14 @@ class RLVRWorkflow(RolloutWorkflow):
         self.group_size = group_size
         self.use_chat_template = use_chat_template
         self.pad_id = pad_token_id(self.tokenizer)
+        self.processor = processor  # the image processor (None: the model dir's, when an item has images)
 
     async def arun_episode(self, engine: "InferenceEngine", data: dict[str, Any]) -> Trajectory | None:
         prompt = build_prompt(self.tokenizer, data, self.use_chat_template)
         answer = data.get("answer")
+        # An item with images: the prompt goes out with its pads expanded and its images (models/vl_inputs.py)
+        vis = item_prompt_images(self.tokenizer, data, prompt.ids, self.processor)
+        ids, image_data = (vis.ids, vis.image_data) if vis is not None else (list(prompt.ids), None)
 
         async def score(resp: Any) -> float:
             return await call_reward(self.reward_fn, prompt.text, decode(self.tokenizer, resp.output_tokens), answer)
@@ -68,16 +75,16 @@ class RLVRWorkflow(RolloutWorkflow):
 
         async def sample() -> tuple[Any, float]:
             # Each sample is scored as soon as it finishes, overlapping rewards with generation.
-            resp = await engine.agenerate(ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig,
-                                                       session_id=key))
+            resp = await engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=self.gconfig,
+                                                       session_id=key, image_data=image_data))
             return resp, await score(resp)
 
         group = getattr(engine, "agenerate_group", None)
         if group is not None and getattr(engine, "supports_batch_generate", False) and self.group_size > 1:
             # One batched call for the whole group: the server prefills the shared prompt once and
             # the trainer-side client handles one HTTP exchange instead of group_size.
-            resps = await group([ModelRequest(input_ids=list(prompt.ids), gconfig=self.gconfig, session_id=key)
-                                 for _ in range(self.group_size)])
+            resps = await group([ModelRequest(input_ids=list(ids), gconfig=self.gconfig, session_id=key,
+                                              image_data=image_data) for _ in range(self.group_size)])
             rewards = await call_rewards(self.reward_fn, prompt.text,
                                          [decode(self.tokenizer, r.output_tokens) for r in resps], answer)
         else:
@@ -89,11 +96,15 @@ class RLVRWorkflow(RolloutWorkflow):
             end(key)
         if any(is_dropped(x) for x in rewards):
             return None
-        rows = [build_row([Segment(prompt.ids),
+        # the prompt as the server expanded it (the same ids for an item without images)
+        rows = [build_row([Segment(check_served_prompt(ids, r.input_tokens) if vis is not None else prompt.ids),
                            Segment(list(r.output_tokens), list(r.output_logprobs), list(r.output_versions),
                                    r.sampling_cutoffs, r.routed_experts)])
                 for r in resps]
-        meta = {"id": data.get("id"), "prompt_len": len(prompt.ids),
+        meta = {"id": data.get("id"), "prompt_len": len(ids),
                 "n_resumes": sum(r.n_resumes for r in resps)}
-        return stack_rows(rows, list(rewards), [r.stop_reason == "length" for r in resps], next_group_id(),
+        traj = stack_rows(rows, list(rewards), [r.stop_reason == "length" for r in resps], next_group_id(),
                           self.pad_id, meta)
+        if vis is not None:  # every member's row carries the prompt's images (api/engine_api.py multi_modal)
+            traj.data["multi_modal"] = [vis.multi_modal] * len(rows)
+        return traj

@@ -1,0 +1,41 @@
+"""`areal train experiment=vision_default` end to end on CPU (issue 39): the tiny Qwen2.5-VL built on first use,
+the visual task's SFT warm start with the images, then RL through the hf server serving the images and the fsdp
+engine training on them; the single-turn RLVR workflow, and the multi-turn one whose feedback turn carries a new
+picture. The trained rows had their images: the trainer logs how many rows of each step did."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from train_runs import _env, _overrides, _records
+
+SHORT = {"experiment": "vision_default", "trainer.total_steps": 2, "trainer.sft_warmup_steps": 2,
+         "trainer.sft_batch_size": 4, "trainer.recover_every": 0, "trainer.save_every": 0,
+         "trainer.eval_every": 2, "dataset.train_size": 32, "dataset.test_size": 4, "dataset.max_prompt_len": 64,
+         "algo.batch_size": 2, "rollout.group_size": 2}
+
+
+@pytest.mark.runs
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("workflow", [
+    {},
+    {"workflow": "multi_turn", "workflow.max_turns": 2,
+     "workflow.kwargs.image_feedback": "areal_cli.rollout.workflows.vision_env:frame_shapes"},
+])
+def test_train_vision_default_trains_rows_with_images(tmp_path, workflow):
+    args = _overrides(tmp_path, "builtin:tiny_vl", **{**SHORT, **workflow})
+    res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *args], capture_output=True,
+                         text=True, env=_env(), timeout=560)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    recs = _records(tmp_path / "runs" / "itest" / "t0")
+    sft = [r for r in recs if r["kind"] == "sft"]
+    assert [r["step"] for r in sft] == [1, 2] and all(r["sft/image_rows"] == 4 for r in sft)
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:  # every row of the step (2 prompts x 2 samples) trained with its picture
+        assert r["data/image_rows"] == 4
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert evals and all(r["eval/n_items"] == 4 for r in evals)
+    assert "held-out accuracy: before" in res.stdout + res.stderr  # the run summary
