@@ -524,17 +524,13 @@ class GenerationEngine:
         return False
 
     def _retire(self, rows: list[int]) -> None:
-        drop = set(rows)
-        self._store_prefixes(sorted(drop))
-        for i in sorted(drop):
-            self._release_prefix(self._running[i])
-            self._finish(self._running[i])
-        keep = [i for i in range(len(self._running)) if i not in drop]
-        self._running = [self._running[i] for i in keep]
-        if keep:
-            self.runner.keep(keep)
-        else:
-            self.runner.clear()
+        self._store_prefixes(sorted(set(rows)))
+
+        def finish(s: Sequence) -> None:
+            self._release_prefix(s)
+            self._finish(s)
+
+        self._running = retire_rows(self._running, rows, self.runner, finish)
 
     def _release_prefix(self, s: Sequence) -> None:
         p = self._prefixes.get(s.prefix_key) if s.prefix_key is not None else None
@@ -550,6 +546,20 @@ class GenerationEngine:
             s.on_done(s)
         except Exception:  # a closed event loop must not stop the engine
             log.exception("completion callback failed for %s", s.rid)
+
+
+def retire_rows(running: list[Sequence], rows: list[int], runner, finish) -> list[Sequence]:
+    """``running`` without ``rows`` (each handed to ``finish`` first, in order), and ``runner``'s cache cut to the
+    rows kept: the text batch's and the image sub-batch's retirement (server/vision.py)."""
+    drop = set(rows)
+    for i in sorted(drop):
+        finish(running[i])
+    keep = [i for i in range(len(running)) if i not in drop]
+    if keep:
+        runner.keep(keep)
+    else:
+        runner.clear()
+    return [running[i] for i in keep]
 
 
 def _make_runner(model, device: torch.device, fast_path: bool | None, pad_id: int,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from areal_cli.inference.server.engine import HFRunner, Sequence
+from areal_cli.inference.server.engine import HFRunner, Sequence, retire_rows
 
 log = logging.getLogger("areal_cli.hf_server")
 
@@ -160,15 +160,7 @@ class VisionBatch:
             self.retire([rows[j] for j in done])
 
     def retire(self, rows: list[int]) -> None:
-        drop = set(rows)
-        for i in sorted(drop):
-            self.engine._finish(self.running[i])
-        keep = [i for i in range(len(self.running)) if i not in drop]
-        self.running = [self.running[i] for i in keep]
-        if keep:
-            self.runner.keep(keep)
-        else:
-            self.runner.clear()
+        self.running = retire_rows(self.running, rows, self.runner, self.engine._finish)
 
     def finish_all(self, finish: dict) -> int:
         n = len(self.running)
