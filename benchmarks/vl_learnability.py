@@ -58,7 +58,6 @@ def build(overrides: dict, fileroot: str):
 def encode(proc, rows: list[dict]) -> list[dict]:
     """Per row: the full chat's ids, labels on the assistant answer only, and the image's patches (computed
     once: the image processor is the slow part of a batch)."""
-    import torch
     from PIL import Image
 
     tok = proc.tokenizer
