@@ -681,11 +681,15 @@ class HFRunner:
         self._merge(SimpleNamespace(layers=layers), mask)
         self.lens.extend(lengths)
 
+    def _decode_positions(self) -> torch.Tensor:
+        """Each row's position of its next token (``[B, 1]``; a multimodal runner's own layout)."""
+        return torch.tensor(self.lens, dtype=torch.long, device=self.device).unsqueeze(1)
+
     @torch.no_grad()
     def decode(self, tokens: list[int]) -> torch.Tensor:
         self._set_lora(len(tokens))
         last = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
-        pos = torch.tensor(self.lens, dtype=torch.long, device=self.device).unsqueeze(1)
+        pos = self._decode_positions()
         self._mask = torch.cat([self._mask, torch.ones((len(tokens), 1), dtype=self._mask.dtype,
                                                        device=self.device)], dim=1)
         logits, self._cache = self._forward(last, self._mask, pos, self._cache, last_only=False)

@@ -64,7 +64,7 @@ class VisionRunner(HFRunner):
         # transformers 5 names the cache argument ``cache`` (``past_key_values`` is deprecated there)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def _vforward(self, ids, mask, pos, cache, last_only: bool, **extra):
+    def _forward(self, ids, mask, pos, cache, last_only: bool, **extra):
         kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, self._cache_kw: cache,
                   "use_cache": True, **extra}
         if last_only:
@@ -92,23 +92,17 @@ class VisionRunner(HFRunner):
         mm = (ids == self.image_token_id).int()
         pos, deltas = self.model.model.get_rope_index(ids, mm, image_grid_thw=grid, attention_mask=mask)
         cache = DynamicCache(config=self.model.config)
-        logits, cache = self._vforward(ids, mask, pos, cache, last_only=True, pixel_values=pix,
+        logits, cache = self._forward(ids, mask, pos, cache, last_only=True, pixel_values=pix,
                                        image_grid_thw=grid)
         self._merge(cache, mask)
         self.lens.extend(len(x) for x in seqs)
         self.deltas.extend(int(d) for d in deltas.view(-1).tolist())
         return logits
 
-    @torch.no_grad()
-    def decode(self, tokens: list[int]) -> torch.Tensor:
-        last = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
-        pos = torch.tensor([n + d for n, d in zip(self.lens, self.deltas)], dtype=torch.long,
-                           device=self.device).view(1, -1, 1).expand(3, -1, -1)
-        self._mask = torch.cat([self._mask, torch.ones((len(tokens), 1), dtype=self._mask.dtype,
-                                                       device=self.device)], dim=1)
-        logits, self._cache = self._vforward(last, self._mask, pos, self._cache, last_only=False)
-        self.lens = [n + 1 for n in self.lens]
-        return logits
+    def _decode_positions(self) -> torch.Tensor:
+        # mrope: a generated token sits at its text position shifted by the row's rope delta, on all 3 axes
+        return torch.tensor([n + d for n, d in zip(self.lens, self.deltas)], dtype=torch.long,
+                            device=self.device).view(1, -1, 1).expand(3, -1, -1)
 
     def keep(self, idx: list[int]) -> None:
         super().keep(idx)
