@@ -113,11 +113,16 @@ def task_names() -> list[str]:
     return sorted(TASKS)
 
 
+def registry_spec(registry: dict, task: str, what: str = "built-in task"):
+    """``registry[task]``, or the one-line error naming every ``builtin:`` choice (text and visual tasks)."""
+    if task not in registry:
+        raise ConfigError("dataset.train_path", f"unknown {what} {task!r}",
+                          f"use one of: {', '.join('builtin:' + t for t in sorted(registry))}")
+    return registry[task]
+
+
 def _spec(task: str) -> TaskSpec:
-    if task not in TASKS:
-        raise ConfigError("dataset.train_path", f"unknown built-in task {task!r}",
-                          f"use one of: {', '.join('builtin:' + t for t in task_names())}")
-    return TASKS[task]
+    return registry_spec(TASKS, task)
 
 
 def make_problem(rng: random.Random, spec: TaskSpec) -> Problem:

@@ -38,6 +38,7 @@ import io
 import random
 from dataclasses import dataclass
 
+from areal_cli.data.builtin import registry_spec
 from areal_cli.errors import ConfigError
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 60, 220)}
@@ -83,10 +84,7 @@ def task_names() -> list[str]:
 
 
 def _spec(task: str) -> VisionTaskSpec:
-    if task not in VISION_TASKS:
-        raise ConfigError("dataset.train_path", f"unknown built-in visual task {task!r}",
-                          f"use one of: {', '.join('builtin:' + t for t in task_names())}")
-    return VISION_TASKS[task]
+    return registry_spec(VISION_TASKS, task, "built-in visual task")
 
 
 def draw_picture(rng: random.Random, spec: VisionTaskSpec) -> Picture:
