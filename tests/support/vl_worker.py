@@ -77,12 +77,10 @@ def tower_weights(weights: dict) -> dict:
 
 
 def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
+    from areal_cli.api.io_struct import ParallelStrategy
     from areal_cli.config.algo import OptimConfig
     from areal_cli.engines import get_engine_cls
-    from fsdp_worker import engine_config, full_weights, local_batch, loss_fn, loss_weight_fn
+    from fsdp_worker import engine_config, finish_variant, full_weights, local_batch, loss_fn, loss_weight_fn
 
     ocfg = OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
     kw = {}
@@ -107,14 +105,7 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         res["adapter"] = engine.adapter_tensors()
     if v.get("probe"):
         res["probe"] = engine.forward(image_batch(model_dir, 7) if head else None)["logprobs"]
-    if v.get("export"):
-        engine.save(SaveLoadMeta(path=v["export"], weight_format="hf"))
-    if dist.get_rank() == 0:
-        import torch
-
-        torch.save(res, Path(out_dir) / f"{v['name']}.pt")
-    dist.barrier()
-    engine.destroy()
+    finish_variant(engine, v, res, out_dir)
 
 
 if __name__ == "__main__":
