@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch, TrainEngine
 from areal_cli.api.io_struct import SaveLoadMeta, WeightUpdateMeta
-from areal_cli.engines import lora as lora_mod, packing, sampling_mask
+from areal_cli.engines import lora as lora_mod, packing, token_logprobs
 from areal_cli.errors import ConfigError, WeightSyncError
 from areal_cli.utils import collectives, host_memory
 from areal_cli.weight_sync.adapter_files import ADAPTER_SUBDIR, write_adapter_dir
@@ -168,10 +168,10 @@ class EngineBase(TrainEngine):
 
     def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                           cutoffs: torch.Tensor | None = None):
-        """``cutoffs``: Keep-Sampling-Mask thresholds aligned with ``targets`` (see engines/sampling_mask.py)."""
-        if cutoffs is not None:
-            return sampling_mask.masked_logprobs_entropy(logits, targets, temperature, cutoffs.to(logits.device))
-        return _logprobs_entropy(logits, targets, temperature)
+        """``cutoffs``: Keep-Sampling-Mask thresholds aligned with ``targets`` (see engines/sampling_mask.py).
+        Chunked and fused (engines/token_logprobs.py): no vocabulary-sized temporaries beyond the logits."""
+        return token_logprobs.logprobs_entropy(logits, targets, temperature,
+                                               None if cutoffs is None else cutoffs.to(logits.device))
 
     def _split(self, batch: Batch, output: str) -> tuple[list[list[int]], int]:
         lens = packing.seq_lens(batch)
@@ -401,10 +401,3 @@ def _orig_tie(model_path: str) -> bool:
     except (OSError, ValueError):
         return False
 
-
-def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """Per-position log p(target) and entropy of ``softmax(logits / temperature)`` in fp32."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return lp, ent

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_cli.engines import sampling_mask
+from areal_cli.engines import sampling_mask, token_logprobs
 from areal_cli.utils import collectives
 
 
@@ -83,14 +83,10 @@ def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    z = logits.float() / temperature
     world = _group_size(group)
     if world == 1:
-        if cutoffs is not None:
-            return sampling_mask.masked_logprobs_entropy(logits, targets, temperature, cutoffs)
-        logp = torch.log_softmax(z, dim=-1)
-        lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return lp, -(logp.exp() * logp).sum(-1)
+        return token_logprobs.logprobs_entropy(logits, targets, temperature, cutoffs)
+    z = logits.float() / temperature
     vocab_size = vocab_size if vocab_size is not None else z.shape[-1] * world
     start, end = vocab_range(vocab_size, group)
     if z.shape[-1] != end - start:
