@@ -10,11 +10,11 @@ Each tensor-parallel rank holds the logits of its contiguous vocab slice ``[...,
   each rank's masked pick);
 - ``H = log s - Σ_v exp(z - m)(z - m) / s`` (all-reduce SUM of the numerator).
 
-Every rank then holds the same ``[..., ]`` results and computes the same loss from them. The sums
-are differentiable all-reduces whose backward is the identity (Megatron's "reduce from the
-tensor-parallel region"): the loss is replicated, so each rank's upstream gradient already *is* the
-gradient of the one true loss, and each rank passes it to its own vocab slice. Summing the incoming
-gradients (what ``torch.distributed.nn.all_reduce`` does) would count the loss ``t`` times.
+Every rank then holds the same ``[..., ]`` results and computes the same loss from them. The loss is
+replicated, so each rank's upstream gradient already *is* the gradient of the one true loss, and each
+rank's backward gives its own vocab slice its share, with no collective (Megatron's "reduce from the
+tensor-parallel region"); summing the incoming gradients would count the loss ``t`` times. The
+computation (chunked, no vocabulary-sized temporaries) is ``engines/token_logprobs.py``'s.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_cli.engines import sampling_mask, token_logprobs
-from areal_cli.utils import collectives
+from areal_cli.engines import token_logprobs
 
 
 def lm_head_style():
@@ -35,20 +34,6 @@ def lm_head_style():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     return ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Forward: sum over the group. Backward: identity (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.clone()
-        collectives.all_reduce(out, op=collectives.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
 
 
 def _group_size(group: Any) -> int:
@@ -86,33 +71,12 @@ def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     world = _group_size(group)
     if world == 1:
         return token_logprobs.logprobs_entropy(logits, targets, temperature, cutoffs)
-    z = logits.float() / temperature
-    vocab_size = vocab_size if vocab_size is not None else z.shape[-1] * world
+    vocab_size = vocab_size if vocab_size is not None else logits.shape[-1] * world
     start, end = vocab_range(vocab_size, group)
-    if z.shape[-1] != end - start:
-        raise ValueError(f"local logits have {z.shape[-1]} columns but this rank's slice of a "
+    if logits.shape[-1] != end - start:
+        raise ValueError(f"local logits have {logits.shape[-1]} columns but this rank's slice of a "
                          f"{vocab_size}-token vocabulary is [{start}, {end})")
-    keep = None if cutoffs is None else sampling_mask.keep_mask(z, targets, cutoffs, start)
-    with torch.no_grad():
-        if z.shape[-1]:
-            m = (z if keep is None else z.masked_fill(~keep, -float("inf"))).max(dim=-1, keepdim=True).values
-        else:  # an empty slice (more ranks than ceil-sized chunks) contributes nothing
-            m = z.new_full((*z.shape[:-1], 1), -float("inf"))
-        collectives.all_reduce(m, op=collectives.ReduceOp.MAX, group=group)
-    zc = z - m
-    if keep is None:
-        e = zc.exp()
-    else:  # masked columns: zero mass and zero gradient (no exp(-inf) * -inf anywhere)
-        zc = zc.masked_fill(~keep, 0.0)
-        e = zc.exp() * keep
-    s = _AllReduceSum.apply(e.sum(-1), group)
-    num = _AllReduceSum.apply((e * zc).sum(-1), group)
-    own = (targets >= start) & (targets < end)
-    local_t = (targets - start).clamp(0, max(end - start - 1, 0))
-    picked = zc.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) if z.shape[-1] else zc.new_zeros(targets.shape)
-    zt = _AllReduceSum.apply(picked * own, group)
-    log_s = s.log()
-    return zt - log_s, log_s - num / s
+    return token_logprobs.logprobs_entropy(logits, targets, temperature, cutoffs, group=group, start=start)
 
 
 def full_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
