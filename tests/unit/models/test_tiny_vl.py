@@ -99,6 +99,9 @@ def test_config_matches_the_preset_and_the_estimate(vl_dir, vl_name, model_cls):
     # the preset's facts build the same cached model as the spec (no second build under another name)
     assert resolve_spec(vl_name, overrides_from_model_config(cfg.model)) == BUILTIN_SPECS[vl_name]
     assert Path(vl_dir) == builtin_model_dir(Path(vl_dir).parent.parent, vl_name)
+    # the path alone under the vision experiment (whose preset is tiny_vl) builds the model the path names
+    path_only = load_config(["experiment=vision_default", f"model.path=builtin:{vl_name}"])
+    assert resolve_spec(vl_name, overrides_from_model_config(path_only.model)) == BUILTIN_SPECS[vl_name]
 
     model = model_cls.from_pretrained(vl_dir)
     visual = sum(p.numel() for p in model.model.visual.parameters())
@@ -173,3 +176,19 @@ def test_image_features_reach_the_answer_position(vl_dir, model_cls):
     for name in ("model.visual.patch_embed.proj.weight", "model.visual.merger.mlp.2.weight"):
         g = dict(model.named_parameters())[name].grad
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
+
+
+def test_weight_updates_reach_every_checkpoint_tensor(vl_dir, model_cls):
+    """The hf server takes a weight update under the hub checkpoint's names (the trainer's: engines/vision.py
+    hub_name): every tensor of the model dir's checkpoint has a live tensor of its shape under that name."""
+    from safetensors import safe_open
+
+    from areal_cli.engines.vision import hub_name
+    from areal_cli.inference.server.weights import model_params
+
+    model = model_cls.from_pretrained(vl_dir)
+    live = model_params(model)
+    with safe_open(f"{vl_dir}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert names and all(n in live and live[n].shape == f.get_tensor(n).shape for n in names)
+    assert {hub_name(n) for n, _ in model.named_parameters()} - {"lm_head.weight"} == names
