@@ -38,12 +38,16 @@ class LoRAConfig:
 
 @dataclass
 class VisionTowerConfig:
-    """``model.vision``: the vision encoder of a vision-language model (Qwen2.5-VL's ViT and patch merger).
+    """``model.vision``: the vision encoder of a vision-language model (a Qwen2.5-VL or Qwen2-VL ViT and patch
+    merger; ``family`` says which layout, :data:`VISION_FAMILIES`).
 
     ``depth`` 0 is a text-only model. The facts size the memory estimate (allocation/estimate.py); the fsdp and
     archon engines train and the hf server serves such a model with images (docs/vision.md)."""
 
     depth: int = ranged(0, ge=0, why="0 is a text-only model")
+    # the tower's layout, as the HF model_type names it: qwen2_5_vl (RMSNorm, gated MLP, windowed blocks) or
+    # qwen2_vl (LayerNorm, plain GELU MLP); the sizes below mean the same in both (the ViT's width and MLP width)
+    family: str = "qwen2_5_vl"
     hidden_size: int = ranged(0, ge=0)
     intermediate_size: int = ranged(0, ge=0)
     num_heads: int = ranged(0, ge=0)
@@ -61,17 +65,24 @@ def is_vision_language(m) -> bool:
     return vision is not None and int(vision.depth) > 0
 
 
+VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+
+
 def vision_tower_params(v: VisionTowerConfig, lm_hidden: int) -> int:
-    """Parameters of a Qwen2.5-VL vision tower: a bias-free Conv3d patch embed, ``depth`` blocks (2 RMSNorms,
-    fused qkv and proj with biases, a SwiGLU MLP with biases) and the merger (RMSNorm, two Linears with biases
-    over ``spatial_merge_size**2`` concatenated patches). 0 without a tower."""
+    """Parameters of a Qwen2.5-VL or Qwen2-VL vision tower: a bias-free Conv3d patch embed, ``depth`` blocks
+    and the merger (a norm, two Linears with biases over ``spatial_merge_size**2`` concatenated patches). A
+    Qwen2.5-VL block has 2 RMSNorms, fused qkv and proj with biases and a SwiGLU MLP with biases; a Qwen2-VL
+    block 2 LayerNorms (weight and bias), the same attention and a plain 2-Linear MLP with biases, and its
+    merger's norm is a LayerNorm too. 0 without a tower."""
     if v.depth <= 0:
         return 0
     h, i = v.hidden_size, v.intermediate_size
+    norm = 2 * h if v.family == "qwen2_vl" else h  # LayerNorm's bias
+    mlp = 2 * h * i + i + h if v.family == "qwen2_vl" else 3 * h * i + 2 * i + h
     embed = v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * h
-    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 3 * h * i + 2 * i + h
+    block = 2 * norm + (3 * h * h + 3 * h) + (h * h + h) + mlp
     cat, out = h * v.spatial_merge_size ** 2, v.out_hidden_size or lm_hidden
-    merger = h + cat * cat + cat + cat * out + out
+    merger = norm + cat * cat + cat + cat * out + out
     return embed + v.depth * block + merger
 
 
@@ -116,9 +127,7 @@ HF_FACTS = {
     "tie_word_embeddings": ("tie_word_embeddings",),
 }
 
-# Facts of a Qwen2.5-VL dir's ``vision_config``: VisionTowerConfig field -> keys, first wins. Read only for
-# model_type qwen2_5_vl: Qwen2-VL's vision_config uses the same names for other things (its hidden_size is the
-# merger's output), so its tower would be mis-sized.
+# Facts of a Qwen2.5-VL dir's ``vision_config``: VisionTowerConfig field -> keys, first wins.
 VISION_FACTS = {
     "depth": ("depth",),
     "hidden_size": ("hidden_size",),
@@ -130,18 +139,32 @@ VISION_FACTS = {
     "in_channels": ("in_channels", "in_chans"),
     "out_hidden_size": ("out_hidden_size",),
 }
+# Qwen2-VL's ``vision_config`` names the same facts otherwise: the ViT's width is ``embed_dim``, its MLP width
+# ``embed_dim * mlp_ratio``, and ``hidden_size`` is the merger's output (the language model's width).
+QWEN2_VL_VISION_FACTS = {**VISION_FACTS, "hidden_size": ("embed_dim",), "intermediate_size": (),
+                         "out_hidden_size": ("hidden_size",)}
 
 
-def vision_facts(config_json: dict) -> dict[str, int]:
+def _int(v: dict, keys: tuple[str, ...]) -> int | None:
+    return next((int(v[k]) for k in keys if isinstance(v.get(k), int) and not isinstance(v.get(k), bool)), None)
+
+
+def vision_facts(config_json: dict) -> dict[str, int | str]:
     """``model.vision`` facts from a HF ``config.json`` dict (empty for a text-only or unsupported model)."""
     v = config_json.get("vision_config")
-    if config_json.get("model_type") != "qwen2_5_vl" or not isinstance(v, dict):
+    family = config_json.get("model_type")
+    if family not in VISION_FAMILIES or not isinstance(v, dict):
         return {}
-    out = {}
-    for fld, keys in VISION_FACTS.items():
-        val = next((v[k] for k in keys if isinstance(v.get(k), int) and not isinstance(v.get(k), bool)), None)
+    names = QWEN2_VL_VISION_FACTS if family == "qwen2_vl" else VISION_FACTS
+    out: dict[str, int | str] = {"family": family}
+    for fld, keys in names.items():
+        val = _int(v, keys)
         if val is not None:
-            out[fld] = int(val)
+            out[fld] = val
+    if family == "qwen2_vl":
+        width, ratio = _int(v, ("embed_dim",)), v.get("mlp_ratio", 4)  # transformers' default ratio is 4
+        if width is not None and isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+            out["intermediate_size"] = int(width * ratio)  # VisionMlp's int(dim * mlp_ratio)
     return out
 
 

@@ -1,6 +1,7 @@
 """The built-in tiny models: a tokenizer trained on the built-in task plus a random tiny Qwen2 (``tiny``),
-Qwen3-MoE (``tiny_moe``: 4 experts, top-2) or Qwen2.5-VL (``tiny_vl``: ``tiny``'s language model with mrope,
-a 2-block ViT and merger; models/tiny_vl.py). Each is one option of the ``model`` group
+Qwen3-MoE (``tiny_moe``: 4 experts, top-2), Qwen2.5-VL (``tiny_vl``: ``tiny``'s language model with mrope,
+a 2-block ViT and merger; models/tiny_vl.py) or Qwen2-VL (``tiny_qwen2_vl``: the same sizes in Qwen2-VL's
+layout). Each is one option of the ``model`` group
 (``conf/model/<name>.yaml``, ``path: builtin:<name>``); a size without a preset would validate against
 another model's facts, so there is none.
 
@@ -46,19 +47,19 @@ class BuiltinModelSpec:
     max_position_embeddings: int = 512
     task: str = "arith"
     seed: int = 0  # weight init
-    family: str = "qwen2"  # qwen2 (dense) | qwen3_moe (every layer an MoE layer)
+    family: str = "qwen2"  # qwen2 (dense) | qwen3_moe (every layer an MoE layer) | qwen2_5_vl | qwen2_vl
     num_experts: int = 0  # qwen3_moe: experts per layer
     num_experts_per_tok: int = 0  # qwen3_moe: top-k
     moe_intermediate_size: int = 0  # qwen3_moe: each expert's FFN width
-    vision_depth: int = 0  # qwen2_5_vl: ViT blocks
-    vision_hidden_size: int = 0  # qwen2_5_vl: ViT width
-    vision_intermediate_size: int = 0  # qwen2_5_vl: ViT MLP width
-    vision_num_heads: int = 0  # qwen2_5_vl: ViT heads
-    vision_patch_size: int = 0  # qwen2_5_vl: patch side in pixels (2x2 patches merge into one image token)
+    vision_depth: int = 0  # VL families: ViT blocks
+    vision_hidden_size: int = 0  # VL families: ViT width
+    vision_intermediate_size: int = 0  # VL families: ViT MLP width (qwen2_vl: a multiple of the width)
+    vision_num_heads: int = 0  # VL families: ViT heads
+    vision_patch_size: int = 0  # VL families: patch side in pixels (2x2 patches merge into one image token)
 
     def digest(self) -> str:
         fields = dataclasses.asdict(self)
-        if self.family != "qwen2_5_vl":  # the other specs hash as before the vision fields existed
+        if self.family not in VL_FAMILIES:  # the other specs hash as before the vision fields existed
             for k in VISION_FIELDS:
                 fields.pop(k)
         if self.family == "qwen2":  # the dense specs hash as before the MoE fields existed (same cached dirs)
@@ -68,6 +69,7 @@ class BuiltinModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+VL_FAMILIES = ("qwen2_5_vl", "qwen2_vl")  # models/tiny_vl.py FAMILIES
 VISION_FIELDS = ("vision_depth", "vision_hidden_size", "vision_intermediate_size", "vision_num_heads",
                  "vision_patch_size")
 
@@ -81,6 +83,10 @@ BUILTIN_SPECS: dict[str, BuiltinModelSpec] = {
     # image tokens); its tokenizer also knows the built-in visual task's words
     "tiny_vl": BuiltinModelSpec(family="qwen2_5_vl", task="count_shapes", vision_depth=2, vision_hidden_size=64,
                                 vision_intermediate_size=128, vision_num_heads=4, vision_patch_size=8),
+    # model=tiny_qwen2_vl: the same sizes as tiny_vl in Qwen2-VL's layout (LayerNorm blocks, a GELU MLP of
+    # 2x the width, no windowed attention)
+    "tiny_qwen2_vl": BuiltinModelSpec(family="qwen2_vl", task="count_shapes", vision_depth=2, vision_hidden_size=64,
+                                      vision_intermediate_size=128, vision_num_heads=4, vision_patch_size=8),
 }
 
 
@@ -106,13 +112,18 @@ def resolve_spec(spec: str | BuiltinModelSpec, overrides: dict[str, Any] | None 
         raise ConfigError("model.num_experts_per_tok", f"top-k {spec.num_experts_per_tok} is not in "
                           f"1..num_experts={spec.num_experts}",
                           "set model.num_experts_per_tok between 1 and model.num_experts")
-    if spec.family == "qwen2_5_vl" and (spec.vision_depth < 1 or spec.vision_num_heads < 1
-                                        or spec.vision_patch_size < 1
-                                        or spec.vision_hidden_size % spec.vision_num_heads):
+    if spec.family in VL_FAMILIES and (spec.vision_depth < 1 or spec.vision_num_heads < 1
+                                       or spec.vision_patch_size < 1
+                                       or spec.vision_hidden_size % spec.vision_num_heads):
         raise ConfigError("model.vision.depth", f"vision tower depth={spec.vision_depth}, heads="
                           f"{spec.vision_num_heads}, hidden_size={spec.vision_hidden_size}, patch_size="
                           f"{spec.vision_patch_size} is not a usable tower", "set model.vision.depth, num_heads and "
                           "patch_size to at least 1, with num_heads dividing model.vision.hidden_size")
+    if spec.family == "qwen2_vl" and (spec.vision_hidden_size < 1
+                                      or spec.vision_intermediate_size % spec.vision_hidden_size):
+        raise ConfigError("model.vision.intermediate_size", f"{spec.vision_intermediate_size} is not a multiple of "
+                          f"model.vision.hidden_size={spec.vision_hidden_size}, as Qwen2-VL's mlp_ratio (an "
+                          "integer) needs", "set model.vision.intermediate_size to hidden_size times an integer")
     if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         raise ConfigError("model.hidden_size", f"hidden_size={spec.hidden_size}, heads={spec.num_heads}, "
                           f"kv_heads={spec.num_kv_heads} do not divide", "pick heads dividing hidden_size "
@@ -175,12 +186,12 @@ def _build(out: Path, s: BuiltinModelSpec) -> None:
 
     common = dict(hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
                   num_kv_heads=s.num_kv_heads, max_position_embeddings=s.max_position_embeddings)
-    if s.family == "qwen2_5_vl":
+    if s.family in VL_FAMILIES:
         from areal_cli.data import builtin_vision
         from areal_cli.models.tiny_vl import make_tiny_vl_model
 
         make_tiny_vl_model(out, builtin.corpus("arith") + builtin_vision.corpus(s.task), seed=s.seed,
-                           vocab_size=s.vocab_size, intermediate_size=s.intermediate_size,
+                           vocab_size=s.vocab_size, family=s.family, intermediate_size=s.intermediate_size,
                            vision_depth=s.vision_depth, vision_hidden_size=s.vision_hidden_size,
                            vision_intermediate_size=s.vision_intermediate_size,
                            vision_num_heads=s.vision_num_heads, patch_size=s.vision_patch_size, **common)
@@ -212,7 +223,7 @@ def overrides_from_model_config(model_cfg: ModelConfig) -> dict[str, Any]:
                    moe_intermediate_size=int(model_cfg.moe_intermediate_size))
     vision = getattr(model_cfg, "vision", None)
     if vision is not None and int(vision.depth) > 0:
-        out.update(family="qwen2_5_vl", task="count_shapes", vision_depth=int(vision.depth),
+        out.update(family=str(vision.family), task="count_shapes", vision_depth=int(vision.depth),
                    vision_hidden_size=int(vision.hidden_size), vision_intermediate_size=int(vision.intermediate_size),
                    vision_num_heads=int(vision.num_heads), vision_patch_size=int(vision.patch_size))
     return out

@@ -1,4 +1,4 @@
-"""Vision-language models (Qwen2.5-VL) in the HF-module engines (fsdp, archon): images in, names out.
+"""Vision-language models (Qwen2.5-VL, Qwen2-VL) in the HF-module engines (fsdp, archon): images in, names out.
 
 A batch row carries its images in ``batch["multi_modal"]`` (:data:`KEY`; the contract is in
 :mod:`areal_cli.api.engine_api`): ``None`` for a text row, else ``{"pixel_values" [n_patches, patch_dim],
@@ -7,7 +7,7 @@ holding the expanded ``<|image_pad|>`` tokens.
 
 What the engines do with it:
 
-- **positions**: Qwen2.5-VL's mrope positions ``[3, ...]`` of each row, from the model's own
+- **positions**: the Qwen2-VL family's mrope positions ``[3, ...]`` of each row, from the model's own
   ``get_rope_index`` on that row's tokens and grids (:func:`row_positions`), placed along the packed row
   (:func:`packed_positions`) or the padded batch (:func:`padded_positions`). A packed row keeps its
   block-diagonal attention exactly as a text one: the mask (or the per-sequence layout) comes from the
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 KEY = "multi_modal"
-VL_MODEL_TYPES = ("qwen2_5_vl",)
+VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 _PENDING = "_areal_vision_pending"
 _HOOKED = "_areal_vision_hooked"
 

@@ -5,8 +5,8 @@ base64 or a PIL image) has one image placeholder run of ``<|image_pad|>`` ids pe
 template's single pad: docs/vision.md). :func:`prompt_images` turns the prompt's ids and the images into
 
 - ``ids``: the prompt with every pad run expanded to its image's token count, exactly as the model's
-  processor expands it (``Qwen2_5_VLProcessor`` replaces each pad by ``t*h*w / merge^2`` pads before
-  tokenizing; pads are special tokens, so expanding the ids gives the same ids);
+  processor expands it (``Qwen2_5_VLProcessor``, like ``Qwen2VLProcessor``, replaces each pad by
+  ``t*h*w / merge^2`` pads before tokenizing; pads are special tokens, so expanding the ids gives the same ids);
 - ``image_data``: the images as data URLs, SGLang's ``image_data`` (``ModelRequest.image_data``);
 - ``multi_modal``: ``{"pixel_values", "image_grid_thw"}`` from the same image processor on the same images,
   the row entry of ``batch["multi_modal"]`` (api/engine_api.py), so the trainer's recomputed logprobs see

@@ -391,6 +391,7 @@ def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None
                               f"use one of: {', '.join('builtin:' + s for s in BUILTIN_SPECS)}, "
                               "or a local HF model directory")
         _no_revision(path, revision)
+        _builtin_vision_family(cfg, BUILTIN_SPECS[path.split(":", 1)[1]].family, explicit_keys or set())
         return
     local = os.path.expanduser(path)
     name = os.path.basename(os.path.normpath(local))
@@ -444,6 +445,16 @@ def apply_model_dir(cfg: ExperimentConfig, explicit_keys: set[str] | None = None
             break
     if "model.name" not in explicit:
         cfg.model.name = name
+
+
+def _builtin_vision_family(cfg: ExperimentConfig, family: str, explicit: set[str]) -> None:
+    """``model.path=builtin:tiny_qwen2_vl`` under another VL preset (``experiment=vision_default`` picks
+    ``model=tiny_vl``): the built-in model's tower layout is the path's, as a local dir's config.json would
+    say, so the model built (from the ``model`` group's facts) is the one the path names."""
+    from areal_cli.config.model import VISION_FAMILIES
+
+    if family in VISION_FAMILIES and cfg.model.vision.depth > 0 and "model.vision.family" not in explicit:
+        cfg.model.vision.family = family
 
 
 def _no_revision(path: str, revision: str) -> None:

@@ -27,7 +27,7 @@ from areal_cli.api.io_struct import ParallelStrategy
 from areal_cli.config.algo import generates, samples_per_prompt
 from areal_cli.algorithms.config_checks import validate_algo_config, validate_group_size
 from areal_cli.config.launcher import local_multi_node
-from areal_cli.config.model import is_vision_language
+from areal_cli.config.model import VISION_FAMILIES, is_vision_language
 from areal_cli.plan.lora_rules import check_lora
 from areal_cli.plan.vision_rules import check_vision
 from areal_cli.plan.packages import check_packages
@@ -501,6 +501,10 @@ def _check_vision_facts(cfg: ExperimentConfig) -> None:
     v = cfg.model.vision
     if not is_vision_language(cfg.model):
         return
+    if v.family not in VISION_FAMILIES:
+        raise ConfigError("model.vision.family", f"{v.family!r} is not a vision tower layout areal knows",
+                          f"set model.vision.family to one of: {', '.join(VISION_FAMILIES)} (the model_type of "
+                          "the model's config.json)")
     for name in ("hidden_size", "intermediate_size", "num_heads"):
         if getattr(v, name) < 1:
             raise ConfigError(f"model.vision.{name}", f"is {getattr(v, name)}, but model.vision.depth={v.depth} "

@@ -115,13 +115,14 @@ TABLE = [
       "dataset.train_path at a .jsonl/.parquet file or a saved datasets dir, or use builtin:arith"]),
     (["validate-config", "model=qwen_9000"], 1,
      ["error: model: unknown model option 'qwen_9000' — fix: options: llama3_8b, qwen2_5_0_5b, qwen2_5_1_5b, "
-      "qwen2_5_32b, qwen2_5_7b, qwen2_5_vl_3b, qwen2_5_vl_7b, qwen3_30b_a3b, qwen3_8b, tiny, tiny_moe, tiny_vl"]),
+      "qwen2_5_32b, qwen2_5_7b, qwen2_5_vl_3b, qwen2_5_vl_7b, qwen2_vl_7b, qwen3_30b_a3b, qwen3_8b, tiny, tiny_moe, "
+      "tiny_qwen2_vl, tiny_vl"]),
     (["validate-config", "model.revision=abc"], 1,
      ["error: model.revision: model.revision=abc only applies to a hub id, but model.path is 'builtin:tiny' — "
       "fix: drop model.revision, or set model.path to a hub id (org/name)"]),
     (["validate-config", "model.path=builtin:huge"], 1,
      ["error: model.path: unknown built-in model 'builtin:huge' — fix: use one of: builtin:tiny, "
-      "builtin:tiny_moe, builtin:tiny_vl, or a local HF model directory"]),
+      "builtin:tiny_moe, builtin:tiny_vl, builtin:tiny_qwen2_vl, or a local HF model directory"]),
     (["--config-dir", "<tmp>/none", "validate-config"], 1,
      ["error: --config-dir: '<tmp>/none' is not a directory — fix: point --config-dir at a folder laid out "
       "like conf/ (experiment/, model/, ...)"]),

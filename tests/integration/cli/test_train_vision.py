@@ -1,15 +1,19 @@
-"""`areal train experiment=vision_default` end to end on CPU (issue 39): the tiny Qwen2.5-VL built on first use,
+"""`areal train experiment=vision_default` end to end on CPU (issue 39): the tiny Qwen2.5-VL (and Qwen2-VL) built
+on first use,
 the visual task's SFT warm start with the images, then RL through the hf server serving the images and the fsdp
 engine training on them; the single-turn RLVR workflow, and the multi-turn one whose feedback turn carries a new
 picture. The trained rows had their images: the trainer logs how many rows of each step did."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 from train_runs import _env, _overrides, _records
+
+from areal_cli.data.builtin_model import BUILTIN_SPECS
 
 SHORT = {"experiment": "vision_default", "trainer.total_steps": 2, "trainer.sft_warmup_steps": 2,
          "trainer.sft_batch_size": 4, "trainer.recover_every": 0, "trainer.save_every": 0,
@@ -19,13 +23,15 @@ SHORT = {"experiment": "vision_default", "trainer.total_steps": 2, "trainer.sft_
 
 @pytest.mark.runs
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("workflow", [
-    {},
-    {"workflow": "multi_turn", "workflow.max_turns": 2,
-     "workflow.kwargs.image_feedback": "areal_cli.rollout.workflows.vision_env:frame_shapes"},
+@pytest.mark.parametrize("model, workflow", [
+    ("builtin:tiny_vl", {}),
+    ("builtin:tiny_vl", {"workflow": "multi_turn", "workflow.max_turns": 2,
+                         "workflow.kwargs.image_feedback": "areal_cli.rollout.workflows.vision_env:frame_shapes"}),
+    # the tiny Qwen2-VL under the same experiment (its path picks its tower's layout over the preset's)
+    ("builtin:tiny_qwen2_vl", {}),
 ])
-def test_train_vision_default_trains_rows_with_images(tmp_path, workflow):
-    args = _overrides(tmp_path, "builtin:tiny_vl", **{**SHORT, **workflow})
+def test_train_vision_default_trains_rows_with_images(tmp_path, model, workflow):
+    args = _overrides(tmp_path, model, **{**SHORT, **workflow})
     res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *args], capture_output=True,
                          text=True, env=_env(), timeout=560)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
@@ -39,3 +45,5 @@ def test_train_vision_default_trains_rows_with_images(tmp_path, workflow):
     evals = [r for r in recs if r["kind"] == "eval"]
     assert evals and all(r["eval/n_items"] == 4 for r in evals)
     assert "held-out accuracy: before" in res.stdout + res.stderr  # the run summary
+    built = list((tmp_path / "models").glob("builtin-*/config.json"))
+    assert len(built) == 1 and json.loads(built[0].read_text())["model_type"] == BUILTIN_SPECS[model[8:]].family

@@ -1,4 +1,5 @@
-"""Real-HTTP tests of the hf server serving the tiny Qwen2.5-VL (``builtin:tiny_vl``): images on
+"""Real-HTTP tests of the hf server serving the tiny Qwen2.5-VL (``builtin:tiny_vl``) and the tiny Qwen2-VL
+(``builtin:tiny_qwen2_vl``; the module runs once per model): images on
 ``/generate`` (SGLang's ``image_data``) and ``/v1/chat/completions`` (``image_url`` parts), logprobs against
 a teacher-forced forward of the same model on the same expanded ids and pixels, text and image requests
 batched together, and the bad-input table. One server process (plus the model build): behind ``slow``."""
@@ -21,11 +22,11 @@ MAX_PIXELS = 100 * 100  # --max-image-pixels: a 128x128 image is over it
 MAX_TOKENS = 40  # --max-image-tokens: two 64x64 images (16 tokens each) fit, three do not
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["tiny_vl", "tiny_qwen2_vl"])
+def vl_dir(tmp_path_factory, request) -> str:
     from areal_cli.data.builtin_model import ensure_builtin_model
 
-    return str(ensure_builtin_model(tmp_path_factory.mktemp("vl_root"), "tiny_vl"))
+    return str(ensure_builtin_model(tmp_path_factory.mktemp("vl_root"), request.param))
 
 
 @pytest.fixture(scope="module")

@@ -86,17 +86,19 @@ def test_vl_names_follow_the_hub_checkpoint():
     assert vision.hub_name("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
 
 
-def test_lora_on_a_vlm_wraps_the_language_model_only():
-    from transformers import Qwen2_5_VLForConditionalGeneration
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_lora_on_a_vlm_wraps_the_language_model_only(family):
+    import transformers
 
     from areal_cli.config.model import LoRAConfig
     from areal_cli.engines import lora
-    from areal_cli.models.tiny_vl import VISION_TOKENS, tiny_qwen2_5_vl_config
+    from areal_cli.models.tiny_vl import FAMILIES, VISION_TOKENS, tiny_vl_config
 
     ids = {t: 60 + i for i, t in enumerate(VISION_TOKENS)}
-    cfg = tiny_qwen2_5_vl_config(64, token_ids=ids, hidden_size=32, num_heads=2, num_kv_heads=1, vision_depth=1,
-                                 vision_hidden_size=16, vision_intermediate_size=32, vision_num_heads=2)
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    cfg = tiny_vl_config(64, token_ids=ids, family=family, hidden_size=32, num_heads=2, num_kv_heads=1,
+                         vision_depth=1, vision_hidden_size=16, vision_intermediate_size=32, vision_num_heads=2)
+    model = getattr(transformers, FAMILIES[family][1])(cfg)
+    assert model.config.model_type == family
     lora.inject(model, LoRAConfig(rank=2))
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n}
     assert adapted and all(n.startswith("model.language_model.layers.") for n in adapted)

@@ -1,5 +1,6 @@
-"""The built-in tiny Qwen2.5-VL: built here, loads offline with transformers' own classes, renders image
-content parts, runs a forward and generate on an image, is seeded, and matches its ``model=tiny_vl`` preset."""
+"""The built-in tiny Qwen2.5-VL and Qwen2-VL: built here, load offline with transformers' own classes, render
+image content parts, run a forward and generate on an image, are seeded, and match their ``model=tiny_vl`` /
+``model=tiny_qwen2_vl`` presets."""
 
 from __future__ import annotations
 
@@ -16,9 +17,25 @@ from areal_cli.data.builtin_model import BUILTIN_SPECS, ensure_builtin_model, re
 from areal_cli.models.tiny_vl import VL_CHAT_TEMPLATE, load_vl_processor, make_tiny_vl_model  # noqa: E402
 
 
+# builtin model name -> its transformers class
+MODELS = {"tiny_vl": "Qwen2_5_VLForConditionalGeneration", "tiny_qwen2_vl": "Qwen2VLForConditionalGeneration"}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def vl_name(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> str:
-    return ensure_builtin_model(tmp_path_factory.mktemp("fileroot"), "tiny_vl")
+def vl_dir(tmp_path_factory, vl_name) -> str:
+    return ensure_builtin_model(tmp_path_factory.mktemp("fileroot"), vl_name)
+
+
+@pytest.fixture(scope="module")
+def model_cls(vl_name):
+    import transformers
+
+    return getattr(transformers, MODELS[vl_name])
 
 
 def _image(seed: int):
@@ -32,16 +49,17 @@ def _chat(question: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
-def test_loads_offline_renders_images_and_runs(vl_dir):
-    from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLForConditionalGeneration
+def test_loads_offline_renders_images_and_runs(vl_dir, model_cls):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     try:  # transformers builds a Qwen2-VL processor only with a video processor, which needs torchvision
         AutoProcessor.from_pretrained(vl_dir)
     except ImportError as e:
         assert "torchvision" in str(e).lower()
     proc = load_vl_processor(vl_dir)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir).eval()
-    assert type(AutoModelForImageTextToText.from_pretrained(vl_dir)) is Qwen2_5_VLForConditionalGeneration
+    model = model_cls.from_pretrained(vl_dir).eval()
+    assert type(AutoModelForImageTextToText.from_pretrained(vl_dir)) is model_cls
+    assert type(proc).__name__.endswith(model_cls.__name__.replace("ForConditionalGeneration", "Processor"))
     tok = proc.tokenizer
     img, question = _image(0)
 
@@ -70,21 +88,22 @@ def test_loads_offline_renders_images_and_runs(vl_dir):
     assert out[0, :len(ids)].tolist() == ids
 
 
-def test_config_matches_the_preset_and_the_estimate(vl_dir):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
+def test_config_matches_the_preset_and_the_estimate(vl_dir, vl_name, model_cls):
     from areal_cli.allocation.estimate import ModelFacts
     from areal_cli.config.model import vision_tower_params
     from areal_cli.data.builtin_model import builtin_model_dir, overrides_from_model_config
     from areal_cli.plan.compose import load_config
 
-    cfg = load_config(["model=tiny_vl"])
-    assert cfg.model.path == "builtin:tiny_vl" and cfg.model.vision.depth == 2
+    cfg = load_config([f"model={vl_name}"])
+    assert cfg.model.path == f"builtin:{vl_name}" and cfg.model.vision.depth == 2
     # the preset's facts build the same cached model as the spec (no second build under another name)
-    assert resolve_spec("tiny_vl", overrides_from_model_config(cfg.model)) == BUILTIN_SPECS["tiny_vl"]
-    assert Path(vl_dir) == builtin_model_dir(Path(vl_dir).parent.parent, "tiny_vl")
+    assert resolve_spec(vl_name, overrides_from_model_config(cfg.model)) == BUILTIN_SPECS[vl_name]
+    assert Path(vl_dir) == builtin_model_dir(Path(vl_dir).parent.parent, vl_name)
+    # the path alone under the vision experiment (whose preset is tiny_vl) builds the model the path names
+    path_only = load_config(["experiment=vision_default", f"model.path=builtin:{vl_name}"])
+    assert resolve_spec(vl_name, overrides_from_model_config(path_only.model)) == BUILTIN_SPECS[vl_name]
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir)
+    model = model_cls.from_pretrained(vl_dir)
     visual = sum(p.numel() for p in model.model.visual.parameters())
     assert vision_tower_params(cfg.model.vision, cfg.model.hidden_size) == visual
     assert ModelFacts.from_config(cfg.model).vision == visual
@@ -93,21 +112,24 @@ def test_config_matches_the_preset_and_the_estimate(vl_dir):
     assert total < 1_000_000  # a CPU toy: ~0.75M
 
     saved = json.loads((Path(vl_dir) / "config.json").read_text())
-    assert saved["model_type"] == "qwen2_5_vl"
+    assert saved["model_type"] == BUILTIN_SPECS[vl_name].family == cfg.model.vision.family
     assert saved["text_config"]["rope_parameters"]["mrope_section"] == [4, 6, 6]  # sums to head_dim/2 = 16
-    assert saved["vision_config"]["out_hidden_size"] == cfg.model.hidden_size
-    # a local dir's config.json supplies the vision facts as a preset does
+    # the merger's output width: Qwen2.5-VL's out_hidden_size, Qwen2-VL's hidden_size
+    out_key = "hidden_size" if vl_name == "tiny_qwen2_vl" else "out_hidden_size"
+    assert saved["vision_config"][out_key] == cfg.model.hidden_size
+    # a local dir's config.json supplies the vision facts as a preset does (Qwen2-VL's names mapped)
     local = load_config([f"model.path={vl_dir}"])
-    assert local.model.vision.depth == 2 and local.model.vision.patch_size == 8
+    assert local.model.vision == cfg.model.vision
     assert ModelFacts.from_config(local.model).vision == visual
 
 
-def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path, family):
     from safetensors.torch import load_file
 
     corpus = bv.corpus("count_shapes", n=50)
     small = dict(hidden_size=32, num_heads=2, num_kv_heads=1, vision_hidden_size=32, vision_num_heads=2,
-                 vision_intermediate_size=32)
+                 vision_intermediate_size=32, family=family)
     dirs = [make_tiny_vl_model(tmp_path / f"m{i}", corpus, seed=s, **small) for i, s in enumerate((0, 0, 1))]
     w = [load_file(str(Path(d) / "model.safetensors")) for d in dirs]
     assert w[0].keys() == w[1].keys() == w[2].keys()
@@ -118,15 +140,13 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
     assert (Path(dirs[0]) / "chat_template.jinja").read_text() == VL_CHAT_TEMPLATE
 
 
-def test_image_features_reach_the_answer_position(vl_dir):
+def test_image_features_reach_the_answer_position(vl_dir, model_cls):
     """What SFT on a visual task needs: the picture moves the logits where the answer's number is predicted,
     the answer loss has a gradient into the tower's first and last layers, and the image tokens get mrope's
     2-D (row, column) positions from what the processor returns (without ``mm_token_type_ids`` transformers
     falls back to 1-D positions)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     proc = load_vl_processor(vl_dir)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir)
+    model = model_cls.from_pretrained(vl_dir)
     rows = [r for r in bv.generate_splits("count_shapes", 12, 1, seed=5)[0]]
     a = rows[0]
     b = next(r for r in rows if r["image"] != a["image"])
@@ -156,3 +176,19 @@ def test_image_features_reach_the_answer_position(vl_dir):
     for name in ("model.visual.patch_embed.proj.weight", "model.visual.merger.mlp.2.weight"):
         g = dict(model.named_parameters())[name].grad
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
+
+
+def test_weight_updates_reach_every_checkpoint_tensor(vl_dir, model_cls):
+    """The hf server takes a weight update under the hub checkpoint's names (the trainer's: engines/vision.py
+    hub_name): every tensor of the model dir's checkpoint has a live tensor of its shape under that name."""
+    from safetensors import safe_open
+
+    from areal_cli.engines.vision import hub_name
+    from areal_cli.inference.server.weights import model_params
+
+    model = model_cls.from_pretrained(vl_dir)
+    live = model_params(model)
+    with safe_open(f"{vl_dir}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert names and all(n in live and live[n].shape == f.get_tensor(n).shape for n in names)
+    assert {hub_name(n) for n, _ in model.named_parameters()} - {"lm_head.weight"} == names

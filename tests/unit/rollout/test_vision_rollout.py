@@ -1,7 +1,7 @@
 """Rollouts with images (issue 39): the expanded prompt and multi_modal of a data item with an image (the tiny
-Qwen2.5-VL's own processor as the reference), the RLVR and multi-turn workflows' trajectories (a scripted fake
-engine that reports the prompt it was sent, as the hf server does), the image feedback environment, the visual
-task's data items and its config checks."""
+Qwen2.5-VL's, and the tiny Qwen2-VL's, own processor as the reference), the RLVR and multi-turn workflows'
+trajectories (a scripted fake engine that reports the prompt it was sent, as the hf server does), the image
+feedback environment, the visual task's data items and its config checks."""
 
 from __future__ import annotations
 
@@ -43,12 +43,21 @@ def _ids(tok, messages):
                       add_special_tokens=False)
 
 
-def test_prompt_images_equal_the_processor(vl_dir, tok, rows):
+@pytest.fixture(scope="module", params=["tiny_vl", "tiny_qwen2_vl"])
+def any_vl_dir(tmp_path_factory, request) -> str:
+    from areal_cli.data.builtin_model import ensure_builtin_model
+
+    return str(ensure_builtin_model(tmp_path_factory.mktemp("fileroot"), request.param))
+
+
+def test_prompt_images_equal_the_processor(any_vl_dir, rows):
     from PIL import Image
+    from transformers import AutoTokenizer
 
     from areal_cli.models.tiny_vl import load_vl_processor
 
-    proc = load_vl_processor(vl_dir)
+    proc = load_vl_processor(any_vl_dir)
+    tok = AutoTokenizer.from_pretrained(any_vl_dir)
     row = rows[0]
     text = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
     want = proc(text=[text], images=[[Image.open(io.BytesIO(row["image"]))]], return_tensors="pt")
@@ -233,14 +242,15 @@ def test_areal_train_refuses_a_vision_model_on_sglang_and_plans_it_on_hf(monkeyp
     assert cfg.dataset.train_path.startswith("builtin:") and plan.inferences[0].backend == "hf"
 
 
-def test_server_never_samples_vision_tokens(vl_dir, tok):
-    from transformers import AutoConfig
+def test_server_never_samples_vision_tokens(any_vl_dir):
+    from transformers import AutoConfig, AutoTokenizer
 
     from areal_cli.inference.server.vision import vision_token_ids
 
     from areal_cli.inference.server.sampling import SamplingParams, sample_next
 
-    banned = vision_token_ids(AutoConfig.from_pretrained(vl_dir))
+    tok = AutoTokenizer.from_pretrained(any_vl_dir)
+    banned = vision_token_ids(AutoConfig.from_pretrained(any_vl_dir))
     assert banned.tolist() == I.vision_token_ids(tok) and len(banned) == 5
     # logits that favour the vision tokens: never sampled (greedy or not), and the reported logprob is the
     # model's own (the full vocabulary's, what the trainer's forward computes)

@@ -26,9 +26,10 @@ from typing import Any
 
 from areal_cli.errors import ConfigError
 
-# model_type → family key. Qwen2.5 checkpoints are model_type "qwen2"; Qwen2.5-VL's language model is Qwen2's
-# (mrope changes only the rotary tables), and its vision tower is not cut over t (engines/vision.py).
-FAMILIES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen2_5_vl": "qwen2"}
+# model_type → family key. Qwen2.5 checkpoints are model_type "qwen2"; Qwen2.5-VL's and Qwen2-VL's language
+# model is Qwen2's (mrope changes only the rotary tables), and its vision tower is not cut over t
+# (engines/vision.py).
+FAMILIES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2"}
 SUPPORTED = ("Qwen2/Qwen2.5 (qwen2)", "Qwen3 (qwen3)", "Llama (llama)")
 
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads")
