@@ -40,10 +40,10 @@ def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_m
     """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake (after printing it as the JSON
     error object when ``as_json``, for tools that parse ``--json``). ``fetch_model`` (``areal train``): a hub
     model the CLI fetches itself is downloaded first, so validation checks its real config.json."""
+    from areal_cli.errors import ArealError, ConfigError
     from areal_cli.plan.compose import explain_range, load_config, prepare
     from areal_cli.plan.recipe import toy_value_warnings
     from areal_cli.plan.validate import validate
-    from areal_cli.errors import ArealError, ConfigError
 
     prep = None
     try:

@@ -123,8 +123,8 @@ def test_geometry3k_from_hub_layout_writes_jsonl_and_images(tmp_path, capsys):
     assert len(read_jsonl(out / "test.jsonl")) == 2
     assert capsys.readouterr().out.strip() == f"{out}/train.jsonl: 3 rows, {out}/test.jsonl: 2 rows"
     # the dataset preset's fields read it as a local image dataset (the visual checks' detection)
-    from areal_cli.data.checks import visual_source
     from areal_cli.config.dataset import DatasetConfig
+    from areal_cli.data.checks import visual_source
 
     cfg = DatasetConfig(train_path=str(out / "train.jsonl"), prompt_field="problem")
     assert visual_source(cfg, "train_path", cfg.train_path) == "an image dataset (column 'images')"
