@@ -68,7 +68,7 @@ def test_train_on_a_local_jsonl_image_dataset(tmp_path):
     args = _overrides(tmp_path, "builtin:tiny_vl", **extra)
     args = [a for a in args if not a.startswith(("dataset.train_size=", "dataset.test_size="))]
     res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *args], capture_output=True,
-                         text=True, env=_env(), timeout=560)
+                         text=True, env=_env(), timeout=560, check=False)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     recs = _records(tmp_path / "runs" / "itest" / "t0")
     assert [r["sft/image_rows"] for r in recs if r["kind"] == "sft"] == [4, 4]
