@@ -186,3 +186,27 @@ def test_validate_image_dataset_servers(tmp_path, alloc, ok):
     else:
         with pytest.raises(ConfigError, match="^allocation_mode.*only the hf and sglang servers.*not vllm"):
             _validate(*args)
+
+
+def test_image_detection_reads_no_image_and_imports_no_torch(tmp_path):
+    """validate-config on image datasets (Parquet with the Image feature, a saved dir, JSONL paths to files that
+    are not even images) stays cheap: the schema or first rows only; no torch, transformers, datasets or PIL."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    paths = _write_sets(tmp_path)
+    (tmp_path / "a.png").write_bytes(b"not read by validate-config")
+    src = Path(__file__).resolve().parents[3] / "src"
+    code = ("import sys\n"
+            "from areal_cli.plan.compose import load_config\n"
+            "from areal_cli.plan.validate import validate\n"
+            f"for p, f in (({paths['parquet']!r}, 'problem'), ({paths['dir']!r}, 'problem'), ({paths['jsonl']!r}, "
+            "'question')):\n"
+            "    validate(load_config(['model=tiny_vl', 'dataset.train_path=' + p, 'dataset.prompt_field=' + f, "
+            "'dataset.test_fraction=0.5']))\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'PIL') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
