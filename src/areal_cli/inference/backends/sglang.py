@@ -17,6 +17,8 @@ SGLang's own routes and request models (``srt/entrypoints/http_server.py``,
 - ``load_format="flattened_bucket"``: the bucket's tensors travel as one uint8 broadcast, their bytes
   concatenated in request order (each tensor at an offset aligned to its dtype's size).
 - The weight version is ``weight_version`` in ``GET /model_info``.
+- Images (``image_data``): an image prompt goes out with one ``<|image_pad|>`` per image, which SGLang expands
+  itself (:func:`one_pad_per_image`; docs/vision.md, "SGLang for visual runs").
 - LoRA: ``/load_lora_adapter`` (``LoadLoRAAdapterReqInput``: ``lora_name``, ``lora_path``),
   ``/unload_lora_adapter`` (``lora_name``), and ``/generate``'s ``lora_path`` naming the adapter per
   request. SGLang refuses a second load under a loaded name, so a new adapter version is pause →
