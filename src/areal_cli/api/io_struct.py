@@ -69,6 +69,9 @@ class ModelRequest:
     # expanded by the server, or the processor's exact count); the response's ``input_tokens`` are then
     # the expanded prompt the model saw when the server reports it (the hf server does). docs/vision.md.
     image_data: list[str] | None = None
+    # The image placeholder's id (Qwen2-VL's <|image_pad|>) when ``image_data`` is set: a backend that takes one
+    # pad per image (SGLang, which expands each itself) sends each pad run as one pad (backends/sglang.py).
+    image_pad_id: int | None = None
 
 
 @dataclass

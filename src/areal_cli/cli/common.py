@@ -21,28 +21,29 @@ def error_json(exc: BaseException) -> dict:
 
 
 def check_vision_servers(cfg: Any) -> None:
-    """``areal train`` of a vision-language model: only the hf server carries images to the trainer here (the
-    vllm builder refuses images; SGLang's image path is checked by its request models only: docs/vision.md)."""
+    """``areal train`` of a vision-language model: only the hf and sglang servers carry images to the trainer
+    here (the vllm builder refuses images: docs/vision.md)."""
     from areal_cli.allocation.parser import parse_allocation
+    from areal_cli.data.checks import VISUAL_BACKENDS
     from areal_cli.errors import ConfigError
 
     backends = sorted({c.backend for c in parse_allocation(str(cfg.allocation_mode.spec)).inference if c.backend})
-    other = [b for b in backends if b != "hf"]
+    other = [b for b in backends if b not in VISUAL_BACKENDS]
     if other:
-        raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and only the hf server "
-                          f"carries images to the trainer here, not {', '.join(other)} (docs/vision.md)",
-                          "use hf inference servers (allocation_mode=hf:d1+fsdp:d1); `areal validate-config` and "
-                          "`areal train --dry-run` still plan this one")
+        raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and only the hf and sglang "
+                          f"servers carry images to the trainer here, not {', '.join(other)} (docs/vision.md)",
+                          "use hf or sglang inference servers (allocation_mode=hf:d1+fsdp:d1, or sglang:d4+fsdp:d4 "
+                          "on GPUs); `areal validate-config` and `areal train --dry-run` still plan this one")
 
 
 def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_model: bool = False):
     """``(cfg, plan)`` for ``overrides``; raises ConfigError on any mistake (after printing it as the JSON
     error object when ``as_json``, for tools that parse ``--json``). ``fetch_model`` (``areal train``): a hub
     model the CLI fetches itself is downloaded first, so validation checks its real config.json."""
+    from areal_cli.errors import ArealError, ConfigError
     from areal_cli.plan.compose import explain_range, load_config, prepare
     from areal_cli.plan.recipe import toy_value_warnings
     from areal_cli.plan.validate import validate
-    from areal_cli.errors import ArealError, ConfigError
 
     prep = None
     try:

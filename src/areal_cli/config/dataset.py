@@ -29,6 +29,9 @@ class DatasetConfig:
     # Image budgets of a visual dataset (docs/vision.md), also the hf server's --max-image-pixels /
     # --max-image-tokens: the decoded width x height of one image (a larger one is skipped), and the image tokens
     # of one prompt (all its images after the processor's resize). null: the server's defaults.
+    # The image column of a local visual dataset (data/image_rows.py: paths, datasets.Image structs or bytes;
+    # "<image>" in the prompt text places each image). null: "images", else "image", when the file has one.
+    image_key: str | None = None
     max_image_pixels: int | None = ranged(None, ge=1, why="null: the hf server's default (4096 x 4096)")
     max_image_tokens: int | None = ranged(None, ge=1, why="null: no cap but max_prompt_len")
     shuffle: bool = True

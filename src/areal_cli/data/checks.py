@@ -100,29 +100,63 @@ def is_visual_path(path: str | None) -> bool:
     return builtin.parse_builtin_path(path) in builtin_vision.VISION_TASKS if path else False
 
 
+def visual_source(d: DatasetConfig, key: str, path: str) -> str | None:
+    """What makes ``path`` visual: ``"a visual task"`` (a built-in one), ``"an image dataset (column X)"``
+    (a local file whose schema or first rows have the image column: data/image_rows.py), or None. Reads
+    only the columns (sources.py); a path not here is left to the path checks."""
+    from areal_cli.data.image_rows import image_column
+
+    if builtin.parse_builtin_path(path) is not None:
+        return "a visual task" if is_visual_path(path) else None
+    src = parse_source(path, f"dataset.{key}")
+    if not src.path.exists():
+        return None
+    cols = peek_columns(src)
+    col = image_column(cols.names, d.image_key)
+    if d.image_key and col is None:
+        raise ConfigError("dataset.image_key", f"{d.image_key!r} is not a column of {path} (columns: "
+                          f"{', '.join(cols.names) or 'none'}; read from {cols.where})",
+                          f"{did_you_mean(d.image_key, cols.names)}set dataset.image_key to its image column, or "
+                          "null to find 'images'/'image'")
+    if col is None:
+        return None
+    if cols.kind(col) in ("number", "bool", "chat"):
+        raise ConfigError("dataset.image_key", f"column {col!r} of {path} holds {cols.kind(col)} values, not "
+                          "images (paths, datasets.Image structs or bytes)",
+                          "set dataset.image_key to the image column")
+    return f"an image dataset (column {col!r})"
+
+
+# The inference servers that carry a prompt's images (docs/vision.md): the hf server, and SGLang's /generate
+# with image_data (the sglang builder sends one pad per image, which SGLang expands: inference/backends/sglang.py).
+VISUAL_BACKENDS = ("hf", "sglang")
+
+
 def check_visual_task(cfg: ExperimentConfig, plan: Any = None) -> None:
-    """A visual task needs a vision-language model, hf servers, a workflow that sends its images, and no
-    algo=rm."""
+    """Visual data (a built-in visual task, or a local file with an image column) needs a vision-language
+    model, servers that carry images, a workflow that sends them, and no algo=rm."""
     from areal_cli.config.model import is_vision_language
 
     for key, path in dataset_paths(cfg.dataset):
-        if not is_visual_path(path):
+        what = visual_source(cfg.dataset, key, path)
+        if what is None:
             continue
-        other = sorted({p.backend for p in getattr(plan, "inferences", None) or [] if p.backend != "hf"})
+        other = sorted({p.backend for p in getattr(plan, "inferences", None) or []
+                        if p.backend not in VISUAL_BACKENDS})
         if other:
-            raise ConfigError("allocation_mode", f"{path} is a visual task, and only the hf server carries images "
-                              f"to the trainer here, not {', '.join(other)} (docs/vision.md)",
-                              "use hf inference servers (allocation_mode=hf:d1+fsdp:d1)")
+            raise ConfigError("allocation_mode", f"{path} is {what}, and only the hf and sglang servers carry "
+                              f"images to the trainer here, not {', '.join(other)} (docs/vision.md)",
+                              "use hf or sglang inference servers (allocation_mode=hf:d1+fsdp:d1)")
         if not is_vision_language(cfg.model):
-            raise ConfigError(f"dataset.{key}", f"{path} is a visual task, and model {cfg.model.name!r} has no "
+            raise ConfigError(f"dataset.{key}", f"{path} is {what}, and model {cfg.model.name!r} has no "
                               "vision tower to see its images (docs/vision.md)",
-                              "use model=tiny_vl (or experiment=vision_default)")
+                              "use a vision-language model (model=tiny_vl, qwen2_5_vl_3b, qwen2_5_vl_7b)")
         wf = getattr(getattr(cfg, "workflow", None), "name", "rlvr")
         if wf not in VISUAL_WORKFLOWS and "." not in wf and ":" not in wf:  # a user workflow may send them
             raise ConfigError("workflow.name", f"{wf} does not send a data item's images to the server ({path} is "
-                              "a visual task)", f"use workflow.name={' or '.join(VISUAL_WORKFLOWS)}")
+                              f"{what})", f"use workflow.name={' or '.join(VISUAL_WORKFLOWS)}")
         if getattr(getattr(cfg, "algo", None), "name", None) == "rm":
-            raise ConfigError("algo.name", f"algo=rm trains on text preference pairs, and {path} is a visual task",
+            raise ConfigError("algo.name", f"algo=rm trains on text preference pairs, and {path} is {what}",
                               "use a text dataset for algo=rm")
     d = cfg.dataset
     if d.max_image_tokens is not None and d.max_image_tokens > d.max_prompt_len:

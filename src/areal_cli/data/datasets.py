@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.data import builtin
-from areal_cli.data.sources import CHAT_KEYS, check_source, choose_split, parse_source
-from areal_cli.errors import ArealError, DataError, did_you_mean
+from areal_cli.data.sources import CHAT_KEYS, PEEK_ROWS, check_source, choose_split, parse_source
+from areal_cli.errors import ArealError, ConfigError, DataError, did_you_mean
 
 if TYPE_CHECKING:  # pragma: no cover
     from areal_cli.config.dataset import DatasetConfig
@@ -267,16 +267,29 @@ def load_split(cfg: DatasetConfig, tokenizer, split: str = "train",
     else:
         rows = _load_rows(path, config_path)
         _check_fields(cfg, rows, path)
+        image_col = _image_column(cfg, rows, path)
         indices = None
         if held_out:
             train_idx, test_idx = split_rows(rows, cfg.test_fraction, rows_seed)
             indices = train_idx if split == "train" else test_idx
             rows = [rows[i] for i in indices]
         source = f"{path} ({split} share, dataset.test_fraction)" if held_out else str(path)
-        items, report = build_items(rows, tokenizer, prompt_field=cfg.prompt_field,
-                                    answer_field=cfg.answer_field, use_chat_template=cfg.use_chat_template,
-                                    system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len,
-                                    source=source, id_prefix="row-" if held_out else f"{split}-", indices=indices)
+        id_prefix = "row-" if held_out else f"{split}-"
+        if image_col is not None:  # a visual dataset: the built-in visual tasks' item path (docs/vision.md)
+            from areal_cli.data.image_rows import visual_rows
+
+            where = parse_source(path, config_path).path
+            rows = visual_rows(rows, image_col, cfg.prompt_field, where if where.is_dir() else where.parent,
+                               str(path), indices)
+            items, report = build_vision_items(
+                rows, tokenizer, system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len,
+                max_image_pixels=cfg.max_image_pixels, max_image_tokens=cfg.max_image_tokens, source=source,
+                prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, id_prefix=id_prefix, indices=indices)
+        else:
+            items, report = build_items(rows, tokenizer, prompt_field=cfg.prompt_field,
+                                        answer_field=cfg.answer_field, use_chat_template=cfg.use_chat_template,
+                                        system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len,
+                                        source=source, id_prefix=id_prefix, indices=indices)
     if split == "test" and cfg.eval_size is not None:
         items = items[: cfg.eval_size]
     if report.n_skipped:
@@ -286,6 +299,19 @@ def load_split(cfg: DatasetConfig, tokenizer, split: str = "train",
     if not items:
         raise DataError(f"{config_path}: no usable rows in {path!r} ({report.summary()})")
     return items, report
+
+
+def _image_column(cfg: DatasetConfig, rows: list, path: str) -> str | None:
+    """The rows' image column (data/image_rows.py); ``dataset.image_key`` naming no column is an error."""
+    from areal_cli.data.image_rows import image_column
+
+    names = list(dict.fromkeys(k for r in rows[:PEEK_ROWS] if isinstance(r, dict) for k in r))
+    col = image_column(names, cfg.image_key)
+    if cfg.image_key and col is None:
+        raise ConfigError("dataset.image_key", f"{cfg.image_key!r} is not a column of {path} (columns: {names})",
+                          f"{did_you_mean(cfg.image_key, names)}set dataset.image_key to the image column, or "
+                          "null to find 'images'/'image'")
+    return col
 
 
 def _check_fields(cfg: DatasetConfig, rows: list, path: str) -> None:
@@ -313,30 +339,39 @@ def image_size(img: Any) -> tuple[int, int]:
 
 def build_vision_items(rows: list[dict], tokenizer: Any, *, system_prompt: str | None = None,
                        max_prompt_len: int | None = None, max_image_pixels: int | None = None,
-                       max_image_tokens: int | None = None, source: str = "<rows>") -> tuple[list[dict], DataReport]:
+                       max_image_tokens: int | None = None, source: str = "<rows>", prompt_field: str = "question",
+                       answer_field: str = "answer", id_prefix: str | None = None,
+                       indices: list[int] | None = None) -> tuple[list[dict], DataReport]:
+    """Items of rows with images (a built-in visual task's, or a local file's: data/image_rows.py); the prompt
+    text's ``<image>`` placeholders place the images in the user turn, else they go before the text."""
+    from areal_cli.data.image_rows import content_parts
     from areal_cli.models.vl_inputs import image_token_count, item_images
 
     report = DataReport(path=source, total=len(rows))
     items: list[dict] = []
     tokens_of: dict[tuple[int, int], int] = {}
-    for i, row in enumerate(rows):
-        q = row.get("question")
+    where_of = indices if indices is not None else range(len(rows))
+    for i, row in zip(where_of, rows):
+        if not isinstance(row, dict):
+            report.skip(i, "not a mapping")
+            continue
+        q = row.get(prompt_field)
         imgs = item_images(row)
-        ref = extract_answer(row.get("answer"))
+        ref = extract_answer(row.get(answer_field))
         if not isinstance(q, str) or not q.strip():
-            report.skip(i, "missing/empty 'question'")
+            report.skip(i, f"missing/empty {prompt_field!r}")
             continue
         if not imgs:
             report.skip(i, "no image")
             continue
         if ref is None:
-            report.skip(i, "missing/unparseable 'answer'")
+            report.skip(i, f"missing/unparseable {answer_field!r}")
             continue
         sizes = [image_size(im) for im in imgs]
         if max_image_pixels is not None and any(w * h > max_image_pixels for w, h in sizes):
             report.skip(i, "image larger than dataset.max_image_pixels")
             continue
-        content = [{"type": "image"} for _ in imgs] + [{"type": "text", "text": q}]
+        content = content_parts(q, len(imgs), f"{source} row {i}")
         msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
             [{"role": "user", "content": content}]
         prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -352,8 +387,10 @@ def build_vision_items(rows: list[dict], tokenizer: Any, *, system_prompt: str |
         if max_prompt_len is not None and n > max_prompt_len:
             report.skip(i, "prompt longer than dataset.max_prompt_len (image tokens counted)")
             continue
-        answer = row.get("answer")
-        items.append({"id": str(row.get("id", f"{source}-{i}")), "question": q, "images": [bytes(im) if
+        answer = row.get(answer_field)
+        rid = row.get("id")
+        default_id = f"{source}-{i}" if id_prefix is None else f"{id_prefix}{i}"
+        items.append({"id": str(rid) if rid is not None else default_id, "question": q, "images": [bytes(im) if
                       isinstance(im, (bytes, bytearray)) else im for im in imgs], "messages": msgs,
                       "prompt": prompt, "prompt_len": n, "answer": ref, "colour": row.get("colour"),
                       "solution": answer if isinstance(answer, str) else str(answer)})

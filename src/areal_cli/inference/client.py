@@ -380,12 +380,15 @@ class RemoteInferenceEngine(InferenceEngine):
             wait = min(2.0, wait * 2)
 
     async def _one_call(self, inputs: list[list[int]], gs: list[GenerationConfig], budgets: list[int],
-                        images: list[list[str] | None], key: str | None = None) -> tuple[list[Segment], str]:
+                        images: list[list[str] | None], key: str | None = None,
+                        pad_id: int | None = None) -> tuple[list[Segment], str]:
         """One prompt, one ``/generate`` call with failover."""
         async def build(s: _ServerState) -> HttpCall:
             kw: dict[str, Any] = {"max_new_tokens": budgets[0], "lora": self.lora_name}
             if images[0]:  # only then: a backend without images keeps its signature
                 kw["image_data"] = images[0]
+                if getattr(self.backend, "ONE_PAD_PER_IMAGE", False):
+                    kw["image_pad_id"] = pad_id
             if self.backend.NEEDS_MODEL_NAME and self.lora_name is None:  # an adapter is served by its name
                 kw["model"] = await self._model_name(s)
             return self.backend.build_generate(inputs[0], gs[0], **kw)
@@ -395,9 +398,12 @@ class RemoteInferenceEngine(InferenceEngine):
         return [seg], address
 
     async def _batch_call(self, inputs: list[list[int]], gs: list[GenerationConfig], budgets: list[int],
-                          images: list[list[str] | None], key: str | None = None) -> tuple[list[Segment], str]:
+                          images: list[list[str] | None], key: str | None = None,
+                          pad_id: int | None = None) -> tuple[list[Segment], str]:
         """Several prompts in one ``/generate`` call (SGLang's batch form) with failover."""
-        kw = {"image_data": images} if any(images) else {}
+        kw: dict[str, Any] = {"image_data": images} if any(images) else {}
+        if kw and getattr(self.backend, "ONE_PAD_PER_IMAGE", False):
+            kw["image_pad_id"] = pad_id
 
         async def build(_s: _ServerState) -> HttpCall:
             return self.backend.build_generate_batch(inputs, gs, budgets, lora=self.lora_name, **kw)
@@ -458,7 +464,8 @@ class RemoteInferenceEngine(InferenceEngine):
                 for r, o in zip(reqs, outs)]
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        return (await self._rounds([req], functools.partial(self._one_call, key=req.session_id)))[0]
+        return (await self._rounds([req], functools.partial(self._one_call, key=req.session_id,
+                                                            pad_id=req.image_pad_id)))[0]
 
     @property
     def supports_batch_generate(self) -> bool:
@@ -472,7 +479,8 @@ class RemoteInferenceEngine(InferenceEngine):
         if len(reqs) <= 1 or not self.supports_batch_generate:
             return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
         key = next((r.session_id for r in reqs if r.session_id is not None), None)
-        return await self._rounds(reqs, functools.partial(self._batch_call, key=key))
+        pad = next((r.image_pad_id for r in reqs if r.image_pad_id is not None), None)  # one model: one id
+        return await self._rounds(reqs, functools.partial(self._batch_call, key=key, pad_id=pad))
 
     # ------------------------------------------------------------------ admin (every server)
     async def _all(self, calls: list[HttpCall | list[HttpCall]], what: str, *,

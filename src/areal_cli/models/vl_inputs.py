@@ -157,6 +157,7 @@ class PromptImages:
     ids: list[int]  # the prompt, image pads expanded
     image_data: list[str]  # data URLs, in prompt order
     multi_modal: dict[str, Any]  # {"pixel_values", "image_grid_thw"} of all the images
+    pad_id: int | None = None  # the image placeholder's id (ModelRequest.image_pad_id)
 
     @property
     def n_images(self) -> int:
@@ -167,8 +168,8 @@ def prompt_images(tokenizer: Any, ids: list[int], images: list[Any], processor: 
     """The expanded prompt, the images to send and the row's ``multi_modal`` (see the module doc)."""
     proc = processor if processor is not None else image_processor_for(tokenizer)
     feats, counts = image_features(proc, images)
-    return PromptImages(expand_pads(list(ids), image_pad_id(tokenizer), counts), [to_data_url(i) for i in images],
-                        feats)
+    pad = image_pad_id(tokenizer)
+    return PromptImages(expand_pads(list(ids), pad, counts), [to_data_url(i) for i in images], feats, pad)
 
 
 def item_prompt_images(tokenizer: Any, data: dict[str, Any], ids: list[int],

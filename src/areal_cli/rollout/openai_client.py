@@ -394,8 +394,14 @@ class ArealOpenAI(openai.AsyncOpenAI):
         g = GenerationConfig(temperature=t if t > 0 else 1.0, greedy=t <= 0,
                              top_p=1.0 if top_p is None else float(top_p), max_new_tokens=budget,
                              stop=stops, stop_token_ids=[int(eos)] if eos is not None else [], seed=seed)
+        pad = None
+        if images:
+            from areal_cli.models.vl_inputs import image_pad_id
+
+            pad = image_pad_id(self.tokenizer)
         resp = await self.engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=g, session_id=self.session_id,
-                                                        image_data=list(images) if images else None))
+                                                        image_data=list(images) if images else None,
+                                                        image_pad_id=pad))
         if images:
             from areal_cli.models.vl_inputs import check_served_prompt
 

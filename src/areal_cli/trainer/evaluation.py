@@ -57,7 +57,8 @@ async def _eval_async(cfg: ExperimentConfig, addresses: list[str], backend: str,
         async with sem:
             resp = await client.agenerate(ModelRequest(input_ids=list(prompt.ids) if vis is None else vis.ids,
                                                        gconfig=gconfig,
-                                                       image_data=None if vis is None else vis.image_data))
+                                                       image_data=None if vis is None else vis.image_data,
+                                                       image_pad_id=None if vis is None else vis.pad_id))
         completion = decode(tokenizer, resp.output_tokens)
         reward = await call_reward(reward_fn, prompt.text, completion, item.get("answer"))
         if is_dropped(reward):  # a judge that failed under on_failure=drop: nothing to drop here

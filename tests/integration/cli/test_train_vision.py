@@ -47,3 +47,39 @@ def test_train_vision_default_trains_rows_with_images(tmp_path, model, workflow)
     assert "held-out accuracy: before" in res.stdout + res.stderr  # the run summary
     built = list((tmp_path / "models").glob("builtin-*/config.json"))
     assert len(built) == 1 and json.loads(built[0].read_text())["model_type"] == BUILTIN_SPECS[model[8:]].family
+
+
+@pytest.mark.runs
+@pytest.mark.timeout(600)
+def test_train_on_a_local_jsonl_image_dataset(tmp_path):
+    """The built-in task's rows written out as PNG files and JSONL rows naming them (relative paths, an <image>
+    placeholder in the question): `areal train` reads them as a local image dataset, and the warm start, the RL
+    steps and the held-out evaluation carry their pictures as for the built-in task."""
+    import json
+
+    from areal_cli.data import builtin_vision as bv
+
+    data = tmp_path / "shapes"
+    (data / "img").mkdir(parents=True)
+    train, test = bv.generate_splits("count_all", 16, 4, seed=0)
+    for split, rows in (("train", train), ("test", test)):
+        lines = []
+        for i, r in enumerate(rows):
+            (data / "img" / f"{split}{i}.png").write_bytes(r["image"])
+            lines.append(json.dumps({"question": "<image>" + r["question"], "images": [f"img/{split}{i}.png"],
+                                     "answer": r["answer"]}))
+        (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    extra = {**SHORT, "dataset.train_path": str(data / "train.jsonl"), "dataset.test_path": str(data / "test.jsonl"),
+             "dataset.name": "shapes_jsonl"}
+    for k in ("dataset.train_size", "dataset.test_size"):
+        extra.pop(k)
+    args = _overrides(tmp_path, "builtin:tiny_vl", **extra)
+    args = [a for a in args if not a.startswith(("dataset.train_size=", "dataset.test_size="))]
+    res = subprocess.run([sys.executable, "-m", "areal_cli.cli.main", "train", *args], capture_output=True,
+                         text=True, env=_env(), timeout=560, check=False)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    recs = _records(tmp_path / "runs" / "itest" / "t0")
+    assert [r["sft/image_rows"] for r in recs if r["kind"] == "sft"] == [4, 4]
+    assert [r["data/image_rows"] for r in recs if r["kind"] == "train"] == [4, 4]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert evals and all(r["eval/n_items"] == 4 for r in evals)

@@ -44,6 +44,7 @@ class Smoke:
     keeps: dict                                   # dotted config.yaml key -> the recipe's value
     extra: dict = field(default_factory=dict)     # beyond the shared smoke override (sizes only)
     moe: bool = False
+    vision: bool = False                          # the tiny VLM (builtin:tiny_vl) on the built-in visual task
     metrics: tuple[str, ...] = ("train/loss",)    # finite on every train step
 
 
@@ -71,6 +72,12 @@ SMOKES = [
     Smoke("moe_qwen3_30b", {"algo.name": "grpo", "engine.name": "megatron", "model.num_experts_per_tok": 2,
                             "model.num_experts": 4, "algo.kl_coef": 0.001},
           moe=True),
+    # The VLM recipe on the tiny VLM and the built-in pictures (the hf server carries them on CPU).
+    Smoke("vlm", {"algo.name": "grpo", "engine.name": "fsdp", "workflow.name": "rlvr", "algo.eps_clip": 0.4,
+                  "algo.optim.lr": 2e-6, "model.name": "tiny_vl"},
+          extra={"dataset.train_path": "builtin:count_all", "dataset.system_prompt": "null",
+                 "dataset.max_prompt_len": 64},
+          vision=True, metrics=("train/loss", "data/image_rows")),
 ]
 
 
@@ -93,10 +100,11 @@ def _run(args: list[str], tmp_path: Path, timeout: float = 900) -> subprocess.Co
 def test_recipe_smoke_run(smoke, tmp_path, tiny_model_dir, moe_model):
     if smoke.keeps.get("engine.name") == "megatron" and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core 0.16.1 is not installed (scripts/install_test_deps.sh installs it)")
-    model_dir = moe_model if smoke.moe else tiny_model_dir
+    model_dir = moe_model if smoke.moe else "builtin:tiny_vl" if smoke.vision else tiny_model_dir
     extra = dict(smoke.extra)
     extra["workflow.reward"] = f"{REWARD_MODULE}.varied_reward"
-    over = smoke_overrides(tmp_path / "fileroot", model_dir, model="tiny_moe" if smoke.moe else "tiny", **extra)
+    model = "tiny_moe" if smoke.moe else "tiny_vl" if smoke.vision else "tiny"
+    over = smoke_overrides(tmp_path / "fileroot", model_dir, model=model, **extra)
     t0 = time.perf_counter()
     p = _run([f"experiment={smoke.experiment}", *over], tmp_path)
     print(f"\n[examples] {smoke.experiment}: smoke run {time.perf_counter() - t0:.1f} s wall", flush=True)

@@ -338,11 +338,114 @@ def test_image_data_is_what_sglang_takes(servers):
         b = await eng.agenerate_group([ModelRequest(input_ids=[7], gconfig=g, image_data=[url]),
                                        ModelRequest(input_ids=[8], gconfig=g)])
         c = await eng.agenerate(ModelRequest(input_ids=[9], gconfig=g))
-        return a, b, c
+        # an expanded image prompt goes out with one pad per image; its input_tokens stay the expanded ids
+        d = await eng.agenerate_group([ModelRequest(input_ids=[5, 77, 77, 77, 6], gconfig=g, image_data=[url],
+                                                    image_pad_id=77)] * 2)
+        return a, b, c, d
 
-    a, b, c = asyncio.run(go())
+    a, b, c, d = asyncio.run(go())
+    assert [r.input_tokens for r in d] == [[5, 77, 77, 77, 6]] * 2
     assert a.input_tokens == [5, 6] and a.output_tokens == [7, 8]  # SGLang reports no expanded prompt
     assert [r.output_tokens for r in b] == [[8, 9], [9, 10]] and c.output_tokens == [10, 11]
     entry = assert_contract(servers[1], "/generate", "GenerateReqInput")
     sent = [x.get("image_data") for x in entry["bodies"]]
     assert [url] in sent and [[url], []] in sent
+    assert [[5, 77, 6], [5, 77, 6]] in [x["input_ids"] for x in entry["bodies"]]
+
+
+_EXPAND = """
+import json, sys
+import sglang_harness
+sglang_harness.bootstrap()
+from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor as B
+a = json.loads(sys.stdin.read())
+out = {"one_pad": B._expand_input_ids(a["sent"], a["counts"], a["pad"])}
+try:
+    B._expand_input_ids(a["expanded"], a["counts"], a["pad"])
+    out["exact_runs"] = "accepted"
+except ValueError as e:
+    out["exact_runs"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_image_prompt_is_what_sglang_expands(tmp_path):
+    """What the sglang builder sends for an image prompt, run through SGLang 0.5.23's own expansion of an
+    ``input_ids`` prompt (``BaseMultimodalProcessor._expand_input_ids``, with the counts SGLang takes from the HF
+    processor's ``_get_num_multimodal_tokens``, as its ``resolve_image_token_counts`` does), is the expanded
+    prompt the trainer's row holds (models/vl_inputs.py), for two images of different sizes placed mid-text.
+    The processor-expanded form (a run of each image's exact count) is what SGLang's check refuses (it then
+    falls back to re-tokenizing the decoded text): why the builder sends one pad per image."""
+    _require_sglang()
+    import io
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from areal_cli.data.builtin_model import ensure_builtin_model
+    from areal_cli.models import vl_inputs as I
+    from areal_cli.models.tiny_vl import load_vl_processor
+
+    vl_dir = str(ensure_builtin_model(tmp_path / "fileroot", "tiny_vl"))
+    tok, proc = AutoTokenizer.from_pretrained(vl_dir), load_vl_processor(vl_dir)
+    sizes = [(64, 64), (48, 32)]  # (width, height)
+    pngs = []
+    for w, h in sizes:
+        buf = io.BytesIO()
+        Image.new("RGB", (w, h), (200, 20, 20)).save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "How many"}, {"type": "image"},
+                                         {"type": "text", "text": "and"}, {"type": "image"}]}]
+    ids = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    vis = I.prompt_images(tok, ids, pngs)
+    counts = [int(n) for n in proc._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes]).num_image_tokens]
+    assert counts == [16, 6] and vis.ids.count(vis.pad_id) == 22  # the processor's own counts, per image
+    g = GenerationConfig(max_new_tokens=2)
+    sent = sgl.build_generate(vis.ids, g, image_data=vis.image_data, image_pad_id=vis.pad_id).json["input_ids"]
+    assert sent.count(vis.pad_id) == 2
+    batch = sgl.build_generate_batch([vis.ids, [1, 2]], [g] * 2, [2] * 2, image_data=[vis.image_data, None],
+                                     image_pad_id=vis.pad_id).json["input_ids"]
+    assert batch == [sent, [1, 2]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SUPPORT), *sys.path])}
+    res = subprocess.run([sys.executable, "-c", _EXPAND], input=json.dumps(
+        {"sent": sent, "expanded": vis.ids, "counts": counts, "pad": vis.pad_id}), capture_output=True, text=True,
+        env=env, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["one_pad"] == vis.ids
+    assert "image placeholder token(s) but 2 image(s)" in out["exact_runs"]
+    with pytest.raises(InferenceError, match="3 image placeholder run"):  # a generated pad in a resumed prompt
+        sgl.build_generate([*vis.ids, vis.pad_id], g, image_data=vis.image_data, image_pad_id=vis.pad_id)
+
+
+def test_vl_sync_names_are_the_ones_sglang_loads():
+    """SGLang's Qwen2_5_VLForConditionalGeneration (srt/models/qwen2_5_vl.py, 0.5.23) has ``model.*``,
+    ``lm_head.*`` and ``visual.*`` parameters, and its ``load_weights`` (every update route ends there:
+    from_distributed, from_tensor, from_disk) maps ``visual.*.attn.qkv.`` to ``qkv_proj`` and stacks q/k/v and
+    gate/up, and silently skips a name its module tree lacks. The trainer's VL sender names a weight as the hub
+    checkpoint does (engines/vision.py hub_name); checked here against the names SGLang's own module tree has,
+    read from its source, so a transformers-5 module name (``model.language_model.*``) would fail."""
+    _require_sglang()
+    import re
+
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from areal_cli.engines.vision import hub_name
+
+    src = (sglang_harness.sglang_path() / "sglang" / "srt" / "models" / "qwen2_5_vl.py").read_text()
+    cls = src[src.index("class Qwen2_5_VLForConditionalGeneration"):]
+    tops = set(re.findall(r'prefix=add_prefix\("(\w+)", prefix\)', cls[:cls.index("def load_weights")]))
+    assert {"model", "lm_head", "visual"} <= tops, tops
+    assert 'name.replace(r"attn.qkv.", r"attn.qkv_proj.")' in cls
+    cfg = Qwen2_5_VLConfig(text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64,
+                                        "tie_word_embeddings": False,
+                                        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+                           vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                                          "out_hidden_size": 32, "patch_size": 4, "fullatt_block_indexes": [0]})
+    names = [hub_name(n) for n in Qwen2_5_VLForConditionalGeneration(cfg).state_dict()]
+    assert names and all(n.split(".")[0] in tops for n in names), [n for n in names if n.split(".")[0] not in tops]
+    assert any(".attn.qkv." in n for n in names if n.startswith("visual."))  # the name load_weights renames
+    assert "lm_head.weight" in names and not any(n.startswith(("model.visual.", "model.language_model."))
+                                                 for n in names)

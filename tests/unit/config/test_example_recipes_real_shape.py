@@ -73,6 +73,12 @@ RECIPES = [
            "sglang:d4t4+megatron:(attn:d2t4p2|ffn:d1t1p2e8)", "megatron", "grpo", "slurm", 4,
            {"model.num_experts": 128, "model.num_experts_per_tok": 8, "rollout.gconfig.max_new_tokens": 2048},
            allowed_warnings=("rank order",)),
+    Recipe("vlm", "vlm", "qwen2_5_vl_3b", "Qwen/Qwen2.5-VL-3B-Instruct", (3.70, 3.80), ONE_NODE, "fsdp", "grpo",
+           "local", 1,
+           {"dataset.train_path": "data/geometry3k/train.jsonl", "dataset.prompt_field": "problem",
+            "dataset.image_key": "images", "workflow.reward": "math", "rollout.group_size": 4,
+            "algo.batch_size": 32, "algo.eps_clip": 0.4, "algo.optim.lr": 2e-6},
+           allowed_warnings=("model.vision: qwen2_5_vl_3b is a vision-language model",)),
     # The README's first command is the SLURM launch of gsm8k_grpo_1node.
     Recipe("launch_anywhere", "gsm8k_grpo_1node", "qwen2_5_1_5b", "Qwen/Qwen2.5-1.5B-Instruct", (1.50, 1.58),
            ONE_NODE, "fsdp", "grpo", "slurm", 1, {"launcher.slurm.partition": "gpu"}),

@@ -17,6 +17,8 @@ SGLang's own routes and request models (``srt/entrypoints/http_server.py``,
 - ``load_format="flattened_bucket"``: the bucket's tensors travel as one uint8 broadcast, their bytes
   concatenated in request order (each tensor at an offset aligned to its dtype's size).
 - The weight version is ``weight_version`` in ``GET /model_info``.
+- Images (``image_data``): an image prompt goes out with one ``<|image_pad|>`` per image, which SGLang expands
+  itself (:func:`one_pad_per_image`; docs/vision.md, "SGLang for visual runs").
 - LoRA: ``/load_lora_adapter`` (``LoadLoRAAdapterReqInput``: ``lora_name``, ``lora_path``),
   ``/unload_lora_adapter`` (``lora_name``), and ``/generate``'s ``lora_path`` naming the adapter per
   request. SGLang refuses a second load under a loaded name, so a new adapter version is pause →
@@ -47,6 +49,8 @@ SUPPORTS_FLATTENED_BUCKET = True
 SUPPORTS_ATOMIC_UPDATE = False
 SUPPORTS_LORA_BROADCAST = False  # adapters load from a directory
 NEEDS_MODEL_NAME = False  # /generate serves the one loaded model
+# An image prompt goes out with one <|image_pad|> per image (build_generate's image_pad_id), which SGLang expands
+ONE_PAD_PER_IMAGE = True
 # Inclusive lower bound, exclusive upper bound. The lower bound is the release the contract tests run
 # (begin/end_weight_update, weight_version in /model_info); the upper one the next minor series.
 SUPPORTED_VERSIONS = ((0, 5, 23), (0, 6, 0))
@@ -94,10 +98,34 @@ def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> d
     return sp
 
 
+def one_pad_per_image(ids: list[int], pad_id: int | None, n_images: int) -> list[int]:
+    """``ids`` with each maximal run of ``pad_id`` cut to one pad, the form SGLang expands.
+
+    SGLang 0.5.23 (``SGLANG_MM_AVOID_RETOKENIZE``, on by default) keeps an ``input_ids`` prompt's own tokens and
+    replaces *each* pad token by its image's count (``BaseMultimodalProcessor._expand_input_ids``, which
+    requires as many pad tokens as images); a run of an image's exact count fails that check, and SGLang then
+    re-tokenizes the decoded prompt through the HF processor, which expands every pad of the run again
+    (``srt/multimodal/processors/base_processor.py``, ``qwen_vl.py``). The image token counts are the HF
+    processor's (``_get_num_multimodal_tokens``), the ones the trainer's rows hold (models/vl_inputs.py)."""
+    if pad_id is None:
+        return list(ids)
+    out = [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
+    runs = out.count(pad_id)
+    if runs != n_images:
+        raise InferenceError(f"an image prompt has {runs} image placeholder run(s) for {n_images} image(s); "
+                             "SGLang needs one per image (a generated <|image_pad|> in a resumed prompt?)")
+    return out
+
+
 def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens: int | None = None,
-                   rid: str | None = None, lora: str | None = None, image_data: list[str] | None = None) -> HttpCall:
+                   rid: str | None = None, lora: str | None = None, image_data: list[str] | None = None,
+                   image_pad_id: int | None = None) -> HttpCall:
     """``image_data``: SGLang's field, the prompt's images in order (data URLs, base64 or server paths);
-    SGLang's Qwen-VL processor takes each run of ``<|image_pad|>`` ids as one image and expands it."""
+    ``image_pad_id``: the placeholder's id, each run of which goes out as one pad (:func:`one_pad_per_image`).
+    SGLang reports no expanded prompt, so the response's ``input_tokens`` stay the expanded ids the caller sent,
+    which are SGLang's own expansion of the one-pad prompt."""
+    if image_data:
+        input_ids = one_pad_per_image(input_ids, image_pad_id, len(image_data))
     body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params(g, max_new_tokens),
                             "return_logprob": True, "stream": False}
     if image_data:
@@ -115,11 +143,15 @@ def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens:
 
 def build_generate_batch(inputs: list[list[int]], gs: list[GenerationConfig],
                          max_new_tokens: list[int], lora: str | None = None,
-                         image_data: list[list[str] | None] | None = None) -> HttpCall:
+                         image_data: list[list[str] | None] | None = None,
+                         image_pad_id: int | None = None) -> HttpCall:
     """SGLang's batch form of ``/generate``: ``input_ids`` a list of prompts and ``sampling_params`` a
     list with one object per prompt; the response is a list of per-prompt answers, in order.
     ``image_data``: one list of images per prompt; sent as a list of lists (``[]`` for a prompt without
-    images: SGLang reads a first entry that is not a list as one image per prompt)."""
+    images: SGLang reads a first entry that is not a list as one image per prompt); ``image_pad_id``: as for
+    :func:`build_generate`."""
+    if image_data and image_pad_id is not None:
+        inputs = [one_pad_per_image(x, image_pad_id, len(im)) if im else x for x, im in zip(inputs, image_data)]
     body: dict[str, Any] = {"input_ids": [list(x) for x in inputs],
                             "sampling_params": [sampling_params(g, m) for g, m in zip(gs, max_new_tokens)],
                             "return_logprob": True, "stream": False}

@@ -11,7 +11,13 @@ from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.api.workflow_api import RolloutWorkflow, Trajectory
 from areal_cli.errors import ConfigError
 from areal_cli.rewards.outcome import correctness
-from areal_cli.models.vl_inputs import check_served_prompt, item_prompt_images, merge_multi_modal, prompt_images
+from areal_cli.models.vl_inputs import (
+    check_served_prompt,
+    image_pad_id,
+    item_prompt_images,
+    merge_multi_modal,
+    prompt_images,
+)
 from areal_cli.rollout.workflows.common import (
     check_group_and_reward,
     Prompt,
@@ -136,8 +142,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
         d.segments.append(Segment(list(context)))
         messages = list(prompt.messages) if prompt.messages is not None else None
         for turn in range(self.max_turns):
+            pad = image_pad_id(self.tokenizer) if d.images else None
             resp = await engine.agenerate(ModelRequest(input_ids=list(context), gconfig=self.gconfig,
-                                                       session_id=key, image_data=list(d.images) or None))
+                                                       session_id=key, image_data=list(d.images) or None,
+                                                       image_pad_id=pad))
             if d.images and turn == 0:  # the prompt as the server expanded it: the row's multi_modal is for it
                 check_served_prompt(context, resp.input_tokens)
             out = list(resp.output_tokens)

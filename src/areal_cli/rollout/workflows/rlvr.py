@@ -67,6 +67,7 @@ class RLVRWorkflow(RolloutWorkflow):
         # An item with images: the prompt goes out with its pads expanded and its images (models/vl_inputs.py)
         vis = item_prompt_images(self.tokenizer, data, prompt.ids, self.processor)
         ids, image_data = (vis.ids, vis.image_data) if vis is not None else (list(prompt.ids), None)
+        pad = vis.pad_id if vis is not None else None
 
         async def score(resp: Any) -> float:
             return await call_reward(self.reward_fn, prompt.text, decode(self.tokenizer, resp.output_tokens), answer)
@@ -76,7 +77,7 @@ class RLVRWorkflow(RolloutWorkflow):
         async def sample() -> tuple[Any, float]:
             # Each sample is scored as soon as it finishes, overlapping rewards with generation.
             resp = await engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=self.gconfig,
-                                                       session_id=key, image_data=image_data))
+                                                       session_id=key, image_data=image_data, image_pad_id=pad))
             return resp, await score(resp)
 
         group = getattr(engine, "agenerate_group", None)
@@ -84,7 +85,8 @@ class RLVRWorkflow(RolloutWorkflow):
             # One batched call for the whole group: the server prefills the shared prompt once and
             # the trainer-side client handles one HTTP exchange instead of group_size.
             resps = await group([ModelRequest(input_ids=list(ids), gconfig=self.gconfig, session_id=key,
-                                              image_data=image_data) for _ in range(self.group_size)])
+                                              image_data=image_data, image_pad_id=pad)
+                                 for _ in range(self.group_size)])
             rewards = await call_rewards(self.reward_fn, prompt.text,
                                          [decode(self.tokenizer, r.output_tokens) for r in resps], answer)
         else:
