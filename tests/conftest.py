@@ -69,6 +69,21 @@ def moe_model(tmp_path_factory, tiny_model_dir) -> str:
                            family="qwen3_moe", num_layers=2)
 
 
+@pytest.fixture(scope="session")
+def vl_dir(tmp_path_factory) -> str:
+    """The built-in tiny Qwen2.5-VL (``builtin:tiny_vl``), built once per session."""
+    from areal_cli.data.builtin_model import ensure_builtin_model
+
+    return str(ensure_builtin_model(tmp_path_factory.mktemp("vl_fileroot"), "tiny_vl"))
+
+
+@pytest.fixture(scope="session")
+def vl_tok(vl_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(vl_dir)
+
+
 @pytest.fixture
 def fake_engine():
     """The in-process fake inference engine class (tests/support/rollout_fakes.py): token ``i`` of a prompt is

@@ -18,17 +18,8 @@ from areal_cli.models import vl_inputs as I
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> str:
-    from areal_cli.data.builtin_model import ensure_builtin_model
-
-    return str(ensure_builtin_model(tmp_path_factory.mktemp("fileroot"), "tiny_vl"))
-
-
-@pytest.fixture(scope="module")
-def tok(vl_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(vl_dir)
+def tok(vl_tok):  # tests/conftest.py builds the tiny VLM (vl_dir) once
+    return vl_tok
 
 
 @pytest.fixture(scope="module")
