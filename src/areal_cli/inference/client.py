@@ -103,6 +103,7 @@ class _ServerState:
     healthy: bool = True
     failures: int = 0
     model_name: str | None = None  # vLLM needs the served model name in every request
+    image_token_id: int | None = None  # vLLM: the id its requests with images send once per image
 
 
 @dataclass
@@ -328,6 +329,13 @@ class RemoteInferenceEngine(InferenceEngine):
             s.model_name = self.backend.parse_model_name(resp)
         return s.model_name
 
+    async def _image_token_id(self, s: _ServerState) -> int:
+        if s.image_token_id is None:
+            call = self.backend.build_image_token_query(await self._model_name(s))
+            resp = await self._send_retry(s.address, call, timeout=30.0)
+            s.image_token_id = self.backend.parse_image_token_id(resp)
+        return s.image_token_id
+
     async def _route(self, build: Callable[[_ServerState], Awaitable[HttpCall]], parse: Callable[[Any], T],
                      rows: int = 1, key: str | None = None) -> tuple[T, str]:
         """One generation call with failover: ``build(server)`` makes the call, ``parse`` reads the
@@ -386,6 +394,8 @@ class RemoteInferenceEngine(InferenceEngine):
             kw: dict[str, Any] = {"max_new_tokens": budgets[0], "lora": self.lora_name}
             if images[0]:  # only then: a backend without images keeps its signature
                 kw["image_data"] = images[0]
+                if self.backend.NEEDS_IMAGE_TOKEN_ID:
+                    kw["image_token_id"] = await self._image_token_id(s)
             if self.backend.NEEDS_MODEL_NAME and self.lora_name is None:  # an adapter is served by its name
                 kw["model"] = await self._model_name(s)
             return self.backend.build_generate(inputs[0], gs[0], **kw)

@@ -70,6 +70,21 @@ def test_loads_offline_renders_images_and_runs(vl_dir):
     assert out[0, :len(ids)].tolist() == ids
 
 
+def test_the_dirs_own_processor_loads_when_its_code_is_trusted(vl_dir):
+    """vLLM loads the processor with trust_remote_code (docs/vision.md): the dir's processing_tiny_vl.py gives
+    the images-only processor, which processes a picture as load_vl_processor's does."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(vl_dir, trust_remote_code=True)
+    assert type(proc).__name__ == "ImagesOnlyQwen2_5_VLProcessor" and not hasattr(proc, "video_processor")
+    assert json.loads((Path(vl_dir) / "processor_config.json").read_text())["processor_class"] == "Qwen2_5_VLProcessor"
+    img, question = _image(0)
+    ref = load_vl_processor(vl_dir)
+    prompt = ref.apply_chat_template(_chat(question), add_generation_prompt=True, tokenize=False)
+    a, b = (p(images=[img], text=[prompt], return_tensors="pt") for p in (proc, ref))
+    assert a["input_ids"].tolist() == b["input_ids"].tolist() and torch.equal(a["pixel_values"], b["pixel_values"])
+
+
 def test_config_matches_the_preset_and_the_estimate(vl_dir):
     from transformers import Qwen2_5_VLForConditionalGeneration
 

@@ -58,7 +58,7 @@ def version_from(value: Any) -> int | None:
 # begin/end update session) or no call (build_server_info: no version range to check).
 INTERFACE = (
     "NAME", "HEALTH", "SUPPORTS_BATCH_GENERATE", "SUPPORTS_FLATTENED_BUCKET", "SUPPORTS_ATOMIC_UPDATE",
-    "SUPPORTS_LORA_BROADCAST", "NEEDS_MODEL_NAME",
+    "SUPPORTS_LORA_BROADCAST", "NEEDS_MODEL_NAME", "NEEDS_IMAGE_TOKEN_ID",
     "build_generate", "parse_generate", "is_transient_rejection", "check_ok",
     "build_pause", "build_continue", "build_update_from_disk", "build_begin_update", "build_end_update",
     "build_server_info", "group_ranks", "build_init_group", "build_update_distributed",
@@ -68,6 +68,7 @@ INTERFACE = (
 CAPABILITY_MEMBERS = {
     "SUPPORTS_BATCH_GENERATE": ("build_generate_batch", "parse_generate_batch"),
     "NEEDS_MODEL_NAME": ("build_models", "parse_model_name"),
+    "NEEDS_IMAGE_TOKEN_ID": ("build_image_token_query", "parse_image_token_id"),
     "SUPPORTS_LORA_BROADCAST": ("build_load_lora_distributed",),
 }
 

@@ -47,6 +47,7 @@ SUPPORTS_LORA_BROADCAST = True
 SUPPORTS_FLATTENED_BUCKET = True
 SUPPORTS_ATOMIC_UPDATE = True
 NEEDS_MODEL_NAME = False
+NEEDS_IMAGE_TOKEN_ID = False  # images go with the prompt's pads as they are
 SERVER_ENV: dict[str, str] = {}
 # The cap rollout.max_concurrent_rollouts=auto keeps to when every server is hf (allocation/autosize.py).
 MAX_CONCURRENCY = 64
@@ -106,6 +107,7 @@ def build_load_lora_distributed(meta, name: str, config: dict, specs) -> HttpCal
 __all__ = [
     "HEALTH",
     "NAME",
+    "NEEDS_IMAGE_TOKEN_ID",
     "NEEDS_MODEL_NAME",
     "SERVER_ENV",
     "SPEC",

@@ -47,6 +47,7 @@ SUPPORTS_FLATTENED_BUCKET = True
 SUPPORTS_ATOMIC_UPDATE = False
 SUPPORTS_LORA_BROADCAST = False  # adapters load from a directory
 NEEDS_MODEL_NAME = False  # /generate serves the one loaded model
+NEEDS_IMAGE_TOKEN_ID = False  # images go with the prompt's pads as they are
 # Inclusive lower bound, exclusive upper bound. The lower bound is the release the contract tests run
 # (begin/end_weight_update, weight_version in /model_info); the upper one the next minor series.
 SUPPORTED_VERSIONS = ((0, 5, 23), (0, 6, 0))
