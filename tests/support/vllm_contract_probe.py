@@ -82,6 +82,14 @@ def _nested(path: str, body) -> str | None:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
             object.__new__(NCCLWeightTransferEngine).parse_update_info(body["update_info"])
+        elif path == "/inference/v1/generate":  # its handler reads the body itself; SamplingParams is a struct
+            from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+            from vllm.sampling_params import SamplingParams
+
+            GenerateRequest.model_validate(body)
+            unknown = sorted(set(body.get("sampling_params") or {}) - set(SamplingParams.__struct_fields__))
+            if unknown:
+                return f"SamplingParams has no field(s) {unknown}"
         elif path == "/collective_rpc":
             from vllm.v1.worker.cpu_model_runner import CPUModelRunner
             from vllm.v1.worker.cpu_worker import CPUWorker

@@ -129,6 +129,7 @@ class InferenceBackendSpec:
     gpu_only: bool = False  # no CPU build: a spec naming it is a GPU plan
     sampling_mask: bool = False  # records the Keep-Sampling-Mask (rollout.keep_sampling_mask)
     routed_experts: bool = False  # returns routed experts (rollout.routing_replay)
+    images: bool = False  # carries a prompt's images (ModelRequest.image_data; docs/vision.md)
     max_concurrency: int | None = None  # a cap rollout.max_concurrent_rollouts=auto keeps to
     cpu_note: str = ""  # a plan warning on cluster.device=cpu (what it needs there)
     package: PackageNeed | None = None  # checked before launch; None: ships with areal_cli

@@ -21,19 +21,19 @@ def error_json(exc: BaseException) -> dict:
 
 
 def check_vision_servers(cfg: Any) -> None:
-    """``areal train`` of a vision-language model: only the hf and sglang servers carry images to the trainer
-    here (the vllm builder refuses images: docs/vision.md)."""
+    """``areal train`` of a vision-language model: its servers must carry images (a backend spec's ``images``:
+    hf, sglang and vllm do; docs/vision.md)."""
     from areal_cli.allocation.parser import parse_allocation
-    from areal_cli.data.checks import VISUAL_BACKENDS
+    from areal_cli.data.checks import imageless_backends
     from areal_cli.errors import ConfigError
 
-    backends = sorted({c.backend for c in parse_allocation(str(cfg.allocation_mode.spec)).inference if c.backend})
-    other = [b for b in backends if b not in VISUAL_BACKENDS]
+    other = imageless_backends(c.backend for c in parse_allocation(str(cfg.allocation_mode.spec)).inference)
     if other:
-        raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and only the hf and sglang "
-                          f"servers carry images to the trainer here, not {', '.join(other)} (docs/vision.md)",
-                          "use hf or sglang inference servers (allocation_mode=hf:d1+fsdp:d1, or sglang:d4+fsdp:d4 "
-                          "on GPUs); `areal validate-config` and `areal train --dry-run` still plan this one")
+        raise ConfigError("model.vision", f"{cfg.model.name} is a vision-language model, and {', '.join(other)} "
+                          "servers do not carry images to the trainer (docs/vision.md)",
+                          "use hf, sglang or vllm inference servers (allocation_mode=hf:d1+fsdp:d1, or "
+                          "sglang:d4+fsdp:d4 on GPUs); `areal validate-config` and `areal train --dry-run` still "
+                          "plan this one")
 
 
 def compose_and_validate(overrides: list[str], as_json: bool = False, *, fetch_model: bool = False):

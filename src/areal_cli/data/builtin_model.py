@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 # 2: the chat template renders tools, tool calls and tool turns (plain chats render as before)
 BUILD_VERSION = 2
+# The vision-language build's own version (text specs keep their digests): 2 ships processing_tiny_vl.py
+# and its auto_map (models/tiny_vl.py), which vLLM needs to serve the model without torchvision.
+VL_BUILD_VERSION = 2
 READY_MARKER = "BUILTIN_READY"
 
 
@@ -62,6 +65,8 @@ class BuiltinModelSpec:
         if self.family not in VL_FAMILIES:  # the other specs hash as before the vision fields existed
             for k in VISION_FIELDS:
                 fields.pop(k)
+        else:
+            fields["vl_build"] = VL_BUILD_VERSION
         if self.family == "qwen2":  # the dense specs hash as before the MoE fields existed (same cached dirs)
             for k in ("family", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
                 fields.pop(k)

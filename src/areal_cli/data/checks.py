@@ -127,9 +127,11 @@ def visual_source(d: DatasetConfig, key: str, path: str) -> str | None:
     return f"an image dataset (column {col!r})"
 
 
-# The inference servers that carry a prompt's images (docs/vision.md): the hf server, and SGLang's /generate
-# with image_data (the sglang builder sends one pad per image, which SGLang expands: inference/backends/sglang.py).
-VISUAL_BACKENDS = ("hf", "sglang")
+def imageless_backends(backends) -> list[str]:
+    """The inference backends among ``backends`` that do not carry a prompt's images (their spec's ``images``)."""
+    from areal_cli.inference.backends import backend_spec
+
+    return sorted({b for b in backends if b and not backend_spec(b).images})
 
 
 def check_visual_task(cfg: ExperimentConfig, plan: Any = None) -> None:
@@ -141,12 +143,11 @@ def check_visual_task(cfg: ExperimentConfig, plan: Any = None) -> None:
         what = visual_source(cfg.dataset, key, path)
         if what is None:
             continue
-        other = sorted({p.backend for p in getattr(plan, "inferences", None) or []
-                        if p.backend not in VISUAL_BACKENDS})
+        other = imageless_backends(p.backend for p in getattr(plan, "inferences", None) or [])
         if other:
-            raise ConfigError("allocation_mode", f"{path} is {what}, and only the hf and sglang servers carry "
-                              f"images to the trainer here, not {', '.join(other)} (docs/vision.md)",
-                              "use hf or sglang inference servers (allocation_mode=hf:d1+fsdp:d1)")
+            raise ConfigError("allocation_mode", f"{path} is {what}, and {', '.join(other)} servers do not carry "
+                              "images to the trainer (docs/vision.md)",
+                              "use hf, sglang or vllm inference servers (allocation_mode=hf:d1+fsdp:d1)")
         if not is_vision_language(cfg.model):
             raise ConfigError(f"dataset.{key}", f"{path} is {what}, and model {cfg.model.name!r} has no "
                               "vision tower to see its images (docs/vision.md)",

@@ -387,7 +387,7 @@ class RemoteInferenceEngine(InferenceEngine):
             kw: dict[str, Any] = {"max_new_tokens": budgets[0], "lora": self.lora_name}
             if images[0]:  # only then: a backend without images keeps its signature
                 kw["image_data"] = images[0]
-                if getattr(self.backend, "ONE_PAD_PER_IMAGE", False):
+                if self.backend.ONE_PAD_PER_IMAGE:
                     kw["image_pad_id"] = pad_id
             if self.backend.NEEDS_MODEL_NAME and self.lora_name is None:  # an adapter is served by its name
                 kw["model"] = await self._model_name(s)
@@ -402,7 +402,7 @@ class RemoteInferenceEngine(InferenceEngine):
                           pad_id: int | None = None) -> tuple[list[Segment], str]:
         """Several prompts in one ``/generate`` call (SGLang's batch form) with failover."""
         kw: dict[str, Any] = {"image_data": images} if any(images) else {}
-        if kw and getattr(self.backend, "ONE_PAD_PER_IMAGE", False):
+        if kw and self.backend.ONE_PAD_PER_IMAGE:
             kw["image_pad_id"] = pad_id
 
         async def build(_s: _ServerState) -> HttpCall:

@@ -7,7 +7,9 @@ processor is ``Qwen2VLImageProcessor`` with a small patch, and the weights are a
 (``family="qwen2_vl"``: LayerNorm blocks with a plain GELU MLP, no windowed attention). Both families share
 the tokenizer, chat template, image processor and language model; only the tower and the classes differ.
 The dir is an ordinary HF dir: ``config.json`` + ``model.safetensors``, the tokenizer files,
-``chat_template.jinja``, ``preprocessor_config.json`` and ``processor_config.json``.
+``chat_template.jinja``, ``preprocessor_config.json`` and ``processor_config.json``, plus
+``processing_tiny_vl.py`` (the images-only processor for loaders that trust the dir's code, named in
+``processor_config.json``'s ``auto_map``: vLLM, docs/vision.md).
 
 With the default sizes a 64x64 image is 8x8 patches of 8 px, merged 2x2 into 16 image tokens: one
 token per 16x16 cell, which is what the built-in visual task draws its shapes on
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,6 +34,8 @@ from areal_cli.models.tiny import CHAT_TEMPLATE, train_tokenizer
 # Qwen2-VL's special tokens for images and videos, in Qwen's order (the ids differ: ours follow the BPE).
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# The images-only processor's file in the model dir (a copy of tiny_vl_processing.py).
+PROCESSOR_MODULE = "processing_tiny_vl"
 
 # The text template of tiny.py, with list contents rendered part by part the way Qwen2-VL's template does:
 # an image part ({"type": "image"} / "image_url", or a dict holding an "image" key) becomes one
@@ -164,8 +169,12 @@ def make_tiny_vl_model(out_dir: str | os.PathLike, corpus: Iterable[str], *, see
                     temporal_patch_size=config_kwargs.get("temporal_patch_size", 2),
                     merge_size=config_kwargs.get("spatial_merge_size", 2),
                     max_pixels=max_pixels).save_pretrained(str(out))
-    # What ProcessorMixin.save_pretrained writes; it cannot run here (it needs the video processor).
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": processor_cls}, indent=2))
+    # What ProcessorMixin.save_pretrained writes; it cannot run here (it needs the video processor). The
+    # auto_map is for loaders that trust the dir's code (vLLM: docs/vision.md); others keep processor_class.
+    shutil.copyfile(Path(__file__).with_name("tiny_vl_processing.py"), out / f"{PROCESSOR_MODULE}.py")
+    (out / "processor_config.json").write_text(json.dumps(
+        {"processor_class": processor_cls,
+         "auto_map": {"AutoProcessor": f"{PROCESSOR_MODULE}.ImagesOnly{processor_cls}"}}, indent=2))
     cfg = tiny_vl_config(len(tok), token_ids=ids, family=family, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, **config_kwargs)
     torch.manual_seed(seed)
@@ -210,22 +219,6 @@ def _processor_class_name(model_dir: str | os.PathLike) -> str:
 
 
 def _images_only_processor_class(name: str = "Qwen2_5_VLProcessor"):
-    import transformers
+    from areal_cli.models import tiny_vl_processing
 
-    base = getattr(transformers, name)
-
-    class ImagesOnlyProcessor(base):
-        """The Qwen2-VL-family processor with no video processor: ``ProcessorMixin`` type-checks every
-        sub-processor against ``VideoProcessorMixin``, which transformers does not export without torchvision."""
-
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                             chat_template=chat_template, **kwargs)
-
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    ImagesOnlyProcessor.__name__ = ImagesOnlyProcessor.__qualname__ = f"ImagesOnly{name}"
-    return ImagesOnlyProcessor
+    return getattr(tiny_vl_processing, f"ImagesOnly{name}")

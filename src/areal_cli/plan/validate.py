@@ -652,13 +652,13 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
         plan.warnings.append("engine.dtype=bfloat16 on a CPU without AMX or avx512_bf16: bf16 matmuls are "
                              "emulated here (measured 7x slower than fp32 on an AVX2 EPYC); float32 is faster")
     if is_vision_language(cfg.model):
-        from areal_cli.data.checks import VISUAL_BACKENDS
+        from areal_cli.data.checks import imageless_backends
 
-        other = sorted({p.backend for p in plan.inferences if p.backend not in VISUAL_BACKENDS})
+        other = imageless_backends(p.backend for p in plan.inferences)
         plan.warnings.append(f"model.vision: {cfg.model.name} is a vision-language model; the memory estimate "
                              "counts its vision tower, the step-time model not the tower's work on image patches"
-                             + (f"; `areal train` refuses {', '.join(other)} servers for it (only the hf and sglang "
-                                "servers carry images here)" if other else "") + " (docs/vision.md)")
+                             + (f"; `areal train` refuses {', '.join(other)} servers for it (they do not carry "
+                                "images)" if other else "") + " (docs/vision.md)")
     if cfg.algo.name == "sft" and plan.inferences:
         plan.warnings.append("algo=sft does not generate: the inference component is unused")
     if cfg.algo.name == "rm" and plan.inferences:

@@ -130,6 +130,9 @@ def test_validate_config_plans_both_plugin_backends_without_torch(plugin_dir):
      "rollout.routing_replay", ["the ringfsdp engine cannot replay routing yet"]),
     # the plugin's names are listed among the registered ones
     (["allocation_mode=hfihs:d1+ringfsdp:d1"], "allocation_mode.spec", ["did you mean 'hfish'?", "ringfsdp"]),
+    # a server that does not declare images (InferenceBackendSpec.images) is refused for visual data
+    (["model=tiny_vl", "dataset.train_path=builtin:count_all", "engine.name=fsdp", "allocation_mode=hfish:d1+fsdp:d1"],
+     "allocation_mode", ["hfish servers do not carry images", "use hf, sglang or vllm"]),
 ])
 def test_validate_config_refuses_by_the_plugin_specs(plugin_dir, args, path, words):
     base = [a for a in BASE if not a.startswith("allocation_mode=")] + ["allocation_mode=hfish:d1+ringfsdp:d1c2"]

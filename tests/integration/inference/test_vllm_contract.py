@@ -28,6 +28,9 @@ from areal_cli.inference.launch import build_server_cmd, vllm_python
 pytestmark = pytest.mark.vllm
 PROBE = SUPPORT / "vllm_contract_probe.py"
 RANKS = (1, 2, 4, 8, 9, 100, 320, 321, 512)  # LoRA ranks a user may train
+# A 1x1 PNG: the route's validation does not decode it (no engine behind the app).
+_PNG_URL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4"
+            "AAAAAElFTkSuQmCC")
 
 
 def _calls() -> dict:
@@ -42,7 +45,10 @@ def _calls() -> dict:
              "pause": vb.build_pause(), "continue": vb.build_continue(), "health": vb.HEALTH,
              "models": vb.build_models(), "version": vb.build_get_version(),
              "set_version": vb.build_set_version(4), "init_group": vb.build_init_group(meta, 1),
-             "unload_lora": vb.build_unload_lora("areal-policy")}
+             "unload_lora": vb.build_unload_lora("areal-policy"),
+             # a prompt with two images, the second's pads expanded (a resumed prompt): sent collapsed
+             "generate_images": vb.build_generate([1, 9, 5, 9, 9, 9, 2], g, model="m", rid="r2",
+                                                  image_data=[_PNG_URL, _PNG_URL], image_pad_id=9)}
     for prefix, seq in (("disk", vb.build_update_from_disk(meta)),
                         ("dist", vb.build_update_distributed(meta, specs)),
                         ("lora_first", vb.build_load_lora("areal-policy", "/a/v0", 0, loaded=False)),
@@ -60,6 +66,9 @@ def _calls() -> dict:
     out["bad_nested:rpc_kwarg"] = {**rpc, "json": {"method": "reload_weights",
                                                    "kwargs": {"weight_path": "/x"}}}
     out["bad_route:sglang_path"] = {**load, "path": "/load_lora_adapter"}
+    img = out["generate_images"]
+    out["bad_nested:sampling_field"] = {**img, "json": {**img["json"], "sampling_params": {
+        **img["json"]["sampling_params"], "max_new_tokens": 4}}}
     return out
 
 
@@ -130,6 +139,17 @@ def test_wrong_calls_are_caught(probe):
     assert c["bad_nested:init_info"]["nested"] and "init_info" in c["bad_nested:init_info"]["nested"]
     assert c["bad_nested:rpc_kwarg"]["nested"] and "weight_path" in c["bad_nested:rpc_kwarg"]["nested"]
     assert c["bad_route:sglang_path"]["route"] is None
+    assert "max_new_tokens" in (c["bad_nested:sampling_field"]["nested"] or "")
+
+
+def test_image_prompt_goes_collapsed_to_the_token_in_route(probe):
+    """One placeholder per image (vLLM expands each itself) on the route --enable-scale-out opens."""
+    spec, res = probe
+    body = spec["calls"]["generate_images"]["json"]
+    assert body["token_ids"] == [1, 9, 5, 9, 2]
+    assert [p["url"] for p in body["content_parts"]] == [_PNG_URL, _PNG_URL]
+    assert res["calls"]["generate_images"]["route"] == vb.GENERATE_TOKENS_PATH
+    assert "--enable-scale-out" in spec["argvs"]["plain"]
 
 
 if __name__ == "__main__":

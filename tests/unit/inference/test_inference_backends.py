@@ -123,8 +123,9 @@ def test_vllm_rl_endpoints():
     p = vllm.build_pause()
     assert (p.path, p.params) == ("/pause", {"mode": "abort"})
     assert vllm.build_continue().path == "/resume"
-    rpc, reset, ver = vllm.build_update_from_disk(META)
+    rpc, reset, reset_enc, ver = vllm.build_update_from_disk(META)
     assert rpc.path == "/collective_rpc" and reset.path == "/reset_prefix_cache"
+    assert reset_enc.path == "/reset_encoder_cache"  # vision-tower outputs of the old weights
     # the worker extension's reload (inference/vllm_worker_ext.py), which the launcher mixes into every server
     assert rpc.json == {"method": "areal_reload_weights", "kwargs": {"weights_path": "/ckpt/v4"}}
     from areal_cli.inference.vllm_worker_ext import ArealWorkerExtension
@@ -180,9 +181,15 @@ def test_images_in_generate_payloads():
     batch = sglang.build_generate_batch([[1], [2]], [G, G], [3, 3], image_data=[None, [url]]).json
     assert batch["image_data"] == [[], [url]]  # a list per prompt: SGLang reads a bare first entry as one image
     assert hf.build_generate([1], G, image_data=[url]).json["image_data"] == [url]
-    # vLLM's /v1/completions has no field for images (VLLM_COMPLETION_FIELDS): refused, not dropped
-    with pytest.raises(InferenceError, match="cannot send images"):
-        vllm.build_generate([1], G, model="m", image_data=[url])
+    # vLLM's /v1/completions has no field for images (VLLM_COMPLETION_FIELDS): a prompt with images goes to its
+    # token-in route with one pad per image, since vLLM expands each pad itself (vLLM's models: test_vllm_contract)
+    call = vllm.build_generate([1, 9, 9, 9, 5, 9, 2], G, model="m", image_data=[url, url], image_pad_id=9)
+    assert call.path == vllm.GENERATE_TOKENS_PATH and call.json["token_ids"] == [1, 9, 5, 9, 2]
+    assert call.json["content_parts"] == [{"type": "image_url", "url": url}] * 2
+    with pytest.raises(InferenceError, match="1 image placeholder run"):
+        vllm.build_generate([1, 9, 9, 2], G, model="m", image_data=[url, url], image_pad_id=9)
+    with pytest.raises(ValueError, match="image pad id"):
+        vllm.build_generate([1, 9, 2], G, model="m", image_data=[url])
     assert set(vllm.build_generate([1], G, model="m").json) <= VLLM_COMPLETION_FIELDS
 
 
@@ -193,3 +200,10 @@ def test_parse_generate_reads_the_expanded_prompt():
     assert sglang.parse_generate(resp).prompt_ids == [1, 9, 9, 9, 2]
     del resp["meta_info"]["prompt_token_ids"]
     assert sglang.parse_generate(resp).prompt_ids is None
+    # vLLM's /inference/v1/generate answer (a prompt with images); /v1/completions reports no prompt
+    gen = {"prompt_token_ids": [1, 9, 9, 9, 2], "choices": [{"token_ids": [4, 5], "finish_reason": "length",
+           "logprobs": {"content": [{"token_id": 4, "logprob": -0.1}, {"token_id": 5, "logprob": -0.2}]}}]}
+    seg = vllm.parse_generate(gen)
+    assert (seg.prompt_ids, seg.output_tokens, seg.output_logprobs) == ([1, 9, 9, 9, 2], [4, 5], [-0.1, -0.2])
+    cmpl = {"choices": [{"token_ids": [4], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.1]}}]}
+    assert vllm.parse_generate(cmpl).prompt_ids is None

@@ -98,6 +98,22 @@ def test_vllm_cmd_env_for_cpu(tmp_path):
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
 
 
+def test_vllm_cmd_for_a_dir_with_its_own_processor(tmp_path):
+    """The built-in tiny VLM's dir (its processor_config.json maps AutoProcessor to processing_tiny_vl.py) is
+    served through vLLM's Transformers backend with its code trusted; any other dir is not."""
+    import json
+
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Qwen2_5_VLProcessor",
+         "auto_map": {"AutoProcessor": "processing_tiny_vl.ImagesOnlyQwen2_5_VLProcessor"}}))
+    argv, _ = build_server_cmd("vllm", str(tmp_path), "127.0.0.1", 8000, python="/p")
+    assert _flag(argv, "--model-impl") == "transformers" and "--trust-remote-code" in argv
+    assert "--enable-scale-out" in argv  # routes the token-in endpoint that takes images
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    argv, _ = build_server_cmd("vllm", str(tmp_path), "127.0.0.1", 8000, python="/p")
+    assert "--trust-remote-code" not in argv and "--model-impl" not in argv
+
+
 def test_bad_backend_or_dtype():
     with pytest.raises(LaunchError, match="unknown inference backend"):
         build_server_cmd("tgi", "/m", "h", 1)

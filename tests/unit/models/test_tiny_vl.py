@@ -88,6 +88,22 @@ def test_loads_offline_renders_images_and_runs(vl_dir, model_cls):
     assert out[0, :len(ids)].tolist() == ids
 
 
+def test_the_dirs_own_processor_loads_when_its_code_is_trusted(vl_dir, model_cls):
+    """vLLM loads the processor with trust_remote_code (docs/vision.md): the dir's processing_tiny_vl.py gives
+    the family's images-only processor, which processes a picture as load_vl_processor's does."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(vl_dir, trust_remote_code=True)
+    stock = model_cls.__name__.replace("ForConditionalGeneration", "Processor")
+    assert type(proc).__name__ == f"ImagesOnly{stock}" and not hasattr(proc, "video_processor")
+    assert json.loads((Path(vl_dir) / "processor_config.json").read_text())["processor_class"] == stock
+    img, question = _image(0)
+    ref = load_vl_processor(vl_dir)
+    prompt = ref.apply_chat_template(_chat(question), add_generation_prompt=True, tokenize=False)
+    a, b = (p(images=[img], text=[prompt], return_tensors="pt") for p in (proc, ref))
+    assert a["input_ids"].tolist() == b["input_ids"].tolist() and torch.equal(a["pixel_values"], b["pixel_values"])
+
+
 def test_config_matches_the_preset_and_the_estimate(vl_dir, vl_name, model_cls):
     from areal_cli.allocation.estimate import ModelFacts
     from areal_cli.config.model import vision_tower_params

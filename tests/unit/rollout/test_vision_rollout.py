@@ -207,8 +207,6 @@ def test_visual_task_items_and_checks(tok):
       "rollout.group_size=1"], "workflow.name",
      "does not send"),
     (["experiment=vision_default", "dataset.max_image_tokens=100"], "dataset.max_image_tokens", "do not fit"),
-    (["experiment=vision_default", "cluster=gpu_1x8", "allocation_mode=vllm:d4+fsdp:d4"], "allocation_mode",
-     "not vllm"),
 ])
 def test_validate_refuses_visual_nonsense(overrides, path, words):
     from areal_cli.errors import ConfigError
@@ -220,15 +218,15 @@ def test_validate_refuses_visual_nonsense(overrides, path, words):
     assert str(e.value).startswith(path) and words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_areal_train_refuses_a_vision_model_on_vllm_and_plans_it_on_sglang_and_hf(monkeypatch):
+def test_areal_train_plans_a_vision_model_on_every_built_in_server(monkeypatch):
+    """hf, sglang and vllm carry images (a server without them, a plugin's: test_backend_plugins.py)."""
     from areal_cli.cli import launch
     from areal_cli.cli.common import compose_and_validate
-    from areal_cli.errors import ConfigError
 
     monkeypatch.setattr(launch, "fetch_hub_model", lambda cfg: False)
-    with pytest.raises(ConfigError, match="only the hf and sglang servers carry images.*not vllm"):
-        compose_and_validate(["model=qwen2_5_vl_3b", "cluster=gpu_1x8", "allocation_mode=vllm:d4+fsdp:d4"],
-                             fetch_model=True)
+    cfg, plan = compose_and_validate(["model=qwen2_5_vl_3b", "cluster=gpu_1x8", "allocation_mode=vllm:d4+fsdp:d4"],
+                                     fetch_model=True)
+    assert plan.inferences[0].backend == "vllm"
     cfg, plan = compose_and_validate(["model=qwen2_5_vl_3b", "cluster=gpu_1x8", "allocation_mode=gpu8_sglang_fsdp"],
                                      fetch_model=True)
     assert plan.inferences[0].backend == "sglang"

@@ -58,7 +58,7 @@ def version_from(value: Any) -> int | None:
 # begin/end update session) or no call (build_server_info: no version range to check).
 INTERFACE = (
     "NAME", "HEALTH", "SUPPORTS_BATCH_GENERATE", "SUPPORTS_FLATTENED_BUCKET", "SUPPORTS_ATOMIC_UPDATE",
-    "SUPPORTS_LORA_BROADCAST", "NEEDS_MODEL_NAME",
+    "SUPPORTS_LORA_BROADCAST", "NEEDS_MODEL_NAME", "ONE_PAD_PER_IMAGE",
     "build_generate", "parse_generate", "is_transient_rejection", "check_ok",
     "build_pause", "build_continue", "build_update_from_disk", "build_begin_update", "build_end_update",
     "build_server_info", "group_ranks", "build_init_group", "build_update_distributed",
@@ -71,3 +71,21 @@ CAPABILITY_MEMBERS = {
     "SUPPORTS_LORA_BROADCAST": ("build_load_lora_distributed",),
 }
 
+
+
+def one_pad_per_image(ids: list[int], pad_id: int | None, n_images: int, server: str) -> list[int]:
+    """``ids`` with each maximal run of ``pad_id`` cut to one pad: the prompt form SGLang and vLLM expand
+    themselves (backends declaring ``ONE_PAD_PER_IMAGE``), each pad to its image's token count.
+
+    The trainer's rows hold the expanded ids (the HF processor's counts, models/vl_inputs.py); sent as they
+    are, every pad of a run would be expanded again. ``pad_id`` ``None``: the prompt as it is."""
+    if pad_id is None:
+        return list(ids)
+    out = [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
+    runs = out.count(pad_id)
+    if runs != n_images:
+        from areal_cli.errors import InferenceError
+
+        raise InferenceError(f"an image prompt has {runs} image placeholder run(s) for {n_images} image(s); "
+                             f"{server} needs one per image (a generated <|image_pad|> in a resumed prompt?)")
+    return out

