@@ -57,8 +57,13 @@ def build_optimizer(params, optim_cfg: OptimConfig, total_steps: int):
     if optim_cfg.warmup_steps < 0:
         raise ConfigError("algo.optim.warmup_steps", "must be >= 0", "set algo.optim.warmup_steps=0")
     lr_factor(0, kind=optim_cfg.lr_scheduler, warmup_steps=0, total_steps=1)  # validates the name
+    # Fused where the list allows one kernel (foreach_ok): the same update in place, where foreach makes a
+    # temporary the size of every parameter (measured: +0.50 GiB at the step on 0.5 GiB of fp32 parameters,
+    # fused +0.00; a per-parameter loop +0.19). The step peak of a sharded engine is this step.
+    one_list = foreach_ok(params) and all(p.dtype.is_floating_point for p in params)
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
-                            weight_decay=optim_cfg.weight_decay, foreach=foreach_ok(params))
+                            weight_decay=optim_cfg.weight_decay, fused=True if one_list else None,
+                            foreach=None if one_list else False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
         s, kind=optim_cfg.lr_scheduler, warmup_steps=optim_cfg.warmup_steps, total_steps=max(1, total_steps),
         min_lr_ratio=optim_cfg.min_lr_ratio))
