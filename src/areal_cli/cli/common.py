@@ -21,11 +21,18 @@ def error_json(exc: BaseException) -> dict:
 
 
 def check_vision_servers(cfg: Any) -> None:
-    """``areal train`` of a vision-language model: its servers must carry images (a backend spec's ``images``:
-    hf, sglang and vllm do; docs/vision.md)."""
+    """``areal train`` of a vision-language model, before its download: the engine must train images (an engine
+    spec's ``vision``) and the servers carry them (a backend spec's ``images``: hf, sglang and vllm do;
+    docs/vision.md)."""
     from areal_cli.allocation.parser import parse_allocation
-    from areal_cli.data.checks import imageless_backends
+    from areal_cli.engines import engines_with, get_engine_spec
     from areal_cli.errors import ConfigError
+    from areal_cli.inference.backends import imageless_backends
+
+    if not get_engine_spec(cfg.engine.name).vision:
+        raise ConfigError("engine.name", f"{cfg.engine.name} does not train vision-language models "
+                          f"({cfg.model.name} has a vision tower; docs/vision.md)",
+                          f"use engine.name={' or '.join(engines_with('vision'))}")
 
     other = imageless_backends(c.backend for c in parse_allocation(str(cfg.allocation_mode.spec)).inference)
     if other:

@@ -127,13 +127,6 @@ def visual_source(d: DatasetConfig, key: str, path: str) -> str | None:
     return f"an image dataset (column {col!r})"
 
 
-def imageless_backends(backends) -> list[str]:
-    """The inference backends among ``backends`` that do not carry a prompt's images (their spec's ``images``)."""
-    from areal_cli.inference.backends import backend_spec
-
-    return sorted({b for b in backends if b and not backend_spec(b).images})
-
-
 def check_visual_task(cfg: ExperimentConfig, plan: Any = None) -> None:
     """Visual data (a built-in visual task, or a local file with an image column) needs a vision-language
     model, servers that carry images, a workflow that sends them, and no algo=rm."""
@@ -143,11 +136,6 @@ def check_visual_task(cfg: ExperimentConfig, plan: Any = None) -> None:
         what = visual_source(cfg.dataset, key, path)
         if what is None:
             continue
-        other = imageless_backends(p.backend for p in getattr(plan, "inferences", None) or [])
-        if other:
-            raise ConfigError("allocation_mode", f"{path} is {what}, and {', '.join(other)} servers do not carry "
-                              "images to the trainer (docs/vision.md)",
-                              "use hf, sglang or vllm inference servers (allocation_mode=hf:d1+fsdp:d1)")
         if not is_vision_language(cfg.model):
             raise ConfigError(f"dataset.{key}", f"{path} is {what}, and model {cfg.model.name!r} has no "
                               "vision tower to see its images (docs/vision.md)",

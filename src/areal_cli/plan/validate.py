@@ -29,7 +29,7 @@ from areal_cli.algorithms.config_checks import validate_algo_config, validate_gr
 from areal_cli.config.launcher import local_multi_node
 from areal_cli.config.model import VISION_FAMILIES, is_vision_language
 from areal_cli.plan.lora_rules import check_lora
-from areal_cli.plan.vision_rules import check_vision
+from areal_cli.plan.vision_rules import check_vision, check_visual_servers
 from areal_cli.plan.packages import check_packages
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.cluster import DEVICES
@@ -45,7 +45,7 @@ from areal_cli.data.checks import check_dataset
 from areal_cli.engines import (ENGINE_SPECS, attn_impl, engine_dims, engines_with, get_engine_spec,
                                is_import_path)
 from areal_cli.errors import ConfigError
-from areal_cli.inference.backends import DEFAULT_BACKEND, backend_spec
+from areal_cli.inference.backends import DEFAULT_BACKEND, backend_spec, imageless_backends
 from areal_cli.allocation.hardware import gpu_memory_gb, resolve_hardware
 from areal_cli.registry import load_plugins
 from areal_cli.rewards.judge_prompt import check_judge_config
@@ -483,6 +483,7 @@ def validate(cfg: ExperimentConfig) -> Plan:
     _memory_warnings(cfg, plan)
     _other_warnings(cfg, plan)
     check_dataset(cfg, plan)  # files, columns and knobs of the dataset group (data/checks.py)
+    check_visual_servers(cfg, plan)
     validate_algo_config(cfg.algo)
     validate_group_size(cfg.algo, cfg.rollout.group_size)
     check_distill(cfg, plan)  # the teacher: its path, engine and tokenizer (plan/distill.py)
@@ -652,8 +653,6 @@ def _other_warnings(cfg: ExperimentConfig, plan: Plan) -> None:
         plan.warnings.append("engine.dtype=bfloat16 on a CPU without AMX or avx512_bf16: bf16 matmuls are "
                              "emulated here (measured 7x slower than fp32 on an AVX2 EPYC); float32 is faster")
     if is_vision_language(cfg.model):
-        from areal_cli.data.checks import imageless_backends
-
         other = imageless_backends(p.backend for p in plan.inferences)
         plan.warnings.append(f"model.vision: {cfg.model.name} is a vision-language model; the memory estimate "
                              "counts its vision tower, the step-time model not the tower's work on image patches"
@@ -711,3 +710,4 @@ def _cpu_lacks_bf16() -> bool:
     except OSError:
         return False
     return bool(flags) and not ({"amx_bf16", "avx512_bf16"} & set(flags.split()))
+

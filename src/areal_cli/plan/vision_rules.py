@@ -38,3 +38,17 @@ def check_vision(cfg: ExperimentConfig, plan: Any) -> None:
             raise ConfigError("allocation_mode", f"{t.backend} trains a vision-language model under "
                               f"{', '.join(dims)} only (this plan has {x}{sizes[x]})",
                               f"drop {x} from the {t.backend} dims{alt}")
+
+
+def check_visual_servers(cfg: Any, plan: Any) -> None:
+    """Visual data (a built-in visual task, a dataset with an image column) needs servers that carry images."""
+    from areal_cli.data.checks import dataset_paths, visual_source
+    from areal_cli.inference.backends import imageless_backends
+
+    other = imageless_backends(p.backend for p in plan.inferences)
+    for key, path in dataset_paths(cfg.dataset) if other else []:
+        what = visual_source(cfg.dataset, key, path)
+        if what is not None:
+            raise ConfigError("allocation_mode", f"{path} is {what}, and {', '.join(other)} servers do not carry "
+                              "images to the trainer (docs/vision.md)",
+                              "use hf, sglang or vllm inference servers (allocation_mode=hf:d1+fsdp:d1)")

@@ -56,6 +56,11 @@ def backend_spec(name: str | None, path: str = "allocation_mode.spec") -> Infere
     return INFERENCE_BACKENDS.entry(name or DEFAULT_BACKEND, path).load()
 
 
+def imageless_backends(names) -> list[str]:
+    """The backends among ``names`` whose servers do not carry a prompt's images (``InferenceBackendSpec.images``)."""
+    return sorted({n for n in names if n and not backend_spec(n).images})
+
+
 def get_backend(name: str) -> ModuleType:
     """The payload-builder module the client calls for backend ``name``."""
     return importlib.import_module(backend_spec(name, "allocation_mode").module)
