@@ -101,51 +101,23 @@ def build_generate(input_ids: list[int], g: GenerationConfig, *, model: str | No
     if image_data:
         return build_generate_tokens(input_ids, g, model=lora or model, max_new_tokens=max_new_tokens, rid=rid,
                                      image_data=image_data, image_pad_id=image_pad_id)
-    body: dict[str, Any] = {
-        "model": lora or model,
-        "prompt": list(input_ids),
-        "max_tokens": g.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        "min_tokens": g.min_new_tokens,
-        "temperature": 0.0 if g.greedy else g.temperature,
-        "top_p": 1.0 if g.greedy else g.top_p,
-        "top_k": -1 if g.greedy or not g.top_k or g.top_k < 0 else g.top_k,
-        "logprobs": 0,
-        "return_token_ids": True,
-        "skip_special_tokens": False,
-        "stream": False,
-    }
-    if g.stop:
-        body["stop"] = list(g.stop)
-        body["include_stop_str_in_output"] = True
-    if g.stop_token_ids:
-        body["stop_token_ids"] = list(g.stop_token_ids)
-    if g.seed is not None and not g.greedy:
-        body["seed"] = int(g.seed)  # vLLM SamplingParams.seed: a per-request generator
+    body: dict[str, Any] = {"model": lora or model, "prompt": list(input_ids),
+                            **_sampling(g, max_new_tokens, top_k_off=-1), "return_token_ids": True, "stream": False}
     if rid is not None:
         body["request_id"] = rid
     return HttpCall("POST", "/v1/completions", body)
 
 
-def build_generate_tokens(input_ids: list[int], g: GenerationConfig, *, model: str, image_data: list[str],
-                          image_pad_id: int | None, max_new_tokens: int | None = None,
-                          rid: str | None = None) -> HttpCall:
-    """A token prompt with images: vLLM's ``GenerateRequest`` on ``POST /inference/v1/generate`` (served
-    with ``--enable-scale-out``): ``token_ids`` with one placeholder per image (``one_pad_per_image``: vLLM
-    0.32 always expands every placeholder token of a token prompt to its image's count,
-    ``BaseMultiModalProcessor._apply_prompt_updates`` has no "already expanded" check), the images as
-    ``content_parts`` (``image_url``
-    with a data URL; vLLM fetches nothing else here) and ``SamplingParams``. vLLM expands the placeholders
-    with the model's processor and reports the expanded prompt (``return_token_ids``), which
-    :func:`parse_generate` hands back as the segment's ``prompt_ids``."""
-    if image_pad_id is None:
-        raise ValueError("a vLLM request with images needs the model's image pad id (ModelRequest.image_pad_id)")
-    ids = one_pad_per_image(input_ids, image_pad_id, len(image_data), "vLLM")
+def _sampling(g: GenerationConfig, max_new_tokens: int | None, *, top_k_off: int) -> dict[str, Any]:
+    """The sampling fields both routes take (``/v1/completions`` flat, the token-in route as ``sampling_params``);
+    ``top_k_off``: the value that disables top-k on that route (-1 for the OpenAI request, 0 for
+    ``SamplingParams``)."""
     sp: dict[str, Any] = {
         "max_tokens": g.max_new_tokens if max_new_tokens is None else max_new_tokens,
         "min_tokens": g.min_new_tokens,
         "temperature": 0.0 if g.greedy else g.temperature,
         "top_p": 1.0 if g.greedy else g.top_p,
-        "top_k": 0 if g.greedy or not g.top_k or g.top_k < 0 else g.top_k,  # SamplingParams: 0 disables
+        "top_k": top_k_off if g.greedy or not g.top_k or g.top_k < 0 else g.top_k,
         "logprobs": 0,
         "skip_special_tokens": False,
     }
@@ -155,7 +127,24 @@ def build_generate_tokens(input_ids: list[int], g: GenerationConfig, *, model: s
     if g.stop_token_ids:
         sp["stop_token_ids"] = list(g.stop_token_ids)
     if g.seed is not None and not g.greedy:
-        sp["seed"] = int(g.seed)
+        sp["seed"] = int(g.seed)  # vLLM SamplingParams.seed: a per-request generator
+    return sp
+
+
+def build_generate_tokens(input_ids: list[int], g: GenerationConfig, *, model: str, image_data: list[str],
+                          image_pad_id: int | None, max_new_tokens: int | None = None,
+                          rid: str | None = None) -> HttpCall:
+    """A token prompt with images: vLLM's ``GenerateRequest`` on ``POST /inference/v1/generate`` (served
+    with ``--enable-scale-out``): ``token_ids`` with one placeholder per image (``one_pad_per_image``: vLLM
+    0.32 always expands every placeholder token of a token prompt to its image's count,
+    ``BaseMultiModalProcessor._apply_prompt_updates`` has no "already expanded" check), the images as
+    ``content_parts`` (``image_url`` with a data URL; vLLM fetches nothing else here) and ``SamplingParams``. vLLM expands the placeholders
+    with the model's processor and reports the expanded prompt (``return_token_ids``), which
+    :func:`parse_generate` hands back as the segment's ``prompt_ids``."""
+    if image_pad_id is None:
+        raise ValueError("a vLLM request with images needs the model's image pad id (ModelRequest.image_pad_id)")
+    ids = one_pad_per_image(input_ids, image_pad_id, len(image_data), "vLLM")
+    sp = _sampling(g, max_new_tokens, top_k_off=0)  # SamplingParams itself: 0 disables top-k
     body: dict[str, Any] = {"model": model, "token_ids": ids, "sampling_params": sp, "return_token_ids": True,
                             "content_parts": [{"type": "image_url", "url": u} for u in image_data],
                             "stream": False}
