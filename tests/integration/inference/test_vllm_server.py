@@ -12,19 +12,14 @@ import os
 import subprocess
 
 import pytest
-from hf_server_helpers import hf_greedy, load_model, prompts, teacher_forced_logprobs
+from hf_server_helpers import hf_greedy, load_model, prompts, start_cpu_vllm_server, teacher_forced_logprobs
 
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_cli.inference.backends import vllm as vb
 from areal_cli.inference.client import RemoteInferenceEngine
-from areal_cli.inference.launch import launch_server, vllm_python
+from areal_cli.inference.launch import vllm_python
 
 pytestmark = pytest.mark.vllm
-
-
-def _has_vllm() -> bool:
-    r = subprocess.run([vllm_python(), "-c", "import vllm"], capture_output=True)
-    return r.returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +38,7 @@ def vllm_models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm_server(vllm_models, tmp_path_factory):
     tiny_model_dir = vllm_models[0]
-    if not _has_vllm():
-        pytest.fail("vllm is not importable by the vllm interpreter; run scripts/setup_vllm_env.sh "
-                    "or set AREAL_VLLM_PYTHON")
-    h = launch_server("vllm", tiny_model_dir, log_dir=str(tmp_path_factory.mktemp("vllm_logs")), timeout_s=1500,
-                      context_length=512, dtype="float32", extra=["--enforce-eager"],
-                      cache_root=str(tmp_path_factory.mktemp("vllm_cache")), env={"OMP_NUM_THREADS": "1"})
+    h = start_cpu_vllm_server(tiny_model_dir, tmp_path_factory)
     yield h
     h.stop()
 

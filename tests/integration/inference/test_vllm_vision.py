@@ -11,14 +11,13 @@ vLLM serves the dir through its Transformers backend with the dir's own images-o
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 import pytest
 import torch
+from hf_server_helpers import start_cpu_vllm_server
 
 from areal_cli.api.io_struct import GenerationConfig, ModelRequest
 from areal_cli.inference.client import RemoteInferenceEngine
-from areal_cli.inference.launch import launch_server, vllm_python
 
 pytestmark = pytest.mark.vllm
 # vLLM's CPU kernels against a plain HF forward, both fp32: the text model's test measured ~4e-3 there,
@@ -35,13 +34,7 @@ def vl_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(vl_dir, tmp_path_factory):
-    r = subprocess.run([vllm_python(), "-c", "import vllm"], capture_output=True, check=False)
-    if r.returncode != 0:
-        pytest.fail("vllm is not importable by the vllm interpreter; run scripts/setup_vllm_env.sh "
-                    "or set AREAL_VLLM_PYTHON")
-    h = launch_server("vllm", vl_dir, log_dir=str(tmp_path_factory.mktemp("vllm_vl_logs")), timeout_s=1500,
-                      context_length=512, dtype="float32", extra=["--enforce-eager"],
-                      cache_root=str(tmp_path_factory.mktemp("vllm_vl_cache")), env={"OMP_NUM_THREADS": "1"})
+    h = start_cpu_vllm_server(vl_dir, tmp_path_factory, "vllm_vl")
     yield h
     h.stop()
 
@@ -89,7 +82,8 @@ def test_image_logprobs_equal_teacher_forced(server, model, vl_dir):
     pad = model.config.image_token_id
     for temp, prompt in ((1.0, ids_a), (0.7, pa.ids)):  # the chat template's one pad, and expanded pads
         g = GenerationConfig(temperature=temp, max_new_tokens=12, min_new_tokens=12, seed=3)
-        resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=prompt, gconfig=g, image_data=pa.image_data)))
+        resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=prompt, gconfig=g, image_data=pa.image_data,
+                                                         image_pad_id=model.config.image_token_id)))
         # vLLM expanded the pads as the trainer's processor does (16 image tokens for a 64x64 picture)
         assert resp.input_tokens == pa.ids and pa.ids.count(pad) == 16, (resp.input_tokens, pa.ids)
         out = resp.output_tokens
@@ -117,7 +111,8 @@ def test_disk_reload_reaches_tower_and_language_model(server, model, vl_dir, tmp
     try:
         (_, pa), _ = _prompts(vl_dir)
         g = GenerationConfig(temperature=1.0, max_new_tokens=12, min_new_tokens=12, seed=3)
-        resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=pa.ids, gconfig=g, image_data=pa.image_data)))
+        resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=pa.ids, gconfig=g, image_data=pa.image_data,
+                                                         image_pad_id=model.config.image_token_id)))
         assert resp.input_tokens == pa.ids
         new = _teacher_forced(model_b, pa.ids, pa.multi_modal, resp.output_tokens, 1.0)
         old = _teacher_forced(model, pa.ids, pa.multi_modal, resp.output_tokens, 1.0)
