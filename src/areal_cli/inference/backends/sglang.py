@@ -17,8 +17,13 @@ SGLang's own routes and request models (``srt/entrypoints/http_server.py``,
 - ``load_format="flattened_bucket"``: the bucket's tensors travel as one uint8 broadcast, their bytes
   concatenated in request order (each tensor at an offset aligned to its dtype's size).
 - The weight version is ``weight_version`` in ``GET /model_info``.
-- Images (``image_data``): an image prompt goes out with one ``<|image_pad|>`` per image, which SGLang expands
-  itself (:func:`one_pad_per_image`; docs/vision.md, "SGLang for visual runs").
+- Images (``image_data``): an image prompt goes out with one ``<|image_pad|>`` per image
+  (``base.one_pad_per_image``; docs/vision.md, "SGLang for visual runs"). SGLang 0.5.23
+  (``SGLANG_MM_AVOID_RETOKENIZE``, on by default) keeps an ``input_ids`` prompt's own tokens and replaces *each*
+  pad token by its image's count (``BaseMultimodalProcessor._expand_input_ids``, which requires as many pad
+  tokens as images); a run of an image's exact count fails that check, and SGLang then re-tokenizes the decoded
+  prompt through the HF processor, which expands every pad of the run again
+  (``srt/multimodal/processors/base_processor.py``, ``qwen_vl.py``).
 - LoRA: ``/load_lora_adapter`` (``LoadLoRAAdapterReqInput``: ``lora_name``, ``lora_path``),
   ``/unload_lora_adapter`` (``lora_name``), and ``/generate``'s ``lora_path`` naming the adapter per
   request. SGLang refuses a second load under a loaded name, so a new adapter version is pause →
@@ -32,13 +37,13 @@ from typing import Any
 
 from areal_cli.api.io_struct import GenerationConfig, ParamSpec, WeightUpdateMeta
 from areal_cli.errors import InferenceError
-from areal_cli.inference.backends.base import one_pad_per_image as _one_pad_per_image
 from areal_cli.inference.backends.base import (
     HttpCall,
     InferenceBackendSpec,
     PackageNeed,
     Segment,
     ServerArgs,
+    one_pad_per_image,
     version_from,
 )
 
@@ -99,25 +104,15 @@ def sampling_params(g: GenerationConfig, max_new_tokens: int | None = None) -> d
     return sp
 
 
-def one_pad_per_image(ids: list[int], pad_id: int | None, n_images: int) -> list[int]:
-    """Each run of ``pad_id`` cut to one pad (backends/base.py). SGLang 0.5.23 (``SGLANG_MM_AVOID_RETOKENIZE``,
-    on by default) keeps an ``input_ids`` prompt's own tokens and replaces *each* pad token by its image's count
-    (``BaseMultimodalProcessor._expand_input_ids``, which requires as many pad tokens as images); a run of an
-    image's exact count fails that check, and SGLang then re-tokenizes the decoded prompt through the HF
-    processor, which expands every pad of the run again (``srt/multimodal/processors/base_processor.py``,
-    ``qwen_vl.py``)."""
-    return _one_pad_per_image(ids, pad_id, n_images, "SGLang")
-
-
 def build_generate(input_ids: list[int], g: GenerationConfig, *, max_new_tokens: int | None = None,
                    rid: str | None = None, lora: str | None = None, image_data: list[str] | None = None,
                    image_pad_id: int | None = None) -> HttpCall:
     """``image_data``: SGLang's field, the prompt's images in order (data URLs, base64 or server paths);
-    ``image_pad_id``: the placeholder's id, each run of which goes out as one pad (:func:`one_pad_per_image`).
+    ``image_pad_id``: the placeholder's id, each run of which goes out as one pad (``base.one_pad_per_image``).
     SGLang reports no expanded prompt, so the response's ``input_tokens`` stay the expanded ids the caller sent,
     which are SGLang's own expansion of the one-pad prompt."""
     if image_data:
-        input_ids = one_pad_per_image(input_ids, image_pad_id, len(image_data))
+        input_ids = one_pad_per_image(input_ids, image_pad_id, len(image_data), "SGLang")
     body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params(g, max_new_tokens),
                             "return_logprob": True, "stream": False}
     if image_data:
@@ -142,8 +137,9 @@ def build_generate_batch(inputs: list[list[int]], gs: list[GenerationConfig],
     ``image_data``: one list of images per prompt; sent as a list of lists (``[]`` for a prompt without
     images: SGLang reads a first entry that is not a list as one image per prompt); ``image_pad_id``: as for
     :func:`build_generate`."""
-    if image_data and image_pad_id is not None:
-        inputs = [one_pad_per_image(x, image_pad_id, len(im)) if im else x for x, im in zip(inputs, image_data)]
+    if image_data:
+        inputs = [one_pad_per_image(x, image_pad_id, len(im), "SGLang") if im else x
+                  for x, im in zip(inputs, image_data)]
     body: dict[str, Any] = {"input_ids": [list(x) for x in inputs],
                             "sampling_params": [sampling_params(g, m) for g, m in zip(gs, max_new_tokens)],
                             "return_logprob": True, "stream": False}
