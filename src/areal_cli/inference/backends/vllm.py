@@ -138,9 +138,9 @@ def build_generate_tokens(input_ids: list[int], g: GenerationConfig, *, model: s
     with ``--enable-scale-out``): ``token_ids`` with one placeholder per image (``one_pad_per_image``: vLLM
     0.32 always expands every placeholder token of a token prompt to its image's count,
     ``BaseMultiModalProcessor._apply_prompt_updates`` has no "already expanded" check), the images as
-    ``content_parts`` (``image_url`` with a data URL; vLLM fetches nothing else here) and ``SamplingParams``. vLLM expands the placeholders
-    with the model's processor and reports the expanded prompt (``return_token_ids``), which
-    :func:`parse_generate` hands back as the segment's ``prompt_ids``."""
+    ``content_parts`` (``image_url`` with a data URL; vLLM fetches nothing else here) and ``SamplingParams``.
+    vLLM expands the placeholders with the model's processor and reports the expanded prompt
+    (``return_token_ids``), which :func:`parse_generate` hands back as the segment's ``prompt_ids``."""
     if image_pad_id is None:
         raise ValueError("a vLLM request with images needs the model's image pad id (ModelRequest.image_pad_id)")
     ids = one_pad_per_image(input_ids, image_pad_id, len(image_data), "vLLM")
