@@ -710,4 +710,3 @@ def _cpu_lacks_bf16() -> bool:
     except OSError:
         return False
     return bool(flags) and not ({"amx_bf16", "avx512_bf16"} & set(flags.split()))
-

@@ -46,7 +46,9 @@ def check_visual_servers(cfg: Any, plan: Any) -> None:
     from areal_cli.inference.backends import imageless_backends
 
     other = imageless_backends(p.backend for p in plan.inferences)
-    for key, path in dataset_paths(cfg.dataset) if other else []:
+    if not other:
+        return
+    for key, path in dataset_paths(cfg.dataset):
         what = visual_source(cfg.dataset, key, path)
         if what is not None:
             raise ConfigError("allocation_mode", f"{path} is {what}, and {', '.join(other)} servers do not carry "
