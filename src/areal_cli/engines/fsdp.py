@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.engines import parallelize as par, vision
+from areal_cli.engines import parallelize as par, tied_embedding, vision
 from areal_cli.engines.base import VALUE_HEAD_FILE  # noqa: F401  (re-exported: the critic's head file)
 from areal_cli.engines.hf_model import HFModelEngine, _full  # noqa: F401
 from areal_cli.engines.specs import FSDP
@@ -60,6 +60,7 @@ class FSDPEngine(HFModelEngine):
                               f"{heads}", "pick c that divides the head count")
         if self.cfg.gradient_checkpointing:
             par.enable_gradient_checkpointing(model)
+        tied_embedding.add_rows_into_tied_head(model)  # no dense [V, H] temporary in the backward
         mp = self.precision.mixed  # bf16 compute over fp32 masters (engines/precision.py)
         # One rank (dp x cp == 1) has nothing to shard: as torchtitan, leave the module plain. FSDP's
         # hooks and DTensor dispatch cost ~15% of a step of the embedded default for no effect.
