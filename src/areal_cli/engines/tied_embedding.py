@@ -55,7 +55,9 @@ def add_rows_into_tied_head(model) -> bool:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # self.weight is the parameter in use now: FSDP2 swaps in its unsharded one for the forward.
         w = self.weight
-        if not w.requires_grad or not torch.is_grad_enabled():
+        # fp32 weights only: rows added into a bf16 gradient round differently from autograd's dense sum
+        # (the bf16 layouts' references compare to 1e-5), and its temporary is half the size there.
+        if not w.requires_grad or not torch.is_grad_enabled() or w.dtype != torch.float32:
             return F.embedding(ids, w, self.padding_idx)
         if not hasattr(w, "_areal_rows"):
             w._areal_rows = []
