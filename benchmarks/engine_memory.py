@@ -24,7 +24,8 @@ Step times on a 2-core machine with a 4-process layout mostly measure process co
 they are printed for what they are.
 
 ``--peak`` (issue 35, item 6) measures instead the peak resident memory of each rank in three phases
-(``init``: engine construction + ``initialize``; ``step``: ``--steps`` ``train_batch`` calls; ``export``:
+(``init``: engine construction + ``initialize``; ``step``: ``--steps`` ``train_batch`` calls, two by default
+because the first backward runs before AdamW's moments exist, so only the second shows the steady state; ``export``:
 ``save(weight_format="hf")``) for a randomly initialised model of Qwen2.5-0.5B's shape, at fsdp d4, archon
 d2t2 and t2p2, megatron t2p2 and deepspeed (ZeRO-3) d4, each beside its engine's d1:
 
@@ -662,7 +663,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=None,
                     help=f"default: d1 t2 p2 d2 (of {' '.join(LAYOUTS)}); --peak: every sharded layout "
                          "(d4 d2t2 t2p2), each engine's d1 always beside them")
-    ap.add_argument("--steps", type=int, default=None, help="train_batch calls (default 3; --peak: 1)")
+    ap.add_argument("--steps", type=int, default=None, help="train_batch calls (default 3; --peak: 2)")
     ap.add_argument("--rows", type=int, default=None, help="rows of the global batch (default 8; --peak: 4)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--tied", action="store_true", help="tied embeddings (12 layers instead of 8)")
@@ -706,7 +707,7 @@ def main() -> None:
         make_peak_model(args.make_peak_model, args.vocab)
         return
     if args.peak:
-        args.steps, args.rows = args.steps or 1, args.rows or 4
+        args.steps, args.rows = args.steps or 2, args.rows or 4
         main_peak(args)
         return
     args.steps, args.rows = args.steps or 3, args.rows or 8

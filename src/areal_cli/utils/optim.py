@@ -46,6 +46,32 @@ def foreach_ok(tensors) -> bool:
     return True
 
 
+def _fusable(params) -> bool:
+    params = list(params)
+    return foreach_ok(params) and all(p.dtype.is_floating_point for p in params)
+
+
+def fuse_adam(optimizer) -> int:
+    """Switch torch Adam/AdamW optimizers built elsewhere (megatron-core builds torch's AdamW with the
+    per-parameter loop on a host without TransformerEngine or apex) to the fused kernel where their
+    parameters allow it, before their first step; walks mcore's wrappers (``.optimizer``,
+    ``.chained_optimizers``). Returns how many optimizers it switched."""
+    import torch
+
+    inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    switched = 0
+    for opt in inner:
+        opt = getattr(opt, "optimizer", opt) if not isinstance(opt, torch.optim.Optimizer) else opt
+        if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or opt.state:
+            continue
+        if not all(_fusable(g["params"]) and not g.get("differentiable") for g in opt.param_groups):
+            continue
+        for g in opt.param_groups:
+            g["fused"], g["foreach"] = True, False
+        switched += 1
+    return switched
+
+
 def build_optimizer(params, optim_cfg: OptimConfig, total_steps: int):
     """AdamW + LambdaLR from an :class:`~areal_cli.config.algo.OptimConfig`."""
     import torch
@@ -60,7 +86,7 @@ def build_optimizer(params, optim_cfg: OptimConfig, total_steps: int):
     # Fused where the list allows one kernel (foreach_ok): the same update in place, where foreach makes a
     # temporary the size of every parameter (measured: +0.50 GiB at the step on 0.5 GiB of fp32 parameters,
     # fused +0.00; a per-parameter loop +0.19). The step peak of a sharded engine is this step.
-    one_list = foreach_ok(params) and all(p.dtype.is_floating_point for p in params)
+    one_list = _fusable(params)
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
                             weight_decay=optim_cfg.weight_decay, fused=True if one_list else None,
                             foreach=None if one_list else False)

@@ -256,7 +256,7 @@ class MegatronEngine(EngineBase):
     def _build_mcore_optimizer(self, mixed: bool) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from areal_cli.utils.optim import lr_factor
+        from areal_cli.utils.optim import fuse_adam, lr_factor
 
         o = self.optim_cfg
         if o.lr <= 0:
@@ -271,6 +271,9 @@ class MegatronEngine(EngineBase):
         # config_overrides={}: weight decay on every parameter, as the fsdp engine's AdamW (mcore's default
         # skips biases and norms)
         self.optimizer = get_megatron_optimizer(ocfg, list(self.model), config_overrides={})
+        # torch's AdamW (no TE/apex here) runs its per-parameter loop, whose temporaries the size of the
+        # largest parameter (the embedding) sit on top of the step's state: fused is the same update in place
+        fuse_adam(self.optimizer)
         self.scheduler = None
         self._base_lrs = [g.get("lr", o.lr) for g in self.optimizer.param_groups]
 
