@@ -47,7 +47,7 @@ from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import ulysses
 from areal_cli.engines import lora as lora_mod
-from areal_cli.engines import materialize, precision, tied_embedding
+from areal_cli.engines import materialize, precision
 from areal_cli.engines import parallelize as par
 from areal_cli.engines.base import VALUE_HEAD_FILE
 from areal_cli.engines.hf_model import HFModelEngine
@@ -298,8 +298,6 @@ class DeepSpeedEngine(HFModelEngine):
             model = build_replicated_model(self, model_path, dtype)
         if self.cfg.gradient_checkpointing:
             par.enable_gradient_checkpointing(model)
-        # before deepspeed.initialize, whose gradient hooks must run after this one's (tied_embedding)
-        tied_embedding.add_rows_into_tied_head(model)
         self.hf_config = model.config
         self._build_optimizer(model.parameters())
         restore = self._fp32_master and self.optimizer is not None

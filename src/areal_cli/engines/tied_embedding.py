@@ -43,12 +43,6 @@ def _add_rows(param: torch.Tensor) -> None:
         param.grad.index_add_(0, ids, g.to(param.grad.dtype))
 
 
-def _hook_once(param: torch.Tensor) -> None:
-    if not hasattr(param, "_areal_rows"):
-        param._areal_rows = []
-        param.register_post_accumulate_grad_hook(_add_rows)
-
-
 def add_rows_into_tied_head(model) -> bool:
     """Route a tied ``nn.Embedding``'s gradient into the head's (see the module doc); False (and nothing
     changed) when the model's head is not tied to its input embedding."""
@@ -65,13 +59,10 @@ def add_rows_into_tied_head(model) -> bool:
         # (the bf16 layouts' references compare to 1e-5), and its temporary is half the size there.
         if not w.requires_grad or not torch.is_grad_enabled() or w.dtype != torch.float32:
             return F.embedding(ids, w, self.padding_idx)
-        _hook_once(w)
+        if not hasattr(w, "_areal_rows"):
+            w._areal_rows = []
+            w.register_post_accumulate_grad_hook(_add_rows)
         return _RowsIntoHead.apply(ids, w, self.padding_idx)
 
     emb.forward = types.MethodType(forward, emb)
-    if emb.weight.requires_grad and emb.weight.dtype == torch.float32:
-        # Now, for an engine that keeps this parameter object (DeepSpeed): its own post-accumulate-grad
-        # hook, registered later, reduces the gradient and must find the rows already added (hooks run in
-        # registration order). FSDP2 swaps in another parameter; that one is hooked at its first forward.
-        _hook_once(emb.weight)
     return True
