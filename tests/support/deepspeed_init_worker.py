@@ -107,6 +107,9 @@ def run(v: dict, model_dir: str, out: str) -> None:
            "partitions": {n: (int(p.ds_numel), int(p.ds_tensor.numel()), int(p.data.numel()))
                           for n, p in module.named_parameters()},
            "tied": module.lm_head.weight is module.model.embed_tokens.weight,
+           # whether the optimizer steps the module's own partition (fp32) or a master copy of it (bf16)
+           "shares": [a.data_ptr() == b.data_ptr() for a, b in zip(engine.ds.optimizer.fp16_partitioned_groups_flat,
+                                                                  engine.ds.optimizer.fp32_partitioned_groups_flat)],
            "buffers": {n: b.detach().clone() for n, b in module.named_buffers()},
            "weights": {n: t.clone() for n, t in engine._named_full_tensors() if t is not None}}
     if dist.get_rank() == 0:

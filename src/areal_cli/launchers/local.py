@@ -36,6 +36,10 @@ from areal_cli.utils.procs import ManagedProcess, describe_exit, handling_stop_s
 if TYPE_CHECKING:
     from areal_cli.config.schema import ExperimentConfig
 
+# how long a failing rank's peers get for torchrun to exit and name its first observed failure (a rank killed
+# by a signal leaves no line of its own; its peers' collective errors come first in their logs)
+_PEER_GRACE_S = 10.0
+
 
 def logs_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "logs"
@@ -248,6 +252,13 @@ class NodeRunner(ServerSupervisor):
                               self.master_port), env=env).start()
         del t
 
+    def _trainer_exit_within(self, seconds: float) -> int | None:
+        assert self.trainer is not None
+        deadline = time.monotonic() + seconds
+        while (code := self.trainer.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return code
+
     def _trainer_failure(self, code: int | None) -> LaunchError:
         """Name the rank that failed first, with its error's one line (launchers/failures.py).
 
@@ -320,8 +331,11 @@ class NodeRunner(ServerSupervisor):
             dying = self.rank_logs.poll() if self.rank_logs is not None else None
             if dying is None:
                 return False
-            # A rank printed its last line; it and torchrun take seconds more to exit, the user need not wait.
-            failure = process_failure(*dying, "exit code 1")
+            # A rank printed its last line; it and torchrun take seconds more to exit, the user need not wait
+            # for that. But a peer's collective error ("Connection reset by peer") is often the echo of a rank
+            # killed by a signal, which prints nothing: torchrun names that one as it exits, so give it a moment.
+            code = self._trainer_exit_within(_PEER_GRACE_S)
+            failure = self._trainer_failure(code) if code is not None else process_failure(*dying, "exit code 1")
             self._write_status("failed", str(failure))
             raise failure
         if code == 0:

@@ -76,3 +76,11 @@ def test_weights_buffers_and_tie_match_from_pretrained(runs, name):
     assert r["buffers"].keys() == ref["ref_buffers"].keys()
     for k, b in ref["ref_buffers"].items():
         assert r["buffers"][k].dtype == b.dtype and torch.equal(r["buffers"][k], b), (name, k)
+
+
+def test_an_fp32_module_is_not_held_twice(runs):
+    """fp32: the optimizer steps the module's own partitions (DeepSpeed would copy them: share_fp32_partitions);
+    bf16 compute: the fp32 masters are a separate copy of the bf16 module's partitions, as they must be."""
+    for rank in (0, 1):
+        assert runs[f"fp32_rank{rank}"]["shares"] and all(runs[f"fp32_rank{rank}"]["shares"])
+        assert runs[f"mp_rank{rank}"]["shares"] and not any(runs[f"mp_rank{rank}"]["shares"])
