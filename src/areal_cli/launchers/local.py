@@ -259,15 +259,18 @@ class NodeRunner(ServerSupervisor):
             time.sleep(0.1)
         return code
 
+    def _torchrun_culprit(self) -> tuple[str, Path, str, int] | None:
+        assert self.trainer is not None
+        return _torchrun_culprit(self.trainer.tail(200), self.run_dir, self.layout.trainer.nproc_per_node,
+                                 self.node_rank - self.layout.trainer.first_node)
+
     def _trainer_failure(self, code: int | None) -> LaunchError:
         """Name the rank that failed first, with its error's one line (launchers/failures.py).
 
         A rank killed by a signal (SIGKILL, the OOM killer) leaves no traceback, while its peers then
         fail with collective errors that do: torchrun's first observed failure names the real cause.
         """
-        assert self.trainer is not None
-        killed = _torchrun_culprit(self.trainer.tail(200), self.run_dir, self.layout.trainer.nproc_per_node,
-                                   self.node_rank - self.layout.trainer.first_node)
+        killed = self._torchrun_culprit()
         if killed is not None and killed[3] < 0:
             return process_failure(*killed[:3], signal_how(killed[3]))
         found = _find_failed_rank(self.run_dir)
@@ -334,8 +337,10 @@ class NodeRunner(ServerSupervisor):
             # A rank printed its last line; it and torchrun take seconds more to exit, the user need not wait
             # for that. But a peer's collective error ("Connection reset by peer") is often the echo of a rank
             # killed by a signal, which prints nothing: torchrun names that one as it exits, so give it a moment.
-            code = self._trainer_exit_within(_PEER_GRACE_S)
-            failure = self._trainer_failure(code) if code is not None else process_failure(*dying, "exit code 1")
+            # Only a death by signal overrides the dying line (which prefers a user error to a crash).
+            killed = self._torchrun_culprit() if self._trainer_exit_within(_PEER_GRACE_S) is not None else None
+            failure = (process_failure(*killed[:3], signal_how(killed[3])) if killed is not None and killed[3] < 0
+                       else process_failure(*dying, "exit code 1"))
             self._write_status("failed", str(failure))
             raise failure
         if code == 0:
