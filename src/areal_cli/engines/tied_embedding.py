@@ -4,8 +4,9 @@ Why: with ``tie_word_embeddings`` the head's backward leaves a dense ``[V, H]`` 
 weight, and the embedding's backward makes a second dense ``[V, H]`` gradient that autograd then adds to it,
 although only the looked-up rows are nonzero. At a 152k vocabulary and hidden 896 that temporary is 0.51 GiB
 in fp32, and under FSDP2 it is live beside the gathered table, the head's gradient and the reduce-scatter
-input: the peak of the fsdp d4 step on a Qwen2.5-0.5B shape (3.45 GiB per rank; 3.01 without it, measured
-by ``benchmarks/engine_memory.py --peak``; docs/training.md). Here the lookup gives autograd no weight
+input, at the end of the backward where the fsdp d4 step of a Qwen2.5-0.5B shape peaks (measured by
+``benchmarks/engine_memory.py --peak``, docs/training.md: 4.43 → 3.99 GiB per rank at the steady step,
+3.46 → 3.02 on the first, which runs before AdamW's moments exist). Here the lookup gives autograd no weight
 gradient; it keeps the rows' gradients and adds them (``index_add_``) into the weight's gradient once autograd
 has put the head's there (a post-accumulate-grad hook). Same sum, without the temporary.
 """
