@@ -48,4 +48,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from areal_cli.utils.dist import exit_after
+
+    exit_after(main)
