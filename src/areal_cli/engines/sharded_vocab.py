@@ -1,0 +1,195 @@
+"""A tied embedding and LM head whose table stays row-sharded over the FSDP group: never gathered.
+
+Why: FSDP2 gathers a unit's whole weight for its forward and backward. For the tied ``[V, H]`` table of a
+Qwen2.5-0.5B shape (152k x 896, 0.51 GiB in fp32) that is the gathered table, the head's dense gradient and
+the reduce-scatter's input, all live at the end of the backward, where the fsdp d4 step peaks: 1.5 GiB of
+the 3.99 GiB a rank held (``benchmarks/engine_memory.py --peak``, docs/training.md). Here each rank keeps
+its rows ``[start, start + V/n)`` of the table (a ``Shard(0)`` DTensor on the FSDP mesh, outside every FSDP
+unit) and moves the tokens instead, as Megatron's vocabulary-parallel embedding and head do over TP:
+
+- lookup: all ranks' token ids are gathered; each rank looks up the ones in its rows (zeros elsewhere) and
+  a reduce-scatter (sum) hands every rank its own tokens' embeddings. Backward: the output gradients are
+  gathered and each rank adds its rows' share into its shard's gradient.
+- head: all ranks' hidden states are gathered; each rank computes the logits of its columns for all of
+  them and :func:`token_logprobs.logprobs_entropy` reduces each token's log-normaliser over the group.
+  Each rank keeps its own tokens' logprobs. Backward: the upstream gradients are gathered (every rank's
+  columns need every token's), each rank's table gradient is then complete for its rows, and the hidden
+  states' gradient is reduce-scattered (summed over the column shards) back to the tokens' owners.
+
+The table's gradient is thus the sum over ranks, as FSDP's is here (divide factor 1, ``apply_fsdp``), and
+already sharded. What it costs is the gathered activations: ``n x tokens x H`` per rank instead of the
+table, so it wins while ``n x tokens`` is below about ``2V`` (``engine.tied_head=auto`` decides so).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from areal_cli.engines import token_logprobs
+from areal_cli.utils import collectives
+
+
+def _counts(n: int, group: Any, device) -> list[int]:
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    collectives.all_gather_into_tensor(out, t, group=group)
+    return out.tolist()
+
+
+def _gather_rows(x: torch.Tensor, counts: list[int], group: Any) -> torch.Tensor:
+    """Every rank's ``x`` (``[counts[r], ...]``) concatenated in rank order."""
+    most = max(max(counts), 1)
+    if x.shape[0] < most:
+        x = torch.cat([x, x.new_zeros((most - x.shape[0],) + tuple(x.shape[1:]))])
+    out = x.new_empty((len(counts) * most,) + tuple(x.shape[1:]))
+    collectives.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return torch.cat([out[r * most:r * most + c] for r, c in enumerate(counts)])
+
+
+def _scatter_sum(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> torch.Tensor:
+    """Sum ``x`` (all ranks' rows, rank order) over the group and keep this rank's rows."""
+    most = max(max(counts), 1)
+    padded = x.new_zeros((len(counts) * most,) + tuple(x.shape[1:]))
+    start = 0
+    for r, c in enumerate(counts):
+        padded[r * most:r * most + c] = x[start:start + c]
+        start += c
+    out = x.new_empty((most,) + tuple(x.shape[1:]))
+    collectives.reduce_scatter_tensor(out, padded, group=group)
+    return out[:counts[rank]]
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: every rank's rows. Backward: the rows' gradients summed over ranks, to their owner."""
+
+    @staticmethod
+    def forward(ctx, x, counts, rank, group):
+        ctx.counts, ctx.rank, ctx.group = counts, rank, group
+        return _gather_rows(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _scatter_sum(g.contiguous(), ctx.counts, ctx.rank, ctx.group), None, None, None
+
+
+class _OwnTokens(torch.autograd.Function):
+    """Forward: this rank's rows of a tensor equal on every rank. Backward: every rank's rows' gradients
+    (each rank's loss reads only its own tokens; every rank's columns need them all)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, rank, group):
+        ctx.counts, ctx.group = counts, group
+        start = sum(counts[:rank])
+        return x[:, start:start + counts[rank]].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_rows(g.t().contiguous(), ctx.counts, ctx.group).t(), None, None, None
+
+
+class _Lookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, local_w, start, padding_idx, group, rank, dtype):
+        counts = _counts(ids.numel(), group, ids.device)
+        all_ids = _gather_rows(ids.reshape(-1), counts, group)
+        mine = (all_ids >= start) & (all_ids < start + local_w.shape[0])
+        rows = torch.where(mine, all_ids - start, 0)
+        emb = F.embedding(rows, local_w.to(dtype)) * mine.unsqueeze(-1).to(dtype)
+        ctx.save_for_backward(rows, mine if padding_idx is None else mine & (all_ids != padding_idx))
+        ctx.counts, ctx.rank, ctx.group, ctx.shape = counts, rank, group, local_w.shape
+        ctx.master_dtype = local_w.dtype
+        return _scatter_sum(emb, counts, rank, group).view(*ids.shape, local_w.shape[1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        rows, mine = ctx.saved_tensors
+        g_all = _gather_rows(g.reshape(-1, g.shape[-1]).contiguous(), ctx.counts, ctx.group)
+        gw = g_all.new_zeros(ctx.shape, dtype=torch.float32)  # the rows' sum in fp32, as the master
+        gw.index_add_(0, rows[mine], g_all[mine].float())
+        return None, gw.to(ctx.master_dtype), None, None, None, None, None
+
+
+class ShardedTable:
+    """The row shard of a tied table on this rank and the two operations that use it (see the module doc)."""
+
+    def __init__(self, weight: torch.nn.Parameter, group: Any, compute_dtype: torch.dtype | None):
+        self.weight, self.group, self.compute_dtype = weight, group, compute_dtype
+        self.rank = dist.get_rank(group)
+
+    @property
+    def start(self) -> int:
+        # DTensor's Shard(0) cuts as torch.chunk does: ceil(V / n) rows per rank, the last ones shorter
+        vocab, n = self.weight.shape[0], dist.get_world_size(self.group)
+        return min(self.rank * -(-vocab // n), vocab)
+
+    def _local(self) -> torch.Tensor:
+        return self.weight.to_local()  # the gradient comes back as a Shard(0) DTensor: the parameter's own
+
+    def _compute(self) -> torch.dtype:
+        return self.compute_dtype or self.weight.dtype
+
+    def lookup(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+        return _Lookup.apply(ids, self._local(), self.start, padding_idx, self.group, self.rank, self._compute())
+
+    def logprobs_entropy(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                         cutoffs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` ``[..., H]`` (the head's input at this rank's tokens), ``targets`` ``[...]``: this
+        rank's tokens' fp32 ``(logprobs, entropy)``, as ``token_logprobs.logprobs_entropy`` of the logits."""
+        shape, dev = targets.shape, hidden.device
+        h = hidden.reshape(-1, hidden.shape[-1])
+        counts = _counts(h.shape[0], self.group, dev)
+        h_all = _GatherTokens.apply(h, counts, self.rank, self.group)
+        t_all = _gather_rows(targets.reshape(-1).to(dev), counts, self.group)
+        c_all = None if cutoffs is None else _gather_rows(cutoffs.reshape(-1).to(dev).float(), counts, self.group)
+        with torch.autocast(dev.type, enabled=False):  # the head computes in fp32 (precision.fp32_head)
+            logits = F.linear(h_all.float(), self._local().to(self._compute()).float())
+        lp, ent = token_logprobs.logprobs_entropy(logits, t_all, temperature, c_all, group=self.group,
+                                                  start=self.start)
+        own = _OwnTokens.apply(torch.stack([lp, ent]), counts, self.rank, self.group)
+        return own[0].view(shape), own[1].view(shape)
+
+
+def eligible(model) -> str | None:
+    """Why the model's head cannot use a sharded table (``None``: it can)."""
+    from areal_cli.engines import vision
+
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is not emb.weight:
+        return "the model's head is not tied to its input embedding (tie_word_embeddings=false)"
+    if not isinstance(emb, torch.nn.Embedding) or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return f"the head is a {type(head).__name__}, not a bias-free Linear beside an nn.Embedding"
+    if vision.is_vl_config(model.config):
+        return "a vision-language model's embedding feeds its image hooks whole"
+    cfg = vision.text_config(model.config)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return "the model scales or caps its logits after the head"
+    return None
+
+
+def install(model, mesh, compute_dtype: torch.dtype | None) -> ShardedTable:
+    """Make the tied table a ``Shard(0)`` meta DTensor on ``mesh`` (materialised with the model, outside every
+    FSDP unit: pass it to ``apply_fsdp(ignored_params=…)``), the embedding look up through it and the head
+    return its input (the engine computes logprobs with :meth:`ShardedTable.logprobs_entropy`)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    old = emb.weight
+    param = torch.nn.Parameter(distribute_tensor(old.detach(), mesh, [Shard(0)], src_data_rank=None),
+                               requires_grad=old.requires_grad)
+    emb.weight = param
+    head.weight = param
+    table = ShardedTable(param, mesh.get_group(), compute_dtype)
+
+    def lookup(self, ids):
+        return table.lookup(ids, self.padding_idx)
+
+    emb.forward = types.MethodType(lookup, emb)
+    head.forward = types.MethodType(lambda self, x: x, head)
+    return table
