@@ -385,6 +385,8 @@ def peak_worker(spec: dict) -> None:
     ecfg = EngineConfig(name=spec["engine"], max_tokens_per_mb=spec["mb_tokens"])
     if spec.get("grad_reduce"):  # --grad-reduce (FSDP2 engines only: the others refuse a non-default value)
         ecfg.grad_reduce = spec["grad_reduce"]
+    if spec.get("tied_head"):  # --tied-head (engine=fsdp: its row-sharded tied table, or FSDP2's gathered unit)
+        ecfg.tied_head = spec["tied_head"]
     if spec["engine"] == "deepspeed":
         ecfg.deepspeed = DeepSpeedConfig(zero_stage=3)
     engine = cls(ecfg, OptimConfig(lr=1e-4), total_steps=spec["steps"], seed=0)
@@ -477,6 +479,7 @@ def run_peak_layout(engine: str, label: str, model: str, info: dict, args, tmp: 
     run_dir = tempfile.mkdtemp(dir=tmp, prefix=f"{engine}_{dims}{variant}_")
     spec = {"engine": engine, "parallel": parallel, "model": model, "vocab": info["vocab"], "steps": args.steps,
             "rows": args.rows, "seq": args.seq, "mb_tokens": args.mb_tokens, "grad_reduce": args.grad_reduce,
+            "tied_head": args.tied_head,
             "out": run_dir,
             "export": os.path.join(run_dir, "export")}
     port = find_free_port()
@@ -678,6 +681,8 @@ def main() -> None:
     ap.add_argument("--grad-reduce", default=None, choices=("per_micro_batch", "last_micro_batch"),
                     help="--peak: engine.grad_reduce for the ranks (fsdp/archon; default: the engine's, "
                          "per_micro_batch)")
+    ap.add_argument("--tied-head", default=None, choices=("auto", "sharded", "gathered"),
+                    help="--peak: engine.tied_head for fsdp (default auto: row-sharded at these sizes)")
     ap.add_argument("--malloc", default="areal", choices=("areal", "glibc", "both"),
                     help="--peak: the ranks' host allocator threshold: the engines' fixed one "
                          "(utils/host_memory.py), glibc's dynamic default (layouts labelled +glibc), or both, "

@@ -222,7 +222,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         if "batch_p2p_comm" in v:
             mcore_model.BATCH_P2P_COMM = False
     res: dict = {"device": str(getattr(engine, "device", "")),  # where it ran (the gpu check asserts it)
-                 "attn": attn_record(engine)}
+                 "attn": attn_record(engine),
+                 "tied_table": getattr(engine, "_table", None) is not None}  # engines/sharded_vocab.py
 
     batch_fn = make_group_batch if v.get("batch") == "groups" else make_batch
 

@@ -16,6 +16,7 @@ from areal_cli.config.ranges import ranged
 # them. Plain str fields, not Literal: OmegaConf 2.3's structured configs reject Literal annotations.
 DTYPES = ("float32", "bfloat16")
 GRAD_REDUCE_MODES = ("per_micro_batch", "last_micro_batch")
+TIED_HEAD_MODES = ("auto", "sharded", "gathered")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 
 
@@ -79,6 +80,11 @@ class EngineConfig:
     # FSDP2 (fsdp, archon): reduce-scatter gradients after every micro-batch (each rank keeps only its shard
     # of the accumulated gradient) or only after the last (unsharded gradients held until then)
     grad_reduce: str = "per_micro_batch"  # one of GRAD_REDUCE_MODES
+    # fsdp and archon (without p), a tied embedding and head: the table stays row-sharded over every rank and
+    # the tokens move (sharded), or FSDP2 gathers it like any unit (gathered; archon's t splits it then); auto:
+    # sharded while ranks x max_tokens_per_mb < 2 x vocab, i.e. while the gathered activations are smaller
+    # than the table and its gradient (engines/sharded_vocab.py)
+    tied_head: str = "auto"  # one of TIED_HEAD_MODES
     attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2 (CUDA with flash_attn; docs/training.md)
     archon: ArchonConfig = field(default_factory=ArchonConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)

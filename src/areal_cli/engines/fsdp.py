@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.engines import parallelize as par, tied_embedding, vision
+from areal_cli.engines import parallelize as par, sharded_vocab, tied_embedding, vision
 from areal_cli.engines.base import VALUE_HEAD_FILE  # noqa: F401  (re-exported: the critic's head file)
 from areal_cli.engines.hf_model import HFModelEngine, _full  # noqa: F401
 from areal_cli.engines.specs import FSDP
@@ -60,8 +60,12 @@ class FSDPEngine(HFModelEngine):
                               f"{heads}", "pick c that divides the head count")
         if self.cfg.gradient_checkpointing:
             par.enable_gradient_checkpointing(model)
-        tied_embedding.add_rows_into_tied_head(model)  # no dense [V, H] temporary in the backward
         mp = self.precision.mixed  # bf16 compute over fp32 masters (engines/precision.py)
+        self._table = None
+        if self._shard_tied_table(model):
+            self._table = sharded_vocab.install(model, self._meshes.fsdp_mesh, self.precision.compute if mp else None)
+        else:
+            tied_embedding.add_rows_into_tied_head(model)  # no dense [V, H] temporary in the backward
         # One rank (dp x cp == 1) has nothing to shard: as torchtitan, leave the module plain. FSDP's
         # hooks and DTensor dispatch cost ~15% of a step of the embedded default for no effect.
         # Mixed precision on one rank is autocast around the forward: the fp32 weights stay the module's
@@ -69,11 +73,23 @@ class FSDPEngine(HFModelEngine):
         # [256, 1024] matmul on one core here), while FSDP's policy would cast every parameter every step.
         if self._meshes.fsdp_mesh.size() > 1:
             par.apply_fsdp(model, self._meshes.fsdp_mesh, param_dtype=self.precision.compute if mp else None,
-                           reduce_dtype=torch.float32 if mp else None, extra_modules=tuple(vision.tower_units(model)))
+                           reduce_dtype=torch.float32 if mp else None, extra_modules=tuple(vision.tower_units(model)),
+                           ignored=() if self._table is None else (self._table.weight,))
         self._materialise([model])
         if self._meshes.fsdp_mesh.size() == 1 and mp:
             model.forward = torch.autocast(self.device.type, dtype=self.precision.compute)(model.forward)
         self.model = model
         self._build_optimizer(model.parameters())
         self.hf_config = model.config
+
+    def _shard_tied_table(self, model) -> bool:
+        """Whether the tied table stays row-sharded (``engine.tied_head``, engines/sharded_vocab.py)."""
+        return sharded_vocab.wanted(self.cfg.tied_head, self.cfg.max_tokens_per_mb, model,
+                                    self._meshes.fsdp_mesh.size())
+
+    def _logprobs_entropy(self, logits, targets, temperature, cutoffs=None):
+        if self._table is None:
+            return super()._logprobs_entropy(logits, targets, temperature, cutoffs)
+        # the head returned its input: the logits are made a vocabulary slice at a time, across ranks
+        return self._table.logprobs_entropy(logits, targets, temperature, cutoffs)
 

@@ -40,6 +40,10 @@ from areal_cli.utils.optim import foreach_ok
 class HFModelEngine(EngineBase):
     """Training of an HF causal LM's own module tree (the shared half of fsdp, archon and deepspeed)."""
 
+    # A tied table kept row-sharded (fsdp, engines/sharded_vocab.py): the model's head then returns its input
+    # and ``_logprobs_entropy`` makes the logits a vocabulary slice at a time across ranks.
+    _table = None
+
     # ------------------------------------------------------------------ materialisation
     def _build_meta_model(self, model_path: str):
         """The HF model with meta parameters (value head attached for a critic, LoRA injected), the
@@ -211,8 +215,11 @@ class HFModelEngine(EngineBase):
         idx = (sp.rows.to(dev), sp.cols.to(dev))
         shape = tuple(mb["input_ids"].shape)
         cut = mb.get(sampling_mask.KEY)
-        if cut is not None:  # one kept set per entry: rows sharing a position may have drawn under different ones
-            lp_e, ent_e = self._logprobs_entropy(logits[m], sp.targets.to(dev), temperature, cut[sp.rows, sp.cols])
+        # One kept set per entry: rows sharing a position may have drawn under different ones. A row-sharded
+        # table's head returns hidden states (engines/sharded_vocab.py): repeating them per entry is cheap.
+        if cut is not None or self._table is not None:
+            lp_e, ent_e = self._logprobs_entropy(logits[m], sp.targets.to(dev), temperature,
+                                                 None if cut is None else cut[sp.rows, sp.cols])
             return {"logprobs": lp_e.new_zeros(shape).index_put(idx, lp_e),
                     "entropy": ent_e.new_zeros(shape).index_put(idx, ent_e)}
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)

@@ -91,9 +91,11 @@ def embedding_unit(model):
     return emb
 
 
-def apply_fsdp(model, fsdp_mesh, *, param_dtype=None, reduce_dtype=None, extra_modules: tuple = ()) -> None:
+def apply_fsdp(model, fsdp_mesh, *, param_dtype=None, reduce_dtype=None, extra_modules: tuple = (),
+               ignored: tuple = ()) -> None:
     """``fully_shard`` every decoder layer, the extras, the embedding (with a tied head: :func:`embedding_unit`),
-    then the root (the final norm and an untied head).
+    then the root (the final norm and an untied head). ``ignored``: parameters no unit manages (a table
+    already row-sharded, engines/sharded_vocab.py); an embedding holding one is no unit of its own.
 
     Gradients are *summed* over ranks (divide factor 1): the engine already scales every rank's
     loss by its share of the global loss weight, so a mean would divide twice.
@@ -106,9 +108,11 @@ def apply_fsdp(model, fsdp_mesh, *, param_dtype=None, reduce_dtype=None, extra_m
     for m in extra_modules:
         fully_shard(m, mesh=fsdp_mesh, mp_policy=mp)
     emb = embedding_unit(model)
-    if emb is not None:
+    skip = {id(p) for p in ignored}
+    if emb is not None and not any(id(p) in skip for m in (emb if isinstance(emb, list) else [emb])
+                                   for p in m.parameters()):
         fully_shard(emb, mesh=fsdp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=set(ignored) or None)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

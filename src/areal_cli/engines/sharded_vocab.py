@@ -65,31 +65,37 @@ def _scatter_sum(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> t
 
 
 class _GatherTokens(torch.autograd.Function):
-    """Forward: every rank's rows. Backward: the rows' gradients summed over ranks, to their owner."""
+    """Forward: every rank's rows. Backward: the rows' gradients summed over ranks, to their owner (times
+    ``dup``: see :class:`_OwnTokens`)."""
 
     @staticmethod
-    def forward(ctx, x, counts, rank, group):
-        ctx.counts, ctx.rank, ctx.group = counts, rank, group
+    def forward(ctx, x, counts, rank, group, dup):
+        ctx.counts, ctx.rank, ctx.group, ctx.dup = counts, rank, group, dup
         return _gather_rows(x, counts, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _scatter_sum(g.contiguous(), ctx.counts, ctx.rank, ctx.group), None, None, None
+        out = _scatter_sum(g.contiguous(), ctx.counts, ctx.rank, ctx.group)
+        return (out if ctx.dup == 1 else out * ctx.dup), None, None, None, None
 
 
 class _OwnTokens(torch.autograd.Function):
     """Forward: this rank's rows of a tensor equal on every rank. Backward: every rank's rows' gradients
-    (each rank's loss reads only its own tokens; every rank's columns need them all)."""
+    (each rank's loss reads only its own tokens; every rank's columns need them all), over ``dup``: when
+    each token sits on ``dup`` ranks (tensor-parallel peers holding the same hidden states, each with the
+    same loss), the table's gradient would count it ``dup`` times. :class:`_GatherTokens` gives the
+    hidden states their whole gradient back."""
 
     @staticmethod
-    def forward(ctx, x, counts, rank, group):
-        ctx.counts, ctx.group = counts, group
+    def forward(ctx, x, counts, rank, group, dup):
+        ctx.counts, ctx.group, ctx.dup = counts, group, dup
         start = sum(counts[:rank])
         return x[:, start:start + counts[rank]].clone()
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_rows(g.t().contiguous(), ctx.counts, ctx.group).t(), None, None, None
+        out = _gather_rows(g.t().contiguous(), ctx.counts, ctx.group).t()
+        return (out if ctx.dup == 1 else out / ctx.dup), None, None, None, None
 
 
 class _Lookup(torch.autograd.Function):
@@ -115,6 +121,52 @@ class _Lookup(torch.autograd.Function):
         return None, gw.to(ctx.master_dtype), None, None, None, None, None
 
 
+def _row_start(vocab: int, rank: int, n: int) -> int:
+    # DTensor's Shard(0) cuts as torch.chunk does: ceil(V / n) rows per rank, the last ones shorter
+    return min(rank * -(-vocab // n), vocab)
+
+
+def lookup(ids: torch.Tensor, weight: Any, padding_idx: int | None, compute_dtype: torch.dtype | None = None,
+           seq_mesh: Any = None) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` for a ``Shard(0)`` DTensor ``weight`` of a 1-D mesh, whose ranks hold
+    different ids: gathered, looked up where the rows are, summed back to their owner. ``seq_mesh``: a
+    tensor-parallel mesh whose ranks share their ids (sequence parallel): each looks up its slice of the
+    sequence and gets the ``Shard(1)`` DTensor the layers' plan takes. The gradient is the parameter's own
+    shard (``to_local``), never a ``[V, H]`` one."""
+    group = weight.device_mesh.get_group()
+    rank, n = dist.get_rank(group), weight.device_mesh.size()
+    start = _row_start(weight.shape[0], rank, n)
+    dtype = compute_dtype or weight.dtype
+    if seq_mesh is None or seq_mesh.size() == 1:
+        return _Lookup.apply(ids, weight.to_local(), start, padding_idx, group, rank, dtype)
+    from torch.distributed.tensor import DTensor, Shard
+
+    parts, r, length = seq_mesh.size(), seq_mesh.get_local_rank(), ids.shape[1]
+    if length % parts:
+        raise ValueError(f"sequence length {length} is not a multiple of the {parts} sequence-parallel ranks")
+    step = length // parts
+    local = _Lookup.apply(ids[:, r * step:(r + 1) * step], weight.to_local(), start, padding_idx, group, rank,
+                          dtype)
+    return DTensor.from_local(local, seq_mesh, [Shard(1)], run_check=False)
+
+
+def shard_embedding(emb: torch.nn.Embedding, tp_mesh: Any) -> None:
+    """A tensor-parallel embedding (archon's t, sequence parallel): the weight ``Shard(0)`` over ``tp_mesh``,
+    each rank looking up its slice of the sequence (:func:`lookup`). What ``RowwiseParallel`` does, except
+    its backward, which makes a replicated ``[V, H]`` gradient before keeping the rank's rows: 0.51 GiB for
+    a 152k x 896 table, at the end of the backward where the step peaks."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    old = emb.weight
+    emb.weight = torch.nn.Parameter(distribute_tensor(old.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
+                                    requires_grad=old.requires_grad)
+
+    def forward(self, ids):
+        return lookup(ids, self.weight, self.padding_idx, seq_mesh=tp_mesh)  # FSDP2's unsharded weight now
+
+    emb.forward = types.MethodType(forward, emb)
+
+
 class ShardedTable:
     """The row shard of a tied table on this rank and the two operations that use it (see the module doc)."""
 
@@ -124,9 +176,7 @@ class ShardedTable:
 
     @property
     def start(self) -> int:
-        # DTensor's Shard(0) cuts as torch.chunk does: ceil(V / n) rows per rank, the last ones shorter
-        vocab, n = self.weight.shape[0], dist.get_world_size(self.group)
-        return min(self.rank * -(-vocab // n), vocab)
+        return _row_start(self.weight.shape[0], self.rank, dist.get_world_size(self.group))
 
     def _local(self) -> torch.Tensor:
         return self.weight.to_local()  # the gradient comes back as a Shard(0) DTensor: the parameter's own
@@ -135,23 +185,24 @@ class ShardedTable:
         return self.compute_dtype or self.weight.dtype
 
     def lookup(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
-        return _Lookup.apply(ids, self._local(), self.start, padding_idx, self.group, self.rank, self._compute())
+        return lookup(ids, self.weight, padding_idx, self.compute_dtype)
 
     def logprobs_entropy(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                         cutoffs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         cutoffs: torch.Tensor | None, dup: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` ``[..., H]`` (the head's input at this rank's tokens), ``targets`` ``[...]``: this
-        rank's tokens' fp32 ``(logprobs, entropy)``, as ``token_logprobs.logprobs_entropy`` of the logits."""
+        rank's tokens' fp32 ``(logprobs, entropy)``, as ``token_logprobs.logprobs_entropy`` of the logits.
+        ``dup``: how many ranks of the group hold each token with the same loss (archon's t)."""
         shape, dev = targets.shape, hidden.device
         h = hidden.reshape(-1, hidden.shape[-1])
         counts = _counts(h.shape[0], self.group, dev)
-        h_all = _GatherTokens.apply(h, counts, self.rank, self.group)
+        h_all = _GatherTokens.apply(h, counts, self.rank, self.group, dup)
         t_all = _gather_rows(targets.reshape(-1).to(dev), counts, self.group)
         c_all = None if cutoffs is None else _gather_rows(cutoffs.reshape(-1).to(dev).float(), counts, self.group)
         with torch.autocast(dev.type, enabled=False):  # the head computes in fp32 (precision.fp32_head)
             logits = F.linear(h_all.float(), self._local().to(self._compute()).float())
         lp, ent = token_logprobs.logprobs_entropy(logits, t_all, temperature, c_all, group=self.group,
                                                   start=self.start)
-        own = _OwnTokens.apply(torch.stack([lp, ent]), counts, self.rank, self.group)
+        own = _OwnTokens.apply(torch.stack([lp, ent]), counts, self.rank, self.group, dup)
         return own[0].view(shape), own[1].view(shape)
 
 
@@ -173,10 +224,14 @@ def eligible(model) -> str | None:
     return None
 
 
-def install(model, mesh, compute_dtype: torch.dtype | None) -> ShardedTable:
+def install(model, mesh, compute_dtype: torch.dtype | None, seq_mesh: Any = None) -> ShardedTable:
     """Make the tied table a ``Shard(0)`` meta DTensor on ``mesh`` (materialised with the model, outside every
     FSDP unit: pass it to ``apply_fsdp(ignored_params=…)``), the embedding look up through it and the head
-    return its input (the engine computes logprobs with :meth:`ShardedTable.logprobs_entropy`)."""
+    return its input (the engine computes logprobs with :meth:`ShardedTable.logprobs_entropy`).
+
+    ``seq_mesh``: a tensor-parallel mesh whose ranks share their input ids (archon's t, sequence parallel):
+    each looks up its slice of the sequence and the embedding returns the ``Shard(1)`` DTensor the layers'
+    plan takes, as archon's ``RowwiseParallel`` embedding did."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -187,9 +242,30 @@ def install(model, mesh, compute_dtype: torch.dtype | None) -> ShardedTable:
     head.weight = param
     table = ShardedTable(param, mesh.get_group(), compute_dtype)
 
-    def lookup(self, ids):
-        return table.lookup(ids, self.padding_idx)
+    def forward(self, ids):
+        return lookup(ids, param, self.padding_idx, compute_dtype, seq_mesh)
 
-    emb.forward = types.MethodType(lookup, emb)
+    emb.forward = types.MethodType(forward, emb)
     head.forward = types.MethodType(lambda self, x: x, head)
     return table
+
+
+def wanted(mode: str, max_tokens: Any, model, n_ranks: int, refuse: str | None = None) -> bool:
+    """``engine.tied_head`` for a model on ``n_ranks`` ranks that would share the table: whether to keep it
+    row-sharded. ``refuse``: why this layout cannot (``sharded`` is then refused, ``auto`` gathers)."""
+    from areal_cli.config.engine import TIED_HEAD_MODES
+    from areal_cli.engines import vision
+    from areal_cli.errors import ConfigError
+
+    if mode not in TIED_HEAD_MODES:
+        raise ConfigError("engine.tied_head", f"unknown mode {mode!r}", f"use one of: {', '.join(TIED_HEAD_MODES)}")
+    if mode == "gathered" or n_ranks == 1:
+        return False
+    why = refuse or eligible(model)
+    if mode == "sharded":
+        if why:
+            raise ConfigError("engine.tied_head", f"'sharded' cannot run here: {why}",
+                              "leave engine.tied_head=auto")
+        return True
+    tokens = max_tokens if isinstance(max_tokens, int) else 4096
+    return why is None and n_ranks * tokens < 2 * vision.text_config(model.config).vocab_size

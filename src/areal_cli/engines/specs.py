@@ -25,9 +25,17 @@ def fsdp2_grad_reduce_only(engine_cfg: EngineConfig, name: str, why: str) -> Non
                           f"leave engine.grad_reduce=per_micro_batch with engine={name}")
 
 
+def fsdp_tied_head_only(engine_cfg: EngineConfig, name: str, why: str) -> None:
+    """``engine.tied_head=sharded`` is the row-sharded table of fsdp and archon: another backend refuses it."""
+    if getattr(engine_cfg, "tied_head", "auto") == "sharded":
+        raise ConfigError("engine.tied_head", f"'sharded' is the row-sharded table of engine=fsdp and archon; {why}",
+                          f"leave engine.tied_head=auto with engine={name}")
+
+
 def check_deepspeed_knobs(engine_cfg: EngineConfig) -> None:
     """The ``engine.deepspeed`` knobs that depend on each other."""
     fsdp2_grad_reduce_only(engine_cfg, "deepspeed", "DeepSpeed reduces at its own accumulation boundary")
+    fsdp_tied_head_only(engine_cfg, "deepspeed", "ZeRO-3 gathers the table as any parameter")
     z = engine_cfg.deepspeed
     if z.offload_param and z.zero_stage != 3:
         raise ConfigError("engine.deepspeed.offload_param", f"parameter offload needs ZeRO-3, got zero_stage="

@@ -33,7 +33,7 @@ from areal_cli.plan.vision_rules import check_vision, check_visual_servers
 from areal_cli.plan.packages import check_packages
 from areal_cli.config.ranges import check_ranges
 from areal_cli.config.cluster import DEVICES
-from areal_cli.config.engine import DTYPES, GRAD_REDUCE_MODES, RECOMPUTE_GRANULARITIES
+from areal_cli.config.engine import DTYPES, GRAD_REDUCE_MODES, RECOMPUTE_GRANULARITIES, TIED_HEAD_MODES
 from areal_cli.config.rollout import ROUTINGS, WEIGHT_UPDATES, keep_sampling_mask_active
 from areal_cli.config.workflow import RM_COMBINES, RM_NORMALIZES
 from areal_cli.plan.distill import check_distill, teacher_size_ratio
@@ -57,6 +57,7 @@ CHOICES = {
     "engine.dtype": DTYPES,
     "engine.attn_impl": attn_impl.ATTN_IMPLS,
     "engine.grad_reduce": GRAD_REDUCE_MODES,
+    "engine.tied_head": TIED_HEAD_MODES,
     "engine.megatron.recompute_granularity": RECOMPUTE_GRANULARITIES,
     "launcher.name": lambda: _launcher_names(),  # the registry's, plugins' included
     "rollout.weight_update": WEIGHT_UPDATES,

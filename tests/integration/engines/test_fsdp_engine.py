@@ -39,6 +39,15 @@ def runs(tiny_model_dir, tmp_path_factory):
     w2 = [
         {"name": "dp2_x4", "engine": {"max_tokens_per_mb": SMALL}, "parallel": {"dp": 2}, "probe": True},
         {"name": "cp2", "engine": {"max_tokens_per_mb": BIG}, "parallel": {"cp": 2}, "probe": True},
+        # the tied table row-sharded (auto picks it for dp2_x4: 2 x 1 token < 2 x vocab) or gathered by FSDP2
+        {"name": "dp2_gathered", "engine": {"max_tokens_per_mb": SMALL, "tied_head": "gathered"},
+         "parallel": {"dp": 2}, "probe": True},
+        {"name": "cp2_sharded", "engine": {"max_tokens_per_mb": BIG, "tied_head": "sharded"}, "parallel": {"cp": 2},
+         "probe": True},
+        {"name": "dp2_grp_cut", "batch": "groups", "engine": {"max_tokens_per_mb": 40}, "parallel": {"dp": 2},
+         "probe": True},
+        {"name": "dp2_bf16_mp", "engine": {"max_tokens_per_mb": BIG, "dtype": "bfloat16", "tied_head": "sharded"},
+         "parallel": {"dp": 2}, "probe": True},
     ]
     launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w1}, 1)
     launch({"model_dir": tiny_model_dir, "out": str(out), "variants": w2}, 2)
@@ -59,7 +68,7 @@ def test_micro_batch_counts(runs):
     assert runs["dp2_x4"]["stats"][0]["n_micro_batches"] == 4
 
 
-@pytest.mark.parametrize("other", ["dp1_8x1", "dp2_x4", "dp1_padded", "dp1_ckpt"])
+@pytest.mark.parametrize("other", ["dp1_8x1", "dp2_x4", "dp1_padded", "dp1_ckpt", "dp2_gathered"])
 def test_same_loss_grads_weights(runs, other):
     ref, run = runs["dp1_1x8"], runs[other]
     _close(ref["grads"], run["grads"])
@@ -70,7 +79,15 @@ def test_same_loss_grads_weights(runs, other):
     _close(ref["weights"], run["weights"])
 
 
-@pytest.mark.parametrize("other", ["grp_shared", "grp_shared_cut", "grp_padded"])
+def test_tied_table_sharded_where_asked(runs):
+    """engine.tied_head: auto row-shards the tied table at dp2 with 1-token micro-batches, keeps FSDP2's
+    gathered unit at cp2 with 10k-token ones (2 x 10k > 2 x vocab); the explicit modes are honoured."""
+    got = {n: runs[n]["tied_table"] for n in ("dp2_x4", "cp2", "dp2_gathered", "cp2_sharded", "dp1_1x8")}
+    assert got == {"dp2_x4": True, "cp2": False, "dp2_gathered": False, "cp2_sharded": True, "dp1_1x8": False}
+    assert runs["dp2_bf16_mp"]["tied_table"] and runs["dp2_grp_cut"]["tied_table"]
+
+
+@pytest.mark.parametrize("other", ["grp_shared", "grp_shared_cut", "grp_padded", "dp2_grp_cut"])
 def test_shared_prefix_matches_plain_packing(runs, other):
     """GRPO groups packed with one copy of their prompt: same logprobs, loss, grads and weights."""
     ref, run = runs["grp_plain"], runs[other]
@@ -125,16 +142,18 @@ def test_weights_actually_moved(runs, tiny_model_dir):
     assert max((w[k] - init[k]).abs().max().item() for k in init) > 1e-4
 
 
-def test_ulysses_matches_sp1(runs):
-    ref, cp = runs["dp1_1x8"], runs["cp2"]
+@pytest.mark.parametrize("name", ["cp2", "cp2_sharded"])
+def test_ulysses_matches_sp1(runs, name):
+    ref, cp = runs["dp1_1x8"], runs[name]
     _close(ref["logprobs"], cp["logprobs"])
     assert ref["logprobs"]["logprobs"].abs().sum() > 0
     _close(ref["grads"], cp["grads"])
     _close(ref["weights"], cp["weights"])
 
 
-def test_bf16_mixed_precision_close_to_fp32(runs):
-    ref, mp = runs["dp1_1x8"], runs["dp1_bf16_mp"]
+@pytest.mark.parametrize("name", ["dp1_bf16_mp", "dp2_bf16_mp"])
+def test_bf16_mixed_precision_close_to_fp32(runs, name):
+    ref, mp = runs["dp1_1x8"], runs[name]
     _close(ref["logprobs"], mp["logprobs"], tol=0.1)
     for k, g in ref["grads"].items():
         cos = torch.nn.functional.cosine_similarity(g.flatten(), mp["grads"][k].float().flatten(), dim=0)

@@ -81,3 +81,21 @@ def test_other_engine_choices_are_refused_by_validate_config(engine, path, value
     """Checked before anything starts, not only when the engine is built."""
     e = err(f"engine={engine}", f"{path}={value}")
     assert e.path == path and f"unknown value '{value}'" in e.reason and choices in e.hint
+
+
+def test_tied_head_choices_and_engines():
+    """engine.tied_head: an unknown mode, 'sharded' on an engine without the row-sharded table and 'sharded'
+    under archon's pipeline stages are refused before anything starts; fsdp and archon take every mode."""
+    e = err("engine.tied_head=rows")
+    assert e.path == "engine.tied_head" and "auto, sharded, gathered" in e.hint
+    for mode in ("auto", "sharded", "gathered"):
+        validate(load_config([f"engine.tied_head={mode}"]))
+        validate(load_config(["engine=archon", "allocation_mode=hf:d1+archon:d1t2", "cluster.n_gpus_per_node=3",
+                              f"engine.tied_head={mode}"]))
+    e = err("engine=archon", "allocation_mode=hf:d1+archon:d1p2", "cluster.n_gpus_per_node=3",
+            "engine.tied_head=sharded")
+    assert e.path == "engine.tied_head" and "p2" in e.reason and "drop p" in e.hint
+    for engine in ("megatron", "deepspeed"):
+        e = err(f"engine={engine}", "engine.tied_head=sharded")
+        assert e.path == "engine.tied_head" and "fsdp" in e.reason and f"engine={engine}" in e.hint, engine
+        validate(load_config([f"engine={engine}", "engine.tied_head=gathered"]))

@@ -41,6 +41,10 @@ def _layers(engine_cfg: EngineConfig, dims: Any, n_layers: int) -> None:
     if a.pp_schedule != "Interleaved1F1B" and v != 1:
         raise ConfigError("engine.archon.pp_virtual_stages", f"{a.pp_schedule} runs one stage per rank, got {v}",
                           "use pp_schedule=Interleaved1F1B for virtual stages, or set pp_virtual_stages=1")
+    if getattr(engine_cfg, "tied_head", "auto") == "sharded" and dims.p > 1:
+        raise ConfigError("engine.tied_head", f"'sharded' keeps the tied table row-sharded over every rank; "
+                          f"archon's p{dims.p} stages hold the embedding and the head apart",
+                          "leave engine.tied_head=auto with archon pipeline stages, or drop p")
     stages = dims.p * v
     if list(a.pp_layers):
         counts = [int(x) for x in a.pp_layers]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy
-from areal_cli.engines import packing, sampling_mask, step_stats, ulysses, vision
+from areal_cli.engines import packing, sampling_mask, sharded_vocab, step_stats, ulysses, vision
 from areal_cli.engines import parallelize as fsdp_par
 from areal_cli.engines import routing_replay as r3
 from areal_cli.engines.archon import SPEC, clip, expert_parallel, pipeline, vocab_parallel
@@ -69,6 +69,7 @@ class ArchonEngine(HFModelEngine):
         model, _ = self._build_meta_model(model_path)  # meta parameters: nothing read yet
         self.hf_config = model.config
         mp = self.precision.mixed  # bf16 compute over fp32 masters (engines/precision.py)
+        self._table = self._sharded_table(model, dims, self.precision.compute if mp else None)
         opts = dict(activation_checkpointing=self.cfg.gradient_checkpointing, vocab_parallel=not self.critic,
                     param_dtype=self.precision.compute if mp else None, reduce_dtype=torch.float32 if mp else None)
         self.pipe: pipeline.Pipeline | None = None
@@ -83,10 +84,24 @@ class ArchonEngine(HFModelEngine):
             self.pipe = pipeline.Pipeline(stages, m, a.pp_schedule, self.device)
             self.model = torch.nn.ModuleDict({f"stage{s.stage_index}": s for s in stages})
         else:
-            self.model = parallelize(model, m, **opts)
+            self.model = parallelize(model, m, table=self._table, **opts)
             self._materialise([self.model])  # each rank reads its own shards
         self.moe = expert_parallel.moe_blocks(self.model)
         self._build_optimizer(self.model.parameters())
+
+    def _sharded_table(self, model, dims: ArchonDims, compute) -> sharded_vocab.ShardedTable | None:
+        """The tied table row-sharded over all d x c x t ranks (``engine.tied_head``, engines/sharded_vocab.py),
+        or None: FSDP2 gathers it over d x c, and t splits it as a vocab-parallel embedding and head."""
+        refuse = None
+        if dims.pp > 1:
+            refuse = "archon's pipeline stages hold the embedding and the head apart"
+        elif expert_parallel.is_moe_config(model.config):
+            refuse = "archon shards a MoE model's tied table with its experts' meshes"
+        n = dims.dp * dims.cp * dims.tp
+        if not sharded_vocab.wanted(self.cfg.tied_head, self.cfg.max_tokens_per_mb, model, n, refuse):
+            return None
+        mesh = self.mesh.world["dp", "cp", "tp"]._flatten("dp_cp_tp")
+        return sharded_vocab.install(model, mesh, compute, seq_mesh=self.mesh.tp_mesh if dims.tp > 1 else None)
 
     def _check_moe(self, hf_cfg: Any, dims: ArchonDims) -> None:
         coeff = float(self.cfg.archon.moe_aux_loss_coeff)
@@ -165,6 +180,8 @@ class ArchonEngine(HFModelEngine):
 
     def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                           cutoffs: torch.Tensor | None = None):
+        if self._table is not None:  # the head returned its hidden states, each held by the t peers
+            return self._table.logprobs_entropy(logits, targets, temperature, cutoffs, dup=self.parallel.tp)
         if self.parallel.tp == 1 or self.critic:
             return super()._logprobs_entropy(logits, targets, temperature, cutoffs)
         return vocab_parallel.logprobs_entropy(logits, targets, temperature, group=self.mesh.tp_group,

@@ -41,7 +41,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, fsdp_mesh: Any, *, param_dtype=None, reduce_dtype=None,
-               reshard_after_forward: bool = True, efsdp_mesh: Any = None) -> None:
+               reshard_after_forward: bool = True, efsdp_mesh: Any = None, unmanaged: tuple = ()) -> None:
     """``fully_shard`` every owned decoder layer, then the root (embeddings, final norm, head).
 
     Gradients are summed over ranks (divide factor 1, plain SUM collectives as gloo has no AVG):
@@ -67,7 +67,8 @@ def apply_fsdp(model: nn.Module, fsdp_mesh: Any, *, param_dtype=None, reduce_dty
 
     for unit in tower_units(model):  # a VL model's ViT blocks, then the rest of its tower (not cut over t)
         fully_shard(unit, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                ignored_params=set(unmanaged) or None)  # a row-sharded tied table (engines/sharded_vocab.py)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -93,17 +94,18 @@ def _expert_placement(efsdp: int, param: nn.Parameter):
 
 def parallelize(model: nn.Module, mesh: ArchonMesh, *, activation_checkpointing: bool = False,
                 param_dtype=None, reduce_dtype=None, vocab_parallel: bool = True,
-                pipelined: bool = False, force_fsdp: bool = False) -> nn.Module:
+                pipelined: bool = False, force_fsdp: bool = False, table: Any = None) -> nn.Module:
     """TP → activation checkpointing → FSDP2 on ``model`` (in place; returned for chaining).
 
     ``model``: an HF causal LM or a :class:`~.pipeline.StageModule`. FSDP is skipped when ``dp×cp``
     is one rank and no mixed precision is asked (as torchtitan: nothing to shard, and FSDP's hooks
-    cost time), unless ``force_fsdp``.
+    cost time), unless ``force_fsdp``. ``table``: the model's tied table already row-sharded over every
+    rank (engines/sharded_vocab.py): neither TP nor FSDP touch the embedding and the head then.
     """
     from areal_cli.engines.archon.pipeline import StageModule
 
     if mesh.dims.tp > 1:
-        tp_plans.apply_tp(model, mesh.tp_mesh, vocab_parallel=vocab_parallel)
+        tp_plans.apply_tp(model, mesh.tp_mesh, vocab_parallel=vocab_parallel, vocab=table is None)
         if isinstance(model, StageModule):
             model.seq_mesh = mesh.tp_mesh  # hidden states between stages are sequence slices
     hf_config = getattr(model, "config", None)
@@ -114,5 +116,6 @@ def parallelize(model: nn.Module, mesh: ArchonMesh, *, activation_checkpointing:
     mixed = param_dtype is not None or reduce_dtype is not None
     if mesh.fsdp_mesh.size() > 1 or mixed or force_fsdp:
         apply_fsdp(model, mesh.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   reshard_after_forward=not pipelined, efsdp_mesh=mesh.efsdp_mesh)
+                   reshard_after_forward=not pipelined, efsdp_mesh=mesh.efsdp_mesh,
+                   unmanaged=() if table is None else (table.weight,))
     return model

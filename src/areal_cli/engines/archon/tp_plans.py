@@ -3,7 +3,7 @@
 The model stays the HF module tree (parameter names stay HF names); each plan maps HF module paths
 to DTensor parallel styles, as torchtitan's ``parallelize_*`` does for its own model code:
 
-- embeddings: vocab-sharded (``RowwiseParallel``), output sharded on the sequence dim;
+- embeddings: vocab-sharded (``sharded_vocab.shard_embedding``), output sharded on the sequence dim;
 - norms: sequence parallel (``SequenceParallel``: each rank normalises its slice of the tokens);
 - attention/MLP inputs: gathered over the sequence (``PrepareModuleInput`` ``Shard(1)→Replicate``);
 - q/k/v/gate/up ``ColwiseParallel`` (heads / intermediate sharded), o/down ``RowwiseParallel``
@@ -109,7 +109,7 @@ def _adjust_head_counts(attn: Any, tp: int) -> None:
         setattr(attn, "hidden_size", hidden // tp)
 
 
-def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
+def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True, vocab: bool = True) -> None:
     """Apply the family's plan to ``model`` in place.
 
     ``model`` is an HF causal LM (``.model`` base + ``.lm_head``) or a pipeline stage of one (same
@@ -117,11 +117,14 @@ def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
     when the mesh has one rank. Tied embeddings are re-tied after sharding (both are vocab-sharded
     the same way, ``Shard(0)`` of ``[V, H]``). ``vocab_parallel=False`` leaves ``lm_head`` whole on
     every rank (a critic's 1-wide value head; its gradients are then identical on all tp ranks).
+    ``vocab=False`` leaves the embedding and the head alone (a tied table row-sharded over every rank,
+    engines/sharded_vocab.py, makes the same sequence-sharded embedding output).
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+    from torch.distributed.tensor.parallel import (PrepareModuleOutput, SequenceParallel,
                                                    parallelize_module)
 
+    from areal_cli.engines import sharded_vocab
     from areal_cli.engines.archon import vocab_parallel as vp
 
     from areal_cli.engines.vision import text_config, text_model
@@ -139,12 +142,10 @@ def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
         raise ConfigError("model.path",
                           "tied embeddings need the vocab-parallel lm_head under tensor parallelism",
                           "keep vocab_parallel=True, or untie the head first")
-    if getattr(base, "embed_tokens", None) is not None:
-        # Global-shape DTensor out: HF builds masks and rotary embeddings from inputs_embeds' shape.
-        parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
-                                                                       output_layouts=Shard(1),
-                                                                       use_local_output=False))
-        base.embed_tokens.weight.register_post_accumulate_grad_hook(_grad_to_param_layout)
+    if getattr(base, "embed_tokens", None) is not None and vocab:
+        # Global-shape DTensor out (HF builds masks and rotary embeddings from inputs_embeds' shape), the
+        # gradient the weight's own shard
+        sharded_vocab.shard_embedding(base.embed_tokens, tp_mesh)
     plan = layer_plan(family)
     for layer in base.layers:
         if not any(True for _ in layer.parameters()):
@@ -156,19 +157,10 @@ def apply_tp(model: Any, tp_mesh: Any, *, vocab_parallel: bool = True) -> None:
         parallelize_module(base.norm, tp_mesh, PrepareModuleOutput(output_layouts=Shard(1),
                                                                    desired_output_layouts=Replicate(),
                                                                    use_local_output=True))
-    if lm_head is not None and vocab_parallel:
+    if lm_head is not None and vocab_parallel and vocab:
         parallelize_module(lm_head, tp_mesh, vp.lm_head_style())
         if tied:
             lm_head.weight = base.embed_tokens.weight
-
-
-def _grad_to_param_layout(p: Any) -> None:
-    """The embedding lookup's weight gradient comes back replicated over tp while the weight is
-    vocab-sharded: keep only this rank's shard (a local slice, no communication), so the gradient and
-    the optimizer step take 1/t of the memory, as for every other parameter."""
-    g = p.grad
-    if g is not None and hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
-        p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def _has_params(module: Any) -> bool:

@@ -46,9 +46,10 @@ def _constraint(dims: Any) -> str | None:
 
 
 def _knobs(engine_cfg: EngineConfig) -> None:
-    from areal_cli.engines.specs import fsdp2_grad_reduce_only
+    from areal_cli.engines.specs import fsdp2_grad_reduce_only, fsdp_tied_head_only
 
     fsdp2_grad_reduce_only(engine_cfg, "megatron", "mcore's DDP reduces its gradient buffers once per step")
+    fsdp_tied_head_only(engine_cfg, "megatron", "mcore splits the vocabulary over its TP group")
 
 
 def _routing_replay(engine_cfg: EngineConfig) -> None:
