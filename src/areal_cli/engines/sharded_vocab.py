@@ -1,4 +1,5 @@
-"""A tied embedding and LM head whose table stays row-sharded over the FSDP group: never gathered.
+"""A tied embedding and LM head whose table stays row-sharded over every rank: never gathered
+(``engine.tied_head``; fsdp over d x c, archon over d x c x t), and archon's TP embedding's own-rows lookup.
 
 Why: FSDP2 gathers a unit's whole weight for its forward and backward. For the tied ``[V, H]`` table of a
 Qwen2.5-0.5B shape (152k x 896, 0.51 GiB in fp32) that is the gathered table, the head's dense gradient and
@@ -19,6 +20,8 @@ unit) and moves the tokens instead, as Megatron's vocabulary-parallel embedding 
 The table's gradient is thus the sum over ranks, as FSDP's is here (divide factor 1, ``apply_fsdp``), and
 already sharded. What it costs is the gathered activations: ``n x tokens x H`` per rank instead of the
 table, so it wins while ``n x tokens`` is below about ``2V`` (``engine.tied_head=auto`` decides so).
+Under archon's t the ranks of a TP group share their ids and the head's input: each looks up its slice of
+the sequence, and the head's table gradient is divided by t (``dup``), each token being held t times.
 """
 
 from __future__ import annotations
