@@ -62,7 +62,7 @@ class FSDPEngine(HFModelEngine):
             par.enable_gradient_checkpointing(model)
         mp = self.precision.mixed  # bf16 compute over fp32 masters (engines/precision.py)
         self._table = None
-        if self._shard_tied_table(model):
+        if sharded_vocab.wanted(self.cfg.tied_head, self.cfg.max_tokens_per_mb, model, self._meshes.fsdp_mesh.size()):
             self._table = sharded_vocab.install(model, self._meshes.fsdp_mesh, self.precision.compute if mp else None)
         else:
             tied_embedding.add_rows_into_tied_head(model)  # no dense [V, H] temporary in the backward
@@ -81,15 +81,3 @@ class FSDPEngine(HFModelEngine):
         self.model = model
         self._build_optimizer(model.parameters())
         self.hf_config = model.config
-
-    def _shard_tied_table(self, model) -> bool:
-        """Whether the tied table stays row-sharded (``engine.tied_head``, engines/sharded_vocab.py)."""
-        return sharded_vocab.wanted(self.cfg.tied_head, self.cfg.max_tokens_per_mb, model,
-                                    self._meshes.fsdp_mesh.size())
-
-    def _logprobs_entropy(self, logits, targets, temperature, cutoffs=None):
-        if self._table is None:
-            return super()._logprobs_entropy(logits, targets, temperature, cutoffs)
-        # the head returned its input: the logits are made a vocabulary slice at a time, across ranks
-        return self._table.logprobs_entropy(logits, targets, temperature, cutoffs)
-

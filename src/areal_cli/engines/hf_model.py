@@ -107,6 +107,13 @@ class HFModelEngine(EngineBase):
         model.config.tie_word_embeddings = False
         model.lm_head = head
 
+    def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          cutoffs: torch.Tensor | None = None):
+        if self._table is None:
+            return super()._logprobs_entropy(logits, targets, temperature, cutoffs)
+        # the head returned its input: the logits are made a vocabulary slice at a time, across ranks
+        return self._table.logprobs_entropy(logits, targets, temperature, cutoffs)
+
     def _shares_prefix(self, output: str) -> bool:
         # flash-attn takes no mask, and the shared prefix needs one: plain packing then (validate-config says so)
         return (self.cfg.shared_prefix and self.cfg.padding_free and self.parallel.cp == 1

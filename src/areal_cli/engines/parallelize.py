@@ -108,9 +108,7 @@ def apply_fsdp(model, fsdp_mesh, *, param_dtype=None, reduce_dtype=None, extra_m
     for m in extra_modules:
         fully_shard(m, mesh=fsdp_mesh, mp_policy=mp)
     emb = embedding_unit(model)
-    skip = {id(p) for p in ignored}
-    if emb is not None and not any(id(p) in skip for m in (emb if isinstance(emb, list) else [emb])
-                                   for p in m.parameters()):
+    if emb is not None and not any(p is (emb[0] if isinstance(emb, list) else emb).weight for p in ignored):
         fully_shard(emb, mesh=fsdp_mesh, mp_policy=mp)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=set(ignored) or None)
     for m in model.modules():

@@ -153,16 +153,20 @@ def lookup(ids: torch.Tensor, weight: Any, padding_idx: int | None, compute_dtyp
     return DTensor.from_local(local, seq_mesh, [Shard(1)], run_check=False)
 
 
+def _rows_param(old: torch.nn.Parameter, mesh: Any) -> torch.nn.Parameter:
+    """``old`` (meta: nothing is read or sent) as a ``Shard(0)`` DTensor parameter of ``mesh``."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return torch.nn.Parameter(distribute_tensor(old.detach(), mesh, [Shard(0)], src_data_rank=None),
+                              requires_grad=old.requires_grad)
+
+
 def shard_embedding(emb: torch.nn.Embedding, tp_mesh: Any) -> None:
     """A tensor-parallel embedding (archon's t, sequence parallel): the weight ``Shard(0)`` over ``tp_mesh``,
     each rank looking up its slice of the sequence (:func:`lookup`). What ``RowwiseParallel`` does, except
     its backward, which makes a replicated ``[V, H]`` gradient before keeping the rank's rows: 0.51 GiB for
     a 152k x 896 table, at the end of the backward where the step peaks."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    old = emb.weight
-    emb.weight = torch.nn.Parameter(distribute_tensor(old.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
-                                    requires_grad=old.requires_grad)
+    emb.weight = _rows_param(emb.weight, tp_mesh)
 
     def forward(self, ids):
         return lookup(ids, self.weight, self.padding_idx, seq_mesh=tp_mesh)  # FSDP2's unsharded weight now
@@ -171,41 +175,35 @@ def shard_embedding(emb: torch.nn.Embedding, tp_mesh: Any) -> None:
 
 
 class ShardedTable:
-    """The row shard of a tied table on this rank and the two operations that use it (see the module doc)."""
+    """The row shard of a tied table on this rank and the two operations that use it (see the module doc).
+    ``seq_mesh``: as in :func:`lookup`; its ranks also share the head's input, each token ``dup`` times."""
 
-    def __init__(self, weight: torch.nn.Parameter, group: Any, compute_dtype: torch.dtype | None):
-        self.weight, self.group, self.compute_dtype = weight, group, compute_dtype
-        self.rank = dist.get_rank(group)
-
-    @property
-    def start(self) -> int:
-        return _row_start(self.weight.shape[0], self.rank, dist.get_world_size(self.group))
-
-    def _local(self) -> torch.Tensor:
-        return self.weight.to_local()  # the gradient comes back as a Shard(0) DTensor: the parameter's own
-
-    def _compute(self) -> torch.dtype:
-        return self.compute_dtype or self.weight.dtype
+    def __init__(self, weight: torch.nn.Parameter, compute_dtype: torch.dtype | None, seq_mesh: Any = None):
+        self.weight, self.compute_dtype, self.seq_mesh = weight, compute_dtype, seq_mesh
+        self.group = weight.device_mesh.get_group()
+        self.rank = dist.get_rank(self.group)
+        self.start = _row_start(weight.shape[0], self.rank, weight.device_mesh.size())
+        self.dup = 1 if seq_mesh is None else seq_mesh.size()
 
     def lookup(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
-        return lookup(ids, self.weight, padding_idx, self.compute_dtype)
+        return lookup(ids, self.weight, padding_idx, self.compute_dtype, self.seq_mesh)
 
     def logprobs_entropy(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                         cutoffs: torch.Tensor | None, dup: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                         cutoffs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` ``[..., H]`` (the head's input at this rank's tokens), ``targets`` ``[...]``: this
-        rank's tokens' fp32 ``(logprobs, entropy)``, as ``token_logprobs.logprobs_entropy`` of the logits.
-        ``dup``: how many ranks of the group hold each token with the same loss (archon's t)."""
+        rank's tokens' fp32 ``(logprobs, entropy)``, as ``token_logprobs.logprobs_entropy`` of the logits."""
         shape, dev = targets.shape, hidden.device
         h = hidden.reshape(-1, hidden.shape[-1])
         counts = _counts(h.shape[0], self.group, dev)
-        h_all = _GatherTokens.apply(h, counts, self.rank, self.group, dup)
+        h_all = _GatherTokens.apply(h, counts, self.rank, self.group, self.dup)
         t_all = _gather_rows(targets.reshape(-1).to(dev), counts, self.group)
         c_all = None if cutoffs is None else _gather_rows(cutoffs.reshape(-1).to(dev).float(), counts, self.group)
         with torch.autocast(dev.type, enabled=False):  # the head computes in fp32 (precision.fp32_head)
-            logits = F.linear(h_all.float(), self._local().to(self._compute()).float())
+            w = self.weight.to_local()  # its gradient comes back as the parameter's own Shard(0) DTensor
+            logits = F.linear(h_all.float(), w.to(self.compute_dtype or w.dtype).float())
         lp, ent = token_logprobs.logprobs_entropy(logits, t_all, temperature, c_all, group=self.group,
                                                   start=self.start)
-        own = _OwnTokens.apply(torch.stack([lp, ent]), counts, self.rank, self.group, dup)
+        own = _OwnTokens.apply(torch.stack([lp, ent]), counts, self.rank, self.group, self.dup)
         return own[0].view(shape), own[1].view(shape)
 
 
@@ -235,18 +233,12 @@ def install(model, mesh, compute_dtype: torch.dtype | None, seq_mesh: Any = None
     ``seq_mesh``: a tensor-parallel mesh whose ranks share their input ids (archon's t, sequence parallel):
     each looks up its slice of the sequence and the embedding returns the ``Shard(1)`` DTensor the layers'
     plan takes, as archon's ``RowwiseParallel`` embedding did."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    old = emb.weight
-    param = torch.nn.Parameter(distribute_tensor(old.detach(), mesh, [Shard(0)], src_data_rank=None),
-                               requires_grad=old.requires_grad)
-    emb.weight = param
-    head.weight = param
-    table = ShardedTable(param, mesh.get_group(), compute_dtype)
+    emb.weight = head.weight = _rows_param(emb.weight, mesh)
+    table = ShardedTable(emb.weight, compute_dtype, seq_mesh)
 
     def forward(self, ids):
-        return lookup(ids, param, self.padding_idx, compute_dtype, seq_mesh)
+        return table.lookup(ids, self.padding_idx)
 
     emb.forward = types.MethodType(forward, emb)
     head.forward = types.MethodType(lambda self, x: x, head)

@@ -36,7 +36,7 @@ def _rank_main(rank: int, world: int, port: int, q) -> None:
     mesh = init_device_mesh("cpu", (world,))
     table, mix, ids, tgt, cut, weights = _case()
     param = torch.nn.Parameter(distribute_tensor(table, mesh, [Shard(0)]))
-    st = ShardedTable(param, mesh.get_group(), None)
+    st = ShardedTable(param, None)
     hidden = torch.tanh(st.lookup(ids[rank][None], PAD)[0] @ mix)
     lp, ent = st.logprobs_entropy(hidden, tgt[rank], T, cut[rank])
     ((lp * weights[rank]).sum() + 0.3 * ent.sum()).backward()

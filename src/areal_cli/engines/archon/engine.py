@@ -180,9 +180,7 @@ class ArchonEngine(HFModelEngine):
 
     def _logprobs_entropy(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                           cutoffs: torch.Tensor | None = None):
-        if self._table is not None:  # the head returned its hidden states, each held by the t peers
-            return self._table.logprobs_entropy(logits, targets, temperature, cutoffs, dup=self.parallel.tp)
-        if self.parallel.tp == 1 or self.critic:
+        if self._table is not None or self.parallel.tp == 1 or self.critic:  # a row-sharded table: the base's
             return super()._logprobs_entropy(logits, targets, temperature, cutoffs)
         return vocab_parallel.logprobs_entropy(logits, targets, temperature, group=self.mesh.tp_group,
                                                vocab_size=int(vision.text_config(self.hf_config).vocab_size),
