@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The modules of the check; each must keep tests under the `gpu` marker.
 GPU_MODULES = ["tests/integration/inference/test_gpu_hf_server.py",
                "tests/integration/engines/test_gpu_engines.py",
+               "tests/integration/engines/test_gpu_sharded_vocab.py",
                "tests/integration/cli/test_gpu_train.py",
                "tests/integration/inference/test_gpu_throughput.py"]
 
@@ -78,7 +79,8 @@ def test_gpu_tests_collect():
                  "test_one_rank_forward_matches_hf[deepspeed]", "test_flash_attention_2_matches_sdpa[fsdp]",
                  "test_colocated_one_gpu_run[auto]",
                  "test_colocated_one_gpu_run[disk]", "test_inference_throughput_runs_and_is_recorded",
-                 "test_megatron_te_spec_moe_load_forward_export", "test_bf16_masters_on_cuda[megatron_moe]"):
+                 "test_megatron_te_spec_moe_load_forward_export", "test_bf16_masters_on_cuda[megatron_moe]",
+                 "test_sharded_table_makes_no_host_sync"):
         assert any(i.endswith(name) for i in ids), f"{name} not collected:\n{r.stdout}"
 
 

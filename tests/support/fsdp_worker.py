@@ -79,6 +79,26 @@ def local_batch(engine, batch):
     return batch if engine.is_dp_head else None
 
 
+def tied_rows_record(engine) -> list:
+    """Every rank's split of a pipelined tied table's AdamW state (engines/archon/tied_rows.py), or None:
+    which end it is, the rows it owns of its local copy, the rows its moments cover, and whether the main
+    optimizer holds the table too. Collective."""
+    import torch.distributed as dist
+
+    from areal_cli.utils import collectives
+
+    tr, mine = getattr(engine, "_tied_rows", None), None
+    if tr is not None:
+        state = tr.opt.state[tr.opt.param_groups[0]["params"][0]] if tr.opt is not None else {}
+        local = tr.param.to_local() if hasattr(tr.param, "to_local") else tr.param
+        mine = {"first": tr.first, "owned": tr.hi - tr.lo, "local": int(local.shape[0]),
+                "moment_rows": int(state["exp_avg"].shape[0]) if "exp_avg" in state else 0,
+                "in_main": any(p is tr.param for g in engine.optimizer.param_groups for p in g["params"])}
+    out: list = [None] * dist.get_world_size()
+    collectives.all_gather_object(out, mine)
+    return out
+
+
 def finish_variant(engine, v: dict, res: dict, out_dir: str) -> None:
     """The variant's optional DCP save and HF export, rank 0's ``<out>/<name>.pt``, then teardown."""
     import torch
@@ -254,6 +274,7 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
             engine.warm_up()
         res["stats"].append(engine.train_batch(local(step), loss_fn, loss_weight_fn))
     res["weights"] = full_weights(engine)
+    res["tied_rows"] = tied_rows_record(engine)
     finish_variant(engine, v, res, out_dir)
     if v.get("kill_after"):
         os.kill(os.getpid(), signal.SIGKILL)

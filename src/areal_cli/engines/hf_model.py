@@ -245,7 +245,7 @@ class HFModelEngine(EngineBase):
         grad_norm = self._clip_grads()
         if torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
@@ -322,7 +322,7 @@ class HFModelEngine(EngineBase):
             for pg, lr in zip(self.optimizer.param_groups, lrs):
                 pg["lr"] = lr
             self.optimizer.state.clear()  # the first real step starts Adam's moments and step count afresh
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
 
     def _clip_grads(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -393,6 +393,7 @@ class HFModelEngine(EngineBase):
                  # eps) on a rank whose parameters differ from rank 0's (pipeline stages): keep them here.
                  "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                   for g in self.optimizer.param_groups] if self.optimizer else None,
+                 "optim_extra": self._optim_extra(),
                  "extra_state": meta.extra_state}
         torch.save(extra, Path(meta.path) / f"extra_rank{dist.get_rank()}.pt")
         collectives.barrier()
@@ -420,11 +421,24 @@ class HFModelEngine(EngineBase):
         if self.optimizer is not None and extra.get("param_groups"):
             for group, saved in zip(self.optimizer.param_groups, extra["param_groups"], strict=True):
                 group.update(saved)
+        if self.optimizer is not None:
+            self._restore_optim_extra(extra.get("optim_extra"))
         self.step = extra["step"]
         self._version = extra["version"]
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
         meta.extra_state.update(extra.get("extra_state") or {})
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _optim_extra(self) -> Any:
+        """Optimizer state this rank keeps outside ``self.optimizer`` (archon: a pipelined tied table's rows),
+        saved in its own checkpoint file."""
+        return None
+
+    def _restore_optim_extra(self, state: Any) -> None:
+        """Put back what :meth:`_optim_extra` saved (``None`` for a checkpoint without it)."""
 
     def _load_hf(self, path: str) -> None:
         """An HF dir's weights into the trained model, each rank reading its own shards (a LoRA adapter

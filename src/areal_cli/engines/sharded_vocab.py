@@ -37,9 +37,13 @@ from areal_cli.engines import token_logprobs
 from areal_cli.utils import collectives
 
 
-def _counts(n: int, group: Any, device) -> list[int]:
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+def _counts(n: int, group: Any) -> list[int]:
+    """Every rank's token count, exchanged as host tensors: ``n`` is a shape the host already knows, while a
+    device tensor's ``.tolist()`` would wait for the stream, twice per micro-batch (lookup and head). The
+    engines' NCCL groups are ``cpu:gloo,cuda:nccl`` (utils/dist.py), so this is a gloo all-gather of ints that
+    never touches the GPU; only a group without a CPU backend stages it through the device."""
+    t = torch.tensor([n], dtype=torch.int64)
+    out = torch.empty(dist.get_world_size(group), dtype=torch.int64)
     collectives.all_gather_into_tensor(out, t, group=group)
     return out.tolist()
 
@@ -104,7 +108,7 @@ class _OwnTokens(torch.autograd.Function):
 class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, local_w, start, padding_idx, group, rank, dtype):
-        counts = _counts(ids.numel(), group, ids.device)
+        counts = _counts(ids.numel(), group)
         all_ids = _gather_rows(ids.reshape(-1), counts, group)
         mine = (all_ids >= start) & (all_ids < start + local_w.shape[0])
         rows = torch.where(mine, all_ids - start, 0)
@@ -120,7 +124,9 @@ class _Lookup(torch.autograd.Function):
         rows, mine = ctx.saved_tensors
         g_all = _gather_rows(g.reshape(-1, g.shape[-1]).contiguous(), ctx.counts, ctx.group)
         gw = g_all.new_zeros(ctx.shape, dtype=torch.float32)  # the rows' sum in fp32, as the master
-        gw.index_add_(0, rows[mine], g_all[mine].float())
+        # Other rows' tokens add zeros to row 0: a boolean index (rows[mine]) has a data-dependent size,
+        # which a GPU learns only by waiting for the stream.
+        gw.index_add_(0, rows, torch.where(mine.unsqueeze(-1), g_all.float(), 0.0))
         return None, gw.to(ctx.master_dtype), None, None, None, None, None
 
 
@@ -194,7 +200,7 @@ class ShardedTable:
         rank's tokens' fp32 ``(logprobs, entropy)``, as ``token_logprobs.logprobs_entropy`` of the logits."""
         shape, dev = targets.shape, hidden.device
         h = hidden.reshape(-1, hidden.shape[-1])
-        counts = _counts(h.shape[0], self.group, dev)
+        counts = _counts(h.shape[0], self.group)
         h_all = _GatherTokens.apply(h, counts, self.rank, self.group, self.dup)
         t_all = _gather_rows(targets.reshape(-1).to(dev), counts, self.group)
         c_all = None if cutoffs is None else _gather_rows(cutoffs.reshape(-1).to(dev).float(), counts, self.group)

@@ -92,6 +92,25 @@ def test_tied_table_row_sharded_where_asked(runs):
                        "fsdp_d2_mp_sharded"}
 
 
+def test_pipelined_tied_table_splits_its_moments(runs):
+    """Under p the first and the last stage each hold the tied table; each keeps AdamW moments for half of its
+    local rows only (engines/archon/tied_rows.py), the main optimizer none, and the layouts still equal the
+    reference (test_layout_matches_the_one_process_reference): the stepped halves are exchanged."""
+    piped = {n for n in runs if any(runs[n].get("tied_rows") or [])}
+    assert piped == {"p2_1f1b", "p2_gpipe", "p2_interleaved", "d2p2", "t2p2", "c2p2"}
+    for name in piped:
+        ranks = runs[name]["tied_rows"]
+        firsts = [r for r in ranks if r["first"]]
+        lasts = [r for r in ranks if not r["first"]]
+        assert firsts and len(firsts) == len(lasts), (name, ranks)
+        for f, last in zip(firsts, lasts, strict=True):
+            assert f["local"] == last["local"] and f["owned"] + last["owned"] == f["local"], (name, ranks)
+            assert f["owned"] > 0 and last["owned"] > 0, (name, ranks)
+        for r in ranks:
+            assert not r["in_main"] and r["moment_rows"] == r["owned"], (name, r)
+    assert not any(runs["t2"].get("tied_rows") or []) and not any(runs["d2t2"].get("tied_rows") or [])
+
+
 @pytest.mark.parametrize("name", ["d2_mp", "d2_mp_sharded"])
 def test_mixed_precision_d2_matches_fsdp(runs, name):
     # (the row-sharded table sums its gradient's rows in fp32 where FSDP2's bf16 unit sums them in bf16:

@@ -1,7 +1,8 @@
 """engines/sharded_vocab.py on three real gloo ranks: a tied table cut unevenly by rows (11 rows: 4, 4, 3), ranks
 with different token counts (one with none), a padding row and a sampling mask give every rank's logprobs,
 entropies, and the table's gradient the one-process tied embedding and head give (the sum of the ranks'
-losses), while each rank holds only its rows."""
+losses), while each rank holds only its rows; and nothing in the lookup, the head or their backward has a
+size that depends on the data (a GPU would wait for its stream to learn it, once per micro-batch)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,30 @@ from gloo_ranks import run_ranks
 
 V, H, T, PAD = 11, 5, 0.8, 2
 COUNTS = (5, 0, 3)  # tokens per rank
+
+
+def _data_dependent_ops():
+    """A dispatch mode listing the ops whose output size or value the host must read off the tensor:
+    ``nonzero``, ``masked_select``, ``item`` and indexing with a boolean mask."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    always = {aten.nonzero.default, aten.masked_select.default, aten._local_scalar_dense.default,
+              aten.item.default}
+    by_mask = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            idx = args[1] if func in by_mask and len(args) > 1 else ()
+            if func in always or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx or ()):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return Seen()
 
 
 def _case():
@@ -37,12 +62,14 @@ def _rank_main(rank: int, world: int, port: int, q) -> None:
     table, mix, ids, tgt, cut, weights = _case()
     param = torch.nn.Parameter(distribute_tensor(table, mesh, [Shard(0)]))
     st = ShardedTable(param, None)
-    hidden = torch.tanh(st.lookup(ids[rank][None], PAD)[0] @ mix)
-    lp, ent = st.logprobs_entropy(hidden, tgt[rank], T, cut[rank])
-    ((lp * weights[rank]).sum() + 0.3 * ent.sum()).backward()
+    with _data_dependent_ops() as seen:
+        hidden = torch.tanh(st.lookup(ids[rank][None], PAD)[0] @ mix)
+        lp, ent = st.logprobs_entropy(hidden, tgt[rank], T, cut[rank])
+        ((lp * weights[rank]).sum() + 0.3 * ent.sum()).backward()
     # lists: a tensor on the queue would be shared memory its process frees on exit
     q.put((rank, {"lp": lp.tolist(), "ent": ent.tolist(), "local_rows": param.to_local().shape[0],
-                  "start": st.start, "grad": param.grad.full_tensor().tolist()}))
+                  "start": st.start, "grad": param.grad.full_tensor().tolist(),
+                  "data_dependent": tuple(seen.ops)}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -65,6 +92,7 @@ def test_row_sharded_table_equals_the_one_process_tied_head():
     loss.backward()
     assert [got[r]["local_rows"] for r in range(3)] == [4, 4, 3]
     assert [got[r]["start"] for r in range(3)] == [0, 4, 8]
+    assert all(got[r]["data_dependent"] == () for r in range(3)), {r: got[r]["data_dependent"] for r in range(3)}
     for r in range(3):
         assert (got[r]["grad"] - ref.grad).abs().max() <= 1e-5, r
     assert ref.grad.abs().sum() > 0

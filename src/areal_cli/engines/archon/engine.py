@@ -87,7 +87,24 @@ class ArchonEngine(HFModelEngine):
             self.model = parallelize(model, m, table=self._table, **opts)
             self._materialise([self.model])  # each rank reads its own shards
         self.moe = expert_parallel.moe_blocks(self.model)
-        self._build_optimizer(self.model.parameters())
+        # a tied table held by the first and the last stage: each keeps half of its rows' moments (tied_rows.py)
+        tied = self.pipe.tied_rows() if self.pipe is not None and self.optim_cfg is not None else None
+        self._build_optimizer(p for p in self.model.parameters() if tied is None or p is not tied.param)
+        self._tied_rows = tied
+        if tied is not None:
+            tied.attach(self.optimizer)
+
+    def _optim_extra(self) -> Any:
+        return None if self._tied_rows is None else {"tied_rows": self._tied_rows.state_dict()}
+
+    def _restore_optim_extra(self, state: Any) -> None:
+        if self._tied_rows is not None:
+            self._tied_rows.load_state_dict((state or {}).get("tied_rows"), self.optimizer)
+
+    def _zero_grad(self) -> None:
+        super()._zero_grad()
+        if self._tied_rows is not None:  # outside the optimizer; a skipped step leaves its gradient
+            self._tied_rows.param.grad = None
 
     def _sharded_table(self, model, dims: ArchonDims, compute) -> sharded_vocab.ShardedTable | None:
         """The tied table row-sharded over all d x c x t ranks (``engine.tied_head``, engines/sharded_vocab.py),

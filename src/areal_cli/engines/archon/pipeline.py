@@ -401,6 +401,19 @@ class Pipeline:
                 m.output_fn = None
         return out if self.has_last else None
 
+    def tied_rows(self):
+        """This rank's copy of a tied table as a :class:`tied_rows.TiedRows` (its AdamW moments split by rows
+        with the other end's holder), or None: no tied table, a frozen one, or none on this rank."""
+        from areal_cli.engines.archon.tied_rows import TiedRows
+
+        if self._embedding_group is None or (self.has_first and self.has_last):
+            return None
+        for m in self.modules:
+            p = m.model.embed_tokens.weight if m.is_first else m.lm_head.weight if m.is_last else None
+            if p is not None and p.requires_grad:
+                return TiedRows(p, self._embedding_group, first=m.is_first)
+        return None
+
     def sync_tied_grads(self) -> None:
         """Sum the tied embedding's gradient over its two copies (first and last stage)."""
         if self._embedding_group is None:
