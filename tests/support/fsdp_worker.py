@@ -79,6 +79,26 @@ def local_batch(engine, batch):
     return batch if engine.is_dp_head else None
 
 
+def megatron_grad_probe(engine) -> dict:
+    """Hooks on the vocabulary-sized weights of a megatron engine's chunks (engines/megatron/grad_memory.py): how
+    often autograd hands the embedding a weight gradient (never: its rows go into ``main_grad``), and whether
+    each gradient the output layer's weight receives is the fused path's placeholder (``grad_added_to_main_grad``
+    set when it arrives)."""
+    seen: dict = {"embedding_grads": 0, "output_grads": [], "stages": []}
+    for chunk in engine.chunks:
+        if getattr(chunk, "pre_process", False):
+            w = chunk.embedding.word_embeddings.weight
+            # (autograd calls a leaf's hooks with None when a backward returned no gradient for it)
+            w.register_hook(lambda g: seen.__setitem__("embedding_grads", seen["embedding_grads"] + (g is not None)))
+            seen["stages"].append("first")
+        if getattr(chunk, "post_process", False) and getattr(chunk.output_layer, "weight", None) is not None:
+            w = chunk.output_layer.weight
+            seen["stages"].append("last")
+            w.register_hook(lambda g, w=w: None if g is None else seen["output_grads"].append(
+                bool(getattr(w, "grad_added_to_main_grad", False))))
+    return seen
+
+
 def tied_rows_record(engine) -> list:
     """Every rank's split of a pipelined tied table's AdamW state (engines/archon/tied_rows.py), or None:
     which end it is, the rows it owns of its local copy, the rows its moments cover, and whether the main
@@ -268,6 +288,7 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         engine._accumulate_grads(local(0), loss_fn, loss_weight_fn, 1.0)
         res["grads"] = full_grads(engine)
         engine.optimizer.zero_grad(set_to_none=True)
+    probe = megatron_grad_probe(engine) if v.get("grad_probe") else None
     res["stats"] = []
     for step in range(v.get("start", 0), v.get("steps", 2)):
         if step == v.get("warm_up_before_step"):
@@ -275,6 +296,13 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
         res["stats"].append(engine.train_batch(local(step), loss_fn, loss_weight_fn))
     res["weights"] = full_weights(engine)
     res["tied_rows"] = tied_rows_record(engine)
+    if probe is not None:
+        import torch.distributed as dist
+
+        from areal_cli.utils import collectives
+
+        res["grad_probe"] = [None] * dist.get_world_size()
+        collectives.all_gather_object(res["grad_probe"], probe)
     finish_variant(engine, v, res, out_dir)
     if v.get("kill_after"):
         os.kill(os.getpid(), signal.SIGKILL)

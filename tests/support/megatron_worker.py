@@ -233,7 +233,7 @@ def compat_probes() -> dict:
 # clip threshold below the gradient norm; bf16 with the plain (non-distributed) mixed-precision optimizer;
 # the tiny Qwen3-MoE at d2e2 (alltoall dispatch, with the router's aux loss on). The uneven token gathers of
 # expert tensor parallelism need 4 ranks: compat_probes calls that mcore function directly.
-TRAIN_PATCHES = {"grad_buffers": "sp", "optimizer_buffers": "sp", "grad_norm": "sp", "grad_clip_type_check": "sp",
+TRAIN_PATCHES = {"grad_buffers": "sp", "optimizer_buffers": "sp", "grad_norm": "sp",
                  "distributed_optimizer_type_check": "sp", "sequence_parallel_buffers": "sp",
                  "sequence_parallel_mappings": "sp", "float16_optimizer_type_check": "bf16",
                  "moe_dispatcher_streams": "moe", "moe_router_gemm": "moe", "alltoall_split_lists": "moe",

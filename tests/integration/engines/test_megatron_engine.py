@@ -30,6 +30,7 @@ T = 0.7  # a sampling temperature other than 1, for the vocab-parallel logprobs/
 # Adam's update is ~lr·g/|g| with a tiny eps, which turns 1e-9 gradient noise into visible weight
 # differences; eps=1e-2 keeps the update linear in the gradient (see test_archon_engine.py)
 STEPS = {"steps": 2, "optim": {"eps": 1e-2}}
+CLIP = {"eps": 1e-2, "grad_clip": 0.05}  # below the tiny model's gradient norm: clipping scales every step
 
 
 def _mg(name, parallel, mb=BIG, megatron=None, **kw):
@@ -48,15 +49,16 @@ def runs(model4, tmp_path_factory):
     critic = {"critic": True, "optim": STEPS["optim"]}
     v2 = {"virtual_stages": 2}
     w1 = [{"name": "ref", "engine": {"max_tokens_per_mb": BIG}, "fwd": True, "fwd_t": T, **STEPS},
+          {"name": "ref_clip", "engine": {"max_tokens_per_mb": BIG}, "fwd": True, **STEPS, "optim": CLIP},
           {"name": "critic_ref", **critic}]
-    w2 = [_mg("t2", {"tp": 2}, fwd_t=T), _mg("t2_x8", {"tp": 2}, mb=SMALL),
+    w2 = [_mg("t2", {"tp": 2}, fwd_t=T), _mg("t2_x8", {"tp": 2}, mb=SMALL), _mg("t2_clip", {"tp": 2}, optim=CLIP),
           _mg("t2_no_sp", {"tp": 2}, megatron={"sequence_parallel": False}),
           _mg("p2", {"pp": 2}, mb=SMALL), _mg("p2v2", {"pp": 2}, mb=SMALL, megatron=v2),
           _mg("p2v2_batched_p2p", {"pp": 2}, mb=SMALL, megatron=v2, batch_p2p_comm=True),
           {"name": "critic_t2", "cls": "megatron", "parallel": {"tp": 2}, **critic},
           {"name": "critic_p2", "cls": "megatron", "parallel": {"pp": 2}, **critic},
           _round_trip("rt_t2", {"tp": 2}), _round_trip("rt_p2v2", {"pp": 2}, v2)]
-    w4 = [_mg("t2p2", {"tp": 2, "pp": 2}, mb=SMALL, fwd_t=T), _mg("d2p2", {"dp": 2, "pp": 2}, mb=SMALL),
+    w4 = [_mg("t2p2", {"tp": 2, "pp": 2}, mb=SMALL, fwd_t=T, grad_probe=True), _mg("d2p2", {"dp": 2, "pp": 2}, mb=SMALL),
           _mg("d2t2", {"dp": 2, "tp": 2}), _round_trip("rt_t2p2", {"tp": 2, "pp": 2}),
           _round_trip("rt_d2p2v2", {"dp": 2, "pp": 2}, v2)]
     for world, variants in ((1, w1), (2, w2), (4, w4)):
@@ -73,6 +75,25 @@ LAYOUTS = ["t2", "t2_x8", "t2_no_sp", "p2", "p2v2", "t2p2", "d2p2", "d2t2"]
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_the_one_process_reference(runs, name):
     assert_matches_reference(runs["ref"], runs[name])
+
+
+def test_clipping_matches_the_reference(runs):
+    """The engine scales mcore's gradients in place by fsdp's coefficient (engine._optimizer_step)."""
+    assert all(s["grad_norm"] > 0.05 for s in runs["ref_clip"]["stats"]), runs["ref_clip"]["stats"]
+    assert_matches_reference(runs["ref_clip"], runs["t2_clip"])
+
+
+def test_vocabulary_sized_gradients_go_straight_into_the_buffer(runs):
+    """t2p2 (tied: the embedding on the first stage, its copy as the head on the last): autograd never hands
+    the embedding a weight gradient (its rows go into DDP's buffer) and every gradient the head's weight
+    receives is the fused path's placeholder (engines/megatron/grad_memory.py), over 2 steps x 8 micro-batches;
+    the layout still equals the reference (test_layout_matches_the_one_process_reference)."""
+    probes = runs["t2p2"]["grad_probe"]
+    assert sorted(s for p in probes for s in p["stages"]) == ["first", "first", "last", "last"], probes
+    for p in probes:
+        assert p["embedding_grads"] == 0, probes
+        if "last" in p["stages"]:
+            assert len(p["output_grads"]) >= 2 and all(p["output_grads"]), probes
 
 
 @pytest.mark.parametrize("name", ["t2", "t2p2"])

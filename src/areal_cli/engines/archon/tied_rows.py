@@ -24,7 +24,6 @@ import torch
 
 from areal_cli.utils import collectives
 
-
 # the hyper-parameters of a main group that AdamW takes (a group also holds params, the schedule's initial_lr)
 _ADAMW_ARGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
                "differentiable", "fused")

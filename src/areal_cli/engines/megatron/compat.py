@@ -403,11 +403,6 @@ def patches() -> list[Patch]:
         _module_torch_patch("grad_norm", "megatron.core.optimizer.clip_grads",
                             "optimizer/clip_grads.py:90, :103, :115, :174 the grad norm and overflow "
                             "buffers on device='cuda'"),
-        # optimizer.py imports the function by name: patch the name it calls
-        _cuda_type_names_patch("grad_clip_type_check", "megatron.core.optimizer.optimizer",
-                               "clip_grad_by_total_norm_fp32",
-                               "optimizer/clip_grads.py:167 asserts param.grad.type() == "
-                               "'torch.cuda.FloatTensor' (called from optimizer/optimizer.py:215)"),
         _cuda_type_names_patch("distributed_optimizer_type_check",
                                "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
                                "_build_model_and_main_param_groups",

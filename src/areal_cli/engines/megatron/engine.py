@@ -39,7 +39,7 @@ from areal_cli.api.engine_api import Batch
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import attn_impl, packing, precision, sampling_mask, step_stats
 from areal_cli.engines import parallelize as par
-from areal_cli.engines.megatron import SPEC, check_virtual_stages, masters
+from areal_cli.engines.megatron import SPEC, check_virtual_stages, grad_memory, masters
 from areal_cli.engines.megatron.parallel_state import ParallelState
 from areal_cli.engines import routing_replay as r3
 from areal_cli.config.engine import RECOMPUTE_GRANULARITIES
@@ -127,10 +127,15 @@ class MegatronEngine(EngineBase):
         self.sequence_parallel = bool(mc.sequence_parallel) and tp > 1
         # bf16 compute: mcore's bf16 mode, fp32 master weights in the optimizer (engines/precision.py)
         mixed = dtype == torch.bfloat16
+        training = self.optim_cfg is not None
+        if training:  # no whole-gradient temporaries beside DDP's fp32 buffer (grad_memory.py)
+            grad_memory.enable_linear()
+            grad_memory.skip_single_rank_sync()
         config = mm.transformer_config(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
                                        sequence_parallel=self.sequence_parallel,
                                        dtype=torch.bfloat16 if mixed else torch.float32,
-                                       aux_loss_coeff=float(mc.moe_aux_loss_coeff), attn_impl=self.cfg.attn_impl)
+                                       aux_loss_coeff=float(mc.moe_aux_loss_coeff), attn_impl=self.cfg.attn_impl,
+                                       wgrad_into_main_grad=training)
         self._recompute(config)
         self.tconfig = config
         torch.manual_seed(self.seed)  # mcore's own init (overwritten by the load) draws the same as before
@@ -156,7 +161,8 @@ class MegatronEngine(EngineBase):
         self.chunks = chunks
         self._routing = (routing.ChunkRouting(chunks, arch.num_layers, arch.moe_top_k, device=self.device)
                          if arch.num_experts else None)
-        if self.optim_cfg is not None:
+        if training:
+            grad_memory.embedding_rows(chunks)
             self.model = torch.nn.ModuleList(self._wrap_ddp(chunks, config))
             self._build_mcore_optimizer(mixed)
             if mixed:
@@ -545,20 +551,20 @@ class MegatronEngine(EngineBase):
 
     def _optimizer_step(self) -> float:
         """Clip and step as fsdp does: mcore's grad norm (TP-sharded parameters counted once, summed over the
-        stages); a non-finite norm skips the step."""
-        from megatron.core.optimizer import optimizer as mopt
-
+        stages); a non-finite norm skips the step. The gradients are scaled in place, as apex's multi-tensor
+        scale does (mcore's fallback without apex, ``clip_grad_by_total_norm_fp32``, makes a scaled copy of
+        each first: grad_memory.py)."""
         opt = self.optimizer
         opt.prepare_grads()
         norm = float(opt.get_grad_norm())  # over every optimizer of a chain (dense and expert parameters)
         if torch.isfinite(torch.tensor(norm)):
-            if self.optim_cfg.grad_clip > 0:
+            coef = self.optim_cfg.grad_clip / (norm + 1.0e-6)
+            if self.optim_cfg.grad_clip > 0 and coef < 1.0:
                 for o in getattr(opt, "chained_optimizers", None) or [opt]:
-                    params = o.get_parameters()
-                    if params:  # looked up at call time: the CPU shim may wrap it
-                        mopt.clip_grad_by_total_norm_fp32(
-                            params, max_norm=self.optim_cfg.grad_clip, total_norm=norm,
-                            use_decoupled_grad=o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                    attr = "decoupled_grad" if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 else "grad"
+                    grads = [g for g in (getattr(p, attr, None) for p in o.get_parameters()) if g is not None]
+                    if grads:
+                        torch._foreach_mul_(grads, coef)
             opt.step_with_ready_grads()
         opt.zero_grad()
         for m in self.model:

@@ -162,7 +162,9 @@ BATCH_P2P_COMM = False
 
 def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                        etp: int | None = None, sequence_parallel: bool = False, dtype: Any = None,
-                       aux_loss_coeff: float = 0.0, attn_impl: str = "sdpa") -> Any:
+                       aux_loss_coeff: float = 0.0, attn_impl: str = "sdpa", wgrad_into_main_grad: bool = False) -> Any:
+    """mcore's config for ``arch``. ``wgrad_into_main_grad`` (a training engine, under DDP): linear layers add
+    their weight gradients straight into DDP's buffer (mcore's gradient_accumulation_fusion, grad_memory.py)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -178,7 +180,7 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, 
         hidden_dropout=0.0, attention_dropout=0.0,
         # the fused kernels are CUDA-only; the unfused paths are the exact ones
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=wgrad_into_main_grad,
         use_cpu_initialization=not torch.cuda.is_available(),
         # perform_initialization=False skips set_tensor_model_parallel_attributes
         # (tensor_parallel/layers.py:244, :855, :1178): sharded weights would count as TP duplicates in grad
@@ -343,8 +345,13 @@ def fp32_output(layer: Any) -> Any:
 
     def forward(self: Any, input_: Any, weight: Any = None, runtime_gather_output: Any = None) -> Any:
         w = self.weight if weight is None else weight
+        wf = w.float()
+        if wf is not w and getattr(w, "main_grad", None) is not None:
+            # a bf16 weight's fp32 copy: mcore's gradient_accumulation_fusion adds its fp32 weight gradient
+            # straight into the weight's fp32 buffer (grad_memory.py), so none flows back through the cast
+            wf.main_grad = w.main_grad
         with torch.autocast(input_.device.type, enabled=False):
-            return cls.forward(self, input_.float(), weight=w.float(), runtime_gather_output=runtime_gather_output)
+            return cls.forward(self, input_.float(), weight=wf, runtime_gather_output=runtime_gather_output)
 
     if cls not in _FP32_OUTPUT:
         _FP32_OUTPUT[cls] = type(f"FP32{cls.__name__}", (cls,), {"forward": forward})
