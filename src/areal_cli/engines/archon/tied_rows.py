@@ -48,7 +48,6 @@ class TiedRows:
         n = dist.get_world_size(group)
         self.srcs = (dist.get_global_rank(group, 0), dist.get_global_rank(group, n - 1))
         self.opt: torch.optim.AdamW | None = None
-        self._grad: torch.Tensor | None = None
 
     @property
     def rows(self) -> torch.Tensor:
@@ -89,8 +88,7 @@ class TiedRows:
     def state_dict(self) -> dict | None:
         if self.opt is None:
             return None
-        st = self.opt.state[self.opt.param_groups[0]["params"][0]]
-        return {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        return dict(self.opt.state[self.opt.param_groups[0]["params"][0]])  # torch.save writes it at once
 
     def load_state_dict(self, state: dict | None, main: torch.optim.Optimizer) -> None:
         self.opt = None
