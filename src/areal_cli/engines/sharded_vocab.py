@@ -105,13 +105,27 @@ class _OwnTokens(torch.autograd.Function):
         return (out if ctx.dup == 1 else out / ctx.dup), None, None, None, None
 
 
+def own_rows(ids: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, mine)``: each id's row in a shard holding rows ``[start, start + n)`` (0 where it is not
+    there) and whether it is there. Also megatron's vocabulary-parallel lookup (megatron/grad_memory.py)."""
+    mine = (ids >= start) & (ids < start + n)
+    return torch.where(mine, ids - start, 0), mine
+
+
+def add_rows(dst: torch.Tensor, rows: torch.Tensor, mine: torch.Tensor, g: torch.Tensor) -> None:
+    """``dst[rows[i]] += g[i]`` where ``mine[i]``, in ``dst``'s dtype. The others add zeros to row 0: a
+    boolean index (``rows[mine]``) has a data-dependent size, which a GPU learns only by waiting for the
+    stream."""
+    src = g.reshape(-1, g.shape[-1]).to(dst.dtype)
+    dst.index_add_(0, rows.reshape(-1), torch.where(mine.reshape(-1, 1), src, 0.0))
+
+
 class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, local_w, start, padding_idx, group, rank, dtype):
         counts = _counts(ids.numel(), group)
         all_ids = _gather_rows(ids.reshape(-1), counts, group)
-        mine = (all_ids >= start) & (all_ids < start + local_w.shape[0])
-        rows = torch.where(mine, all_ids - start, 0)
+        rows, mine = own_rows(all_ids, start, local_w.shape[0])
         emb = F.embedding(rows, local_w.to(dtype)) * mine.unsqueeze(-1).to(dtype)
         ctx.save_for_backward(rows, mine if padding_idx is None else mine & (all_ids != padding_idx))
         ctx.counts, ctx.rank, ctx.group, ctx.shape = counts, rank, group, local_w.shape
@@ -124,9 +138,7 @@ class _Lookup(torch.autograd.Function):
         rows, mine = ctx.saved_tensors
         g_all = _gather_rows(g.reshape(-1, g.shape[-1]).contiguous(), ctx.counts, ctx.group)
         gw = g_all.new_zeros(ctx.shape, dtype=torch.float32)  # the rows' sum in fp32, as the master
-        # Other rows' tokens add zeros to row 0: a boolean index (rows[mine]) has a data-dependent size,
-        # which a GPU learns only by waiting for the stream.
-        gw.index_add_(0, rows, torch.where(mine.unsqueeze(-1), g_all.float(), 0.0))
+        add_rows(gw, rows, mine, g_all)
         return None, gw.to(ctx.master_dtype), None, None, None, None, None
 
 

@@ -8,10 +8,10 @@ step, and the ranks peaked 0.12 GiB over the state bound (docs/training.md):
 - a module's backward makes its weight's gradient as a tensor of its own, which DDP's hook adds into the
   buffer and frees. Linear layers: mcore's own ``gradient_accumulation_fusion`` accumulates the weight
   gradient GEMM into ``main_grad`` (apex's ``fused_weight_gradient_mlp_cuda``); where apex is not installed
-  (every CPU host, GPU hosts without it) :func:`enable_linear` gives mcore the same two functions in torch, one
-  ``addmm_`` into the buffer. The vocabulary-parallel embedding has no such path in mcore (its lookup's
-  backward is a dense ``[V/t, H]`` tensor): :func:`embedding_rows` makes it add its rows' gradients into
-  ``main_grad`` (``index_add_``, fp32) and give autograd none, so the hook has nothing to add.
+  (every CPU host, GPU hosts without it) :func:`enable_linear` gives mcore the same two functions in
+  torch, one ``addmm_`` into the buffer. The vocabulary-parallel embedding has no such path in mcore (its
+  lookup's backward is a dense ``[V/t, H]`` tensor): :func:`embedding_rows` makes it add its rows' gradients
+  into ``main_grad`` (``sharded_vocab.add_rows``, fp32) and give autograd none: the hook adds nothing.
 - the distributed optimizer's gradient reduce-scatter and parameter all-gather run even when the data-parallel
   group is one rank, where they are the identity; gloo's coalesced collectives copy the whole buffer to do
   them. :func:`skip_single_rank_sync` leaves out a collective whose output is its whole input.
@@ -29,13 +29,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from areal_cli.engines import sharded_vocab
+
 
 class _TorchWgrad:
     """apex's ``fused_weight_gradient_mlp_cuda`` in torch: ``main_grad += grad_output^T @ input`` for 2-D
     ``input [n, in]`` and ``grad_output [n, out]`` (mcore flattens them first), in the buffer's dtype."""
 
     @staticmethod
-    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor,
+                              main_grad: torch.Tensor) -> None:
         main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
 
     wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
@@ -58,31 +61,23 @@ class _RowsIntoMainGrad(torch.autograd.Function):
     rows' gradients into ``weight.main_grad`` and returns none for the weight."""
 
     @staticmethod
-    def forward(ctx, ids, weight, start, end, masked):
-        outside = ((ids < start) | (ids >= end)) if masked else None
-        rows = torch.where(outside, 0, ids - start) if masked else ids
-        out = F.embedding(rows, weight)
-        if masked:
-            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        ctx.save_for_backward(rows, outside if masked else rows.new_empty(0, dtype=torch.bool))
-        ctx.masked, ctx.weight = masked, weight
-        return out
+    def forward(ctx, ids, weight, start, end):
+        rows, mine = sharded_vocab.own_rows(ids, start, end - start)
+        ctx.save_for_backward(rows, mine)
+        ctx.weight = weight
+        return F.embedding(rows, weight).masked_fill(~mine.unsqueeze(-1), 0.0)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        rows, outside = ctx.saved_tensors
-        w = ctx.weight
-        src = g.reshape(-1, g.shape[-1])
-        if ctx.masked:  # where(), not a boolean index: no data-dependent size (a GPU would wait for it)
-            src = torch.where(outside.reshape(-1, 1), 0.0, src)
-        buf = getattr(w, "main_grad", None)
+        rows, mine = ctx.saved_tensors
+        buf = getattr(ctx.weight, "main_grad", None)
         if buf is None:  # no DDP: the dense gradient, as mcore's own lookup gives it
-            dense = torch.zeros_like(w)
-            dense.index_add_(0, rows.reshape(-1), src.to(w.dtype))
-            return None, dense, None, None, None
-        buf.index_add_(0, rows.reshape(-1), src.to(buf.dtype))
-        return None, None, None, None, None
+            dense = torch.zeros_like(ctx.weight)
+            sharded_vocab.add_rows(dense, rows, mine, g)
+            return None, dense, None, None
+        sharded_vocab.add_rows(buf, rows, mine, g)
+        return None, None, None, None
 
 
 def embedding_rows(chunks: list) -> int:
@@ -95,10 +90,10 @@ def embedding_rows(chunks: list) -> int:
     )
 
     def forward(self: Any, input_: torch.Tensor) -> torch.Tensor:
-        out = _RowsIntoMainGrad.apply(input_, self.weight, self.vocab_start_index, self.vocab_end_index,
-                                      self.tp_group.size() > 1)
+        out = _RowsIntoMainGrad.apply(input_, self.weight, self.vocab_start_index, self.vocab_end_index)
         if self.reduce_scatter_embeddings:  # as mcore's forward: [b s h] -> [s b h], then reduce-scatter
-            return reduce_scatter_to_sequence_parallel_region(out.transpose(0, 1).contiguous(), group=self.tp_group)
+            return reduce_scatter_to_sequence_parallel_region(out.transpose(0, 1).contiguous(),
+                                                              group=self.tp_group)
         return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
 
     n = 0
