@@ -389,6 +389,8 @@ def peak_worker(spec: dict) -> None:
         ecfg.tied_head = spec["tied_head"]
     if spec["engine"] == "deepspeed":
         ecfg.deepspeed = DeepSpeedConfig(zero_stage=3)
+        if spec.get("ds_bucket_mel"):  # --ds-bucket-mel
+            ecfg.deepspeed.bucket_mel = spec["ds_bucket_mel"]
     engine = cls(ecfg, OptimConfig(lr=1e-4), total_steps=spec["steps"], seed=0)
     engine.initialize(ParallelStrategy(**spec["parallel"]), spec["model"])
     rec["phases"]["init"] = meter.stop()
@@ -479,7 +481,7 @@ def run_peak_layout(engine: str, label: str, model: str, info: dict, args, tmp: 
     run_dir = tempfile.mkdtemp(dir=tmp, prefix=f"{engine}_{dims}{variant}_")
     spec = {"engine": engine, "parallel": parallel, "model": model, "vocab": info["vocab"], "steps": args.steps,
             "rows": args.rows, "seq": args.seq, "mb_tokens": args.mb_tokens, "grad_reduce": args.grad_reduce,
-            "tied_head": args.tied_head,
+            "tied_head": args.tied_head, "ds_bucket_mel": args.ds_bucket_mel,
             "out": run_dir,
             "export": os.path.join(run_dir, "export")}
     port = find_free_port()
@@ -682,7 +684,9 @@ def main() -> None:
                     help="--peak: engine.grad_reduce for the ranks (fsdp/archon; default: the engine's, "
                          "per_micro_batch)")
     ap.add_argument("--tied-head", default=None, choices=("auto", "sharded", "gathered"),
-                    help="--peak: engine.tied_head for fsdp (default auto: row-sharded at these sizes)")
+                    help="--peak: engine.tied_head for fsdp and deepspeed (default auto: row-sharded at these sizes)")
+    ap.add_argument("--ds-bucket-mel", type=float, default=None,
+                    help="--peak: engine.deepspeed.bucket_mel (default: the engine's)")
     ap.add_argument("--malloc", default="areal", choices=("areal", "glibc", "both"),
                     help="--peak: the ranks' host allocator threshold: the engines' fixed one "
                          "(utils/host_memory.py), glibc's dynamic default (layouts labelled +glibc), or both, "

@@ -47,7 +47,7 @@ from areal_cli.api.engine_api import Batch, LossFn, LossWeightFn
 from areal_cli.api.io_struct import ParallelStrategy, SaveLoadMeta
 from areal_cli.engines import ulysses
 from areal_cli.engines import lora as lora_mod
-from areal_cli.engines import materialize, precision
+from areal_cli.engines import materialize, precision, sharded_vocab, zero3_table
 from areal_cli.engines import parallelize as par
 from areal_cli.engines.base import VALUE_HEAD_FILE
 from areal_cli.engines.hf_model import HFModelEngine
@@ -205,6 +205,7 @@ def build_zero3_model(engine, model_path: str, dtype, ds_config: dict):
     _model_meta(engine, model, model_path)
     reader = engine._checkpoint(model_path) if dist.get_rank() == 0 else None
     _fix_buffers(model, model_path, mdtype, attn, reader, engine.device)
+    _take_table(engine, model, model_path, dtype)
     named = [(n, p) for n, p in model.named_parameters() if not (engine.critic and n.startswith("lm_head."))]
     limit = int(engine.cfg.deepspeed.bucket_mel * 1e6)
     engine._loaded = _copy_from_rank0(named, reader, model_path, True, limit)
@@ -216,6 +217,21 @@ def build_zero3_model(engine, model_path: str, dtype, ds_config: dict):
         if not hasattr(p, "ds_id"):
             p.data = p.data.to(engine.device)
     return model
+
+
+def _take_table(engine, model, model_path: str, dtype) -> None:
+    """``engine.tied_head``: the tied table out of ZeRO-3, row-sharded over the d x c ranks
+    (:mod:`.zero3_table`), each rank reading its rows; before the gathered load, which then skips it."""
+    engine._ztable = None
+    if not sharded_vocab.wanted(engine.cfg.tied_head, engine.cfg.max_tokens_per_mb, model,
+                                engine._meshes.fsdp_mesh.size(), zero3_table.refusal(engine)):
+        return
+    engine._ztable = zero3_table.Zero3Table(model, engine._meshes.fsdp_mesh, dtype,
+                                            torch.bfloat16 if engine._bf16 else None, engine.device,
+                                            trainable=engine.optim_cfg is not None)
+    gc.collect()  # ZeRO's partition of the table, dropped from the modules
+    engine._ztable.load(engine._checkpoint(model_path), model_path)
+    engine._table = engine._ztable.table
 
 
 def build_replicated_model(engine, model_path: str, dtype):
@@ -297,6 +313,7 @@ class DeepSpeedEngine(HFModelEngine):
     """DeepSpeed ZeRO-1/2/3 data parallelism of HF causal LMs (optimizer/parameter offload on GPU nodes)."""
 
     dims = DEEPSPEED.dims  # its spec (engines/specs.py) is the one place that says them
+    _ztable: zero3_table.Zero3Table | None = None  # the tied table row-sharded outside ZeRO-3
 
     def initialize(self, parallel: ParallelStrategy, model_path: str, **kwargs: Any) -> None:
         from areal_cli.utils.dist import default_device, init_distributed
@@ -341,6 +358,8 @@ class DeepSpeedEngine(HFModelEngine):
             restore_fp32_masters(self, model_path, fresh)
         elif self.zero_stage == 3 and self.optimizer is not None:
             share_fp32_partitions(self.ds.optimizer)
+        if self._ztable is not None and self.optimizer is not None:
+            self._ztable.count_in(self.ds.optimizer)
         self.model = self.ds
         if self.optimizer is None:
             self.model.eval()
@@ -420,7 +439,11 @@ class DeepSpeedEngine(HFModelEngine):
             raise RuntimeError("train_batch on an inference-only engine (constructed with optim_cfg=None)")
         loss_sum, stat_sums, denom, n_mb = self._accumulate_grads(batch, loss_fn, loss_weight_fn, temperature)
         lr = self.optimizer.param_groups[0]["lr"]
+        if self._ztable is not None:
+            self._ztable.prepare()  # its norm joins DeepSpeed's (zero3_table.py)
         self.ds.step()  # at the boundary: reduce, clip, optimizer step, zero the gradients
+        if self._ztable is not None:
+            self._ztable.step(self.ds.optimizer, self.optimizer.param_groups[0])
         norm = self.ds.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
         self.scheduler.step()
@@ -447,6 +470,8 @@ class DeepSpeedEngine(HFModelEngine):
         from deepspeed.utils import safe_get_full_fp32_param
 
         src = dist.get_rank() == 0
+        if self._ztable is not None and keep is None:  # row-sharded outside ZeRO: gathered as fsdp's table
+            yield from self._stream_tensor(self._ztable.name, self._ztable.weight, to_cpu, src)
 
         def out(t: torch.Tensor):
             if not src:
@@ -476,6 +501,8 @@ class DeepSpeedEngine(HFModelEngine):
         limit = int(self.cfg.deepspeed.bucket_mel * 1e6)
         reader = self._checkpoint(path) if dist.get_rank() == 0 else None
         _copy_from_rank0(named, reader, path, self.zero_stage == 3, limit)
+        if self._ztable is not None:
+            self._ztable.load(self._checkpoint(path), path)
         if self.optimizer is not None and hasattr(self.ds.optimizer, "refresh_fp32_params"):
             self.ds.optimizer.refresh_fp32_params()
         if self._fp32_master and self.optimizer is not None:
@@ -491,6 +518,7 @@ class DeepSpeedEngine(HFModelEngine):
         extra = {"step": self.step, "version": self._version,
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                  "zero_stage": self.zero_stage, "world_size": dist.get_world_size(),
+                 "table": None if self._ztable is None else self._ztable.state_dict(),
                  "extra_state": meta.extra_state}
         torch.save(extra, Path(meta.path) / f"extra_rank{dist.get_rank()}.pt")
         collectives.barrier()
@@ -517,6 +545,9 @@ class DeepSpeedEngine(HFModelEngine):
             raise ConfigError("recover.path", f"deepspeed could not load {meta.path}/{CHECKPOINT_TAG}",
                               "point at a complete checkpoint dir")
         self.step, self._version = extra["step"], extra["version"]
+        if self._ztable is not None:
+            self._ztable.load_state_dict(extra.get("table"),
+                                         None if self.optimizer is None else self.optimizer.param_groups[0])
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
         meta.extra_state.update(extra.get("extra_state") or {})

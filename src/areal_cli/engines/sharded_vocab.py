@@ -253,7 +253,13 @@ def install(model, mesh, compute_dtype: torch.dtype | None, seq_mesh: Any = None
     plan takes, as archon's ``RowwiseParallel`` embedding did."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     emb.weight = head.weight = _rows_param(emb.weight, mesh)
-    table = ShardedTable(emb.weight, compute_dtype, seq_mesh)
+    return route(model, ShardedTable(emb.weight, compute_dtype, seq_mesh))
+
+
+def route(model, table: ShardedTable) -> ShardedTable:
+    """The model's embedding looks up through ``table`` and its head returns its input (the engine computes
+    logprobs with :meth:`ShardedTable.logprobs_entropy`). Returns ``table``."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
 
     def forward(self, ids):
         return table.lookup(ids, self.padding_idx)

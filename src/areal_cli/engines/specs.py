@@ -26,17 +26,24 @@ def fsdp2_grad_reduce_only(engine_cfg: EngineConfig, name: str, why: str) -> Non
 
 
 def fsdp_tied_head_only(engine_cfg: EngineConfig, name: str, why: str) -> None:
-    """``engine.tied_head=sharded`` is the row-sharded table of fsdp and archon: another backend refuses it."""
+    """``engine.tied_head=sharded`` is the row-sharded table of fsdp, archon and deepspeed's ZeRO-3: another
+    backend refuses it."""
     if getattr(engine_cfg, "tied_head", "auto") == "sharded":
-        raise ConfigError("engine.tied_head", f"'sharded' is the row-sharded table of engine=fsdp and archon; {why}",
+        raise ConfigError("engine.tied_head", f"'sharded' is the row-sharded table of engine=fsdp, archon and "
+                          f"deepspeed; {why}",
                           f"leave engine.tied_head=auto with engine={name}")
 
 
 def check_deepspeed_knobs(engine_cfg: EngineConfig) -> None:
     """The ``engine.deepspeed`` knobs that depend on each other."""
     fsdp2_grad_reduce_only(engine_cfg, "deepspeed", "DeepSpeed reduces at its own accumulation boundary")
-    fsdp_tied_head_only(engine_cfg, "deepspeed", "ZeRO-3 gathers the table as any parameter")
     z = engine_cfg.deepspeed
+    if getattr(engine_cfg, "tied_head", "auto") == "sharded" and (z.zero_stage != 3 or z.offload_optimizer
+                                                                   or z.offload_param):
+        raise ConfigError("engine.tied_head", "'sharded' keeps the tied table out of ZeRO-3, row-sharded with its "
+                          f"moments on the device; got zero_stage={z.zero_stage}, offload_optimizer="
+                          f"{z.offload_optimizer}, offload_param={z.offload_param}",
+                          "leave engine.tied_head=auto, or use zero_stage=3 without offload")
     if z.offload_param and z.zero_stage != 3:
         raise ConfigError("engine.deepspeed.offload_param", f"parameter offload needs ZeRO-3, got zero_stage="
                           f"{z.zero_stage}", "set engine.deepspeed.zero_stage=3 or drop offload_param")

@@ -72,6 +72,25 @@ def fuse_adam(optimizer) -> int:
     return switched
 
 
+# the hyper-parameters of a main group that AdamW takes (a group also holds params, the schedule's initial_lr)
+ADAMW_ARGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+              "differentiable", "fused")
+
+
+def adamw_like(params, group: dict):
+    """A ``torch.optim.AdamW`` over ``params`` with the implementation and hyper-parameters of the main
+    optimizer's ``group``: for rows an engine steps apart from it (a tied table's), so they take the same
+    update. Call :func:`follow` before each step for the schedule's learning rate."""
+    import torch
+
+    return torch.optim.AdamW(list(params), **{k: v for k, v in group.items() if k in ADAMW_ARGS})
+
+
+def follow(opt, group: dict) -> None:
+    """``opt``'s group takes ``group``'s current hyper-parameters (the schedule's lr for this step)."""
+    opt.param_groups[0].update({k: v for k, v in group.items() if k in ADAMW_ARGS})
+
+
 def build_optimizer(params, optim_cfg: OptimConfig, total_steps: int):
     """AdamW + LambdaLR from an :class:`~areal_cli.config.algo.OptimConfig`."""
     import torch

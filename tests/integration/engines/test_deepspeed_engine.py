@@ -4,7 +4,8 @@ ZeRO-1, 2 and 3 at d2 train the same global batch to the same loss, grad norm an
 the one-process fsdp reference (1e-5), forward logprobs equal the reference's, ZeRO-3 with one
 sequence per micro-batch matches both its one-micro-batch run and the reference, a rank with fewer
 micro-batches pads with empty ones, and d1c2 (Ulysses under ZeRO-3) and ZeRO-2/3 with optimizer (and
-parameter) offload match too. A ZeRO-3 critic trains like the
+parameter) offload match too; so does ZeRO-3 with the tied table row-sharded outside ZeRO (``engine.tied_head``),
+at d2, d1c2, under bf16 compute and with clipping. A ZeRO-3 critic trains like the
 one-process critic and reloads from its HF export. Two launches: world 1 (references) and world 2.
 """
 
@@ -28,12 +29,15 @@ from test_archon_engine import STEPS  # noqa: E402
 pytestmark = pytest.mark.engines
 
 BIG, SMALL = 10_000, 1
+CLIP = {"grad_clip": 0.05}  # below the first step's norm (~2.5): clipping scales every gradient
 
 
-def _ds(name, stage, parallel=None, mb=BIG, **ds):
+def _ds(name, stage, parallel=None, mb=BIG, tied_head="auto", optim=None, **ds):
     # persistence threshold 0: even norms and biases are partitioned, so every tensor goes through the gather
-    return {"name": name, "cls": "deepspeed", "parallel": parallel or {"dp": 2}, "fwd": True, **STEPS,
-            "engine": {"max_tokens_per_mb": mb, "dtype": "bfloat16" if name.endswith("_mp") else "float32",
+    return {"name": name, "cls": "deepspeed", "parallel": parallel or {"dp": 2}, "fwd": True,
+            **STEPS, **({"optim": {**STEPS["optim"], **optim}} if optim else {}),
+            "engine": {"max_tokens_per_mb": mb, "dtype": "bfloat16" if "_mp" in name else "float32",
+                       "tied_head": tied_head,
                        "deepspeed": {"zero_stage": stage, "param_persistence_threshold": 0, **ds}}}
 
 
@@ -43,6 +47,7 @@ def runs(model4, tmp_path_factory):
     critic = {"critic": True, "optim": STEPS["optim"]}
     w1 = [{"name": "ref", "engine": {"max_tokens_per_mb": BIG}, "fwd": True, **STEPS},
           {"name": "ref_x8", "engine": {"max_tokens_per_mb": SMALL}, **STEPS},
+          {"name": "ref_clip", "engine": {"max_tokens_per_mb": BIG}, "fwd": True, **STEPS, "optim": {**STEPS["optim"], **CLIP}},
           {"name": "critic_ref", **critic}]
     w2 = [_ds("z1", 1), _ds("z2", 2), _ds("z3", 3), _ds("z3_x8", 3, mb=SMALL), _ds("z2_x8", 2, mb=SMALL),
           _ds("z1_x8", 1, mb=SMALL),
@@ -54,6 +59,10 @@ def runs(model4, tmp_path_factory):
           {"name": "fsdp_d2_mp", "parallel": {"dp": 2},
            "engine": {"max_tokens_per_mb": BIG, "dtype": "bfloat16"}, **STEPS},
           _ds("z1_mp", 1), _ds("z3_mp", 3),
+          # the tied table row-sharded outside ZeRO-3 (engines/zero3_table.py); auto picks it for z3_x8
+          _ds("z3_rows", 3, tied_head="sharded"), _ds("z3_rows_c2", 3, parallel={"cp": 2}, tied_head="sharded"),
+          _ds("z3_rows_mp", 3, tied_head="sharded"), _ds("z3_rows_clip", 3, tied_head="sharded", optim=CLIP),
+          _ds("z3_clip", 3, optim=CLIP),
           {"name": "critic_z3", "cls": "deepspeed", "parallel": {"dp": 2}, **critic}]
     for world, variants in ((1, w1), (2, w2)):
         launch({"model_dir": model4, "out": str(out), "variants": variants}, world, timeout=600)
@@ -68,9 +77,26 @@ def runs(model4, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("name", ["z1", "z2", "z3", "z3_c2", "z3_offload", "z2_offload"])
+@pytest.mark.parametrize("name", ["z1", "z2", "z3", "z3_c2", "z3_offload", "z2_offload", "z3_rows", "z3_rows_c2"])
 def test_zero_stage_matches_the_one_process_reference(runs, name):
     assert_matches_reference(runs["ref"], runs[name])
+
+
+def test_tied_table_row_sharded_where_asked(runs):
+    """engine.tied_head under ZeRO-3: auto keeps the table out of ZeRO at one token per micro-batch (2 x 1 <
+    2 x vocab) and leaves it to ZeRO at 10k-token ones; 'sharded' is honoured; ZeRO-1/2 never take it."""
+    got = {n: runs[n]["tied_table"] for n in ("z3", "z3_x8", "z3_rows", "z3_rows_c2", "z1_x8", "z2_x8")}
+    assert got == {"z3": False, "z3_x8": True, "z3_rows": True, "z3_rows_c2": True, "z1_x8": False,
+                   "z2_x8": False}
+
+
+@pytest.mark.parametrize("name", ["z3_clip", "z3_rows_clip"])
+def test_clipping_matches_the_reference(runs, name):
+    """A clip threshold below the gradient norm: the row-sharded table's norm joins DeepSpeed's and its rows
+    take the same coefficient, so the step equals the one-process clipped step (without the table's norm, or
+    with the table unclipped, its rows and every other weight move differently)."""
+    assert runs["ref_clip"]["stats"][0]["grad_norm"] > 10 * CLIP["grad_clip"]
+    assert_matches_reference(runs["ref_clip"], runs[name])
 
 
 @pytest.mark.parametrize("name", ["z1_x8", "z2_x8", "z3_x8"])
@@ -91,7 +117,7 @@ def test_zero3_pads_the_lighter_rank_with_empty_micro_batches(runs):
     _close(ref["weights"], got["weights"])
 
 
-@pytest.mark.parametrize("name,tol", [("z1_mp", TOL), ("z3_mp", 1e-4)])
+@pytest.mark.parametrize("name,tol", [("z1_mp", TOL), ("z3_mp", 1e-4), ("z3_rows_mp", 1e-4)])
 def test_mixed_precision_matches_fsdp(runs, name, tol):
     """bf16 compute, fp32 master weights (put back after DeepSpeed built them from the bf16 module), fp32
     gradient reduction: ZeRO-1 ends where fsdp's mixed precision does (measured: bit-equal); ZeRO-3 within
@@ -116,10 +142,11 @@ def test_zero3_critic_matches_reference_and_reloads(runs):
     assert (got["values"] - got["values_reloaded"]).abs().max().item() <= TOL
 
 
-def test_zero3_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
-    """ZeRO-3 at d2 (every tensor partitioned, gathered bucket by bucket) pushes into a running hf
-    server by disk and twice over the distributed group: its greedy output afterwards equals the
-    trained model's (the engine's HF export of the same step)."""
+@pytest.mark.parametrize("tied_head", ["gathered", "sharded"])
+def test_zero3_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path, tied_head):
+    """ZeRO-3 at d2 (every tensor partitioned, gathered bucket by bucket; the tied table in ZeRO or
+    row-sharded outside it) pushes into a running hf server by disk and twice over the distributed group:
+    its greedy output afterwards equals the trained model's (the engine's HF export of the same step)."""
     from hf_server_helpers import _check_pushes, prompts
     from transformers import AutoTokenizer
 
@@ -133,7 +160,7 @@ def test_zero3_sync_into_hf_server(tiny_model_dir, tiny_model_dir_b, tmp_path):
                 "server_pid": server.proc.pid, "group_port": find_free_port(), "prompts": ps,
                 "engine": "deepspeed", "parallel": {"dp": 2},
                 # 0.02M-element buckets: the tiny model's weights take several gathers
-                "engine_cfg": {"deepspeed": {"zero_stage": 3, "param_persistence_threshold": 0,
+                "engine_cfg": {"tied_head": tied_head, "deepspeed": {"zero_stage": 3, "param_persistence_threshold": 0,
                                              "bucket_mel": 0.02}}}
         launch(spec, 2, timeout=600, script=str(SUPPORT / "sync_worker.py"))
     finally:

@@ -85,7 +85,8 @@ def test_other_engine_choices_are_refused_by_validate_config(engine, path, value
 
 def test_tied_head_choices_and_engines():
     """engine.tied_head: an unknown mode, 'sharded' on an engine without the row-sharded table and 'sharded'
-    under archon's pipeline stages are refused before anything starts; fsdp and archon take every mode."""
+    under archon's pipeline stages or deepspeed's ZeRO-1/2 and offload are refused before anything starts;
+    fsdp, archon and deepspeed's ZeRO-3 take every mode."""
     e = err("engine.tied_head=rows")
     assert e.path == "engine.tied_head" and "auto, sharded, gathered" in e.hint
     for mode in ("auto", "sharded", "gathered"):
@@ -95,7 +96,12 @@ def test_tied_head_choices_and_engines():
     e = err("engine=archon", "allocation_mode=hf:d1+archon:d1p2", "cluster.n_gpus_per_node=3",
             "engine.tied_head=sharded")
     assert e.path == "engine.tied_head" and "p2" in e.reason and "drop p" in e.hint
-    for engine in ("megatron", "deepspeed"):
-        e = err(f"engine={engine}", "engine.tied_head=sharded")
-        assert e.path == "engine.tied_head" and "fsdp" in e.reason and f"engine={engine}" in e.hint, engine
-        validate(load_config([f"engine={engine}", "engine.tied_head=gathered"]))
+    e = err("engine=megatron", "engine.tied_head=sharded")
+    assert e.path == "engine.tied_head" and "fsdp" in e.reason and "engine=megatron" in e.hint
+    validate(load_config(["engine=megatron", "engine.tied_head=gathered"]))
+    # deepspeed keeps the table out of ZeRO-3 (engines/zero3_table.py): not under ZeRO-1/2 or offload
+    for mode in ("auto", "sharded", "gathered"):
+        validate(load_config(["engine=deepspeed", f"engine.tied_head={mode}"]))
+    for knob in ("engine.deepspeed.zero_stage=2", "engine.deepspeed.offload_optimizer=true"):
+        e = err("engine=deepspeed", "engine.tied_head=sharded", knob)
+        assert e.path == "engine.tied_head" and "ZeRO-3" in e.reason and "zero_stage=3" in e.hint, knob

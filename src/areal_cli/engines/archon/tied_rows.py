@@ -23,10 +23,7 @@ from typing import Any
 import torch
 
 from areal_cli.utils import collectives
-
-# the hyper-parameters of a main group that AdamW takes (a group also holds params, the schedule's initial_lr)
-_ADAMW_ARGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
-               "differentiable", "fused")
+from areal_cli.utils.optim import adamw_like, follow
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -58,9 +55,6 @@ class TiedRows:
         main.register_step_pre_hook(self._before)
         main.register_step_post_hook(self._after)
 
-    def _new_opt(self, group: dict) -> torch.optim.AdamW:
-        return torch.optim.AdamW([self.rows], **{k: v for k, v in group.items() if k in _ADAMW_ARGS})
-
     def _before(self, main, args, kwargs) -> None:
         if not main.state:  # the first step, or warm_up dropped the moments: these start afresh with them
             self.opt = None
@@ -72,10 +66,9 @@ class TiedRows:
             return
         group = main.param_groups[0]
         if self.opt is None:
-            self.opt = self._new_opt(group)
-        mine = self.opt.param_groups[0]
-        mine.update({k: v for k, v in group.items() if k in _ADAMW_ARGS})  # the schedule's lr for this step
-        view = mine["params"][0]
+            self.opt = adamw_like([self.rows], group)
+        follow(self.opt, group)  # the schedule's lr for this step
+        view = self.opt.param_groups[0]["params"][0]
         view.grad = _local(grad)[self.lo:self.hi]
         self.opt.step()
         view.grad = None
@@ -93,5 +86,5 @@ class TiedRows:
     def load_state_dict(self, state: dict | None, main: torch.optim.Optimizer) -> None:
         self.opt = None
         if state is not None:
-            self.opt = self._new_opt(main.param_groups[0])
+            self.opt = adamw_like([self.rows], main.param_groups[0])
             self.opt.state[self.opt.param_groups[0]["params"][0]] = dict(state)

@@ -135,7 +135,7 @@ class MegatronEngine(EngineBase):
                                        sequence_parallel=self.sequence_parallel,
                                        dtype=torch.bfloat16 if mixed else torch.float32,
                                        aux_loss_coeff=float(mc.moe_aux_loss_coeff), attn_impl=self.cfg.attn_impl,
-                                       wgrad_into_main_grad=training)
+                                       wgrad_into_main_grad=training, loaded=True)
         self._recompute(config)
         self.tconfig = config
         torch.manual_seed(self.seed)  # mcore's own init (overwritten by the load) draws the same as before
@@ -153,17 +153,25 @@ class MegatronEngine(EngineBase):
                 if c.post_process:
                     c.output_layer = ValueHead(arch.hidden_size, self.sequence_parallel, config.params_dtype)
         self.experts = self._expert_layout(ep, etp)
-        # this rank's slices only, read from the safetensors (never the whole model on a rank)
-        convert.load_hf(chunks, self._hf_source(model_path, dtype, init_head=True), arch, self.tp_rank, tp,
-                        self.experts)
         for c in chunks:
             c.to(self.device)
+        # this rank's slices only, read from the safetensors (never the whole model on a rank)
+        source = self._hf_source(model_path, dtype, init_head=True)
+        # The distributed optimizer's DDP copies every parameter into its contiguous buffer: loaded after that,
+        # into the buffer's views, the weights are never held twice (model.hollow).
+        load_after_ddp = training and bool(self.cfg.megatron.use_distributed_optimizer)
+        if load_after_ddp:
+            mm.hollow(chunks)
+        else:
+            convert.load_hf(chunks, source, arch, self.tp_rank, tp, self.experts)
         self.chunks = chunks
         self._routing = (routing.ChunkRouting(chunks, arch.num_layers, arch.moe_top_k, device=self.device)
                          if arch.num_experts else None)
         if training:
             grad_memory.embedding_rows(chunks)
             self.model = torch.nn.ModuleList(self._wrap_ddp(chunks, config))
+            if load_after_ddp:
+                convert.load_hf(chunks, source, arch, self.tp_rank, tp, self.experts)
             self._build_mcore_optimizer(mixed)
             if mixed:
                 masters.restore(self, model_path)

@@ -154,6 +154,32 @@ def _moe_config(arch: HFArch, ep: int, etp: int | None, aux_loss_coeff: float) -
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
+def _no_init(weight: Any) -> None:
+    """An init method that leaves the weight as allocated: for weights loaded right after the build. On a CPU
+    host mcore initialises each tensor-parallel weight by drawing its whole unsharded master and copying this
+    rank's slice out (``_initialize_affine_weight_cpu``): a ``[V, H]`` draw for the embedding and the head,
+    1.0 GiB beside the 0.25 GiB slice of a 152k x 896 table at t2, the megatron t2p2 init peak
+    (docs/training.md). Never drawn, the master's pages are never touched."""
+
+
+def hollow(chunks: list) -> int:
+    """Give every parameter of ``chunks`` a one-element storage (all strides 0) in place of its weights, before
+    mcore's DDP under the distributed optimizer copies each parameter into its contiguous buffer and frees the
+    original (``param_and_grad_buffer.py``): the weights are then loaded into the buffer's views. Loaded
+    before it, every weight was held twice while the buffer filled, on top of the gradient buffer: the
+    megatron t2p2 init peak of a 0.5B model, 2.17 GiB per rank against 1.96 (docs/training.md). Only for the
+    distributed optimizer's DDP (it remaps ``param.data``); every weight must be loaded afterwards
+    (``convert.load_hf`` checks that all are). Returns how many parameters."""
+    import torch
+
+    n = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.data = torch.empty_strided(p.shape, (0,) * p.dim(), dtype=p.dtype, device=p.device)
+            n += 1
+    return n
+
+
 # Batched p2p under gloo with virtual stages swaps activations and grads silently
 # (p2p_communication.py:16-46); the unbatched path is exact. A module constant, not a config knob, so that
 # test_megatron_engine.py can show the batched path is still wrong (and say so when an upgrade fixes it).
@@ -162,9 +188,12 @@ BATCH_P2P_COMM = False
 
 def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                        etp: int | None = None, sequence_parallel: bool = False, dtype: Any = None,
-                       aux_loss_coeff: float = 0.0, attn_impl: str = "sdpa", wgrad_into_main_grad: bool = False) -> Any:
+                       aux_loss_coeff: float = 0.0, attn_impl: str = "sdpa", wgrad_into_main_grad: bool = False,
+                       loaded: bool = False) -> Any:
     """mcore's config for ``arch``. ``wgrad_into_main_grad`` (a training engine, under DDP): linear layers add
-    their weight gradients straight into DDP's buffer (mcore's gradient_accumulation_fusion, grad_memory.py)."""
+    their weight gradients straight into DDP's buffer (mcore's gradient_accumulation_fusion, grad_memory.py).
+    ``loaded``: every weight is read from a checkpoint right after the build (``convert.load_hf`` checks that
+    all are covered), so mcore's random init is skipped (:func:`_no_init`)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -182,6 +211,8 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, 
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=wgrad_into_main_grad,
         use_cpu_initialization=not torch.cuda.is_available(),
+        **({"init_method": _no_init, "output_layer_init_method": _no_init, "embedding_init_method": _no_init}
+           if loaded else {}),
         # perform_initialization=False skips set_tensor_model_parallel_attributes
         # (tensor_parallel/layers.py:244, :855, :1178): sharded weights would count as TP duplicates in grad
         # norms and export gathers
