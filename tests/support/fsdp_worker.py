@@ -249,7 +249,8 @@ def run_variant(v: dict, model_dir: str, out_dir: str) -> None:
     from areal_cli.config.algo import OptimConfig
     from areal_cli.engines import get_engine_cls
 
-    ocfg = OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
+    # forward_only: an engine without an optimizer (a reference model's), as the trainer builds it
+    ocfg = None if v.get("forward_only") else OptimConfig(**{"lr": 1e-3, "grad_clip": 1e9, **v.get("optim", {})})
     engine = get_engine_cls(v.get("cls", "fsdp"))(engine_config(v.get("engine", {})), ocfg,
                                                   total_steps=v.get("total_steps", 4), seed=0)
     if "batch_p2p_comm" in v:  # megatron's p2p mode, to show that the batched one is still wrong on gloo

@@ -63,6 +63,7 @@ def runs(model4, tmp_path_factory):
           _ds("z3_rows", 3, tied_head="sharded"), _ds("z3_rows_c2", 3, parallel={"cp": 2}, tied_head="sharded"),
           _ds("z3_rows_mp", 3, tied_head="sharded"), _ds("z3_rows_clip", 3, tied_head="sharded", optim=CLIP),
           _ds("z3_clip", 3, optim=CLIP),
+          {**_ds("z3_rows_fwd_only", 3, tied_head="sharded"), "steps": 0, "forward_only": True},
           {"name": "critic_z3", "cls": "deepspeed", "parallel": {"dp": 2}, **critic}]
     for world, variants in ((1, w1), (2, w2)):
         launch({"model_dir": model4, "out": str(out), "variants": variants}, world, timeout=600)
@@ -88,6 +89,17 @@ def test_tied_table_row_sharded_where_asked(runs):
     got = {n: runs[n]["tied_table"] for n in ("z3", "z3_x8", "z3_rows", "z3_rows_c2", "z1_x8", "z2_x8")}
     assert got == {"z3": False, "z3_x8": True, "z3_rows": True, "z3_rows_c2": True, "z1_x8": False,
                    "z2_x8": False}
+
+
+def test_forward_only_engine_with_the_table_row_sharded(runs, model4):
+    """A reference model's engine (no optimizer) under ZeRO-3 with the table out of ZeRO: its logprobs are the
+    one-process reference's and its HF tensors are the checkpoint's."""
+    from safetensors.torch import load_file
+
+    got = runs["z3_rows_fwd_only"]
+    assert got["tied_table"]
+    _close(runs["ref"]["logprobs"], got["logprobs"])
+    _close(load_file(str(Path(model4) / "model.safetensors")), got["weights"], 0.0)
 
 
 @pytest.mark.parametrize("name", ["z3_clip", "z3_rows_clip"])
