@@ -55,22 +55,21 @@ def base_env(device: str) -> dict[str, str]:
     return env
 
 
-def train_thread_env(device: str, nproc_per_node: int, sft_warm_start: bool) -> dict[str, str]:
+def train_thread_env(device: str, nproc_per_node: int) -> dict[str, str]:
     """On CPU, when each trainer rank's share of the node's cores is more than one thread (the trainer
     derives that share itself, trainer/rl.py:step_threads): how long an idle OpenMP worker spins before it
     sleeps, which libgomp reads once at start-up.
 
     libgomp's default (300k spins) has a worker whose peer lost its core to a busy server burn that
-    core: an async step took 12 s instead of 1.2. Sleeping at once (0 spins) is best for RL steps, but
-    the SFT warm start's small steps lose 30% to waking sleeping workers, and the policy is fixed for the
-    process, so a run with a warm start keeps 20k spins (its speed unchanged, RL gains less).
-    Measured in benchmarks/results/train_threads.md."""
+    core: an async step took 12 s instead of 1.2. Sleeping at once (0 spins) wakes the workers through
+    the kernel at every parallel op: the embedded default's 0.5M-parameter train step took 0.064 s on two
+    threads against 0.036 s with 20k spins, and the SFT warm start's steps lost 30%. 20k spins (tens of
+    microseconds) are at least as fast as 0 in every RL row measured, sync and async, on both benchmark
+    models. Measured in benchmarks/results/train_threads.md."""
     from areal_cli.utils.concurrency import cores_per_rank
 
     n = cores_per_rank(nproc_per_node) if device == "cpu" else 1
-    if n <= 1:
-        return {}
-    return {"GOMP_SPINCOUNT": "20000" if sft_warm_start else "0"}
+    return {"GOMP_SPINCOUNT": "20000"} if n > 1 else {}
 
 
 def server_argv(cfg: ExperimentConfig, spec: ServerSpec, port: int, model_path: str, host: str,
@@ -242,8 +241,7 @@ class NodeRunner(ServerSupervisor):
             self.master_port = find_free_port()
         env = base_env(self.layout.device)
         env[MODEL_PATH_ENV] = self.model_path
-        env.update(train_thread_env(self.layout.device, t.nproc_per_node,
-                                    int(self.cfg.trainer.sft_warmup_steps) > 0))
+        env.update(train_thread_env(self.layout.device, t.nproc_per_node))
         env.update({k: str(v) for k, v in self.cfg.launcher.trainer_env.items()})
         self.rank_logs = RankLogWatch(logs_dir(self.run_dir))
         self.trainer = ManagedProcess(

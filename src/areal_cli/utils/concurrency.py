@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import threading
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -76,20 +77,48 @@ class StepThreads:
 
     ``most`` is the rank's share of the node's cores (trainer/rl.py:step_threads derives it from the
     layout; without one the trainer keeps the process's thread count). A sync step
-    (``max_head_offpolicyness=0``) trains while the servers idle, so it takes all of them. An async step
-    does too when its batch was already waiting (the servers are ahead and idle for the rest of the
-    step), and stays on one thread after a step that waited for its batch: generation is then the
-    bottleneck, and a second trainer thread would take the server's core. With ``shared=False`` (no
-    server on this node) every step takes them. Measured in benchmarks/results/train_threads.md."""
+    (``max_head_offpolicyness=0``) trains while the servers idle, so it takes all of them; so does every
+    step with ``shared=False`` (no server on this node).
+
+    An async step stays on one thread after a step that waited for its batch: generation is then the
+    bottleneck, and a second trainer thread would take the server's core. After a step whose batch was
+    waiting, the servers still generate the next batch during part of the step, so whether a second
+    thread pays depends on the model: on the 11.9M-parameter benchmark model two threads make the step
+    1.2x faster, on the embedded default's 0.5M-parameter model they make it 1.1x slower (its ops are too
+    small to gain from a thread that shares a core with the server). So the step times decide: the first
+    ``PROBES`` ready-batch steps on each count, then the count whose recent steps were faster (median),
+    with one step on the other count every ``REPROBE_EVERY`` steps in case the balance moved. Measured in
+    benchmarks/results/train_threads.md."""
 
     WAIT_FRACTION = 0.1
+    PROBES = 2
+    REPROBE_EVERY = 20
 
     def __init__(self, most: int, sync: bool, shared: bool = True):
         self.most = max(1, int(most))
         self.always = bool(sync) or not shared  # every step takes ``most``: nothing competes for the cores
         self.n = self.most if self.always else 1
+        self._times: dict[int, list[float]] = {self.most: [], 1: []}
+        self._chosen = 0  # ready-batch steps since the last probe of the count not chosen
 
     def observe(self, wait_s: float, step_s: float) -> None:
-        """After a step: ``wait_s`` of its ``step_s`` seconds went to waiting for the batch."""
-        if not self.always and self.most > 1:
-            self.n = self.most if wait_s < self.WAIT_FRACTION * step_s else 1
+        """After a step run on ``self.n`` threads: ``wait_s`` of its ``step_s`` seconds went to waiting for
+        the batch. Sets ``self.n`` for the next step."""
+        if self.always or self.most == 1:
+            return
+        if wait_s >= self.WAIT_FRACTION * step_s:
+            self.n = 1
+            return
+        times = self._times[self.n]
+        times.append(step_s)
+        del times[:-2 * self.PROBES - 1]  # recent steps only: the balance moves with batch and length
+        short = [c for c in (self.most, 1) if len(self._times[c]) < self.PROBES]
+        if short:
+            self.n = short[0]
+            return
+        best = min((self.most, 1), key=lambda c: statistics.median(self._times[c]))
+        self._chosen += 1
+        if self._chosen >= self.REPROBE_EVERY:
+            self._chosen = 0
+            best = 1 if best == self.most else self.most
+        self.n = best
