@@ -77,6 +77,9 @@ def _run(config_path: str, run_dir: str) -> int:
     model_path = ensure_local_model(os.environ.get(MODEL_PATH_ENV) or info["model_path"],
                                     info.get("model_revision") or cfg.model.revision or None)
     rank, world = init_distributed()
+    from areal_cli.utils import host_memory
+
+    host_memory.fit_model(model_path)  # a small model's activations stay on the heap
     print(f"[areal] trainer rank {rank}/{world} pid {os.getpid()} run_dir {run_dir} model {model_path}",
           flush=True)
     try:
