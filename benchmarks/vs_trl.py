@@ -228,6 +228,17 @@ def main() -> None:
                     help="one more areal async (k=2) row with these overrides, e.g. "
                          "'(plain PPO):algo.use_decoupled_loss=false'")
     args = ap.parse_args()
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return "not installed"
+
+    # The TRL baseline moves with TRL's version (its samples/s changed by 1.2x between runs): say which ran.
+    print(f"[bench] versions: trl {ver('trl')}, transformers {ver('transformers')}, torch {ver('torch')}",
+          flush=True)
     root = args.fileroot or tempfile.mkdtemp(prefix="areal_bench_")
     warm = args.warm
     if warm is None:  # the tiny row's start, and the tokenizer both rows' data are read with
