@@ -31,8 +31,8 @@ class GenerationSettings:
 
 @dataclass
 class RolloutConfig:
-    # staleness bound in policy versions; 0 = synchronous
-    max_head_offpolicyness: int = ranged(2, ge=0, why="0 is synchronous RL")
+    # staleness bound in policy versions; 0 = synchronous (conf/rollout/: default 1, generation_bound 2)
+    max_head_offpolicyness: int = ranged(1, ge=0, why="0 is synchronous RL")
     # Episodes generating at once, or auto: what the servers' KV cache holds with a margin, capped by the
     # staleness bound (and at 64 for the built-in hf server); allocation/autosize.py.
     max_concurrent_rollouts: int | str = ranged(64, ge=1, also=("auto",))

@@ -528,7 +528,7 @@ def _resolve_decoupled_loss(cfg: ExperimentConfig, plan: Plan) -> None:
     cfg.algo.use_decoupled_loss = on
     if on:
         plan.notes.append(f"algo.use_decoupled_loss=null chose true: rollout.max_head_offpolicyness={k} lets "
-                          f"samples be up to {k} versions stale (the ratio is taken against a proximal policy, "
+                          f"samples be up to {k} version{'s' if k > 1 else ''} stale (the ratio is taken against a proximal policy, "
                           f"{cfg.algo.prox_logp_method}; behaviour weights capped at "
                           f"{cfg.algo.behav_imp_weight_cap})")
 

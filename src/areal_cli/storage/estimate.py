@@ -47,8 +47,18 @@ def estimate_checkpoint_bytes(model_cfg: ModelConfig, keep: int, *, dtype: str =
     return per_ckpt * (max(1, int(keep)) + 1)
 
 
+def retained_checkpoints(trainer: Any) -> int:
+    """How many checkpoints a run can hold at once: ``trainer.keep_checkpoints``, but no more than it saves
+    (one HF export every ``save_every`` steps, and the final one) when its length is known in steps."""
+    keep = max(1, int(getattr(trainer, "keep_checkpoints", 2)))
+    steps, every = int(getattr(trainer, "total_steps", 0)), int(getattr(trainer, "save_every", 0))
+    if getattr(trainer, "total_epochs", None) is None and steps > 0:
+        keep = min(keep, (steps // every if every > 0 else 0) + 1)
+    return keep
+
+
 def estimate_run_bytes(cfg: ExperimentConfig) -> int:
     """Peak bytes a configured experiment writes (checkpoints dominate; logs are noise)."""
-    keep = int(getattr(cfg.trainer, "keep_checkpoints", 2))
+    keep = retained_checkpoints(cfg.trainer)
     with_opt = int(getattr(cfg.trainer, "recover_every", 0)) > 0
     return estimate_checkpoint_bytes(cfg.model, keep, dtype=cfg.engine.dtype, with_optimizer=with_opt)

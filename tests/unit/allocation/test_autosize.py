@@ -118,7 +118,7 @@ def test_concurrency_from_the_kv_cache_the_staleness_bound_and_the_hf_cap():
     assert cfg.rollout.max_concurrent_rollouts == \
         int(autosize.MEMORY_MARGIN * inf.memory.kv_tokens // episode) * inf.dp
     # The built-in hf server: the staleness bound or 64, whichever is smaller.
-    cfg, plan = _validated("rollout.max_concurrent_rollouts=auto", "algo.batch_size=32")
+    cfg, plan = _validated("rollout.max_concurrent_rollouts=auto", "algo.batch_size=48")  # bound (1 + 1) x 48
     assert cfg.rollout.max_concurrent_rollouts == autosize.HF_CONCURRENCY
     assert _choice(plan, "rollout.max_concurrent_rollouts").bound == "hf cap"
 

@@ -107,6 +107,8 @@ def _check_real_shape(recipe: Recipe, cfg, plan) -> None:
     assert cfg.algo.name == recipe.algo and cfg.launcher.name == recipe.launcher
     assert cfg.engine.dtype == "bfloat16"
     assert cfg.rollout.gconfig.max_new_tokens >= 512
+    # long decodes make generation the longer phase: a second batch in flight (rollout=generation_bound)
+    assert cfg.rollout.max_head_offpolicyness == 2
     assert cfg.algo.optim.lr <= (1e-4 if cfg.model.lora.rank > 0 else 1e-5)
     assert cfg.trainer.sft_warmup_steps == 0 or cfg.trainer.sft_lr <= 1e-4
     for key, want in recipe.expect.items():
@@ -201,3 +203,5 @@ def test_every_example_folder_has_a_readme_command_that_composes(folder, monkeyp
         add_config_dirs(cmd.config_dirs)
     cfg, plan = compose_and_validate(cmd.overrides)
     assert plan.spec and cfg.experiment_name
+    # the experiment chooses its staleness through the rollout group, so `rollout=sync` still means sync
+    assert compose_and_validate([*cmd.overrides, "rollout=sync"])[0].rollout.max_head_offpolicyness == 0

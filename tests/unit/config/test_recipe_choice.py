@@ -45,7 +45,8 @@ def test_the_toy_keeps_cpu_default_and_no_note():
     # no recipe note; only what the auto/null knobs chose (the micro-batch size, the decoupled objective)
     auto = ("engine.max_tokens_per_mb=auto chose", "algo.use_decoupled_loss=null chose true")
     assert [n for n in plan.notes if not n.startswith(auto)] == []
-    assert cfg.algo.use_decoupled_loss is True  # the default is async (rollout.max_head_offpolicyness=2)
+    assert cfg.algo.use_decoupled_loss is True  # the default is async (rollout.max_head_offpolicyness=1)
+    assert cfg.rollout.max_head_offpolicyness == 1
 
 
 @pytest.mark.parametrize("path,real", [("builtin:tiny", False), ("/models/Qwen2.5-7B-Instruct", True),

@@ -174,6 +174,24 @@ def test_checkpoint_estimate_scales_with_keep_and_dtype():
     assert 7.0e9 < param_count(big) < 8.0e9
 
 
+def test_a_run_is_charged_for_the_checkpoints_it_can_hold_not_for_keep_alone():
+    from areal_cli.plan.compose import load_config
+    from areal_cli.storage import estimate_run_bytes
+
+    def need(*overrides):
+        return estimate_run_bytes(load_config(["trainer.recover_every=0", *overrides]))
+
+    cfg = load_config([])
+    one = estimate_checkpoint_bytes(cfg.model, 1, dtype=cfg.engine.dtype, with_optimizer=False)  # 2 exports
+    # 60 steps, an export every 5: 12 exports and the final one at most, whatever keep_checkpoints allows
+    assert need("trainer.total_steps=60", "trainer.save_every=5", "trainer.keep_checkpoints=1000") == \
+        need("trainer.total_steps=60", "trainer.save_every=5", "trainer.keep_checkpoints=13") == 14 * one // 2
+    assert need("trainer.total_steps=60", "trainer.save_every=5", "trainer.keep_checkpoints=3") == 4 * one // 2
+    assert need("trainer.total_steps=60", "trainer.save_every=0", "trainer.keep_checkpoints=5") == one  # final only
+    # a length in epochs is not known here: keep_checkpoints stands
+    assert need("trainer.total_epochs=2", "trainer.save_every=5", "trainer.keep_checkpoints=50") == 51 * one // 2
+
+
 @needs_mount
 def test_cli_json_and_exit_codes(tmpfs, tmp_path):
     ro = tmpfs("ro,size=1m")
